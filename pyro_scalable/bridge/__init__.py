@@ -1,0 +1,7 @@
+"""The Pyro bridge: the only code that knows Pyro internals (DESIGN.md §2.1)."""
+
+from pyro_scalable.bridge.checks import ModelError
+from pyro_scalable.bridge.model import Batch, FullDataModel, ModelBridge
+from pyro_scalable.bridge.plates import full_data, plate_indices
+
+__all__ = ["Batch", "FullDataModel", "ModelBridge", "ModelError", "full_data", "plate_indices"]

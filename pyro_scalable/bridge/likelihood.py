@@ -1,0 +1,80 @@
+"""Full-data pointwise log-likelihood of many draws, in chunks of data and of draws.
+
+ArviZ's ``log_likelihood`` group (for ``az.loo``/``az.waic``) needs ``log p(y_i | θ_s)`` for every data point i
+and draw s. A minibatch would bias every criterion, so this evaluates the whole data set, but never all of it at
+once: the first subsampled plate is walked in chunks (other subsampled plates run in full), and draws are
+vectorised with ``torch.func.vmap`` in groups, falling back to a loop for models vmap cannot batch.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.func import vmap
+
+from pyro_scalable.bridge.minibatches import chunks
+from pyro_scalable.bridge.model import Batch, Latents, ModelBridge
+
+__all__ = ["full_data_log_likelihood"]
+
+
+def full_data_log_likelihood(
+    bridge: ModelBridge,
+    latents: Latents,
+    *,
+    data_chunk_size: int | None = None,
+    draws_chunk_size: int = 64,
+    out_device: torch.device | str = "cpu",
+) -> dict[str, Tensor]:
+    """``{observed site: (S, *batch_shape)}`` for unconstrained ``latents`` with a leading draw dimension S."""
+    num_draws = next(iter(latents.values())).shape[0]
+    plate = next(iter(bridge.plates.values()), None)
+    full = bridge.full_batch()
+    if plate is None:
+        data_batches = [full]
+    else:
+        size = data_chunk_size or max(plate.subsample_size, 1024)
+        data_batches = [
+            Batch({**full.indices, plate.name: idx}, full.args, full.kwargs)
+            for idx in chunks(plate.size, size, bridge.device)
+        ]
+    out: dict[str, Tensor] = {}
+    for batch in data_batches:
+        offset = int(batch.indices[plate.name][0]) if plate is not None else 0
+        for start in range(0, num_draws, draws_chunk_size):
+            group = {name: x[start : start + draws_chunk_size].to(bridge.device) for name, x in latents.items()}
+            values = _pointwise(bridge, group, batch)
+            for name, value in values.items():
+                dim = _plate_dim(bridge, name, plate)
+                if dim is None and offset > 0:
+                    continue  # a site outside the chunked plate: computed with the first chunk
+                if name not in out:
+                    shape = list(value.shape)
+                    if dim is not None:
+                        shape[dim] = plate.size
+                    shape[0] = num_draws
+                    out[name] = torch.empty(shape, dtype=value.dtype, device=out_device)
+                target = out[name][start : start + value.shape[0]]
+                if dim is not None:
+                    target = target.narrow(dim, offset, value.shape[dim])
+                target.copy_(value.detach())
+    return out
+
+
+def _plate_dim(bridge: ModelBridge, site: str, plate) -> int | None:
+    if plate is None:
+        return None
+    for dim, name in bridge.observed[site].items():
+        if name == plate.name:
+            return dim
+    return None
+
+
+def _pointwise(bridge: ModelBridge, latents: Latents, batch: Batch) -> dict[str, Tensor]:
+    with torch.no_grad():
+        try:
+            return vmap(bridge.pointwise_log_likelihood, in_dims=(0, None))(latents, batch)
+        except RuntimeError:
+            draws = next(iter(latents.values())).shape[0]
+            rows = [bridge.pointwise_log_likelihood({k: v[s] for k, v in latents.items()}, batch) for s in range(draws)]
+            return {name: torch.stack([row[name] for row in rows]) for name in rows[0]}

@@ -1,0 +1,309 @@
+r"""The Pyro bridge: a Pyro model and its data as a log posterior over unconstrained latents.
+
+For latent sites :math:`z_s` with supports :math:`\mathcal{S}_s` and bijections
+:math:`t_s = \mathrm{biject\_to}(\mathcal{S}_s): \mathbb{R}^{d_s} \to \mathcal{S}_s`, the engines work on the
+unconstrained values :math:`u_s = t_s^{-1}(z_s)` and the density
+
+.. math::
+
+    \log \tilde p(u, \mathcal{B}) = \sum_s \log p(t_s(u_s)) + \log\lvert\det J_{t_s}(u_s)\rvert
+        + \frac{N}{B}\sum_{i \in \mathcal{B}} \log p(y_i \mid t(u)),
+
+where the :math:`N/B` comes from the model's own ``pyro.plate(..., subsample_size=B)`` (or ``subsample=idx``)
+and is exact in expectation over the minibatch :math:`\mathcal{B}`. This module is the only code that reads
+Pyro traces; everything above it sees ``log_posterior(latents, batch) -> scalar``. See DESIGN.md §2.1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import pyro
+import torch
+from pyro.distributions.util import scale_and_mask
+from pyro.infer.autoguide.initialization import InitMessenger, init_to_uniform
+from pyro.poutine.messenger import Messenger
+from pyro.poutine.util import site_is_subsample
+from torch import Tensor
+from torch.distributions import biject_to
+from torch.distributions.transforms import Transform
+
+from pyro_scalable.bridge.checks import ModelError, check_inputs, named_tensors
+from pyro_scalable.bridge.plates import full_data, plate_indices
+
+__all__ = ["Batch", "DataPlate", "FullDataModel", "LatentSite", "Latents", "ModelBridge"]
+
+Latents = dict[str, Tensor]
+
+
+class Batch(NamedTuple):
+    """One minibatch as the model sees it. Only ``indices`` is ever batched over chains."""
+
+    indices: dict[str, Tensor]  # plate name -> subsample indices drawn by the engine
+    args: tuple
+    kwargs: dict
+
+
+@dataclass(frozen=True)
+class LatentSite:
+    """A latent sample site: its constrained shape and the bijection from unconstrained space."""
+
+    name: str
+    shape: torch.Size  # constrained value shape
+    unconstrained_shape: torch.Size
+    transform: Transform
+
+
+@dataclass(frozen=True)
+class DataPlate:
+    """A plate the engine subsamples: ``size`` N and minibatch size B (``subsample_size``)."""
+
+    name: str
+    size: int
+    subsample_size: int
+    dim: int
+
+
+class FullDataModel:
+    """The user's model with every ``subsample_size`` plate switched to full data (scale 1).
+
+    This is what ``pyro.infer.Predictive`` and ``arviz.from_pyro`` should run: the model on all N points, not on
+    a random minibatch of them. The model as written is ``full_data_model.model``.
+    """
+
+    def __init__(self, model: Callable):
+        self.model = model.model if isinstance(model, FullDataModel) else model
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with full_data():
+            return self.model(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"FullDataModel({getattr(self.model, '__name__', self.model)!r})"
+
+
+@contextlib.contextmanager
+def _validation(enabled: bool) -> Iterator[None]:
+    # Distribution argument checks call bool() on tensors, which vmap cannot batch: the data is checked once,
+    # when the bridge is built, and the hot path runs without them.
+    with pyro.validation_enabled(enabled):
+        yield
+
+
+class _Evaluate(Messenger):
+    """Substitute unconstrained latents and accumulate the scaled log joint (and pointwise log-likelihoods)."""
+
+    def __init__(self, sites: Mapping[str, LatentSite], latents: Latents, pointwise: bool = False):
+        super().__init__()
+        self.sites = sites
+        self.latents = latents
+        self.pointwise = pointwise
+        self.log_joint: Tensor | float = 0.0
+        self.log_likelihood: dict[str, Tensor] = {}
+
+    def _pyro_sample(self, msg) -> None:
+        if site_is_subsample(msg) or msg["is_observed"]:
+            return
+        site = self.sites.get(msg["name"])
+        if site is None:
+            raise ModelError(
+                f"latent site '{msg['name']}' did not appear when the model was first traced; "
+                "the set of latent sites must not depend on the data or the minibatch."
+            )
+        unconstrained = self.latents[site.name]
+        value = site.transform(unconstrained)
+        self.log_joint = self.log_joint + site.transform.log_abs_det_jacobian(unconstrained, value).sum()
+        msg["value"] = value
+        msg["done"] = True
+
+    def _pyro_post_sample(self, msg) -> None:
+        if site_is_subsample(msg) or msg["infer"].get("_deterministic"):
+            return
+        log_prob = msg["fn"].log_prob(msg["value"], *msg["args"], **msg["kwargs"])
+        self.log_joint = self.log_joint + scale_and_mask(log_prob, msg["scale"], msg["mask"]).sum()
+        if self.pointwise and msg["is_observed"]:
+            self.log_likelihood[msg["name"]] = log_prob
+
+
+class ModelBridge:
+    """A Pyro model bound to its data: unconstrained latents, log posterior, full-data log-likelihood.
+
+    Building the bridge traces the model once and checks it (see DESIGN.md §6): continuous latents only, no latent
+    inside a subsampled plate, at least one observed site, data on one device and finite, and plate sizes that
+    agree with the data. Each failure is a :class:`ModelError` naming the site or argument.
+    """
+
+    def __init__(self, model: Callable, args: tuple = (), kwargs: Mapping[str, Any] | None = None):
+        self.model = model.model if isinstance(model, FullDataModel) else model
+        self.args = tuple(args)
+        self.kwargs = dict(kwargs or {})
+        self.device = check_inputs(self.model, self.args, self.kwargs)
+        trace = self._trace(self.model, validate=True)
+        self.plates = self._find_plates(trace)
+        self.sites = self._find_latents(trace)
+        self.observed = self._find_observed(trace)
+        if self.device is None:
+            self.device = next((v["value"].device for _, v in self._latent_nodes(trace)), torch.device("cpu"))
+        self._check_plate_sizes()
+
+    # ------------------------------------------------------------------ discovery and checks
+    def _trace(self, model: Callable, *, validate: bool, indices: Mapping[str, Tensor] | None = None):
+        context = plate_indices(indices) if indices is not None else contextlib.nullcontext()
+        try:
+            with _validation(validate), context:
+                return pyro.poutine.trace(model).get_trace(*self.args, **self.kwargs)
+        except IndexError as error:
+            sizes = ", ".join(f"'{p.name}' (size {p.size})" for p in getattr(self, "plates", {}).values())
+            raise ModelError(
+                f"indexing the data with the plate's indices failed ({error}); the plate size must equal the "
+                f"number of data points{': plates ' + sizes if sizes else ''}. Pass N = len(data) to pyro.plate."
+            ) from error
+
+    def _latent_nodes(self, trace) -> Iterator[tuple[LatentSite, dict]]:
+        for name, site in self.sites.items():
+            yield site, trace.nodes[name]
+
+    @staticmethod
+    def _find_plates(trace) -> dict[str, DataPlate]:
+        plates = {}
+        dims = {
+            frame.name: frame.dim
+            for node in trace.nodes.values()
+            if node["type"] == "sample"
+            for frame in node["cond_indep_stack"]
+        }
+        for name, node in trace.nodes.items():
+            if site_is_subsample(node):
+                size, subsample = node["fn"].size, node["fn"].subsample_size
+                if subsample is not None and subsample < size:
+                    plates[name] = DataPlate(name, size, subsample, dims.get(name, -1))
+        return plates
+
+    def _find_latents(self, trace) -> dict[str, LatentSite]:
+        subsampled = {
+            name
+            for name, node in trace.nodes.items()
+            if site_is_subsample(node) and node["value"].shape[0] < node["fn"].size
+        }
+        params = [name for name, node in trace.nodes.items() if node["type"] == "param"]
+        if params:
+            warnings.warn(
+                f"the model has pyro.param sites {params}; they are held fixed at their current values "
+                "(use PyroSample / pyro.sample to give them a prior).",
+                stacklevel=4,
+            )
+        sites = {}
+        for name, node in trace.nodes.items():
+            if node["type"] != "sample" or node["is_observed"] or site_is_subsample(node):
+                continue
+            fn = node["fn"]
+            if fn.support.is_discrete:
+                raise ModelError(
+                    f"latent site '{name}' is discrete ({type(fn).__name__}); stochastic-gradient MCMC needs "
+                    "continuous latents. Marginalise it out in the model, or observe it."
+                )
+            for frame in node["cond_indep_stack"]:
+                if frame.name in subsampled:
+                    raise ModelError(
+                        f"latent site '{name}' is inside the subsampled plate '{frame.name}'; Pyro would scale "
+                        "its prior by N/B and only a minibatch of it is visited each step. Move it out of the "
+                        "plate (a global latent), or marginalise it out."
+                    )
+            value = node["value"]
+            if not value.is_floating_point():
+                raise ModelError(f"latent site '{name}' has a non-float value ({value.dtype}).")
+            transform = biject_to(fn.support)
+            unconstrained = transform.inv(value)
+            sites[name] = LatentSite(name, value.shape, unconstrained.shape, transform)
+        return sites
+
+    def _find_observed(self, trace) -> dict[str, dict[int, str]]:
+        observed = {}
+        for name, node in trace.nodes.items():
+            if node["type"] == "sample" and node["is_observed"] and not node["infer"].get("_deterministic"):
+                value = node["value"]
+                if isinstance(value, Tensor) and value.is_floating_point() and not bool(torch.isfinite(value).all()):
+                    raise ModelError(f"observed site '{name}' holds NaN or Inf; drop or mask those points.")
+                observed[name] = {frame.dim: frame.name for frame in node["cond_indep_stack"]}
+        if not observed:
+            raise ModelError(
+                "the model has no observed site (no pyro.sample(..., obs=...)); there is no likelihood to "
+                "sample from. Pass the data to the model and observe it."
+            )
+        return observed
+
+    def _check_plate_sizes(self) -> None:
+        for plate in self.plates.values():
+            for label, tensor in named_tensors(self.model, self.args, self.kwargs):
+                rows = tensor.shape[0] if tensor.dim() else 0
+                if rows > plate.size:
+                    raise ModelError(
+                        f"{label} has {rows} rows but plate '{plate.name}' has size {plate.size}; rows beyond "
+                        f"{plate.size} would never be visited. Pass N = {rows} to pyro.plate('{plate.name}', N, ...)."
+                    )
+            last = torch.arange(max(plate.size - plate.subsample_size, 0), plate.size, device=self.device)
+            self._trace(self.model, validate=True, indices={plate.name: last})
+        for site, node in self._latent_nodes(self._trace(self.model, validate=False)):
+            if self.device is not None and node["value"].device != self.device:
+                raise ModelError(
+                    f"latent site '{site.name}' is on {node['value'].device} but the data is on {self.device}; "
+                    "create its prior's parameters on the data's device, e.g. "
+                    "dist.Normal(torch.zeros(d, device=x.device), 1.0)."
+                )
+
+    # ------------------------------------------------------------------ the log posterior
+    def log_posterior(self, latents: Latents, batch: Batch) -> Tensor:
+        """Minibatch estimate of the log joint at unconstrained ``latents`` (N/B scaling by the plates)."""
+        evaluate = _Evaluate(self.sites, latents)
+        with _validation(False), plate_indices(batch.indices), evaluate:
+            self.model(*batch.args, **batch.kwargs)
+        return evaluate.log_joint
+
+    def pointwise_log_likelihood(self, latents: Latents, batch: Batch) -> dict[str, Tensor]:
+        """Unscaled ``log p(y_i | latents)`` of every observed site, on the data points of ``batch``."""
+        evaluate = _Evaluate(self.sites, latents, pointwise=True)
+        with _validation(False), plate_indices(batch.indices, full_data=True), evaluate:
+            self.model(*batch.args, **batch.kwargs)
+        return evaluate.log_likelihood
+
+    def full_batch(self) -> Batch:
+        """The batch that is the whole data set (every subsampled plate at all of its indices)."""
+        return Batch(
+            {p.name: torch.arange(p.size, device=self.device) for p in self.plates.values()}, self.args, self.kwargs
+        )
+
+    # ------------------------------------------------------------------ latents
+    def init_latents(
+        self, num_chains: int, init_strategy: Callable = init_to_uniform, seed: int | None = None
+    ) -> Latents:
+        """Initial unconstrained latents for each chain, shape ``(num_chains, *site_shape)``, by a Pyro strategy."""
+        devices = [self.device.index] if self.device is not None and self.device.type == "cuda" else []
+        chains: list[Latents] = []
+        with torch.random.fork_rng(devices=devices):
+            if seed is not None:
+                torch.manual_seed(seed)
+            for _ in range(num_chains):
+                model = InitMessenger(init_strategy)(self.model)
+                with torch.no_grad():
+                    trace = self._trace(pyro.poutine.block(model, hide_types=["param"]), validate=False)
+                chains.append(
+                    {name: site.transform.inv(trace.nodes[name]["value"]) for name, site in self.sites.items()}
+                )
+        return {name: torch.stack([c[name] for c in chains]) for name in self.sites}
+
+    def constrain(self, latents: Latents) -> Latents:
+        """Map unconstrained latents (any leading batch dims) to the model's constrained values."""
+        return {name: self.sites[name].transform(value) for name, value in latents.items()}
+
+    def unconstrain(self, values: Latents) -> Latents:
+        """Map constrained values (any leading batch dims) to unconstrained latents."""
+        return {name: self.sites[name].transform.inv(value) for name, value in values.items()}
+
+    def observed_data(self) -> dict[str, Tensor]:
+        """The observed values of every observed site, on the full data."""
+        trace = self._trace(FullDataModel(self.model), validate=False)
+        return {name: trace.nodes[name]["value"] for name in self.observed}

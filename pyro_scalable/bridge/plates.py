@@ -1,0 +1,68 @@
+"""Control of Pyro's subsampling plates from outside the model.
+
+A Pyro model declares its data as ``pyro.plate("data", N, subsample_size=B)``; the plate then draws B of the N
+indices and scales every log-density inside it by N/B, so the model alone gives an unbiased minibatch estimate
+of the full-data log joint. The engines need three things the plate cannot give on its own:
+
+* minibatch indices drawn by the engine (one set per chain, on the data's device, from the engine's generator,
+  which also works under ``torch.func.vmap``);
+* the full index range (full-data mode: log-likelihood, observed data, predictions), where N/B becomes 1;
+* chunks of the full range, so that full-data quantities never need all N points in memory at once.
+
+Pyro checks ``len(subsample) == subsample_size`` inside ``SubsampleMessenger._subsample``, so a handler that
+rewrites the plate's subsample message can only ever supply B indices. This module therefore wraps that one
+static method: while an override is active for a plate name, the plate takes its indices from the override;
+otherwise Pyro's own code runs unchanged. This is the only place in the package that patches Pyro.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+
+import torch
+from pyro.poutine.subsample_messenger import SubsampleMessenger
+from torch import Tensor
+
+__all__ = ["full_data", "plate_indices"]
+
+_pyro_subsample = SubsampleMessenger._subsample
+# Each entry: (explicit indices by plate name, whether every other subsampled plate runs on full data).
+_OVERRIDES: list[tuple[dict[str, Tensor], bool]] = []
+
+
+def _controlled_subsample(
+    name: str,
+    size: int | None = None,
+    subsample_size: int | None = None,
+    subsample: Tensor | None = None,
+    use_cuda: bool | None = None,
+    device: str | None = None,
+):
+    if _OVERRIDES and size is not None:
+        indices, full = _OVERRIDES[-1]
+        if name in indices:
+            chosen = indices[name]
+            return size, chosen.shape[0], chosen
+        if full and subsample is None and subsample_size is not None:
+            return size, size, torch.arange(size, device=device)
+    return _pyro_subsample(name, size, subsample_size, subsample, use_cuda, device)
+
+
+SubsampleMessenger._subsample = staticmethod(_controlled_subsample)
+
+
+@contextlib.contextmanager
+def plate_indices(indices: Mapping[str, Tensor], *, full_data: bool = False) -> Iterator[None]:
+    """Make the named plates use ``indices`` (and, with ``full_data``, every other subsampled plate all of N)."""
+    outer_indices, outer_full = _OVERRIDES[-1] if _OVERRIDES else ({}, False)
+    _OVERRIDES.append(({**outer_indices, **indices}, full_data or outer_full))
+    try:
+        yield
+    finally:
+        _OVERRIDES.pop()
+
+
+def full_data() -> contextlib.AbstractContextManager[None]:
+    """Switch subsampling off: every ``subsample_size`` plate runs on all of its indices (scale 1)."""
+    return plate_indices({}, full_data=True)

@@ -1,0 +1,7 @@
+"""Inference engines for Pyro models, and the driver that runs them."""
+
+from pyro_scalable.infer.mcmc import StochasticMCMC
+from pyro_scalable.infer.schedules import Cyclical, PolynomialDecay
+from pyro_scalable.infer.sgmcmc import SGHMC, SGLD, sghmc, sgld
+
+__all__ = ["SGHMC", "SGLD", "Cyclical", "PolynomialDecay", "StochasticMCMC", "sghmc", "sgld"]

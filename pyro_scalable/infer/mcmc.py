@@ -1,0 +1,362 @@
+"""The driver: one run loop for every stochastic-gradient engine and any number of chains.
+
+``StochasticMCMC`` binds a kernel (``SGLD``, ``SGHMC``, ...) to a run: it builds the Pyro bridge, draws one
+initial point per chain with the kernel's Pyro init strategy, then steps all chains together — one
+``torch.func.vmap``-ed computation on the data's device where the model allows it, one chain after another (with
+a one-line warning) where it does not. Draws go into preallocated buffers, by default on the CPU so that long runs
+do not fill the GPU. The result offers the ``pyro.infer.MCMC`` surface that ArviZ reads (``get_samples``,
+``diagnostics``, ``summary``, ``num_chains``, ``kernel.model``), and :meth:`StochasticMCMC.to_inference_data`
+adds the full-data log-likelihood and our own ``sample_stats``.
+
+Parallel SG-MCMC ("Bayesian deep ensembles", posteriors paper §4.2) is this driver with many chains and
+``num_samples=1`` (or a few, thinned): at T = 1 each chain's last draw is an approximate posterior draw, at T = 0
+the chains are a deep ensemble.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from collections.abc import Iterable, Iterator
+from typing import Any, Literal
+
+import torch
+from pyro.infer.mcmc.util import diagnostics as pyro_diagnostics
+from pyro.infer.mcmc.util import print_summary
+from torch import Tensor
+from torch.func import vmap
+from tqdm.auto import tqdm
+
+from pyro_scalable.bridge.checks import ModelError
+from pyro_scalable.bridge.minibatches import EpochSampler
+from pyro_scalable.bridge.model import Batch, Latents, ModelBridge
+
+__all__ = ["StochasticMCMC"]
+
+_STAT_NAMES = {"log_posterior": "lp"}
+
+
+class StochasticMCMC:
+    """Run a stochastic-gradient MCMC kernel on a Pyro model, with many chains, and collect the draws.
+
+    Args:
+        kernel: an engine's Pyro-facing class, e.g. ``SGHMC(model, step_size=1e-3)``.
+        num_samples: draws kept per chain (after thinning).
+        num_warmup: steps per chain before the first kept draw.
+        num_chains: independent chains, run together.
+        thin: keep every ``thin``-th step after warmup.
+        seed: seeds the initial points, the minibatches and the injected noise; ``None`` draws a seed from
+            torch's global generator (so ``pyro.set_rng_seed`` makes runs repeatable).
+        chain_method: ``"vectorized"`` (``torch.func.vmap`` over chains, with a sequential fallback) or
+            ``"sequential"``.
+        on_divergence: ``"continue"`` rejects a step whose log density or gradient is not finite, marks it in
+            ``sample_stats.diverging`` and goes on; ``"stop"`` ends the run there, keeping every draw taken.
+        draws_device: where draws are stored (default CPU, whatever device the model runs on).
+        progress_bar: show a tqdm progress bar.
+
+    Example:
+        >>> import pyro, pyro.distributions as dist, torch
+        >>> from pyro_scalable.infer import SGHMC, StochasticMCMC
+        >>> def model(x, y):
+        ...     w = pyro.sample("w", dist.Normal(torch.zeros(2), 1.0).to_event(1))
+        ...     with pyro.plate("data", len(y), subsample_size=50) as idx:
+        ...         pyro.sample("obs", dist.Bernoulli(logits=x[idx] @ w), obs=y[idx])
+        >>> x = torch.randn(1000, 2); y = torch.bernoulli(torch.sigmoid(x @ torch.tensor([1.0, -2.0])))
+        >>> mcmc = StochasticMCMC(SGHMC(model, step_size=0.01, friction=20.0), num_samples=300,
+        ...                       num_warmup=300, num_chains=4, seed=0, progress_bar=False)
+        >>> mcmc.run(x, y)
+        >>> mcmc.get_samples(group_by_chain=True)["w"].shape
+        torch.Size([4, 300, 2])
+
+    """
+
+    def __init__(
+        self,
+        kernel: Any,
+        num_samples: int,
+        num_warmup: int = 0,
+        num_chains: int = 1,
+        thin: int = 1,
+        *,
+        seed: int | None = None,
+        chain_method: Literal["vectorized", "sequential"] = "vectorized",
+        on_divergence: Literal["continue", "stop"] = "continue",
+        draws_device: torch.device | str = "cpu",
+        progress_bar: bool = True,
+    ):
+        for name, value, least in (
+            ("num_samples", num_samples, 1),
+            ("num_warmup", num_warmup, 0),
+            ("num_chains", num_chains, 1),
+            ("thin", thin, 1),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ValueError(f"{name} must be an int >= {least}, got {value!r}.")
+        if chain_method not in ("vectorized", "sequential"):
+            raise ValueError(f"chain_method must be 'vectorized' or 'sequential', got {chain_method!r}.")
+        if on_divergence not in ("continue", "stop"):
+            raise ValueError(f"on_divergence must be 'continue' or 'stop', got {on_divergence!r}.")
+        if not (hasattr(kernel, "init") and hasattr(kernel, "step") and hasattr(kernel, "model")):
+            raise TypeError(f"kernel must be an engine such as SGLD(model, ...) or SGHMC(model, ...), got {kernel!r}.")
+        self.kernel = kernel
+        self.num_samples = num_samples
+        self.num_warmup = num_warmup
+        self.num_chains = num_chains
+        self.thin = thin
+        self.seed = seed
+        self.chain_method = chain_method
+        self.on_divergence = on_divergence
+        self.draws_device = torch.device(draws_device)
+        self.progress_bar = progress_bar
+        self.bridge: ModelBridge | None = None
+        self.state: Any = None
+        self._args: tuple = ()
+        self._kwargs: dict = {}
+        self._draws: dict[str, Tensor] = {}
+        self._stats: dict[str, Tensor] = {}
+        self.num_warmup_divergences = 0
+
+    # ------------------------------------------------------------------ running
+    def run(self, *args: Any, batches: Iterable | None = None, **kwargs: Any) -> None:
+        """Sample. ``args``/``kwargs`` are the model's, on the full data.
+
+        With ``batches`` (e.g. a ``DataLoader``), each step calls the model on the next element instead — a
+        tuple of positional arguments or a dict of keyword arguments, whose plate uses ``subsample=idx`` — and
+        ``args``/``kwargs`` (if given) are the full data for the log-likelihood and ``arviz.from_pyro``.
+        """
+        model = self.kernel.model
+        seed = int(torch.randint(0, 2**62, ())) if self.seed is None else self.seed
+        self._args, self._kwargs = args, kwargs
+        batch_iter = None
+        if batches is not None:
+            batch_iter = _cycle(batches)
+            first = next(batch_iter)
+            self.bridge = ModelBridge(model, *first)
+            self._full_bridge = ModelBridge(model, args, kwargs) if (args or kwargs) else None
+            batch_iter = itertools.chain([first], batch_iter)
+        else:
+            self.bridge = ModelBridge(model, args, kwargs)
+            self._full_bridge = self.bridge
+        bridge = self.bridge
+        generator = torch.Generator(device=bridge.device).manual_seed(seed)
+        latents = bridge.init_latents(self.num_chains, self.kernel.init_strategy, seed=seed)
+        sampler = EpochSampler(bridge.plates, self.num_chains, generator, bridge.device)
+        stepper = _ChainStepper(self.kernel, bridge, latents, generator, self.chain_method)
+
+        self._allocate(latents)
+        total = self.num_warmup + self.num_samples * self.thin
+        kept = 0
+        self.num_warmup_divergences = 0
+        bar = tqdm(total=total, disable=not self.progress_bar, desc="Warmup" if self.num_warmup else "Sample")
+        try:
+            for t in range(total):
+                if batch_iter is not None:
+                    step_args, step_kwargs = next(batch_iter)
+                    batch = Batch({}, step_args, step_kwargs)
+                else:
+                    batch = Batch(next(sampler), bridge.args, bridge.kwargs)
+                info = stepper.step(batch)
+                warming = t < self.num_warmup
+                diverged = bool(info.diverging.any()) if self.on_divergence == "stop" else False
+                if warming:
+                    self.num_warmup_divergences += int(info.diverging.sum())
+                elif (t - self.num_warmup + 1) % self.thin == 0:
+                    self._record(kept, stepper.latents(), info)
+                    kept += 1
+                if t + 1 == self.num_warmup:
+                    bar.set_description("Sample")
+                if t % 50 == 0 or t + 1 == total:
+                    bar.set_postfix(
+                        lp=f"{float(info.log_posterior.float().mean()):.4g}",
+                        step_size=f"{float(info.step_size.float().mean()):.3g}",
+                    )
+                bar.update()
+                if diverged:
+                    warnings.warn(
+                        f"a chain diverged at step {t} (non-finite log density or gradient) and on_divergence='stop': "
+                        f"the run ends with {kept} draws per chain.",
+                        stacklevel=2,
+                    )
+                    break
+        except KeyboardInterrupt:
+            self._truncate(kept, stepper)
+            warnings.warn(f"interrupted: keeping the {kept} draws per chain taken so far.", stacklevel=2)
+            raise
+        finally:
+            bar.close()
+        self._truncate(kept, stepper)
+        if diverged and kept == 0:
+            raise RuntimeError(
+                "a chain diverged during warmup and on_divergence='stop'; no draw was kept. "
+                "Lower the step size, or use on_divergence='continue'."
+            )
+        self._warn_divergences()
+
+    def _allocate(self, latents: Latents) -> None:
+        shape = (self.num_chains, self.num_samples)
+        self._draws = {
+            name: torch.empty(shape + x.shape[1:], dtype=x.dtype, device=self.draws_device)
+            for name, x in latents.items()
+        }
+        self._stats = {}
+
+    def _record(self, index: int, latents: Latents, info: Any) -> None:
+        for name, x in latents.items():
+            self._draws[name][:, index].copy_(x.detach())
+        for field, value in info._asdict().items():
+            name = _STAT_NAMES.get(field, field)
+            if name not in self._stats:
+                self._stats[name] = torch.empty(
+                    (self.num_chains, self.num_samples), dtype=value.dtype, device=self.draws_device
+                )
+            self._stats[name][:, index].copy_(value.detach())
+
+    def _truncate(self, kept: int, stepper: _ChainStepper) -> None:
+        self.state = stepper.final_state
+        if kept < self.num_samples:
+            self._draws = {k: v[:, :kept] for k, v in self._draws.items()}
+            self._stats = {k: v[:, :kept] for k, v in self._stats.items()}
+            self.num_samples = kept
+
+    def _warn_divergences(self) -> None:
+        sampled = int(self._stats["diverging"].sum()) if "diverging" in self._stats else 0
+        if sampled or self.num_warmup_divergences:
+            warnings.warn(
+                f"{sampled} kept draws and {self.num_warmup_divergences} warmup steps diverged (non-finite log "
+                "density or gradient; those steps were rejected and are marked in sample_stats.diverging). "
+                "Lower the step size.",
+                stacklevel=3,
+            )
+
+    # ------------------------------------------------------------------ results (the pyro.infer.MCMC surface)
+    def _require_run(self) -> ModelBridge:
+        if self.bridge is None:
+            raise RuntimeError("call run(...) before asking for results.")
+        return self.bridge
+
+    def get_samples(self, group_by_chain: bool = False) -> dict[str, Tensor]:
+        """Constrained draws: ``(num_chains, num_samples, *shape)`` or, flattened, ``(num_chains * num_samples, *shape)``."""
+        bridge = self._require_run()
+        samples = bridge.constrain({k: v.to(bridge.device) for k, v in self._draws.items()})
+        samples = {k: v.detach().to(self.draws_device) for k, v in samples.items()}
+        if group_by_chain:
+            return samples
+        return {k: v.reshape((-1,) + v.shape[2:]) for k, v in samples.items()}
+
+    def get_unconstrained_samples(self, group_by_chain: bool = False) -> dict[str, Tensor]:
+        """Draws in the unconstrained space the engine works in."""
+        self._require_run()
+        if group_by_chain:
+            return dict(self._draws)
+        return {k: v.reshape((-1,) + v.shape[2:]) for k, v in self._draws.items()}
+
+    @property
+    def sample_stats(self) -> dict[str, Tensor]:
+        """Per-draw statistics, each ``(num_chains, num_samples)``: lp, grad_norm, step_size, temperature, diverging."""
+        self._require_run()
+        return dict(self._stats)
+
+    def diagnostics(self) -> dict[str, Any]:
+        """Pyro's per-site ``n_eff``/``r_hat`` plus ``divergences``: ``{"chain i": [draw indices]}``."""
+        result = pyro_diagnostics(self.get_samples(group_by_chain=True))
+        width = len(str(self.num_chains - 1))
+        diverging = self._stats.get("diverging", torch.zeros(self.num_chains, self.num_samples, dtype=torch.bool))
+        # zero-padded so that the lexical sort arviz.from_pyro applies keeps chain order past 10 chains
+        result["divergences"] = {
+            f"chain {c:0{width}d}": diverging[c].nonzero().flatten().tolist() for c in range(self.num_chains)
+        }
+        return result
+
+    def summary(self, prob: float = 0.9) -> None:
+        """Print Pyro's summary table (mean, sd, interval, n_eff, r_hat) and the number of divergences."""
+        print_summary(self.get_samples(group_by_chain=True), prob=prob)
+        divergences = sum(len(v) for v in self.diagnostics()["divergences"].values())
+        print(f"Number of divergences: {divergences}")
+
+    def to_inference_data(self, **kwargs: Any):
+        """An ``arviz.InferenceData`` with posterior, sample_stats, full-data log_likelihood and observed_data.
+
+        Keyword arguments go to :func:`pyro_scalable.inference_data.to_inference_data`.
+        """
+        from pyro_scalable.inference_data import to_inference_data
+
+        return to_inference_data(self, **kwargs)
+
+
+class _ChainStepper:
+    """Steps all chains: vmapped, single-chain, or one after another (the fallback)."""
+
+    def __init__(self, kernel: Any, bridge: ModelBridge, latents: Latents, generator: torch.Generator, method: str):
+        self.kernel = kernel
+        self.bridge = bridge
+        self.generator = generator
+        self.num_chains = next(iter(latents.values())).shape[0]
+        self.mode = "vectorized" if method == "vectorized" and self.num_chains > 1 else "sequential"
+        self.state: Any = None
+        self._chains: list = []
+        if self.mode == "vectorized":
+            self.state = vmap(kernel.init)(latents)
+            self._vstep = vmap(self._one, in_dims=(0, 0, None, None), randomness="different")
+        else:
+            self._chains = [kernel.init({k: v[c] for k, v in latents.items()}) for c in range(self.num_chains)]
+
+    def _one(self, state: Any, indices: dict, args: tuple, kwargs: dict):
+        return self.kernel.step(state, Batch(indices, args, kwargs), self.bridge.log_posterior, self.generator)
+
+    def step(self, batch: Batch):
+        if self.mode == "vectorized":
+            try:
+                self.state, info = self._vstep(self.state, batch.indices, batch.args, batch.kwargs)
+                return info
+            except (RuntimeError, NotImplementedError, ModelError) as error:
+                self._chains = [type(self.state)(*_index_tree(self.state, c)) for c in range(self.num_chains)]
+                info = self._sequential(batch)  # a model error that is not about vmap is raised here
+                self.mode = "sequential"
+                warnings.warn(
+                    "chains run one after another: the model cannot be vectorised with torch.func.vmap "
+                    f"({_first_line(error)}).",
+                    stacklevel=4,
+                )
+                return info
+        return self._sequential(batch)
+
+    def _sequential(self, batch: Batch):
+        infos = []
+        for c, chain_state in enumerate(self._chains):
+            indices = {k: v[c] for k, v in batch.indices.items()}
+            self._chains[c], info = self._one(chain_state, indices, batch.args, batch.kwargs)
+            infos.append(info)
+        return type(infos[0])(*(torch.stack(values) for values in zip(*infos)))
+
+    def latents(self) -> Latents:
+        if self.mode == "vectorized":
+            return self.state.latents
+        return {name: torch.stack([s.latents[name] for s in self._chains]) for name in self._chains[0].latents}
+
+    @property
+    def final_state(self) -> Any:
+        return self.state if self.mode == "vectorized" else self._chains
+
+
+def _index_tree(state: Any, c: int) -> list:
+    return [{k: v[c] for k, v in field.items()} if isinstance(field, dict) else field[c] for field in state]
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip().splitlines()
+    return text[0] if text else type(error).__name__
+
+
+def _cycle(batches: Iterable) -> Iterator[tuple[tuple, dict]]:
+    while True:
+        empty = True
+        for element in batches:
+            empty = False
+            if isinstance(element, dict):
+                yield (), element
+            elif isinstance(element, (tuple, list)):
+                yield tuple(element), {}
+            else:
+                yield (element,), {}
+        if empty:
+            raise ValueError("batches is empty: it must yield at least one minibatch.")

@@ -1,0 +1,88 @@
+r"""Step-size (and temperature) schedules: pure functions of the step count, safe under ``torch.func.vmap``.
+
+* constant: a float or 0-d tensor;
+* :class:`PolynomialDecay`: :math:`\epsilon_t = a (b + t)^{-\gamma}`, with :math:`\gamma \in (0.5, 1]` for the
+  Robbins-Monro conditions of Welling & Teh (2011);
+* :class:`Cyclical`: :math:`\epsilon_t = \frac{\epsilon_0}{2}\big(\cos(\pi \frac{t \bmod L}{L}) + 1\big)`,
+  the cosine cycles of length :math:`L` steps of Zhang et al. (2020), "Cyclical SG-MCMC".
+
+A schedule is any callable ``step_count -> Tensor``; the classes here are frozen dataclasses so that their
+hyperparameters can be read back (``schedule.gamma``) and show in ``repr``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Union
+
+import torch
+from torch import Tensor
+
+__all__ = ["Cyclical", "PolynomialDecay", "ScalarOrSchedule", "resolve"]
+
+ScalarOrSchedule = Union[float, Tensor, Callable[[Tensor], Tensor]]
+
+
+@dataclass(frozen=True)
+class PolynomialDecay:
+    """Step size ``a * (b + t) ** -gamma`` at step ``t`` (Welling & Teh, 2011).
+
+    Example:
+        >>> schedule = PolynomialDecay(a=0.1, b=1.0, gamma=0.55)
+        >>> float(schedule(torch.tensor(0)))
+        0.1
+
+    """
+
+    a: float
+    b: float = 1.0
+    gamma: float = 0.55
+
+    def __post_init__(self) -> None:
+        if not (self.a > 0 and self.b > 0 and self.gamma >= 0):
+            raise ValueError(f"PolynomialDecay needs a > 0, b > 0 and gamma >= 0; got {self}.")
+
+    def __call__(self, step_count: Tensor) -> Tensor:
+        return self.a * (self.b + step_count) ** (-self.gamma)
+
+
+@dataclass(frozen=True)
+class Cyclical:
+    """Cosine cycles from ``initial`` down to 0, each ``cycle_length`` steps long (Zhang et al., 2020).
+
+    Example:
+        >>> schedule = Cyclical(initial=0.2, cycle_length=100)
+        >>> [round(float(schedule(torch.tensor(t))), 3) for t in (0, 50, 100)]
+        [0.2, 0.1, 0.2]
+
+    """
+
+    initial: float
+    cycle_length: int
+
+    def __post_init__(self) -> None:
+        if not (self.initial > 0 and self.cycle_length >= 1):
+            raise ValueError(f"Cyclical needs initial > 0 and cycle_length >= 1; got {self}.")
+
+    def __call__(self, step_count: Tensor) -> Tensor:
+        phase = torch.remainder(step_count, self.cycle_length) / self.cycle_length
+        return 0.5 * self.initial * (torch.cos(math.pi * phase) + 1.0)
+
+
+def resolve(value: ScalarOrSchedule, step_count: Tensor, like: Tensor) -> Tensor:
+    """The value of a constant or schedule at ``step_count``, as a tensor of ``like``'s dtype and device."""
+    if callable(value):
+        value = value(step_count)
+    return torch.as_tensor(value, dtype=like.dtype, device=like.device)
+
+
+def check_positive(name: str, value: ScalarOrSchedule, *, allow_zero: bool = False) -> None:
+    """Raise a one-line ``ValueError`` unless a constant ``value`` is finite and positive (or zero)."""
+    if callable(value):
+        return
+    number = float(value)
+    if not math.isfinite(number) or number < 0 or (number == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{name} must be finite and {bound}, got {number}.")

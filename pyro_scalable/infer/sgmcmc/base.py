@@ -1,0 +1,56 @@
+"""What every stochastic-gradient MCMC engine shares: the contract, the Info record, gradients and noise.
+
+Contract (BlackJAX-style): an engine module has ``init(latents) -> State`` and
+``step(state, batch, log_posterior_fn, *, <hyperparameters>, generator) -> (State, Info)``, with every State
+field a tensor so that ``torch.func.vmap(step, randomness="different")`` runs many chains as one computation.
+A step whose log density or gradient is not finite keeps the previous latents and sets ``Info.diverging``:
+no engine ever hands the driver a NaN draw.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Protocol
+
+import torch
+from torch import Tensor
+from torch.func import grad_and_value
+
+__all__ = ["LogPosteriorFn", "SGMCMCInfo", "evaluate", "gaussian_like", "keep_where_finite"]
+
+Latents = dict[str, Tensor]
+
+
+class LogPosteriorFn(Protocol):
+    """``log_posterior_fn(latents, batch)``: an unbiased minibatch estimate of the full-data log joint."""
+
+    def __call__(self, latents: Latents, batch: Any) -> Tensor: ...
+
+
+class SGMCMCInfo(NamedTuple):
+    """What one step did, for people and for ArviZ ``sample_stats`` (all 0-d tensors per chain)."""
+
+    log_posterior: Tensor  # minibatch estimate at the latents before the step ("lp" in ArviZ)
+    grad_norm: Tensor
+    step_size: Tensor  # after schedules
+    temperature: Tensor  # after schedules
+    diverging: Tensor  # bool: the step was rejected because the log density or gradient was not finite
+
+
+def evaluate(log_posterior_fn: LogPosteriorFn, latents: Latents, batch: Any) -> tuple[Latents, Tensor, Tensor, Tensor]:
+    """Gradient, value, gradient norm and a divergence flag of the log posterior at ``latents``."""
+    grads, value = grad_and_value(log_posterior_fn)(latents, batch)
+    grad_sq = sum(g.square().sum() for g in grads.values())
+    diverging = ~(torch.isfinite(value) & torch.isfinite(grad_sq))
+    return grads, value, grad_sq.sqrt(), diverging
+
+
+def gaussian_like(latents: Latents, generator: torch.Generator | None) -> Latents:
+    """Independent standard normal noise shaped like each latent."""
+    return {
+        name: torch.randn(x.shape, generator=generator, dtype=x.dtype, device=x.device) for name, x in latents.items()
+    }
+
+
+def keep_where_finite(diverging: Tensor, new: Latents, old: Latents) -> Latents:
+    """``new`` where the step was finite, ``old`` where it diverged (a rejected step)."""
+    return {name: torch.where(diverging, old[name], new[name]) for name in new}
