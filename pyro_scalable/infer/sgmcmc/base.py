@@ -44,8 +44,10 @@ def evaluate(log_posterior_fn: LogPosteriorFn, latents: Latents, batch: Any) -> 
     return grads, value, grad_sq.sqrt(), diverging
 
 
-def gaussian_like(latents: Latents, generator: torch.Generator | None) -> Latents:
-    """Independent standard normal noise shaped like each latent."""
+def gaussian_like(latents: Latents, generator: torch.Generator | None, temperature: Any = 1.0) -> Latents:
+    """Independent standard normal noise shaped like each latent (zeros, drawing nothing, at a constant T = 0)."""
+    if not callable(temperature) and float(temperature) == 0.0:
+        return {name: torch.zeros_like(x) for name, x in latents.items()}
     return {
         name: torch.randn(x.shape, generator=generator, dtype=x.dtype, device=x.device) for name, x in latents.items()
     }

@@ -81,7 +81,7 @@ def step(
     temp = resolve(temperature, state.step_count, log_posterior)
     decay = 1.0 - eps * friction / mass
     noise_scale = torch.sqrt(2.0 * friction * eps * temp)
-    noise = gaussian_like(state.latents, generator)
+    noise = gaussian_like(state.latents, generator, temperature)
     momenta = {name: decay * m + eps * grads[name] + noise_scale * noise[name] for name, m in state.momenta.items()}
     proposal = {name: x + (eps / mass) * momenta[name] for name, x in state.latents.items()}
     latents = keep_where_finite(diverging, proposal, state.latents)

@@ -64,7 +64,7 @@ def step(
     eps = resolve(step_size, state.step_count, log_posterior)
     temp = resolve(temperature, state.step_count, log_posterior)
     noise_scale = torch.sqrt(2.0 * eps * temp)
-    noise = gaussian_like(state.latents, generator)
+    noise = gaussian_like(state.latents, generator, temperature)
     proposal = {name: x + eps * grads[name] + noise_scale * noise[name] for name, x in state.latents.items()}
     latents = keep_where_finite(diverging, proposal, state.latents)
     info = SGMCMCInfo(log_posterior, grad_norm, eps, temp, diverging)

@@ -1,0 +1,114 @@
+"""Every stochastic-gradient engine honours the same contract (STYLE.md: a conformance test over engines)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.func import vmap
+
+from pyro_scalable.infer import SGHMC, SGLD, sghmc, sgld
+from pyro_scalable.infer.schedules import Cyclical, PolynomialDecay
+from pyro_scalable.infer.sgmcmc.base import SGMCMCInfo
+
+ENGINES = [
+    pytest.param(sgld, SGLD, {"step_size": 0.05}, id="sgld"),
+    pytest.param(sghmc, SGHMC, {"step_size": 0.05, "friction": 2.0}, id="sghmc"),
+]
+
+
+def target(latents, batch):
+    return -0.5 * (latents["x"].square().sum() + latents["y"].square().sum() / 4)
+
+
+def start():
+    return {"x": torch.tensor([1.0, -1.0], dtype=torch.float64), "y": torch.ones((), dtype=torch.float64)}
+
+
+def tensors(tree):
+    for field in tree:
+        if isinstance(field, dict):
+            yield from field.values()
+        else:
+            yield field
+
+
+@pytest.mark.parametrize("module,cls,hyper", ENGINES)
+def test_state_is_tensors_only(module, cls, hyper):
+    state = module.init(start())
+    assert all(isinstance(t, torch.Tensor) for t in tensors(state))
+    assert state.step_count.dtype == torch.int64 and state.step_count.dim() == 0
+
+
+@pytest.mark.parametrize("module,cls,hyper", ENGINES)
+def test_step_contract_and_info(module, cls, hyper):
+    state, info = module.step(module.init(start()), None, target, **hyper, generator=torch.Generator().manual_seed(0))
+    assert isinstance(info, SGMCMCInfo)
+    assert all(v.dim() == 0 for v in info)
+    assert int(state.step_count) == 1
+    assert set(state.latents) == {"x", "y"} and state.latents["x"].shape == (2,)
+
+
+@pytest.mark.parametrize("module,cls,hyper", ENGINES)
+def test_vmap_over_chains_equals_loop_at_zero_temperature(module, cls, hyper):
+    chains = {"x": torch.randn(4, 2, dtype=torch.float64), "y": torch.randn(4, dtype=torch.float64)}
+    batched = vmap(module.init)(chains)
+
+    def one(state):
+        return module.step(state, None, target, **hyper, temperature=0.0)
+
+    for _ in range(5):
+        batched, info = vmap(one)(batched)
+    for c in range(4):
+        single = module.init({k: v[c] for k, v in chains.items()})
+        for _ in range(5):
+            single, _ = one(single)
+        for name in chains:
+            torch.testing.assert_close(batched.latents[name][c], single.latents[name], rtol=1e-14, atol=1e-14)
+    assert info.log_posterior.shape == (4,)
+
+
+@pytest.mark.parametrize("module,cls,hyper", ENGINES)
+def test_vmapped_noise_is_independent_across_chains(module, cls, hyper):
+    chains = {"x": torch.zeros(2000, 2, dtype=torch.float64), "y": torch.zeros(2000, dtype=torch.float64)}
+    g = torch.Generator().manual_seed(0)
+
+    def one(state):
+        return module.step(state, None, target, **hyper, generator=g)
+
+    state, _ = vmap(one, randomness="different")(vmap(module.init)(chains))
+    x = state.latents["x"][:, 0]
+    corr = torch.corrcoef(torch.stack([x[:1000], x[1000:]]))[0, 1]
+    assert abs(float(corr)) < 4 / 1000**0.5  # 4 standard errors of a correlation of independent draws
+    assert float(x.std()) > 0
+
+
+@pytest.mark.parametrize("module,cls,hyper", ENGINES)
+@pytest.mark.parametrize("schedule", [PolynomialDecay(a=0.05, b=1.0, gamma=0.55), Cyclical(initial=0.05, cycle_length=3)])
+def test_schedules_are_used_and_reported(module, cls, hyper, schedule):
+    state = module.init(start())
+    for t in range(4):
+        state, info = module.step(state, None, target, **{**hyper, "step_size": schedule})
+        assert float(info.step_size) == pytest.approx(float(schedule(torch.tensor(t, dtype=torch.float64))))
+
+
+@pytest.mark.parametrize("module,cls,hyper", ENGINES)
+def test_shell_exposes_hyperparameters_and_validates(module, cls, hyper):
+    kernel = cls(lambda: None, **hyper, temperature=0.5)
+    assert kernel.step_size == hyper["step_size"] and kernel.temperature == 0.5
+    assert "step_size" in repr(kernel)
+    with pytest.raises(ValueError, match="step_size"):
+        cls(lambda: None, **{**hyper, "step_size": -1.0})
+    with pytest.raises(ValueError, match="temperature"):
+        cls(lambda: None, **hyper, temperature=float("nan"))
+
+
+@pytest.mark.parametrize("module,cls,hyper", ENGINES)
+def test_divergent_step_is_rejected_and_flagged(module, cls, hyper):
+    def bad(latents, batch):
+        return target(latents, batch) * torch.tensor(float("nan"))
+
+    state = module.init(start())
+    new, info = module.step(state, None, bad, **hyper, generator=torch.Generator().manual_seed(0))
+    assert bool(info.diverging)
+    for name in state.latents:
+        torch.testing.assert_close(new.latents[name], state.latents[name])

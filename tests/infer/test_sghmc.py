@@ -1,0 +1,92 @@
+"""SGHMC: exact tier (T = 0 is SGD with momentum, seeded step = formula) and gold tier (discrete Lyapunov)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pyro_scalable.infer import sghmc
+
+from .test_sgld import quadratic
+
+
+@pytest.mark.parametrize("mass", [1.0, 2.5])
+def test_zero_temperature_is_sgd_with_momentum(mass):
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(6, 4, generator=g, dtype=torch.float64), torch.randn(6, generator=g, dtype=torch.float64)
+    fn, x0 = quadratic(a, b), torch.randn(4, generator=g, dtype=torch.float64)
+    lr, momentum = 0.01, 0.9
+    hyper = sghmc.sgd_hyperparameters(lr, momentum, mass=mass)
+    state = sghmc.init({"x": x0.clone()})
+    param = x0.clone().requires_grad_()
+    opt = torch.optim.SGD([param], lr=lr, momentum=momentum)
+    for _ in range(50):
+        state, _ = sghmc.step(state, None, fn, **hyper, mass=mass, temperature=0.0)
+        opt.zero_grad()
+        (-fn({"x": param}, None)).backward()
+        opt.step()
+        torch.testing.assert_close(state.latents["x"], param.detach(), rtol=1e-12, atol=1e-12)
+
+
+def test_seeded_step_is_the_formula():
+    a, b = torch.eye(2, dtype=torch.float64), torch.tensor([1.0, -1.0], dtype=torch.float64)
+    x, m = torch.tensor([0.3, 0.2], dtype=torch.float64), torch.tensor([0.1, -0.4], dtype=torch.float64)
+    eps, alpha, mass, temp = 0.1, 2.0, 1.5, 0.8
+    state, _ = sghmc.step(sghmc.init({"x": x}, {"x": m}), None, quadratic(a, b), step_size=eps, friction=alpha,
+                          mass=mass, temperature=temp, generator=torch.Generator().manual_seed(3))
+    xi = torch.randn(2, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    m_new = m + eps * (b - x) - eps * alpha / mass * m + (2 * alpha * eps * temp) ** 0.5 * xi
+    torch.testing.assert_close(state.momenta["x"], m_new, rtol=1e-15, atol=1e-15)
+    torch.testing.assert_close(state.latents["x"], x + eps / mass * m_new, rtol=1e-15, atol=1e-15)
+
+
+def lyapunov(a: torch.Tensor, bbt: torch.Tensor) -> torch.Tensor:
+    """Solve Σ = A Σ Aᵀ + B Bᵀ through vec(Σ) = (I - A ⊗ A)⁻¹ vec(B Bᵀ)."""
+    n = a.shape[0]
+    vec = torch.linalg.solve(torch.eye(n * n, dtype=a.dtype) - torch.kron(a, a), bbt.reshape(-1))
+    return vec.reshape(n, n)
+
+
+def linear_map(fn, hyper, temperature, seed=1):
+    """The engine's (A, B) for z = (θ, m): z' = A z + B ξ, read off by stepping basis states and the zero state."""
+    cols = []
+    for theta, mom in ((1.0, 0.0), (0.0, 1.0)):
+        s = sghmc.init({"x": torch.tensor([theta], dtype=torch.float64)}, {"x": torch.tensor([mom], dtype=torch.float64)})
+        s = sghmc.step(s, None, fn, **hyper, temperature=0.0)[0]
+        cols.append(torch.cat([s.latents["x"], s.momenta["x"]]))
+    zero = sghmc.init({"x": torch.zeros(1, dtype=torch.float64)})
+    s = sghmc.step(zero, None, fn, **hyper, temperature=temperature, generator=torch.Generator().manual_seed(seed))[0]
+    xi = torch.randn(1, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return torch.stack(cols, dim=1), torch.cat([s.latents["x"], s.momenta["x"]]) / xi
+
+
+@pytest.mark.parametrize("step_size,friction,mass", [(0.05, 1.0, 1.0), (0.2, 3.0, 2.0), (0.01, 10.0, 0.5)])
+def test_lyapunov_covariance_matches_the_update_rule(step_size, friction, mass):
+    sigma, temp = 0.8, 0.6
+    fn = quadratic(torch.tensor([[1 / sigma]], dtype=torch.float64), torch.zeros(1, dtype=torch.float64))
+    hyper = {"step_size": step_size, "friction": friction, "mass": mass}
+    a, b = linear_map(fn, hyper, temp)
+    eps, s2 = step_size, sigma**2
+    decay = 1 - eps * friction / mass
+    a_rule = torch.tensor([[1 - eps**2 / (mass * s2), eps / mass * decay], [-eps / s2, decay]], dtype=torch.float64)
+    c = (2 * friction * eps * temp) ** 0.5
+    b_rule = torch.tensor([eps / mass * c, c], dtype=torch.float64)
+    torch.testing.assert_close(a, a_rule, rtol=1e-14, atol=1e-14)
+    torch.testing.assert_close(b, b_rule, rtol=1e-14, atol=1e-14)
+    cov = lyapunov(a, torch.outer(b, b))
+    # the discrete chain is biased by O(ε) away from the continuous-time law T σ² ⊕ T mass
+    assert cov[0, 0] == pytest.approx(temp * s2, rel=5 * eps / min(1.0, mass * s2) + 1e-3)
+
+
+def test_small_step_limit_is_the_tempered_target():
+    sigma, temp = 1.5, 0.5
+    fn = quadratic(torch.tensor([[1 / sigma]], dtype=torch.float64), torch.zeros(1, dtype=torch.float64))
+    a, b = linear_map(fn, {"step_size": 1e-4, "friction": 1.0, "mass": 1.0}, temp)
+    cov = lyapunov(a, torch.outer(b, b))
+    torch.testing.assert_close(cov, torch.diag(torch.tensor([temp * sigma**2, temp], dtype=torch.float64)),
+                               rtol=1e-3, atol=1e-4)
+
+
+def test_friction_too_large_for_step_size_is_refused():
+    with pytest.raises(ValueError, match="step_size \\* friction / mass"):
+        sghmc.SGHMC(lambda: None, step_size=0.5, friction=4.0)
