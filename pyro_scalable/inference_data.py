@@ -85,5 +85,7 @@ def _numpy(tensors: dict) -> dict[str, np.ndarray]:
 
 
 def _plate_dims(bridge: ModelBridge, site: str, ndim: int) -> list[str]:
+    # Plate dims count from the right of the batch shape; the observed value also has the event dims on its right.
     frames = bridge.observed[site]
-    return [frames.get(dim, f"{site}_dim_{ndim + dim}") for dim in range(-ndim, 0)]
+    event_dim = bridge.observed_event_dims[site]
+    return [frames.get(dim + event_dim, f"{site}_dim_{ndim + dim}") for dim in range(-ndim, 0)]

@@ -33,8 +33,17 @@ def _clear_param_store():
 class LinearRegression:
     """y = X w + noise, w ~ N(0, prior_scale^2 I), known noise scale: the posterior is Gaussian in closed form."""
 
-    def __init__(self, num_data=1000, dim=2, batch_size=100, noise_scale=1.0, prior_scale=1.0, seed=0,
-                 dtype=torch.float64, device="cpu"):
+    def __init__(
+        self,
+        num_data=1000,
+        dim=2,
+        batch_size=100,
+        noise_scale=1.0,
+        prior_scale=1.0,
+        seed=0,
+        dtype=torch.float64,
+        device="cpu",
+    ):
         g = torch.Generator().manual_seed(seed)
         self.x = torch.randn(num_data, dim, generator=g, dtype=dtype).to(device)
         w = torch.randn(dim, generator=g, dtype=dtype).to(device)

@@ -146,6 +146,8 @@ class ModelBridge:
         self.plates = self._find_plates(trace)
         self.sites = self._find_latents(trace)
         self.observed = self._find_observed(trace)
+        # the plate dims in ``observed`` count from the right of the batch shape, left of these event dims
+        self.observed_event_dims = {name: trace.nodes[name]["fn"].event_dim for name in self.observed}
         if self.device is None:
             self.device = next((v["value"].device for _, v in self._latent_nodes(trace)), torch.device("cpu"))
         self._check_plate_sizes()
@@ -153,11 +155,14 @@ class ModelBridge:
     # ------------------------------------------------------------------ discovery and checks
     def _trace(self, model: Callable, *, validate: bool, indices: Mapping[str, Tensor] | None = None):
         context = plate_indices(indices) if indices is not None else contextlib.nullcontext()
+        tracer = pyro.poutine.trace(model)
         try:
             with _validation(validate), context:
-                return pyro.poutine.trace(model).get_trace(*self.args, **self.kwargs)
+                return tracer.get_trace(*self.args, **self.kwargs)
         except IndexError as error:
-            sizes = ", ".join(f"'{p.name}' (size {p.size})" for p in getattr(self, "plates", {}).values())
+            # On the first trace the plates are not known yet; the partial trace has the plates entered so far.
+            plates = getattr(self, "plates", None) or self._find_plates(tracer.msngr.trace)
+            sizes = ", ".join(f"'{p.name}' (size {p.size})" for p in plates.values())
             raise ModelError(
                 f"indexing the data with the plate's indices failed ({error}); the plate size must equal the "
                 f"number of data points{': plates ' + sizes if sizes else ''}. Pass N = len(data) to pyro.plate."

@@ -16,6 +16,7 @@ the chains are a deep ensemble.
 from __future__ import annotations
 
 import itertools
+import operator
 import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any, Literal
@@ -90,7 +91,7 @@ class StochasticMCMC:
             ("num_chains", num_chains, 1),
             ("thin", thin, 1),
         ):
-            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            if isinstance(value, bool) or not hasattr(value, "__index__") or operator.index(value) < least:
                 raise ValueError(f"{name} must be an int >= {least}, got {value!r}.")
         if chain_method not in ("vectorized", "sequential"):
             raise ValueError(f"chain_method must be 'vectorized' or 'sequential', got {chain_method!r}.")
@@ -99,10 +100,10 @@ class StochasticMCMC:
         if not (hasattr(kernel, "init") and hasattr(kernel, "step") and hasattr(kernel, "model")):
             raise TypeError(f"kernel must be an engine such as SGLD(model, ...) or SGHMC(model, ...), got {kernel!r}.")
         self.kernel = kernel
-        self.num_samples = num_samples
-        self.num_warmup = num_warmup
-        self.num_chains = num_chains
-        self.thin = thin
+        self.num_samples = operator.index(num_samples)
+        self.num_warmup = operator.index(num_warmup)
+        self.num_chains = operator.index(num_chains)
+        self.thin = operator.index(thin)
         self.seed = seed
         self.chain_method = chain_method
         self.on_divergence = on_divergence
@@ -235,7 +236,10 @@ class StochasticMCMC:
         return self.bridge
 
     def get_samples(self, group_by_chain: bool = False) -> dict[str, Tensor]:
-        """Constrained draws: ``(num_chains, num_samples, *shape)`` or, flattened, ``(num_chains * num_samples, *shape)``."""
+        """Constrained draws, ``(num_chains, num_samples, *shape)``, or ``(num_chains * num_samples, *shape)``.
+
+        Draws are stored unconstrained and mapped through each site's ``biject_to`` transform on request.
+        """
         bridge = self._require_run()
         samples = bridge.constrain({k: v.to(bridge.device) for k, v in self._draws.items()})
         samples = {k: v.detach().to(self.draws_device) for k, v in samples.items()}
@@ -329,9 +333,11 @@ class _ChainStepper:
         return type(infos[0])(*(torch.stack(values) for values in zip(*infos)))
 
     def latents(self) -> Latents:
+        """The draw of each chain: its last point with a finite log density and gradient."""
         if self.mode == "vectorized":
-            return self.state.latents
-        return {name: torch.stack([s.latents[name] for s in self._chains]) for name in self._chains[0].latents}
+            return self.state.checked_latents
+        names = self._chains[0].checked_latents
+        return {name: torch.stack([s.checked_latents[name] for s in self._chains]) for name in names}
 
     @property
     def final_state(self) -> Any:

@@ -31,7 +31,7 @@ class PolynomialDecay:
 
     Example:
         >>> schedule = PolynomialDecay(a=0.1, b=1.0, gamma=0.55)
-        >>> float(schedule(torch.tensor(0)))
+        >>> round(float(schedule(torch.tensor(0))), 6)
         0.1
 
     """

@@ -83,7 +83,9 @@ def test_vmapped_noise_is_independent_across_chains(module, cls, hyper):
 
 
 @pytest.mark.parametrize("module,cls,hyper", ENGINES)
-@pytest.mark.parametrize("schedule", [PolynomialDecay(a=0.05, b=1.0, gamma=0.55), Cyclical(initial=0.05, cycle_length=3)])
+@pytest.mark.parametrize(
+    "schedule", [PolynomialDecay(a=0.05, b=1.0, gamma=0.55), Cyclical(initial=0.05, cycle_length=3)]
+)
 def test_schedules_are_used_and_reported(module, cls, hyper, schedule):
     state = module.init(start())
     for t in range(4):

@@ -25,19 +25,26 @@ def run(kernel, data, **kwargs):
 
 def test_zero_temperature_sgld_is_torch_sgd_on_the_pyro_model(regression):
     lr, seed, steps = 1e-4, 7, 25
-    mcmc = run(SGLD(regression.model, step_size=lr, temperature=0.0), (regression.x, regression.y),
-               num_samples=steps, num_warmup=0, num_chains=1, seed=seed)
+    mcmc = run(
+        SGLD(regression.model, step_size=lr, temperature=0.0),
+        (regression.x, regression.y),
+        num_samples=steps,
+        num_warmup=0,
+        num_chains=1,
+        seed=seed,
+    )
     bridge = ModelBridge(regression.model, (regression.x, regression.y))
     param = bridge.init_latents(1, init_to_uniform, seed=seed)["w"][0].clone().requires_grad_()
     sampler = EpochSampler(bridge.plates, 1, torch.Generator().manual_seed(seed), bridge.device)
     opt = torch.optim.SGD([param], lr=lr)
     draws = mcmc.get_samples()["w"]
     for t in range(steps):
+        # draw t is the point whose gradient step t evaluated: SGD's parameter after t steps
+        torch.testing.assert_close(draws[t], param.detach(), rtol=1e-12, atol=1e-12)
         indices = {k: v[0] for k, v in next(sampler).items()}
         opt.zero_grad()
         (-bridge.log_posterior({"w": param}, Batch(indices, bridge.args, bridge.kwargs))).backward()
         opt.step()
-        torch.testing.assert_close(draws[t], param.detach(), rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("kernel_cls", [SGLD, SGHMC])
@@ -61,8 +68,14 @@ def test_seed_reproduces_and_chains_differ(regression):
 
 
 def test_shapes_thinning_and_stats(regression):
-    mcmc = run(SGHMC(regression.model, step_size=1e-3, friction=10.0), (regression.x, regression.y),
-               num_samples=7, num_warmup=3, thin=3, num_chains=2)
+    mcmc = run(
+        SGHMC(regression.model, step_size=1e-3, friction=10.0),
+        (regression.x, regression.y),
+        num_samples=7,
+        num_warmup=3,
+        thin=3,
+        num_chains=2,
+    )
     assert mcmc.get_samples(group_by_chain=True)["w"].shape == (2, 7, 2)
     assert mcmc.get_samples()["w"].shape == (14, 2)
     stats = mcmc.sample_stats

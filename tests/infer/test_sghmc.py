@@ -32,8 +32,16 @@ def test_seeded_step_is_the_formula():
     a, b = torch.eye(2, dtype=torch.float64), torch.tensor([1.0, -1.0], dtype=torch.float64)
     x, m = torch.tensor([0.3, 0.2], dtype=torch.float64), torch.tensor([0.1, -0.4], dtype=torch.float64)
     eps, alpha, mass, temp = 0.1, 2.0, 1.5, 0.8
-    state, _ = sghmc.step(sghmc.init({"x": x}, {"x": m}), None, quadratic(a, b), step_size=eps, friction=alpha,
-                          mass=mass, temperature=temp, generator=torch.Generator().manual_seed(3))
+    state, _ = sghmc.step(
+        sghmc.init({"x": x}, {"x": m}),
+        None,
+        quadratic(a, b),
+        step_size=eps,
+        friction=alpha,
+        mass=mass,
+        temperature=temp,
+        generator=torch.Generator().manual_seed(3),
+    )
     xi = torch.randn(2, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     m_new = m + eps * (b - x) - eps * alpha / mass * m + (2 * alpha * eps * temp) ** 0.5 * xi
     torch.testing.assert_close(state.momenta["x"], m_new, rtol=1e-15, atol=1e-15)
@@ -51,7 +59,9 @@ def linear_map(fn, hyper, temperature, seed=1):
     """The engine's (A, B) for z = (θ, m): z' = A z + B ξ, read off by stepping basis states and the zero state."""
     cols = []
     for theta, mom in ((1.0, 0.0), (0.0, 1.0)):
-        s = sghmc.init({"x": torch.tensor([theta], dtype=torch.float64)}, {"x": torch.tensor([mom], dtype=torch.float64)})
+        s = sghmc.init(
+            {"x": torch.tensor([theta], dtype=torch.float64)}, {"x": torch.tensor([mom], dtype=torch.float64)}
+        )
         s = sghmc.step(s, None, fn, **hyper, temperature=0.0)[0]
         cols.append(torch.cat([s.latents["x"], s.momenta["x"]]))
     zero = sghmc.init({"x": torch.zeros(1, dtype=torch.float64)})
@@ -83,8 +93,9 @@ def test_small_step_limit_is_the_tempered_target():
     fn = quadratic(torch.tensor([[1 / sigma]], dtype=torch.float64), torch.zeros(1, dtype=torch.float64))
     a, b = linear_map(fn, {"step_size": 1e-4, "friction": 1.0, "mass": 1.0}, temp)
     cov = lyapunov(a, torch.outer(b, b))
-    torch.testing.assert_close(cov, torch.diag(torch.tensor([temp * sigma**2, temp], dtype=torch.float64)),
-                               rtol=1e-3, atol=1e-4)
+    torch.testing.assert_close(
+        cov, torch.diag(torch.tensor([temp * sigma**2, temp], dtype=torch.float64)), rtol=1e-3, atol=1e-4
+    )
 
 
 def test_friction_too_large_for_step_size_is_refused():

@@ -36,8 +36,14 @@ def test_zero_temperature_is_torch_sgd():
 def test_seeded_step_is_the_formula():
     a, b = torch.eye(2, dtype=torch.float64), torch.tensor([1.0, -1.0], dtype=torch.float64)
     x = torch.tensor([0.3, 0.2], dtype=torch.float64)
-    state, info = sgld.step(sgld.init({"x": x}), None, quadratic(a, b), step_size=0.1, temperature=0.7,
-                            generator=torch.Generator().manual_seed(3))
+    state, info = sgld.step(
+        sgld.init({"x": x}),
+        None,
+        quadratic(a, b),
+        step_size=0.1,
+        temperature=0.7,
+        generator=torch.Generator().manual_seed(3),
+    )
     xi = torch.randn(2, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     expected = x + 0.1 * (b - x) + (2 * 0.1 * 0.7) ** 0.5 * xi
     torch.testing.assert_close(state.latents["x"], expected, rtol=1e-15, atol=1e-15)
@@ -56,8 +62,14 @@ def test_stationary_variance_is_ar1(step_size, temperature):
     # deterministic part: x' = A x
     a = sgld.step(sgld.init(one), None, fn, step_size=step_size, temperature=0.0)[0].latents["x"]
     # noise part: from x = 0, x' = B ξ with ξ from the same seed
-    bxi = sgld.step(sgld.init(zero), None, fn, step_size=step_size, temperature=temperature,
-                    generator=torch.Generator().manual_seed(1))[0].latents["x"]
+    bxi = sgld.step(
+        sgld.init(zero),
+        None,
+        fn,
+        step_size=step_size,
+        temperature=temperature,
+        generator=torch.Generator().manual_seed(1),
+    )[0].latents["x"]
     xi = torch.randn(1, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     variance = (bxi / xi) ** 2 / (1 - a**2)
     expected = temperature * sigma**2 / (1 - step_size / (2 * sigma**2))

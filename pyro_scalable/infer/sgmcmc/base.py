@@ -3,8 +3,12 @@
 Contract (BlackJAX-style): an engine module has ``init(latents) -> State`` and
 ``step(state, batch, log_posterior_fn, *, <hyperparameters>, generator) -> (State, Info)``, with every State
 field a tensor so that ``torch.func.vmap(step, randomness="different")`` runs many chains as one computation.
-A step whose log density or gradient is not finite keeps the previous latents and sets ``Info.diverging``:
-no engine ever hands the driver a NaN draw.
+Every State also carries ``checked_latents``: the last point at which the log density and its gradient were
+found finite. That point, not the untested proposal, is the draw the driver records, so ``Info.log_posterior``
+and ``Info.grad_norm`` belong to it (on a diverging step they show the non-finite values met). A step whose log
+density or gradient is not finite sets ``Info.diverging`` and sends the chain back to ``checked_latents``
+(momentum reset): it goes on from there with fresh noise and a fresh minibatch, and no engine ever hands the
+driver a point with a non-finite density, let alone a NaN draw.
 """
 
 from __future__ import annotations
@@ -54,5 +58,5 @@ def gaussian_like(latents: Latents, generator: torch.Generator | None, temperatu
 
 
 def keep_where_finite(diverging: Tensor, new: Latents, old: Latents) -> Latents:
-    """``new`` where the step was finite, ``old`` where it diverged (a rejected step)."""
+    """Select ``new`` where the step was finite and ``old`` where it diverged."""
     return {name: torch.where(diverging, old[name], new[name]) for name in new}

@@ -5,7 +5,8 @@ Momentum :math:`m`, friction :math:`\alpha`, mass :math:`\sigma^2`, step size :m
 
 .. math::
 
-    m_{t+1} &= m_t + \epsilon\,\hat g(\theta_t) - \epsilon\,\alpha\,\sigma^{-2} m_t + \sqrt{2\,\alpha\,\epsilon\,T}\;\xi_t, \\
+    m_{t+1} &= m_t + \epsilon\,\hat g(\theta_t) - \epsilon\,\alpha\,\sigma^{-2} m_t
+               + \sqrt{2\,\alpha\,\epsilon\,T}\;\xi_t, \\
     \theta_{t+1} &= \theta_t + \epsilon\,\sigma^{-2} m_{t+1} .
 
 The continuous-time limit has stationary law :math:`\pi_T(\theta)\,\mathcal{N}(m; 0, T\sigma^2)`. The
@@ -53,6 +54,9 @@ class SGHMCState(NamedTuple):
 
     latents: Latents  # unconstrained values, keyed by Pyro site name
     momenta: Latents  # same keys and shapes as latents
+    checked_latents: (
+        Latents  # last point with finite density and gradient: the draw, and where a diverging step returns
+    )
     step_count: Tensor  # 0-d int64
 
 
@@ -61,7 +65,8 @@ def init(latents: Latents, momenta: Latents | None = None) -> SGHMCState:
     first = next(iter(latents.values()))
     if momenta is None:
         momenta = {name: torch.zeros_like(x) for name, x in latents.items()}
-    return SGHMCState(dict(latents), dict(momenta), torch.zeros((), dtype=torch.int64, device=first.device))
+    zero = torch.zeros((), dtype=torch.int64, device=first.device)
+    return SGHMCState(dict(latents), dict(momenta), dict(latents), zero)
 
 
 def step(
@@ -84,10 +89,11 @@ def step(
     noise = gaussian_like(state.latents, generator, temperature)
     momenta = {name: decay * m + eps * grads[name] + noise_scale * noise[name] for name, m in state.momenta.items()}
     proposal = {name: x + (eps / mass) * momenta[name] for name, x in state.latents.items()}
-    latents = keep_where_finite(diverging, proposal, state.latents)
-    momenta = keep_where_finite(diverging, momenta, state.momenta)
+    latents = keep_where_finite(diverging, proposal, state.checked_latents)
+    previous = keep_where_finite(diverging, state.latents, state.checked_latents)
+    momenta = keep_where_finite(diverging, momenta, {name: torch.zeros_like(m) for name, m in momenta.items()})
     info = SGMCMCInfo(log_posterior, grad_norm, eps, temp, diverging)
-    return SGHMCState(latents, momenta, state.step_count + 1), info
+    return SGHMCState(latents, momenta, previous, state.step_count + 1), info
 
 
 def sgd_hyperparameters(lr: float, momentum: float, mass: float = 1.0) -> dict[str, float]:
@@ -150,9 +156,10 @@ class SGHMC:
         check_positive("friction", friction)
         check_positive("mass", mass)
         check_positive("temperature", temperature, allow_zero=True)
-        if not callable(step_size) and float(step_size) * friction / mass >= 1.0:
+        largest = float(step_size(torch.zeros(())) if callable(step_size) else step_size)  # schedules start highest
+        if largest * friction / mass >= 1.0:
             raise ValueError(
-                f"step_size * friction / mass must be below 1 (got {float(step_size) * friction / mass:.3g}): "
+                f"step_size * friction / mass must be below 1 (got {largest * friction / mass:.3g}): "
                 "the momentum would change sign every step. Lower the step size or the friction."
             )
         self.model = FullDataModel(model)

@@ -41,13 +41,16 @@ class SGLDState(NamedTuple):
     """Everything the next SGLD step needs. Every field is a tensor."""
 
     latents: Latents  # unconstrained values, keyed by Pyro site name
+    checked_latents: (
+        Latents  # last point with finite density and gradient: the draw, and where a diverging step returns
+    )
     step_count: Tensor  # 0-d int64
 
 
 def init(latents: Latents) -> SGLDState:
     """Start a chain at unconstrained ``latents``."""
     first = next(iter(latents.values()))
-    return SGLDState(dict(latents), torch.zeros((), dtype=torch.int64, device=first.device))
+    return SGLDState(dict(latents), dict(latents), torch.zeros((), dtype=torch.int64, device=first.device))
 
 
 def step(
@@ -66,9 +69,10 @@ def step(
     noise_scale = torch.sqrt(2.0 * eps * temp)
     noise = gaussian_like(state.latents, generator, temperature)
     proposal = {name: x + eps * grads[name] + noise_scale * noise[name] for name, x in state.latents.items()}
-    latents = keep_where_finite(diverging, proposal, state.latents)
+    latents = keep_where_finite(diverging, proposal, state.checked_latents)
+    previous = keep_where_finite(diverging, state.latents, state.checked_latents)
     info = SGMCMCInfo(log_posterior, grad_norm, eps, temp, diverging)
-    return SGLDState(latents, state.step_count + 1), info
+    return SGLDState(latents, previous, state.step_count + 1), info
 
 
 class SGLD:
@@ -76,8 +80,8 @@ class SGLD:
 
     ``model`` is kept as ``self.model``, a :class:`~pyro_scalable.bridge.FullDataModel`: the same model with
     subsampling switched off, which is what ``Predictive`` and ``arviz.from_pyro`` should run (the model as written
-    is ``self.model.model``). With ``temperature=0`` the trajectory is that of ``torch.optim.SGD(params, lr=step_size)`` minimising the
-    negative log joint.
+    is ``self.model.model``). With ``temperature=0`` the trajectory is that of
+    ``torch.optim.SGD(params, lr=step_size)`` minimising the negative log joint.
 
     Args:
         model: a Pyro model whose likelihood sits in ``pyro.plate(name, N, subsample_size=B)`` (or
