@@ -1,0 +1,145 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: py:percent
+#   kernelspec:
+#     display_name: Python 3
+#     name: python3
+# ---
+
+# %% [markdown]
+# # SG-MCMC on Bayesian logistic regression, checked against NUTS
+#
+# A Pyro model with a subsampled plate, sampled by SGHMC from minibatches, diagnosed in ArviZ, and compared with
+# Pyro's NUTS on the full data (which refuses the subsampled plate, so it gets the same model without it). Then the
+# two knobs every SG-MCMC user meets: the temperature and the minibatch size.
+#
+# Set `PYRO_SCALABLE_FAST=1` for the quick run CI does (less data, fewer draws).
+
+# %%
+import os
+import warnings
+
+import pyro
+import pyro.distributions as dist
+import torch
+
+from pyro_scalable.infer import SGHMC, StochasticMCMC
+
+with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message=r"\s*ArviZ is undergoing", category=FutureWarning)
+    import arviz as az
+
+FAST = os.environ.get("PYRO_SCALABLE_FAST") == "1"
+IMAGES = os.environ.get("PYRO_SCALABLE_IMAGES", "docs/images")
+N, D = (2_000, 4) if FAST else (20_000, 4)
+STEPS = 400 if FAST else 2_000
+torch.manual_seed(0)
+true_w = torch.tensor([1.0, -0.5, 0.25, 0.0])
+x = torch.randn(N, D)
+y = torch.bernoulli(torch.sigmoid(x @ true_w + 0.3))
+
+# %% [markdown]
+# ## The model
+# The likelihood sits in `pyro.plate("data", N, subsample_size=B)`: Pyro scales it by N/B, so the model is an
+# unbiased estimate of the full-data log joint and nobody writes N by hand.
+
+
+# %%
+def model(x, y, batch_size=256):
+    w = pyro.sample("w", dist.Normal(torch.zeros(x.shape[1]), 1.0).to_event(1))
+    b = pyro.sample("b", dist.Normal(0.0, 5.0))
+    with pyro.plate("data", x.shape[0], subsample_size=batch_size) as idx:
+        pyro.sample("obs", dist.Bernoulli(logits=x[idx] @ w + b), obs=y[idx])
+
+
+# %% [markdown]
+# ## SGHMC, four vectorised chains
+# The posterior sd is about 1/√(N/4) ≈ 0.03 (0.01 at full size); the curvature is ~N/4, so ε ≈ 0.3/√(N/4) keeps
+# ε²·λ_max ≈ 0.1, and friction ≈ 2√λ_max damps the stiffest direction critically.
+
+# %%
+curvature = N / 4
+step_size, friction = 0.3 / curvature**0.5, 2 * curvature**0.5 * 0.5
+mcmc = StochasticMCMC(
+    SGHMC(model, step_size=step_size, friction=friction), num_samples=STEPS, num_warmup=STEPS, num_chains=4, seed=0
+)
+mcmc.run(x, y)
+idata = mcmc.to_inference_data()
+summary = az.summary(idata, var_names=["w", "b"])
+print(summary)
+
+# %%
+import matplotlib  # noqa: E402
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+os.makedirs(IMAGES, exist_ok=True)
+az.plot_trace(idata, var_names=["w", "b"], compact=True)
+plt.tight_layout()
+plt.savefig(os.path.join(IMAGES, "sgmcmc_trace.png"), dpi=72)
+az.plot_rank(idata, var_names=["b"])
+plt.savefig(os.path.join(IMAGES, "sgmcmc_rank.png"), dpi=72)
+plt.close("all")
+
+assert summary["r_hat"].max() < 1.05, summary
+assert summary["ess_bulk"].min() > 50, summary
+
+# %% [markdown]
+# ## The reference: NUTS on the full data
+# The same model without the subsampled plate (NUTS raises `NotImplementedError` on subsample sites).
+
+
+# %%
+def full_model(x, y):
+    model(x, y, batch_size=None)
+
+
+nuts = pyro.infer.MCMC(
+    pyro.infer.NUTS(full_model), num_samples=STEPS // 2, warmup_steps=STEPS // 2, disable_progbar=True
+)
+nuts.run(x, y)
+reference = nuts.get_samples()
+ours = mcmc.get_samples()
+for site in ("w", "b"):
+    sd = reference[site].std(0)
+    z = (ours[site].mean(0) - reference[site].mean(0)) / sd
+    ratio = ours[site].std(0) / sd
+    print(f"{site}: mean difference / NUTS sd = {z.numpy().round(2)}, sd ratio = {ratio.numpy().round(2)}")
+    # each mean is known to ~0.1 sd (ESS in the hundreds on both sides); the sd to ~10%, and the minibatch
+    # gradient noise widens ours by up to ~εV/(2αT) in variance (see the last section): SGHMC may only be wider
+    assert z.abs().max() < 0.4 and ratio.min() > 0.85 and ratio.max() < 1.4
+
+# %% [markdown]
+# ## Temperature: T = 0.5 halves the posterior variance; T = 0 is SGD with momentum
+
+
+# %%
+def posterior_sd(temperature, batch_size=256, steps=STEPS):
+    run = StochasticMCMC(
+        SGHMC(lambda x, y: model(x, y, batch_size), step_size=step_size, friction=friction, temperature=temperature),
+        num_samples=steps,
+        num_warmup=steps,
+        num_chains=4,
+        seed=1,
+        progress_bar=False,
+    )
+    run.run(x, y)
+    return run.get_samples()["w"].std(0)
+
+
+hot, cold, frozen = posterior_sd(1.0), posterior_sd(0.5), posterior_sd(0.0)
+print("sd ratio T=0.5 / T=1:", (cold / hot).numpy().round(2), " (√0.5 ≈ 0.71)")
+print("sd at T=0 (each chain is SGD; the spread is between chains' end points):", frozen.numpy().round(4))
+assert ((cold / hot) - 0.5**0.5).abs().max() < 0.15
+
+# %% [markdown]
+# ## Minibatch size: small batches inflate the posterior
+# The minibatch gradient adds noise of variance ε²V per step, V ∝ N²/B, on top of the injected 2αεT; with the
+# same ε and α, a smaller B widens the posterior. Calibrated corrections are the subject of a later release.
+
+# %%
+for batch_size in (32, 256, 2_000 if FAST else 4_000):
+    ratio = posterior_sd(1.0, batch_size) / reference["w"].std(0)
+    print(f"B={batch_size:5d}: sd / NUTS sd =", ratio.numpy().round(2))
