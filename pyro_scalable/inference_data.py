@@ -53,7 +53,7 @@ def to_inference_data(
     """
     posterior = _numpy(mcmc.get_samples(group_by_chain=True))
     stats = _numpy(mcmc.sample_stats)
-    bridge: ModelBridge | None = getattr(mcmc, "_full_bridge", mcmc.bridge)
+    bridge: ModelBridge | None = mcmc._full_bridge
     groups: dict[str, dict[str, np.ndarray]] = {"posterior": posterior, "sample_stats": stats}
     all_dims = {}
     if bridge is None:

@@ -109,7 +109,9 @@ class StochasticMCMC:
         self.on_divergence = on_divergence
         self.draws_device = torch.device(draws_device)
         self.progress_bar = progress_bar
+        self._num_samples_requested = self.num_samples
         self.bridge: ModelBridge | None = None
+        self._full_bridge: ModelBridge | None = None  # the full data, where a DataLoader fed the steps
         self.state: Any = None
         self._args: tuple = ()
         self._kwargs: dict = {}
@@ -126,6 +128,7 @@ class StochasticMCMC:
         ``args``/``kwargs`` (if given) are the full data for the log-likelihood and ``arviz.from_pyro``.
         """
         model = self.kernel.model
+        self.num_samples = self._num_samples_requested  # a stopped earlier run may have kept fewer
         seed = int(torch.randint(0, 2**62, ())) if self.seed is None else self.seed
         self._args, self._kwargs = args, kwargs
         batch_iter = None
