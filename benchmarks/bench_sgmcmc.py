@@ -1,0 +1,953 @@
+"""Benchmark of the SG-MCMC engines: cost per step, vectorised chains, and time-to-accuracy against NUTS.
+
+    python benchmarks/bench_sgmcmc.py            # full run (about 20 minutes on 2 quiet CPU cores)
+    python benchmarks/bench_sgmcmc.py --quick    # smoke-sized run (about 3 minutes)
+
+Prints a markdown report and writes it to ``benchmarks/results/sgmcmc.md`` (``--out`` to change). Three parts:
+
+1. **Cost per step**, one chain: ``pyro_scalable.infer.SGHMC`` driven by ``StochasticMCMC`` (on a Pyro model), a
+   hand-written ``torch.autograd`` SGHMC loop and ``posteriors.sgmcmc.sghmc`` (both on the same log density written
+   in plain torch), all with the same minibatch size, minibatch sampler (a reshuffled permutation per epoch),
+   step size, friction and update. A run of ``K`` steps minus a run of ``k`` steps, divided by ``K - k``, is the
+   time per step: one-off setup (tracing and checking the model, initial values, the first permutation) cancels,
+   and is reported on its own. Problems: (a) logistic regression, N = 10^6, d = 100, B = 1000; (b) a Bayesian
+   MLP 100 -> 300 -> 200 -> 1 (tanh, 90,701 weights), Gaussian regression, N = 10^5, B = 1000.
+2. **Vectorised chains**: 16 chains with ``chain_method="vectorized"`` (one ``torch.func.vmap``-ed step) against
+   16 chains with ``chain_method="sequential"``, on (a) and (b), in chain-steps per second.
+3. **Time to accuracy against NUTS** (``pyro.infer.NUTS``, full batch, no subsampling) on logistic regression with
+   d = 10 at N = 10^5 and N = 10^6: wall-clock time until every posterior mean is within 0.1 posterior sd of a
+   reference and every posterior sd within 10% of it. References: a long NUTS run at N = 10^5 (full run; the quick
+   run uses the Laplace approximation there), the Laplace approximation at the MAP with the exact Hessian at
+   N = 10^6 (checked against the long NUTS run at N = 10^5). Also: the time NUTS needs for 500 draws.
+
+Every timing is repeated (``--reps``) with the implementations interleaved. A repetition during which other
+processes used 0.3 cores or more (read from ``/proc/stat``) is set aside as long as two clean ones remain, and
+``--max-wait S`` makes each repetition wait up to S seconds for a quiet machine. Medians are reported; ratios are
+medians of per-repetition ratios. Compare ratios, not absolute times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyro
+import pyro.distributions as dist
+import torch
+import torch.nn.functional as F
+from pyro.infer import MCMC, NUTS
+from pyro.nn import PyroModule, PyroSample
+from torch import Tensor, nn
+
+from pyro_scalable.infer import SGHMC, StochasticMCMC
+
+RESULTS = Path(__file__).resolve().parent / "results" / "sgmcmc.md"
+MLP_DIMS = (100, 300, 200, 1)
+MLP_NOISE = 0.5
+TOLERANCE_MEAN = 0.1  # |mean - reference mean| / reference sd, every coordinate
+TOLERANCE_SD = 0.1  # |sd / reference sd - 1|, every coordinate
+
+
+def log(*parts: object) -> None:
+    print(*parts, file=sys.stderr, flush=True)
+
+
+# ====================================================================================== problems
+@dataclass
+class Problem:
+    """A data set, its Pyro model (subsampled plate) and the same log density in plain torch."""
+
+    label: str
+    x: Tensor
+    y: Tensor
+    batch_size: int
+    shapes: dict[str, tuple[int, ...]]  # latent shapes, for the hand-written loop and posteriors
+    log_density: Callable[[dict[str, Tensor], Tensor, Tensor], Tensor]  # prior + N/B * minibatch log-likelihood
+    model: Callable  # Pyro model(x, y): pyro.plate(..., subsample_size=B), the engine draws the indices
+    loader_model: Callable  # Pyro model(x, y, idx=None): pyro.plate(..., subsample=idx), fed by a loader
+    step_size: float
+    friction: float
+
+    @property
+    def num_data(self) -> int:
+        return self.x.shape[0]
+
+
+def logistic_data(n: int, d: int, seed: int) -> tuple[Tensor, Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=gen)
+    true_w = torch.randn(d, generator=gen) * (1.5 / math.sqrt(d))
+    y = torch.bernoulli(torch.sigmoid(x @ true_w), generator=gen)
+    return x, y
+
+
+def logistic_model(batch_size: int | None) -> Callable:
+    """Bayesian logistic regression, w ~ N(0, I); ``batch_size=None`` is the full-data model NUTS runs."""
+
+    def model(x: Tensor, y: Tensor) -> None:
+        w = pyro.sample("w", dist.Normal(torch.zeros(x.shape[1]), 1.0).to_event(1))
+        if batch_size is None:
+            with pyro.plate("data", x.shape[0]):
+                pyro.sample("obs", dist.Bernoulli(logits=x @ w), obs=y)
+        else:
+            with pyro.plate("data", x.shape[0], subsample_size=batch_size) as idx:
+                pyro.sample("obs", dist.Bernoulli(logits=x[idx] @ w), obs=y[idx])
+
+    return model
+
+
+def make_logistic(n: int, d: int, batch_size: int, seed: int) -> Problem:
+    x, y = logistic_data(n, d, seed)
+
+    def loader_model(x: Tensor, y: Tensor, idx: Tensor | None = None) -> None:
+        w = pyro.sample("w", dist.Normal(torch.zeros(x.shape[1]), 1.0).to_event(1))
+        with pyro.plate("data", n, subsample=idx):
+            pyro.sample("obs", dist.Bernoulli(logits=x @ w), obs=y)
+
+    def log_density(latents: dict[str, Tensor], xb: Tensor, yb: Tensor) -> Tensor:
+        w = latents["w"]
+        log_lik = -F.binary_cross_entropy_with_logits(xb @ w, yb, reduction="sum")
+        return -0.5 * w.square().sum() + (n / xb.shape[0]) * log_lik
+
+    return Problem(
+        f"(a) logistic regression, N={n:.0e}, d={d}, B={batch_size}",
+        x,
+        y,
+        batch_size,
+        {"w": (d,)},
+        log_density,
+        logistic_model(batch_size),
+        loader_model,
+        step_size=1e-4,
+        friction=100.0,
+    )
+
+
+def mlp_forward(latents: dict[str, Tensor], x: Tensor) -> Tensor:
+    h = x
+    for i in range(len(MLP_DIMS) - 1):
+        h = h @ latents[f"W{i}"] + latents[f"b{i}"]
+        if i < len(MLP_DIMS) - 2:
+            h = torch.tanh(h)
+    return h.squeeze(-1)
+
+
+def mlp_prior_scales() -> dict[str, float]:
+    scales = {}
+    for i, fan_in in enumerate(MLP_DIMS[:-1]):
+        scales[f"W{i}"], scales[f"b{i}"] = fan_in**-0.5, 1.0
+    return scales
+
+
+def mlp_shapes() -> dict[str, tuple[int, ...]]:
+    shapes = {}
+    for i, (fan_in, fan_out) in enumerate(zip(MLP_DIMS[:-1], MLP_DIMS[1:])):
+        shapes[f"W{i}"], shapes[f"b{i}"] = (fan_in, fan_out), (fan_out,)
+    return shapes
+
+
+def make_mlp(n: int, batch_size: int, seed: int) -> Problem:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, MLP_DIMS[0], generator=gen)
+    scales = mlp_prior_scales()
+    teacher = {k: torch.randn(shape, generator=gen) * scales[k] for k, shape in mlp_shapes().items()}
+    y = mlp_forward(teacher, x) + MLP_NOISE * torch.randn(n, generator=gen)
+
+    def model(x: Tensor, y: Tensor) -> None:
+        latents = {}
+        for name, shape in mlp_shapes().items():
+            latents[name] = pyro.sample(name, dist.Normal(0.0, scales[name]).expand(shape).to_event(len(shape)))
+        with pyro.plate("data", x.shape[0], subsample_size=batch_size) as idx:
+            pyro.sample("obs", dist.Normal(mlp_forward(latents, x[idx]), MLP_NOISE), obs=y[idx])
+
+    def loader_model(x: Tensor, y: Tensor, idx: Tensor | None = None) -> None:
+        latents = {}
+        for name, shape in mlp_shapes().items():
+            latents[name] = pyro.sample(name, dist.Normal(0.0, scales[name]).expand(shape).to_event(len(shape)))
+        with pyro.plate("data", n, subsample=idx):
+            pyro.sample("obs", dist.Normal(mlp_forward(latents, x), MLP_NOISE), obs=y)
+
+    def log_density(latents: dict[str, Tensor], xb: Tensor, yb: Tensor) -> Tensor:
+        log_prior = sum(-0.5 * (value / scales[name]).square().sum() for name, value in latents.items())
+        log_lik = -0.5 * ((yb - mlp_forward(latents, xb)) / MLP_NOISE).square().sum()
+        return log_prior + (n / xb.shape[0]) * log_lik
+
+    num_weights = sum(math.prod(s) for s in mlp_shapes().values())
+    return Problem(
+        f"(b) Bayesian MLP {'-'.join(map(str, MLP_DIMS))} tanh ({num_weights:,} weights), N={n:.0e}, B={batch_size}",
+        x,
+        y,
+        batch_size,
+        mlp_shapes(),
+        log_density,
+        model,
+        loader_model,
+        step_size=2e-5,
+        friction=1000.0,
+    )
+
+
+class PyroModuleMLP(PyroModule):
+    """The same MLP written with ``PyroModule[nn.Linear]`` and ``PyroSample`` priors."""
+
+    def __init__(self, batch_size: int):
+        super().__init__()
+        self.batch_size = batch_size
+        self.layers = PyroModule[nn.ModuleList](
+            [PyroModule[nn.Linear](a, b) for a, b in zip(MLP_DIMS[:-1], MLP_DIMS[1:])]
+        )
+        for layer, fan_in in zip(self.layers, MLP_DIMS[:-1]):
+            layer.weight = PyroSample(dist.Normal(0.0, fan_in**-0.5).expand(layer.weight.shape).to_event(2))
+            layer.bias = PyroSample(dist.Normal(0.0, 1.0).expand(layer.bias.shape).to_event(1))
+
+    def forward(self, x: Tensor, y: Tensor) -> None:
+        for layer in self.layers:  # draw the weights outside the data plate
+            layer.weight, layer.bias  # noqa: B018
+        with pyro.plate("data", x.shape[0], subsample_size=self.batch_size) as idx:
+            h = x[idx]
+            for i, layer in enumerate(self.layers):
+                h = layer(h)
+                if i < len(self.layers) - 1:
+                    h = torch.tanh(h)
+            pyro.sample("obs", dist.Normal(h.squeeze(-1), MLP_NOISE), obs=y[idx])
+
+
+# ====================================================================================== the three SGHMC implementations
+def epoch_batches(n: int, batch_size: int, gen: torch.Generator):
+    """Shuffled minibatch indices, reshuffling when fewer than B remain (what StochasticMCMC's sampler does)."""
+    while True:
+        order = torch.randperm(n, generator=gen)
+        for start in range(0, n - batch_size + 1, batch_size):
+            yield order[start : start + batch_size]
+
+
+def uniform_init(problem: Problem, gen: torch.Generator) -> dict[str, Tensor]:
+    """Pyro's ``init_to_uniform`` in unconstrained space (every latent here is real): U(-2, 2)."""
+    return {name: torch.rand(shape, generator=gen) * 4.0 - 2.0 for name, shape in problem.shapes.items()}
+
+
+class EpochLoader:
+    """A shuffled loader yielding ``(x[idx], y[idx], idx)``: with ``run(..., batches=loader)`` all chains share it."""
+
+    def __init__(self, problem: Problem, seed: int):
+        self.problem, self.seed = problem, seed
+
+    def __iter__(self):
+        gen = torch.Generator().manual_seed(self.seed)
+        for idx in epoch_batches(self.problem.num_data, self.problem.batch_size, gen):
+            yield self.problem.x[idx], self.problem.y[idx], idx
+
+
+def run_ours(problem: Problem, num_steps: int, seed: int, shared: bool = False, **options) -> tuple[float, float]:
+    """Our SGHMC; ``shared=True`` feeds one minibatch per step to every chain through ``run(..., batches=)``."""
+    model = options.pop("model", problem.loader_model if shared else problem.model)
+    kernel = SGHMC(model, step_size=problem.step_size, friction=problem.friction)
+    mcmc = StochasticMCMC(kernel, num_samples=1, num_warmup=num_steps - 1, seed=seed, progress_bar=False, **options)
+    start = time.perf_counter()
+    mcmc.run(problem.x, problem.y, batches=EpochLoader(problem, seed) if shared else None)
+    elapsed = time.perf_counter() - start
+    return elapsed, float(mcmc.sample_stats["lp"].float().mean())
+
+
+def run_hand_written(problem: Problem, num_steps: int, seed: int) -> tuple[float, float]:
+    """The loop a torch user writes: autograd, in-place updates, nothing else."""
+    start = time.perf_counter()
+    gen = torch.Generator().manual_seed(seed)
+    latents = {name: value.requires_grad_() for name, value in uniform_init(problem, gen).items()}
+    momenta = {name: torch.zeros_like(value) for name, value in latents.items()}
+    eps, alpha = problem.step_size, problem.friction
+    decay, noise_scale = 1.0 - eps * alpha, math.sqrt(2.0 * alpha * eps)
+    batches = epoch_batches(problem.num_data, problem.batch_size, gen)
+    x, y = problem.x, problem.y
+    for _ in range(num_steps):
+        idx = next(batches)
+        log_post = problem.log_density(latents, x[idx], y[idx])
+        grads = torch.autograd.grad(log_post, tuple(latents.values()))
+        with torch.no_grad():
+            for (name, value), grad in zip(latents.items(), grads):
+                noise = torch.randn(value.shape, generator=gen)
+                momenta[name].mul_(decay).add_(grad, alpha=eps).add_(noise, alpha=noise_scale)
+                value.add_(momenta[name], alpha=eps)
+    return time.perf_counter() - start, float(log_post.detach())
+
+
+def run_posteriors(problem: Problem, num_steps: int, seed: int, inplace: bool = True) -> tuple[float, float]:
+    """posteriors' SGHMC transform; ``inplace=True`` is its faster mode (a few % here)."""
+    import posteriors
+
+    start = time.perf_counter()
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)  # posteriors draws its noise from the global generator
+
+    def log_posterior(params: dict[str, Tensor], batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+        value = problem.log_density(params, *batch)
+        return value, value
+
+    transform = posteriors.sgmcmc.sghmc.build(
+        log_posterior, lr=problem.step_size, alpha=problem.friction, sigma=1.0, temperature=1.0, momenta=0.0
+    )
+    state = transform.init(uniform_init(problem, gen))
+    batches = epoch_batches(problem.num_data, problem.batch_size, gen)
+    x, y = problem.x, problem.y
+    for _ in range(num_steps):
+        idx = next(batches)
+        state, _ = transform.update(state, (x[idx], y[idx]), inplace=inplace)
+    return time.perf_counter() - start, float(state.log_posterior)
+
+
+# ====================================================================================== timing
+CLEAN_LIMIT = 0.3  # a repetition is "clean" if other processes used less than this many cores meanwhile
+MAX_WAIT = 0.0  # seconds to wait for a quiet machine before each repetition (--max-wait)
+
+
+class ForeignLoad:
+    """CPU used by other processes (and stolen by the hypervisor) since construction, in cores (Linux only)."""
+
+    def __init__(self) -> None:
+        self._start = self._read()
+
+    @staticmethod
+    def _read() -> tuple[float, int, int] | None:
+        try:
+            with open("/proc/stat") as f:
+                fields = [int(v) for v in f.readline().split()[1:]]
+            with open("/proc/self/stat") as f:
+                own = f.read().rsplit(")", 1)[1].split()
+        except (OSError, ValueError, IndexError):
+            return None
+        busy = sum(fields[:3]) + sum(fields[5:8])  # user nice system, irq softirq steal
+        return time.perf_counter(), busy, int(own[11]) + int(own[12])  # this process: utime + stime
+
+    def cores(self) -> float | None:
+        end = self._read()
+        if end is None or self._start is None or end[0] <= self._start[0]:
+            return None
+        ticks = (end[1] - self._start[1]) - (end[2] - self._start[2])
+        return max(0.0, ticks / os.sysconf("SC_CLK_TCK") / (end[0] - self._start[0]))
+
+
+def wait_for_quiet() -> None:
+    """Sleep (up to ``MAX_WAIT`` seconds) until other processes use less than ``CLEAN_LIMIT`` cores."""
+    start = time.perf_counter()
+    while time.perf_counter() < start + MAX_WAIT:
+        probe = ForeignLoad()
+        time.sleep(1.0)
+        load = probe.cores()
+        if load is None or load < CLEAN_LIMIT:
+            break
+        if time.perf_counter() - start < 1.5:
+            log(f"    (waiting up to {MAX_WAIT:.0f} s: other processes use {load:.1f} cores)")
+    if time.perf_counter() - start > 1.5:
+        log(f"    (waited {time.perf_counter() - start:.0f} s)")
+
+
+@dataclass
+class StepTiming:
+    per_step: list[float]  # seconds, one per repetition
+    setup: list[float]
+    final_lp: list[float]
+    foreign: list[float | None]  # cores used by other processes during the repetition
+
+    def clean(self) -> list[int]:
+        """Indices of the clean repetitions, or of all of them if fewer than two are clean."""
+        good = [i for i, f in enumerate(self.foreign) if f is None or f < CLEAN_LIMIT]
+        return good if len(good) >= 2 else list(range(len(self.per_step)))
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.per_step[i] for i in self.clean())
+
+    @property
+    def median_setup(self) -> float:
+        return statistics.median(self.setup[i] for i in self.clean())
+
+
+def time_per_step(
+    runners: dict[str, tuple[Callable[[int, int], tuple[float, float]], int, int]], reps: int
+) -> dict[str, StepTiming]:
+    """``(T(long) - T(short)) / (long - short)`` per runner ``(fn, short, long)``, ``reps`` times, interleaved."""
+    results = {name: StepTiming([], [], [], []) for name in runners}
+    names = list(runners)
+    for rep in range(reps):
+        wait_for_quiet()
+        for name in names[rep % len(names) :] + names[: rep % len(names)]:
+            run, short, long = runners[name]
+            probe = ForeignLoad()
+            t_short, _ = run(short, rep)
+            t_long, lp = run(long, rep)
+            foreign = probe.cores()
+            per_step = (t_long - t_short) / (long - short)
+            results[name].per_step.append(per_step)
+            results[name].setup.append(t_short - short * per_step)
+            results[name].final_lp.append(lp)
+            results[name].foreign.append(foreign)
+            load = "n/a" if foreign is None else f"{foreign:.2f}"
+            log(
+                f"    rep {rep}: {name:<28} {per_step * 1e3:9.3f} ms/step  (setup {t_short - short * per_step:6.3f} s; "
+                f"other processes {load} cores)"
+            )
+    return results
+
+
+def median_ratio(a: StepTiming, b: StepTiming) -> float:
+    """Median over the repetitions clean for both of ``a``'s time / ``b``'s time (all, if fewer than two)."""
+    both = sorted(set(a.clean()) & set(b.clean()))
+    both = both if len(both) >= 2 else list(range(len(a.per_step)))
+    return statistics.median(a.per_step[i] / b.per_step[i] for i in both)
+
+
+def clean_note(timings: dict[str, StepTiming]) -> str:
+    total = sum(len(t.per_step) for t in timings.values())
+    good = sum(1 for t in timings.values() for f in t.foreign if f is None or f < CLEAN_LIMIT)
+    return f"{good}/{total} clean"
+
+
+def warm_up_torch() -> None:
+    """The first ``torch.func`` gradient in a process imports ``torch._dynamo`` (seconds); pay it before timing."""
+    torch.func.grad_and_value(lambda v: v.square().sum())(torch.ones(3))
+    torch.func.vmap(torch.func.grad(lambda v: v.square().sum()))(torch.ones(2, 3))
+
+
+# ====================================================================================== part 1 and 2
+def part_cost_per_step(problems: dict[str, Problem], cfg: dict, report: list[str], summary: dict) -> None:
+    report += [
+        "## 1. Cost per step, one chain",
+        "",
+        "Median time per SGHMC step (setup excluded); ratios are medians of per-repetition ratios. Only clean "
+        f"repetitions count (other processes used < {CLEAN_LIMIT} cores), unless fewer than two were clean.",
+        "",
+        "| problem | ours (ms) | hand-written torch (ms) | posteriors (ms) | ours / hand-written | ours / posteriors "
+        "| ours: one-off setup (s) | repetitions |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for key, problem in problems.items():
+        short, long = cfg["steps_1"][key]
+        log(f"[1] {problem.label}: steps {short} -> {long}")
+        runners = {
+            "ours": (lambda k, s, p=problem: run_ours(p, k, s), short, long),
+            "hand-written": (lambda k, s, p=problem: run_hand_written(p, k, s), short, long),
+            "posteriors": (lambda k, s, p=problem: run_posteriors(p, k, s), short, long),
+        }
+        if key == "b":
+            module = PyroModuleMLP(problem.batch_size)
+            runners["ours, PyroModule"] = (lambda k, s, p=problem, m=module: run_ours(p, k, s, model=m), short, long)
+        res = time_per_step(runners, cfg["reps"])
+        ours, hand, post = res["ours"], res["hand-written"], res["posteriors"]
+        r_hand, r_post = median_ratio(ours, hand), median_ratio(ours, post)
+        summary[f"hand_{key}"], summary[f"posteriors_{key}"] = r_hand, r_post
+        summary[f"one_chain_{key}"] = ours.median  # the "1 chain" column of part 2
+        report.append(
+            f"| {problem.label} | {ours.median * 1e3:.3f} | {hand.median * 1e3:.3f} | {post.median * 1e3:.3f} "
+            f"| **{r_hand:.2f}×** | **{r_post:.2f}×** | {ours.median_setup:.2f} | {clean_note(res)} |"
+        )
+        if "ours, PyroModule" in res:
+            pm = res["ours, PyroModule"]
+            summary["hand_b_pyromodule"] = median_ratio(pm, hand)
+            report.append(
+                f"| (b') the same MLP as `PyroModule[nn.Linear]` + `PyroSample` | {pm.median * 1e3:.3f} "
+                f"| {hand.median * 1e3:.3f} | {post.median * 1e3:.3f} | **{median_ratio(pm, hand):.2f}×** "
+                f"| **{median_ratio(pm, post):.2f}×** | {pm.median_setup:.2f} | (same) |"
+            )
+        lps = {name: f"{statistics.median(t.final_lp):.4g}" for name, t in res.items()}
+        log(f"    final log posterior estimates (sanity: same order of magnitude): {lps}")
+    report.append("")
+
+
+def part_chains(problems: dict[str, Problem], cfg: dict, report: list[str], summary: dict) -> None:
+    chains = cfg["chains"]
+    report += [
+        f"## 2. {chains} chains: vectorised (`torch.func.vmap`) against sequential",
+        "",
+        "Throughput in chain-steps per second (median of clean repetitions); ratios are medians of per-repetition "
+        'ratios (the methods interleaved). The "1 chain" column is part 1\'s time for ours. By default each chain '
+        "draws its own minibatches (the plate's `subsample_size`); the last two columns feed one shared minibatch "
+        "per step to all chains instead, through `run(..., batches=loader)` and a plate with `subsample=idx` (the "
+        "documented DataLoader path).",
+        "",
+        f"| problem | 1 chain | {chains} sequential | {chains} vectorised "
+        "| **vectorised / sequential** | vectorised / 1 chain | one-off setup, vectorised (s) "
+        f"| {chains} vectorised, shared minibatches | shared vectorised / sequential | repetitions |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for key, problem in problems.items():
+        (short_v, long_v), (short_s, long_s) = cfg["steps_2"][key]
+        log(f"[2] {problem.label}: vectorised {short_v} -> {long_v}, sequential {short_s} -> {long_s}")
+        res = time_per_step(
+            {
+                "vectorised": (lambda k, s, p=problem: run_ours(p, k, s, num_chains=chains), short_v, long_v),
+                "vectorised, shared": (
+                    lambda k, s, p=problem: run_ours(p, k, s, shared=True, num_chains=chains),
+                    short_v,
+                    long_v,
+                ),
+                "sequential": (
+                    lambda k, s, p=problem: run_ours(p, k, s, num_chains=chains, chain_method="sequential"),
+                    short_s,
+                    long_s,
+                ),
+            },
+            cfg["reps2"],
+        )
+        vec, seq, shared = res["vectorised"], res["sequential"], res["vectorised, shared"]
+        ratio = median_ratio(seq, vec)
+        summary[f"chains_{key}"] = ratio
+        summary[f"chains_shared_{key}"] = median_ratio(seq, shared)
+        one = summary.get(f"one_chain_{key}")
+        one_text = f"{1 / one:,.0f}" if one else "–"
+        one_ratio = f"{chains / vec.median * one:.2f}×" if one else "–"
+        report.append(
+            f"| {problem.label} | {one_text} | {chains / seq.median:,.0f} | {chains / vec.median:,.0f} "
+            f"| **{ratio:.2f}×** | {one_ratio} | {vec.median_setup:.2f} | {chains / shared.median:,.0f} "
+            f"| {median_ratio(seq, shared):.2f}× | {clean_note(res)} |"
+        )
+    report.append("")
+
+
+# ====================================================================================== part 3
+def laplace(x: Tensor, y: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """MAP (Newton's method, float64) and the exact Hessian of the negative log joint there."""
+    xd, yd = x.double(), y.double()
+    d = x.shape[1]
+    w = torch.zeros(d, dtype=torch.float64)
+    for _ in range(100):
+        p = torch.sigmoid(xd @ w)
+        grad = xd.T @ (yd - p) - w
+        hessian = (xd * (p * (1 - p))[:, None]).T @ xd + torch.eye(d, dtype=torch.float64)
+        step = torch.linalg.solve(hessian, grad)
+        w = w + step
+        if float(step.abs().max()) < 1e-12:
+            break
+    p = torch.sigmoid(xd @ w)
+    hessian = (xd * (p * (1 - p))[:, None]).T @ xd + torch.eye(d, dtype=torch.float64)
+    return w, torch.linalg.inv(hessian).diagonal().sqrt(), hessian
+
+
+def accuracy(draws: Tensor, ref_mean: Tensor, ref_sd: Tensor) -> tuple[float, float]:
+    """Worst coordinate: |mean error| in reference sds, and |sd / reference sd - 1|."""
+    draws = draws.double()
+    mean_err = float(((draws.mean(0) - ref_mean).abs() / ref_sd).max())
+    sd_err = float((draws.std(0) / ref_sd - 1).abs().max())
+    return mean_err, sd_err
+
+
+def passes(errors: tuple[float, float]) -> bool:
+    return errors[0] <= TOLERANCE_MEAN and errors[1] <= TOLERANCE_SD
+
+
+@dataclass
+class NutsRun:
+    total: float  # warmup + all draws, seconds
+    warmup: float
+    draws: Tensor  # (S, d)
+    times: list[float]  # seconds since start, after each iteration (warmup and sampling)
+    warmup_steps: int
+    step_size: float
+    foreign: float | None  # cores used by other processes meanwhile
+
+
+def run_nuts(x: Tensor, y: Tensor, warmup: int, num_draws: int, seed: int) -> NutsRun:
+    stamps: list[float] = []
+    pyro.set_rng_seed(seed)
+    kernel = NUTS(logistic_model(None))
+    mcmc = MCMC(
+        kernel,
+        num_samples=num_draws,
+        warmup_steps=warmup,
+        disable_progbar=True,
+        hook_fn=lambda kernel, samples, stage, i: stamps.append(time.perf_counter()),
+    )
+    wait_for_quiet()
+    probe = ForeignLoad()
+    start = time.perf_counter()
+    mcmc.run(x, y)
+    total = time.perf_counter() - start
+    times = [t - start for t in stamps]
+    draws = mcmc.get_samples()["w"]
+    return NutsRun(total, times[warmup - 1], draws, times, warmup, float(kernel.step_size), probe.cores())
+
+
+def nuts_time_to_accuracy(run: NutsRun, ref_mean: Tensor, ref_sd: Tensor, every: int) -> tuple[float | None, int]:
+    for k in range(every, run.draws.shape[0] + 1, every):
+        if passes(accuracy(run.draws[:k], ref_mean, ref_sd)):
+            return run.times[run.warmup_steps + k - 1], k
+    return None, run.draws.shape[0]
+
+
+@dataclass(frozen=True)
+class TwoPhase:
+    """A larger step size for the first ``burn_in`` steps (to reach the posterior fast), then ``step_size``."""
+
+    burn_in: int
+    burn_in_step_size: float
+    step_size: float
+
+    def __call__(self, step_count: Tensor) -> Tensor:
+        return torch.where(
+            step_count < self.burn_in, torch.tensor(self.burn_in_step_size), torch.tensor(self.step_size)
+        )
+
+
+def sghmc_settings(n: int, batch_size: int, hessian: Tensor, noise_ratio: float) -> dict:
+    """Oracle-tuned SGHMC: friction and step size from the extreme eigenvalues of the posterior precision.
+
+    Friction 2·sqrt(λ_min) damps the slowest direction critically. The minibatch gradient noise (covariance
+    ≈ N·H/B) raises the temperature by about ε·N·λ/(2αB) in the direction of eigenvalue λ; the step size holds that
+    excess at ``noise_ratio`` in the stiffest direction, so sds come out at most ≈ sqrt(1 + noise_ratio) too wide.
+    One relaxation time of the slowest direction is 1/(ε·sqrt(λ_min)) steps. Burn-in: one relaxation time at a
+    10× larger step (ten of its own), then two at the final step size.
+    """
+    eig = torch.linalg.eigvalsh(hessian)
+    lam_min, lam_max = float(eig[0]), float(eig[-1])
+    friction = 2.0 * math.sqrt(lam_min)
+    step_size = noise_ratio * 2.0 * friction * batch_size / (n * lam_max)
+    relax = 1.0 / (step_size * math.sqrt(lam_min))
+    return {
+        "friction": friction,
+        "step_size": step_size,
+        "relax": relax,
+        "burn_in": int(relax),
+        "burn_in_step_size": min(10.0 * step_size, 0.5 / friction),
+        "settle": int(2 * relax),
+        "thin": max(1, int(relax / 8)),
+    }
+
+
+@dataclass
+class SghmcRun:
+    num_samples: int  # per chain
+    seconds: float  # the whole run: setup, burn-in and draws
+    errors: tuple[float, float]
+    foreign: float | None = None  # cores used by other processes meanwhile
+
+
+def sghmc_time_to_accuracy(
+    x: Tensor,
+    y: Tensor,
+    settings: dict,
+    batch_size: int,
+    chains: int,
+    ref_mean: Tensor,
+    ref_sd: Tensor,
+    first: int,
+    budget: float,
+    seed: int,
+) -> list[SghmcRun]:
+    """Fresh runs with 2× more draws each time (same seed, so each run extends the last) until one is accurate,
+    or until the next run would take the time spent past ``budget``. The time to accuracy is the wall clock of the
+    first accurate run."""
+    warmup = settings["burn_in"] + settings["settle"]
+    schedule = TwoPhase(settings["burn_in"], settings["burn_in_step_size"], settings["step_size"])
+    runs: list[SghmcRun] = []
+    num_samples = first
+    while True:
+        kernel = SGHMC(logistic_model(batch_size), step_size=schedule, friction=settings["friction"])
+        mcmc = StochasticMCMC(
+            kernel, num_samples, warmup, num_chains=chains, thin=settings["thin"], seed=seed, progress_bar=False
+        )
+        wait_for_quiet()
+        probe = ForeignLoad()
+        start = time.perf_counter()
+        mcmc.run(x, y)
+        run = SghmcRun(num_samples, time.perf_counter() - start, (math.inf, math.inf), probe.cores())
+        run.errors = accuracy(mcmc.get_samples()["w"], ref_mean, ref_sd)
+        runs.append(run)
+        log(
+            f"    SGHMC {chains} chains × {num_samples} draws (thin {settings['thin']}, warmup {warmup}): "
+            f"{run.seconds:.1f} s, mean error {run.errors[0]:.3f} sd, sd error {run.errors[1]:.3f}; "
+            f"other processes {_cores(run.foreign)}"
+        )
+        spent = sum(r.seconds for r in runs)
+        if passes(run.errors) or spent + 2.1 * run.seconds > budget:
+            return runs
+        num_samples *= 2
+
+
+def _cores(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f} cores"
+
+
+def extrapolate(runs: list[SghmcRun]) -> float | None:
+    """Rough time to accuracy from the last two runs, if Monte Carlo error (∝ 1/sqrt(draws)) is all that is left.
+
+    Fixed cost (setup, burn-in) and cost per draw come from the two runs' times; the draws needed are the last
+    run's times (worst error / tolerance)². ``None`` with a single run, or when doubling the draws did not shrink
+    the worst error to below 0.85 of what it was (1/sqrt(2) ≈ 0.71 expected): then the error is a bias, or the
+    chains have not decorrelated yet, and the square-root law does not apply.
+    """
+    if len(runs) < 2:
+        return None
+    a, b = runs[-2], runs[-1]
+    worst_a = max(a.errors[0] / TOLERANCE_MEAN, a.errors[1] / TOLERANCE_SD)
+    worst = max(b.errors[0] / TOLERANCE_MEAN, b.errors[1] / TOLERANCE_SD)
+    if worst > 0.85 * worst_a:
+        return None
+    per_draw = (b.seconds - a.seconds) / (b.num_samples - a.num_samples)
+    fixed = b.seconds - b.num_samples * per_draw
+    return fixed + b.num_samples * worst**2 * per_draw
+
+
+def part_nuts(cfg: dict, report: list[str], summary: dict) -> None:
+    d, batch_size, chains = cfg["nuts_d"], cfg["nuts_batch"], cfg["nuts_chains"]
+    x_all, y_all = logistic_data(max(cfg["nuts_sizes"]), d, seed=1)
+    rows, notes = [], []
+    for n in cfg["nuts_sizes"]:
+        x, y = x_all[:n].contiguous(), y_all[:n].contiguous()
+        log(f"[3] logistic regression N={n:.0e}, d={d}")
+        lap_mean, lap_sd, hessian = laplace(x, y)
+        ref_mean, ref_sd, ref_name = lap_mean, lap_sd, "Laplace at the MAP (exact Hessian)"
+        if n in cfg["nuts_reference"]:
+            warm, draws = cfg["nuts_reference"][n]
+            ref = run_nuts(x, y, warm, draws, seed=123)
+            ref_mean, ref_sd = ref.draws.double().mean(0), ref.draws.double().std(0)
+            ref_name = f"NUTS, {draws} draws after {warm} warmup ({ref.total:.0f} s)"
+            gap = float(((lap_mean - ref_mean).abs() / ref_sd).max()), float((lap_sd / ref_sd - 1).abs().max())
+            notes.append(
+                f"At N={n:.0e} the Laplace approximation is within {gap[0]:.3f} sd (means) and {gap[1]:.1%} (sds) of "
+                f"the {draws}-draw NUTS reference (Monte Carlo error of the reference included); at N=1e6 the "
+                "posterior is closer still to Gaussian, and the Laplace approximation is the reference there."
+            )
+            log(f"    reference: {ref_name}; Laplace vs NUTS: {gap}")
+        nuts = run_nuts(x, y, cfg["nuts_warmup"], cfg["nuts_draws"], seed=0)
+        nuts_500 = nuts.times[nuts.warmup_steps + 499]  # from the start of MCMC.run to the 500th draw
+        nuts_tta, nuts_k = nuts_time_to_accuracy(nuts, ref_mean, ref_sd, every=25)
+        log(
+            f"    NUTS {cfg['nuts_warmup']} warmup + 500 draws: {nuts_500:.1f} s (warmup {nuts.warmup:.1f} s), "
+            f"step size {nuts.step_size:.3g}; time to accuracy {nuts_tta} s ({nuts_k} draws)"
+        )
+        settings = sghmc_settings(n, batch_size, hessian, cfg["noise_ratio"])
+        log(f"    SGHMC settings {settings}")
+        runs = sghmc_time_to_accuracy(
+            x, y, settings, batch_size, chains, ref_mean, ref_sd, cfg["sghmc_first"][n], cfg["sghmc_budget"][n], seed=0
+        )
+        last = runs[-1]
+        nuts_text = (
+            f"{nuts_tta:.1f} ({nuts_k} draws)" if nuts_tta is not None else f"not reached in {cfg['nuts_draws']} draws"
+        )
+        if passes(last.errors):
+            summary[f"nuts_{n}"] = (last.seconds / nuts_500, True)
+            sg_text = f"{last.seconds:.1f} ({chains} chains × {last.num_samples} draws)"
+            ratio = f"**{last.seconds / nuts_500:.2f}**"
+        else:
+            summary[f"nuts_{n}"] = (last.seconds / nuts_500, False)
+            sg_text = (
+                f"not reached: a {last.seconds:.0f} s run ({chains} chains × {last.num_samples} draws) is still off by "
+                f"{last.errors[0]:.2f} sd / {last.errors[1]:.0%}"
+            )
+            ratio = f"**> {last.seconds / nuts_500:.2f}**"
+            guess = extrapolate(runs)
+            if guess is not None:
+                sg_text += f"; ≈ {guess:.0f} s extrapolated"
+                ratio += f" (≈ {guess / nuts_500:.1f} extrapolated)"
+            elif len(runs) >= 2:
+                sg_text += "; the error no longer shrinks like 1/√draws, no extrapolation"
+        rows.append(
+            f"| {n:.0e} | {ref_name} | {nuts_500:.1f} ({nuts.warmup:.1f} warmup) | {nuts_text} | {sg_text} | {ratio} |"
+        )
+        notes.append(
+            f"N={n:.0e}: SGHMC with B={batch_size}, {chains} vectorised chains, friction {settings['friction']:.4g}, "
+            f"step size {settings['step_size']:.3g} after a burn-in of {settings['burn_in']} steps at "
+            f"{settings['burn_in_step_size']:.3g} and {settings['settle']} more, thin {settings['thin']} "
+            f"({settings['relax']:.0f} steps per relaxation time); runs: "
+            + ", ".join(
+                f"{r.num_samples} draws {r.seconds:.0f} s ({r.errors[0]:.2f} sd, {r.errors[1]:.0%}; other processes "
+                f"{_cores(r.foreign)})"
+                for r in runs
+            )
+            + f". NUTS step size after adaptation {nuts.step_size:.3g}; other processes used {_cores(nuts.foreign)} "
+            "during the NUTS run."
+        )
+    report += [
+        f"## 3. Time to accuracy against NUTS: logistic regression, d = {d}",
+        "",
+        f"Accurate = every posterior mean within {TOLERANCE_MEAN} reference sd and every sd within "
+        f"{TOLERANCE_SD:.0%} of the reference. NUTS: `pyro.infer.NUTS` (defaults, no JIT), full batch, one chain, "
+        f"{cfg['nuts_warmup']} warmup steps then {cfg['nuts_draws']} draws, accuracy checked every 25 draws, "
+        "times counted from the start of `MCMC.run` (warmup included). SGHMC: oracle-tuned from the reference's "
+        "Hessian (see notes); runs with twice as many draws each time until one is accurate; its time is that "
+        "run's wall clock (setup and burn-in included).",
+        "",
+        "| N | reference | NUTS, warmup + 500 draws (s) | NUTS time to accuracy (s) | SGHMC time to accuracy (s) "
+        "| SGHMC / NUTS-500 |",
+        "|---|---|---:|---:|---:|---:|",
+        *rows,
+        "",
+        *[f"- {note}" for note in notes],
+        "",
+    ]
+
+
+# ====================================================================================== report
+def targets(summary: dict) -> list[str]:
+    lines = ["## Targets", "", "| target | measured | met? |", "|---|---|---|"]
+
+    def row(text: str, value: float | None, limit: float, fmt: str, higher_is_better: bool = False) -> None:
+        if value is None:
+            lines.append(f"| {text} | not measured | – |")
+            return
+        ok = value >= limit if higher_is_better else value <= limit
+        by = value / limit if not higher_is_better else limit / value
+        verdict = "met" if ok else f"missed ({by:.1f}× off)"
+        lines.append(f"| {text} | {fmt.format(value)} | {verdict} |")
+
+    row("(b) ours ≤ 1.2× the hand-written loop", summary.get("hand_b"), 1.2, "{:.2f}×")
+    row("(a) ours ≤ 2× the hand-written loop", summary.get("hand_a"), 2.0, "{:.2f}×")
+    row("(a) faster than posteriors", summary.get("posteriors_a"), 1.0, "{:.2f}× posteriors' time")
+    row("(b) faster than posteriors", summary.get("posteriors_b"), 1.0, "{:.2f}× posteriors' time")
+    row("(a) 16 vectorised chains ≥ 8× sequential", summary.get("chains_a"), 8.0, "{:.2f}×", higher_is_better=True)
+    row("(b) 16 vectorised chains ≥ 8× sequential", summary.get("chains_b"), 8.0, "{:.2f}×", higher_is_better=True)
+    for key in ("a", "b"):
+        if f"chains_shared_{key}" in summary:
+            lines.append(
+                f"| ({key}) for reference: 16 vectorised chains sharing minibatches (`batches=`) against sequential "
+                f"| {summary[f'chains_shared_{key}']:.2f}× | (not the target's setting) |"
+            )
+    n5 = summary.get(f"nuts_{10**5}")
+    if n5 is not None:
+        verdict = "(no target)" if n5[1] else "(no target; not accurate within the budget)"
+        lines.append(f"| N=1e5: SGHMC time to accuracy / NUTS' warmup + 500 draws | {n5[0]:.2f} | {verdict} |")
+    n6 = summary.get(f"nuts_{10**6}")
+    text = "N=1e6: SGHMC time to accuracy ≤ 1/5 of NUTS' warmup + 500 draws"
+    if n6 is None:
+        lines.append(f"| {text} | not run (--quick runs N=1e5 only) | – |")
+    elif n6[1]:
+        row(text, n6[0], 0.2, "{:.2f} of NUTS' time")
+    else:
+        lines.append(f"| {text} | not accurate after {n6[0]:.2f} of NUTS' time | missed (> {n6[0] / 0.2:.1f}× off) |")
+    return [*lines, ""]
+
+
+def machine(threads: int) -> list[str]:
+    import posteriors
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    root = Path(__file__).resolve().parent.parent
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "pyro_scalable"], cwd=root, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        code = f"git {commit}" + (" with uncommitted changes in pyro_scalable/" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        code = "not a git checkout"
+    return [
+        f"- code: {code}; {time.strftime('%Y-%m-%d %H:%M %Z')}",
+        f"- machine: {cpu}, {os.cpu_count()} CPU cores, torch threads {threads}; load average at start "
+        f"{', '.join(f'{v:.2f}' for v in os.getloadavg())}",
+        f"- python {platform.python_version()}, torch {torch.__version__}, pyro-ppl {pyro.__version__}, "
+        f"posteriors {getattr(posteriors, '__version__', '0.1.3')}",
+    ]
+
+
+CONFIGS = {
+    "full": {
+        "reps": 5,
+        "reps2": 3,
+        "steps_1": {"a": (50, 2050), "b": (10, 310)},
+        "steps_2": {"a": ((10, 310), (5, 65)), "b": ((5, 45), (5, 25))},
+        "chains": 16,
+        "nuts_d": 10,
+        "nuts_sizes": [10**5, 10**6],
+        "nuts_reference": {10**5: (500, 3000)},
+        "nuts_warmup": 300,
+        "nuts_draws": 1000,
+        "nuts_batch": 10_000,
+        "nuts_chains": 16,
+        "noise_ratio": 0.05,
+        "sghmc_first": {10**5: 16, 10**6: 8},
+        "sghmc_budget": {10**5: 600.0, 10**6: 420.0},
+    },
+    "quick": {
+        "reps": 3,
+        "reps2": 3,
+        "steps_1": {"a": (20, 520), "b": (5, 65)},
+        "steps_2": {"a": ((5, 155), (3, 43)), "b": ((3, 13), (2, 8))},
+        "chains": 16,
+        "nuts_d": 10,
+        "nuts_sizes": [10**5],
+        "nuts_reference": {},
+        "nuts_warmup": 200,
+        "nuts_draws": 800,
+        "nuts_batch": 10_000,
+        "nuts_chains": 16,
+        "noise_ratio": 0.05,
+        "sghmc_first": {10**5: 16},
+        "sghmc_budget": {10**5: 45.0},
+    },
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smaller run (about 3 minutes)")
+    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
+    parser.add_argument("--parts", default="1,2,3", help="which parts to run, e.g. '1,2'")
+    parser.add_argument("--reps", type=int, default=None, help="repetitions of each timing (default 5, quick 3)")
+    parser.add_argument(
+        "--max-wait",
+        type=float,
+        default=0.0,
+        help="before each repetition, wait up to this many seconds for other processes to go quiet (default 0)",
+    )
+    parser.add_argument("--out", type=Path, default=RESULTS, help=f"markdown output (default {RESULTS})")
+    args = parser.parse_args()
+
+    torch.set_num_threads(args.threads)
+    global MAX_WAIT
+    MAX_WAIT = args.max_wait
+    warnings.filterwarnings("ignore", category=FutureWarning)  # tensordict's notices when posteriors is imported
+    cfg = dict(CONFIGS["quick" if args.quick else "full"])
+    if args.reps:
+        cfg["reps"] = cfg["reps2"] = args.reps
+    parts = {int(p) for p in args.parts.split(",")}
+    command = " ".join(["python benchmarks/bench_sgmcmc.py", *sys.argv[1:]])
+    report = [
+        f"# SG-MCMC benchmark ({'quick' if args.quick else 'full'} run)",
+        "",
+        f"Command: `{command}`",
+        "",
+        *machine(args.threads),
+        "",
+    ]
+    summary: dict = {}
+    start = time.perf_counter()
+    warm_up_torch()
+    import posteriors  # noqa: F401  (import cost outside the timings)
+
+    problems = {"a": make_logistic(10**6, 100, 1000, seed=0), "b": make_mlp(10**5, 1000, seed=0)}
+    if 1 in parts:
+        part_cost_per_step(problems, cfg, report, summary)
+    if 2 in parts:
+        part_chains(problems, cfg, report, summary)
+    if 3 in parts:
+        part_nuts(cfg, report, summary)
+    report += targets(summary)
+    report.append(
+        f"Total wall time {time.perf_counter() - start:.0f} s; load average at the end "
+        f"{', '.join(f'{v:.2f}' for v in os.getloadavg())}."
+    )
+    text = "\n".join(report) + "\n"
+    print(text)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+    log(f"written to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
