@@ -73,6 +73,15 @@ class FullDataModel:
 
     This is what ``pyro.infer.Predictive`` and ``arviz.from_pyro`` should run: the model on all N points, not on
     a random minibatch of them. The model as written is ``full_data_model.model``.
+
+    Example:
+        >>> import pyro, pyro.distributions as dist, torch
+        >>> def model(y):
+        ...     with pyro.plate("data", len(y), subsample_size=10) as idx:
+        ...         pyro.sample("obs", dist.Normal(0.0, 1.0), obs=y[idx])
+        >>> trace = pyro.poutine.trace(FullDataModel(model)).get_trace(torch.zeros(100))
+        >>> trace.nodes["obs"]["value"].shape
+        torch.Size([100])
     """
 
     def __init__(self, model: Callable):
