@@ -30,7 +30,7 @@ from pyro.poutine.messenger import Messenger
 from pyro.poutine.util import site_is_subsample
 from torch import Tensor
 from torch.distributions import biject_to
-from torch.distributions.transforms import Transform
+from torch.distributions.transforms import ComposeTransform, IndependentTransform, Transform
 
 from pyro_scalable.bridge.checks import ModelError, check_inputs, named_tensors
 from pyro_scalable.bridge.plates import full_data, plate_indices
@@ -56,6 +56,7 @@ class LatentSite:
     shape: torch.Size  # constrained value shape
     unconstrained_shape: torch.Size
     transform: Transform
+    has_jacobian: bool = True  # False for real-valued sites: their log|det J| is 0 and is skipped
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,7 @@ class FullDataModel:
         >>> trace = pyro.poutine.trace(FullDataModel(model)).get_trace(torch.zeros(100))
         >>> trace.nodes["obs"]["value"].shape
         torch.Size([100])
+
     """
 
     def __init__(self, model: Callable):
@@ -101,6 +103,12 @@ def _validation(enabled: bool) -> Iterator[None]:
     # when the bridge is built, and the hot path runs without them.
     with pyro.validation_enabled(enabled):
         yield
+
+
+def _is_identity(transform: Transform) -> bool:
+    while isinstance(transform, IndependentTransform):
+        transform = transform.base_transform
+    return isinstance(transform, ComposeTransform) and not transform.parts
 
 
 class _Evaluate(Messenger):
@@ -125,7 +133,8 @@ class _Evaluate(Messenger):
             )
         unconstrained = self.latents[site.name]
         value = site.transform(unconstrained)
-        self.log_joint = self.log_joint + site.transform.log_abs_det_jacobian(unconstrained, value).sum()
+        if site.has_jacobian:
+            self.log_joint = self.log_joint + site.transform.log_abs_det_jacobian(unconstrained, value).sum()
         msg["value"] = value
         msg["done"] = True
 
@@ -232,7 +241,7 @@ class ModelBridge:
                 raise ModelError(f"latent site '{name}' has a non-float value ({value.dtype}).")
             transform = biject_to(fn.support)
             unconstrained = transform.inv(value)
-            sites[name] = LatentSite(name, value.shape, unconstrained.shape, transform)
+            sites[name] = LatentSite(name, value.shape, unconstrained.shape, transform, not _is_identity(transform))
         return sites
 
     def _find_observed(self, trace) -> dict[str, dict[int, str]]:

@@ -91,7 +91,7 @@ def step(
     proposal = {name: x + (eps / mass) * momenta[name] for name, x in state.latents.items()}
     latents = keep_where_finite(diverging, proposal, state.checked_latents)
     previous = keep_where_finite(diverging, state.latents, state.checked_latents)
-    momenta = keep_where_finite(diverging, momenta, {name: torch.zeros_like(m) for name, m in momenta.items()})
+    momenta = {name: torch.where(diverging, m.new_zeros(()), m) for name, m in momenta.items()}
     info = SGMCMCInfo(log_posterior, grad_norm, eps, temp, diverging)
     return SGHMCState(latents, momenta, previous, state.step_count + 1), info
 
