@@ -53,10 +53,6 @@ class EpochSampler:
             self._position[plate.name] = start + plate.subsample_size
         return batch
 
-    def state_dict(self) -> dict[str, object]:
-        """The sampler's position, for checkpoints."""
-        return {"orders": dict(self._orders), "position": dict(self._position)}
-
 
 def chunks(size: int, chunk_size: int, device: torch.device) -> Iterator[Tensor]:
     """Consecutive index chunks covering ``range(size)``."""

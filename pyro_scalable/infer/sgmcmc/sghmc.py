@@ -140,8 +140,6 @@ class SGHMC:
 
     """
 
-    state_type = SGHMCState
-
     def __init__(
         self,
         model: Callable,

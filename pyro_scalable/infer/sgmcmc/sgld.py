@@ -105,8 +105,6 @@ class SGLD:
 
     """
 
-    state_type = SGLDState
-
     def __init__(
         self,
         model: Callable,
