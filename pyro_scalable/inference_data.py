@@ -27,7 +27,7 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message=r"\s*ArviZ is undergoing a major refactor", category=FutureWarning)
     import arviz as az
 
-__all__ = ["to_inference_data"]
+__all__ = ["draws_to_inference_data", "to_inference_data"]
 
 _ARVIZ_1 = int(az.__version__.split(".")[0]) >= 1
 
@@ -73,11 +73,43 @@ def to_inference_data(
             shape = (mcmc.num_chains, mcmc.num_samples)
             groups["log_likelihood"] = {k: v.reshape(shape + v.shape[1:]).numpy() for k, v in values.items()}
     all_dims.update(dims or {})
+    return _from_dict(groups, coords, all_dims)
+
+
+def draws_to_inference_data(
+    bridge: ModelBridge,
+    latents: dict,
+    *,
+    num_chains: int = 1,
+    log_likelihood: bool = True,
+    data_chunk_size: int | None = None,
+    draws_chunk_size: int = 64,
+    coords: dict | None = None,
+    dims: dict | None = None,
+):
+    """Convert unconstrained draws ``{site: (chains * draws, *shape)}`` of a model (e.g. a Laplace posterior's)."""
+    num_draws = next(iter(latents.values())).shape[0] // num_chains
+    shape = (num_chains, num_draws)
+    constrained = bridge.constrain(latents)
+    groups = {"posterior": {k: v.reshape(shape + v.shape[1:]).detach().cpu().numpy() for k, v in constrained.items()}}
+    observed = bridge.observed_data()
+    groups["observed_data"] = _numpy(observed)
+    all_dims = {name: _plate_dims(bridge, name, value.dim()) for name, value in observed.items()}
+    if log_likelihood:
+        values = full_data_log_likelihood(
+            bridge, latents, data_chunk_size=data_chunk_size, draws_chunk_size=draws_chunk_size
+        )
+        groups["log_likelihood"] = {k: v.reshape(shape + v.shape[1:]).numpy() for k, v in values.items()}
+    all_dims.update(dims or {})
+    return _from_dict(groups, coords, all_dims)
+
+
+def _from_dict(groups: dict, coords: dict | None, dims: dict):
     if _ARVIZ_1:
         from arviz_base import from_dict
 
-        return from_dict(groups, coords=coords, dims=all_dims)
-    return az.from_dict(**groups, coords=coords, dims=all_dims)
+        return from_dict(groups, coords=coords, dims=dims)
+    return az.from_dict(**groups, coords=coords, dims=dims)
 
 
 def _numpy(tensors: dict) -> dict[str, np.ndarray]:

@@ -27,8 +27,9 @@ from torch import Tensor
 __all__ = ["full_data", "plate_indices"]
 
 _pyro_subsample = SubsampleMessenger._subsample
-# Each entry: (explicit indices by plate name, whether every other subsampled plate runs on full data).
-_OVERRIDES: list[tuple[dict[str, Tensor], bool]] = []
+# Each entry: (explicit indices by plate name, whether every other subsampled plate runs on full data, the size N
+# of every plate seen while the entry is active).
+_OVERRIDES: list[tuple[dict[str, Tensor], bool, dict[str, int]]] = []
 
 
 def _controlled_subsample(
@@ -40,7 +41,8 @@ def _controlled_subsample(
     device: str | None = None,
 ):
     if _OVERRIDES and size is not None:
-        indices, full = _OVERRIDES[-1]
+        indices, full, sizes = _OVERRIDES[-1]
+        sizes[name] = size
         if name in indices:
             chosen = indices[name]
             return size, chosen.shape[0], chosen
@@ -53,16 +55,20 @@ SubsampleMessenger._subsample = staticmethod(_controlled_subsample)
 
 
 @contextlib.contextmanager
-def plate_indices(indices: Mapping[str, Tensor], *, full_data: bool = False) -> Iterator[None]:
-    """Make the named plates use ``indices`` (and, with ``full_data``, every other subsampled plate all of N)."""
-    outer_indices, outer_full = _OVERRIDES[-1] if _OVERRIDES else ({}, False)
-    _OVERRIDES.append(({**outer_indices, **indices}, full_data or outer_full))
+def plate_indices(indices: Mapping[str, Tensor], *, full_data: bool = False) -> Iterator[dict[str, int]]:
+    """Make the named plates use ``indices`` (and, with ``full_data``, every other subsampled plate all of N).
+
+    Yields a dict that receives the size N of every subsampling plate the model enters meanwhile.
+    """
+    outer_indices, outer_full, _ = _OVERRIDES[-1] if _OVERRIDES else ({}, False, {})
+    sizes: dict[str, int] = {}
+    _OVERRIDES.append(({**outer_indices, **indices}, full_data or outer_full, sizes))
     try:
-        yield
+        yield sizes
     finally:
         _OVERRIDES.pop()
 
 
-def full_data() -> contextlib.AbstractContextManager[None]:
+def full_data() -> contextlib.AbstractContextManager[dict[str, int]]:
     """Switch subsampling off: every ``subsample_size`` plate runs on all of its indices (scale 1)."""
     return plate_indices({}, full_data=True)

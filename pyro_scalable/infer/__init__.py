@@ -1,7 +1,20 @@
 """Inference engines for Pyro models, and the driver that runs them."""
 
+from pyro_scalable.infer.laplace import AutoLinearizedLaplace, CurvatureError, GLMPredictive, LaplacePosterior
 from pyro_scalable.infer.mcmc import StochasticMCMC
 from pyro_scalable.infer.schedules import Cyclical, PolynomialDecay
 from pyro_scalable.infer.sgmcmc import SGHMC, SGLD, sghmc, sgld
 
-__all__ = ["SGHMC", "SGLD", "Cyclical", "PolynomialDecay", "StochasticMCMC", "sghmc", "sgld"]
+__all__ = [
+    "SGHMC",
+    "SGLD",
+    "AutoLinearizedLaplace",
+    "CurvatureError",
+    "Cyclical",
+    "GLMPredictive",
+    "LaplacePosterior",
+    "PolynomialDecay",
+    "StochasticMCMC",
+    "sghmc",
+    "sgld",
+]

@@ -1,0 +1,165 @@
+r"""The network output of a Pyro model: the observed site's distribution, and the linear layers that made it.
+
+Linearised Laplace (DESIGN.md §4) treats a model as :math:`y_i \sim p(y \mid f(x_i, \theta))`, where
+:math:`f` is the parameter of the observed site's distribution (the loc of a Normal, the logits of a Bernoulli).
+:func:`model_outputs` runs the model with the latents substituted and returns that distribution *without*
+evaluating or sampling it, so it works on training inputs (``obs`` given) and on test inputs (``obs=None``).
+
+With ``layers=True`` it also records every affine map whose weight is a latent site: ``F.linear(a, W, b)`` (what
+``PyroModule[nn.Linear]`` calls) and ``a @ W`` optionally followed by ``+ b``. For such a layer
+:math:`z_i = W a_i + b`, so the per-example Jacobian of anything downstream factorises as
+:math:`\partial h_i/\partial W = (\partial h_i/\partial z_i)\, a_i^\top`; the Laplace engine builds K-FAC factors,
+exact GGN diagonals and predictive variances from :math:`a_i` and :math:`\partial h_i / \partial z_i` alone,
+without per-example Jacobians. The recording uses a ``TorchFunctionMode`` and identifies weights by identity
+with the values this module substituted, so it sees exactly the latent sites and nothing else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from pyro.poutine.messenger import Messenger
+from pyro.poutine.util import site_is_subsample
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+
+from pyro_scalable.bridge.checks import ModelError
+from pyro_scalable.bridge.model import Batch, Latents, ModelBridge, _validation
+from pyro_scalable.bridge.plates import plate_indices
+
+__all__ = ["LayerCall", "ModelOutputs", "model_outputs"]
+
+
+@dataclass
+class LayerCall:
+    """One affine map ``outputs = inputs @ W.T + b`` (``layout="out_in"``) or ``inputs @ W + b`` (``"in_out"``)."""
+
+    weight: str
+    layout: Literal["out_in", "in_out"]
+    inputs: Tensor  # (rows, in)
+    outputs: Tensor  # (rows, out) or (rows,) for a vector weight
+    bias: str | None = None
+
+
+@dataclass
+class ModelOutputs:
+    """The observed site's distribution at the substituted latents, its observed value and mask, and the layers."""
+
+    site: str
+    fn: Any
+    value: Tensor | None
+    mask: Tensor | None
+    layers: list[LayerCall] = field(default_factory=list)
+    priors: dict[str, Any] = field(default_factory=dict)  # latent site -> its distribution, before the site
+    plate_sizes: dict[str, int] = field(default_factory=dict)  # subsampling plate -> its full size N
+
+
+class _Stop(Exception):
+    pass
+
+
+class _Outputs(Messenger):
+    def __init__(self, bridge: ModelBridge, latents: Latents, site: str):
+        super().__init__()
+        self.bridge = bridge
+        self.latents = latents
+        self.site = site
+        self.values: dict[int, str] = {}
+        self.result: ModelOutputs | None = None
+        self.priors: dict[str, Any] = {}
+        self.plate_sizes: dict[str, int] = {}
+
+    def _pyro_sample(self, msg) -> None:
+        if site_is_subsample(msg):
+            self.plate_sizes[msg["name"]] = msg["fn"].size
+            return
+        name = msg["name"]
+        if name == self.site:
+            value = msg["value"] if msg["is_observed"] else None
+            self.result = ModelOutputs(name, msg["fn"], value, msg["mask"])
+            raise _Stop
+        if msg["is_observed"]:
+            return
+        site = self.bridge.sites.get(name)
+        if site is None:
+            raise ModelError(
+                f"latent site '{name}' did not appear when the model was first traced; "
+                "the set of latent sites must not depend on the data."
+            )
+        value = site.transform(self.latents[name])
+        self.values[id(value)] = name
+        self.priors[name] = msg["fn"]
+        msg["value"] = value
+        msg["done"] = True
+
+
+class _RecordLayers(TorchFunctionMode):
+    """Record affine maps whose weight (and bias) are substituted latent values."""
+
+    def __init__(self, values: Mapping[int, str]):
+        super().__init__()
+        self.values = values
+        self.layers: list[LayerCall] = []
+        self._by_output: dict[int, LayerCall] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func is F.linear:
+            inputs, weight = args[0], args[1] if len(args) > 1 else kwargs.get("weight")
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            name = self.values.get(id(weight))
+            if name is not None and inputs.dim() == 2 and weight.dim() == 2:
+                bias_name = self.values.get(id(bias)) if bias is not None else None
+                if bias is None or bias_name is not None:
+                    self._add(LayerCall(name, "out_in", inputs, out, bias_name))
+        elif func in (torch.matmul, Tensor.matmul, Tensor.__matmul__) and len(args) == 2:
+            inputs, weight = args
+            name = self.values.get(id(weight)) if isinstance(weight, Tensor) else None
+            if name is not None and isinstance(inputs, Tensor) and inputs.dim() == 2 and weight.dim() in (1, 2):
+                self._add(LayerCall(name, "in_out", inputs, out))
+        elif func in (torch.add, Tensor.add, Tensor.__add__, Tensor.__radd__) and len(args) == 2:
+            first, second = args
+            layer = self._by_output.get(id(first)) or self._by_output.get(id(second))
+            other = second if layer is not None and layer.outputs is first else first
+            name = self.values.get(id(other)) if isinstance(other, Tensor) else None
+            if layer is not None and layer.bias is None and name is not None and out.shape == layer.outputs.shape:
+                width = layer.outputs.shape[-1] if layer.outputs.dim() == 2 else 1
+                if other.numel() == width and other.dim() <= 1:
+                    del self._by_output[id(layer.outputs)]
+                    layer.bias, layer.outputs = name, out
+                    self._by_output[id(out)] = layer
+        return out
+
+    def _add(self, layer: LayerCall) -> None:
+        self.layers.append(layer)
+        self._by_output[id(layer.outputs)] = layer
+
+
+def model_outputs(
+    bridge: ModelBridge, latents: Latents, batch: Batch, *, site: str, layers: bool = False
+) -> ModelOutputs:
+    """Run the model on ``batch`` (full data on every other plate) and return the observed ``site``'s distribution.
+
+    ``latents`` are unconstrained values of every latent site. The model stops at ``site``: nothing after it runs.
+    """
+    capture = _Outputs(bridge, latents, site)
+    recorder = _RecordLayers(capture.values) if layers else contextlib.nullcontext()
+    try:
+        with _validation(False), plate_indices(batch.indices, full_data=True) as sizes, capture, recorder:
+            bridge.model(*batch.args, **batch.kwargs)
+    except _Stop:
+        pass
+    capture.plate_sizes.update(sizes)
+    if capture.result is None:
+        raise ModelError(f"the model never reached its observed site '{site}' with these arguments.")
+    if layers:
+        capture.result.layers = recorder.layers
+    capture.result.priors = capture.priors
+    capture.result.plate_sizes = capture.plate_sizes
+    return capture.result

@@ -1,0 +1,7 @@
+"""Linearised Laplace for Pyro models: GGN curvature, evidence-tuned priors, linearised predictive (DESIGN.md §4)."""
+
+from pyro_scalable.infer.laplace.curvature import CurvatureError
+from pyro_scalable.infer.laplace.guide import AutoLinearizedLaplace
+from pyro_scalable.infer.laplace.posterior import GLMPredictive, LaplacePosterior
+
+__all__ = ["AutoLinearizedLaplace", "CurvatureError", "GLMPredictive", "LaplacePosterior"]

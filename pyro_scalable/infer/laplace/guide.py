@@ -1,0 +1,185 @@
+"""``AutoLinearizedLaplace``: Pyro's MAP-then-Laplace autoguide, with GGN curvature over the full data.
+
+Training is exactly ``AutoLaplaceApproximation``'s (a point mass in unconstrained space fitted by ``SVI``, any
+minibatch plates included). :meth:`AutoLinearizedLaplace.laplace_approximation` then builds a
+:class:`LaplacePosterior`: it finds the observed site and its likelihood family, picks the Laplace sites (those
+the mean output depends on; a scalar Normal noise scale is held at its MAP and can be fitted by the evidence),
+reads the prior from the model, and computes the curvature in one pass over the full data (DESIGN.md §4).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import torch
+from pyro.infer.autoguide import AutoLaplaceApproximation
+
+from pyro_scalable.bridge.checks import ModelError
+from pyro_scalable.bridge.model import Latents, ModelBridge
+from pyro_scalable.bridge.outputs import model_outputs
+from pyro_scalable.infer.laplace.ggn import fit_curvature
+from pyro_scalable.infer.laplace.layout import ParameterLayout
+from pyro_scalable.infer.laplace.likelihoods import likelihood_of
+from pyro_scalable.infer.laplace.network import NetworkFunction
+from pyro_scalable.infer.laplace.posterior import LaplacePosterior
+
+__all__ = ["AutoLinearizedLaplace"]
+
+_STRUCTURES = ("full", "diag", "kron", "low_rank")
+
+
+class AutoLinearizedLaplace(AutoLaplaceApproximation):
+    """Linearised Laplace for a Pyro model: train the MAP with ``SVI``, then call :meth:`laplace_approximation`.
+
+    Example:
+        >>> import pyro, pyro.distributions as dist, torch
+        >>> from pyro.infer import SVI, Trace_ELBO
+        >>> def model(x, y=None):
+        ...     w = pyro.sample("w", dist.Normal(torch.zeros(3), 1.0).to_event(1))
+        ...     with pyro.plate("data", x.shape[0], subsample_size=32) as idx:
+        ...         pyro.sample("y", dist.Bernoulli(logits=x[idx] @ w), obs=None if y is None else y[idx])
+        >>> x = torch.randn(200, 3); y = torch.bernoulli(torch.sigmoid(x @ torch.tensor([1.0, -1.0, 0.5])))
+        >>> guide = AutoLinearizedLaplace(model)
+        >>> svi = SVI(model, guide, pyro.optim.Adam({"lr": 0.05}), Trace_ELBO())
+        >>> for _ in range(300):
+        ...     _ = svi.step(x, y)
+        >>> posterior = guide.laplace_approximation(x, y, structure="full", check_map=False)
+        >>> posterior.predict(x[:5]).distribution.probs.shape
+        torch.Size([5])
+
+    """
+
+    def laplace_approximation(
+        self,
+        *args: Any,
+        structure: Literal["full", "diag", "kron", "low_rank"] = "kron",
+        sites: Sequence[str] | Literal["last_layer"] | None = None,
+        curvature: Literal["ggn", "ef"] = "ggn",
+        prior_precision: torch.Tensor | float | None = None,
+        rank: int = 50,
+        jitter: float = 0.0,
+        chunk_size: int | None = None,
+        map_latents: Latents | None = None,
+        check_map: bool = True,
+        seed: int = 0,
+        **kwargs: Any,
+    ) -> LaplacePosterior:
+        """The Laplace posterior at the MAP on the data ``args``/``kwargs`` (the model's own arguments).
+
+        Args:
+            structure: ``"full"``, ``"diag"``, ``"kron"`` (K-FAC per linear layer, diagonal elsewhere) or
+                ``"low_rank"`` (top-``rank`` eigenpairs of the GGN).
+            sites: the latent sites the Laplace covers (default: all that the mean output depends on), or
+                ``"last_layer"``; every other latent is held at its MAP value.
+            curvature: the GGN, or the empirical Fisher (``"ef"``).
+            prior_precision: overrides the precision read from the model's priors (scalar or flat vector).
+            jitter: added to the prior precision, for a curvature that is singular.
+            chunk_size: data points per pass (default: the plate's subsample size, at least 1024).
+            map_latents: constrained MAP values by site name, instead of the trained guide's.
+            check_map: warn when the MAP is not a maximum (large gradient of the log joint).
+            seed: seeds the random probes of ``"low_rank"``.
+
+        """
+        if structure not in _STRUCTURES:
+            raise ValueError(f"structure must be one of {_STRUCTURES}, not {structure!r}.")
+        if curvature not in ("ggn", "ef"):
+            raise ValueError(f"curvature must be 'ggn' or 'ef', not {curvature!r}.")
+        bridge = ModelBridge(self.model, args, kwargs)
+        if len(bridge.observed) != 1:
+            raise ModelError(
+                f"linearised Laplace needs exactly one observed site; the model has {sorted(bridge.observed)}."
+            )
+        site = next(iter(bridge.observed))
+        latents = self._map(bridge, map_latents)
+        chosen, heteroscedastic, noise_site, noise = _laplace_sites(bridge, site, latents, sites)
+        layout = ParameterLayout({name: bridge.sites[name].unconstrained_shape for name in chosen})
+        theta = layout.flatten(latents).detach()
+        net = NetworkFunction(
+            bridge, site, layout, theta, latents, heteroscedastic=heteroscedastic, chunk_size=chunk_size
+        )
+        precision, mean = net.prior(theta)
+        if prior_precision is not None:
+            precision = torch.broadcast_to(torch.as_tensor(prior_precision).to(theta), theta.shape).clone()
+        generator = torch.Generator(device=theta.device).manual_seed(seed)
+        fit = fit_curvature(net, theta, structure, curvature=curvature, rank=rank, generator=generator)
+        if curvature == "ef":
+            noise = None
+        posterior = LaplacePosterior(
+            net, fit, precision, mean, structure=structure, noise_scale=noise, noise_site=noise_site, jitter=jitter
+        )
+        if check_map:
+            posterior.check_map()
+        return posterior
+
+    def _map(self, bridge: ModelBridge, map_latents: Latents | None) -> Latents:
+        if map_latents is not None:
+            missing = sorted(set(bridge.sites) - set(map_latents))
+            if missing:
+                raise ModelError(f"map_latents lacks the latent site(s) {missing}.")
+            return {k: v.detach() for k, v in bridge.unconstrain({k: map_latents[k] for k in bridge.sites}).items()}
+        if not hasattr(self, "loc"):
+            raise ModelError(
+                "the guide has not been trained: run SVI(model, guide, optimizer, Trace_ELBO()) on the data first, "
+                "or pass map_latents={site: value}."
+            )
+        latents = {site["name"]: value.detach() for site, value in self._unpack_latent(self.loc)}
+        return {name: latents[name].reshape(bridge.sites[name].unconstrained_shape) for name in bridge.sites}
+
+
+def _laplace_sites(bridge: ModelBridge, site: str, latents: Latents, sites) -> tuple[list[str], bool, str | None, Any]:
+    """The Laplace sites, whether the Normal is heteroscedastic, and the scalar noise site and value."""
+    leaves = {k: v.detach().clone().requires_grad_(True) for k, v in latents.items()}
+    raw = model_outputs(bridge, leaves, next(iter(_first_batch(bridge))), site=site, layers=True)
+    likelihood = likelihood_of(site, raw.fn, raw.mask)
+    mean_output = likelihood.outputs()
+    names = list(leaves)
+
+    def depends(tensor) -> set[str]:
+        if not tensor.requires_grad:
+            return set()
+        grads = torch.autograd.grad(tensor.sum(), [leaves[n] for n in names], allow_unused=True, retain_graph=True)
+        return {n for n, g in zip(names, grads) if g is not None}
+
+    on_mean = depends(mean_output)
+    heteroscedastic, noise_site, noise = False, None, None
+    if likelihood.name == "Normal":
+        scale = likelihood.scale
+        on_scale = depends(scale)
+        constant = bool((scale == scale.flatten()[0]).all())
+        if on_scale and (not constant or on_scale & on_mean):
+            heteroscedastic = True
+            on_mean |= on_scale
+        elif constant:
+            noise = scale.flatten()[0].detach()
+            noise_site = next(iter(on_scale)) if len(on_scale) == 1 else None
+            if noise_site is not None and bridge.sites[noise_site].shape.numel() != 1:
+                noise_site = None
+    if sites is None:
+        chosen = [n for n in bridge.sites if n in on_mean]
+    elif sites == "last_layer":
+        layers = [layer for layer in raw.layers if layer.weight in on_mean]
+        if not layers:
+            raise ModelError(
+                "sites='last_layer' found no linear layer (F.linear or x @ W) whose weight is a latent site."
+            )
+        last = layers[-1]
+        chosen = [n for n in bridge.sites if n in (last.weight, last.bias)]
+    else:
+        unknown = sorted(set(sites) - set(bridge.sites))
+        if unknown:
+            raise ModelError(f"sites={unknown} are not latent sites of the model; it has {sorted(bridge.sites)}.")
+        chosen = [n for n in bridge.sites if n in set(sites)]
+    if not chosen:
+        raise ModelError(f"no latent site affects the output of the observed site '{site}'; nothing to approximate.")
+    if noise_site in chosen:
+        noise_site, noise = None, None
+    return chosen, heteroscedastic, noise_site, noise
+
+
+def _first_batch(bridge: ModelBridge):
+    from pyro_scalable.bridge.model import Batch
+
+    plate = next(iter(bridge.plates.values()), None)
+    indices = {} if plate is None else {plate.name: torch.arange(min(plate.size, 1024), device=bridge.device)}
+    yield Batch(indices, bridge.args, bridge.kwargs)

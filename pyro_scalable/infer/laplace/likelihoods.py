@@ -1,0 +1,331 @@
+r"""Likelihood families: the output :math:`f` of an observed site, its curvature :math:`\Lambda`, and its predictive.
+
+For an observed site :math:`y_i \sim p(y \mid f_i)` the generalised Gauss-Newton matrix uses
+:math:`\Lambda_i = -\partial^2 \log p(y_i \mid f) / \partial f^2` at :math:`f_i = f(x_i, \theta_*)`, which for
+these families (natural parameters) does not depend on :math:`y` and equals the Fisher information:
+
+============================  =======================================  ====================================
+distribution                  output :math:`f` (linearised)             :math:`\Lambda`
+============================  =======================================  ====================================
+``Normal(loc, scale)``         ``loc``                                   :math:`\sigma^{-2}`
+``Normal`` heteroscedastic     ``(loc, log scale)``                      :math:`\mathrm{diag}(\sigma^{-2}, 2)`
+``Bernoulli``                  ``logits``                                :math:`p(1-p)`
+``Binomial(n)``                ``logits``                                :math:`n\,p(1-p)`
+``Categorical``                ``logits``                                :math:`\mathrm{diag}(p) - pp^\top`
+``Poisson``                    ``log rate``                              :math:`\lambda`
+============================  =======================================  ====================================
+
+(The heteroscedastic Normal's :math:`\Lambda` is its Fisher information in ``(loc, log scale)``; the GGN with
+the Fisher is the usual choice where the Hessian is not positive semi-definite.)
+
+Each family returns :math:`f` flattened to ``(points, outputs)`` — points along the leading dimension of the
+site's value, the data plate in every usual model — and a square root :math:`L_i` with
+:math:`\Lambda_i = L_i L_i^\top`, shape ``(points, outputs, outputs)``. For a Categorical the closed form is
+:math:`L = \mathrm{diag}(\sqrt p) - p\sqrt p^\top` (DESIGN.md §5). The linearised predictive of :math:`y` given
+:math:`f \sim \mathcal N(m, V)` is exact for the Normal, the probit approximation
+:math:`\sigma(m / \sqrt{1 + \pi v / 8})` (MacKay 1992) or Monte Carlo for classification, and Monte Carlo or a
+moment-matched negative binomial for the Poisson.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import pyro.distributions as dist
+import torch
+from torch import Tensor
+
+from pyro_scalable.bridge.checks import ModelError
+
+__all__ = ["Likelihood", "LinkApprox", "likelihood_of"]
+
+LinkApprox = Literal["probit", "mc"]
+
+
+class Likelihood:
+    """A family bound to one observed site's fixed parts (the Normal's scale, a Binomial's count, shapes)."""
+
+    name: str = ""
+    classification = False
+
+    def __init__(self, site: str, fn, mask: Tensor | None):
+        self.site = site
+        self.reinterpreted = 0
+        while isinstance(fn, (dist.Independent, dist.MaskedDistribution, dist.ExpandedDistribution)):
+            if isinstance(fn, dist.Independent):
+                self.reinterpreted += fn.reinterpreted_batch_ndims
+            elif isinstance(fn, dist.MaskedDistribution):
+                mask = fn._mask if mask is None else mask & fn._mask
+            elif isinstance(fn, dist.ExpandedDistribution):
+                raise ModelError(
+                    f"observed site '{site}' uses .expand(); give the distribution parameters their full shape "
+                    "(broadcast the loc/logits to the data) so each data point has its own output."
+                )
+            fn = fn.base_dist
+        self.base = fn
+        self.shape = self._output_shape(fn)
+        self.mask = mask
+
+    # ------------------------------------------------------------------ per family
+    def _output_shape(self, fn) -> torch.Size:
+        return fn.batch_shape + fn.event_shape
+
+    def outputs(self) -> Tensor:
+        """The output :math:`f` as ``(points, outputs)``."""
+        raise NotImplementedError
+
+    def _sqrt_lambda(self, f: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def predictive(self, mean: Tensor, covariance: Tensor, link_approx: LinkApprox, num_samples: int, generator):
+        """The predictive distribution of ``y`` when ``f ~ N(mean, covariance)`` per point."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ shared
+    @property
+    def num_points(self) -> int:
+        return self.shape[0] if len(self.shape) > self._event_dims else 1
+
+    _event_dims = 0
+
+    def _flatten(self, value: Tensor) -> Tensor:
+        return value.reshape(self.num_points, -1)
+
+    def _unflatten(self, f: Tensor) -> Tensor:
+        return f.reshape(f.shape[:-2] + self.shape)
+
+    def _wrap(self, fn):
+        return fn.to_event(self.reinterpreted) if self.reinterpreted else fn
+
+    def hessian_sqrt(self, f: Tensor) -> Tensor:
+        """:math:`L` with :math:`\\Lambda = L L^\\top`, ``(points, outputs, outputs)``, zero rows where masked."""
+        root = self._sqrt_lambda(f)
+        if self.mask is not None:
+            root = root * self._mask_outputs(f).unsqueeze(-1)
+        return root
+
+    def _mask_outputs(self, f: Tensor) -> Tensor:
+        batch = self.base.batch_shape
+        mask = torch.broadcast_to(self.mask, batch).reshape(batch + (1,) * (len(self.shape) - len(batch)))
+        return self._flatten(torch.broadcast_to(mask, self.shape).to(f.dtype))
+
+    def _base(self, f: Tensor):
+        raise NotImplementedError
+
+    def distribution(self, f: Tensor):
+        """The site's distribution at outputs ``f`` (``(points, outputs)``), with the site's own shape."""
+        fn = self._base(f)
+        return fn.to_event(self.reinterpreted) if self.reinterpreted else fn
+
+    def log_prob(self, f: Tensor, value: Tensor) -> Tensor:
+        """Sum over the site of ``log p(value | f)``, masked points left out."""
+        log_prob = self._base(f).log_prob(value)
+        if self.mask is not None:
+            log_prob = torch.where(torch.broadcast_to(self.mask, log_prob.shape), log_prob, 0.0)
+        return log_prob.sum()
+
+
+class _Normal(Likelihood):
+    name = "Normal"
+
+    def __init__(self, site, fn, mask, heteroscedastic: bool):
+        super().__init__(site, fn, mask)
+        self.heteroscedastic = heteroscedastic
+        self.scale = torch.broadcast_to(self.base.scale, self.shape)
+
+    def outputs(self) -> Tensor:
+        loc = self._flatten(torch.broadcast_to(self.base.loc, self.shape))
+        if self.heteroscedastic:
+            return torch.cat([loc, self._flatten(self.scale).log()], dim=-1)
+        return loc
+
+    @property
+    def width(self) -> int:
+        return self.shape.numel() // self.num_points
+
+    def _sqrt_lambda(self, f: Tensor) -> Tensor:
+        if self.heteroscedastic:
+            diagonal = torch.cat([(-f[..., self.width :]).exp(), torch.full_like(f[..., self.width :], 2**0.5)], -1)
+        else:
+            diagonal = self._flatten(self.scale).reciprocal().expand_as(f)
+        return torch.diag_embed(diagonal)
+
+    def _mask_outputs(self, f: Tensor) -> Tensor:
+        keep = super()._mask_outputs(f[..., : self.width])
+        return torch.cat([keep, keep], -1) if self.heteroscedastic else keep
+
+    def _split(self, f: Tensor) -> tuple[Tensor, Tensor]:
+        if self.heteroscedastic:
+            return self._unflatten(f[..., : self.width]), self._unflatten(f[..., self.width :]).exp()
+        return self._unflatten(f), self.scale
+
+    def _base(self, f: Tensor):
+        return dist.Normal(*self._split(f))
+
+    def predictive(self, mean, covariance, link_approx, num_samples, generator):
+        variance = covariance.diagonal(dim1=-2, dim2=-1)
+        if not self.heteroscedastic:
+            loc, noise = self._unflatten(mean), self.scale
+            return self._wrap(dist.Normal(loc, (self._unflatten(variance) + noise**2).sqrt()))
+        # y = loc + exp(s) eps: E[y] = E[loc], Var[y] = Var[loc] + E[exp(2 s)] (a log-normal moment)
+        width = self.width
+        loc = self._unflatten(mean[..., :width])
+        noise_var = (2 * mean[..., width:] + 2 * variance[..., width:]).exp()
+        return self._wrap(dist.Normal(loc, self._unflatten(variance[..., :width] + noise_var).sqrt()))
+
+
+class _Bernoulli(Likelihood):
+    name = "Bernoulli"
+    classification = True
+
+    def outputs(self) -> Tensor:
+        return self._flatten(torch.broadcast_to(self.base.logits, self.shape))
+
+    def _count(self) -> Tensor | float:
+        return 1.0
+
+    def _sqrt_lambda(self, f: Tensor) -> Tensor:
+        p = torch.sigmoid(f)
+        return torch.diag_embed((self._count() * p * (1 - p)).sqrt())
+
+    def _base(self, f: Tensor):
+        return dist.Bernoulli(logits=self._unflatten(f))
+
+    def _probs(self, mean, covariance, link_approx, num_samples, generator) -> Tensor:
+        variance = covariance.diagonal(dim1=-2, dim2=-1)
+        if link_approx == "probit":
+            return torch.sigmoid(mean / (1 + math.pi / 8 * variance).sqrt())
+        draws = _gaussian_draws(mean, variance.sqrt(), num_samples, generator)
+        return torch.sigmoid(draws).mean(0)
+
+    def predictive(self, mean, covariance, link_approx, num_samples, generator):
+        probs = self._probs(mean, covariance, link_approx, num_samples, generator)
+        return self._wrap(dist.Bernoulli(probs=self._unflatten(probs)))
+
+
+class _Binomial(_Bernoulli):
+    name = "Binomial"
+
+    def __init__(self, site, fn, mask):
+        super().__init__(site, fn, mask)
+        self.total_count = torch.broadcast_to(torch.as_tensor(self.base.total_count), self.shape)
+
+    def _count(self) -> Tensor:
+        return self._flatten(self.total_count)
+
+    def _base(self, f: Tensor):
+        return dist.Binomial(self.total_count, logits=self._unflatten(f))
+
+    def predictive(self, mean, covariance, link_approx, num_samples, generator):
+        probs = self._probs(mean, covariance, link_approx, num_samples, generator)
+        return self._wrap(dist.Binomial(self.total_count, probs=self._unflatten(probs)))
+
+
+class _Categorical(Likelihood):
+    name = "Categorical"
+    classification = True
+    _event_dims = 1
+
+    def _output_shape(self, fn) -> torch.Size:
+        return fn.batch_shape + fn.logits.shape[-1:]
+
+    @property
+    def num_classes(self) -> int:
+        return self.shape[-1]
+
+    def outputs(self) -> Tensor:
+        return self._flatten(torch.broadcast_to(self.base.logits, self.shape))
+
+    def _groups(self, f: Tensor) -> Tensor:
+        return f.reshape(f.shape[:-1] + (-1, self.num_classes))
+
+    def _sqrt_lambda(self, f: Tensor) -> Tensor:
+        p = torch.softmax(self._groups(f), -1)
+        root_p = p.sqrt()
+        blocks = torch.diag_embed(root_p) - p.unsqueeze(-1) * root_p.unsqueeze(-2)  # (points, groups, K, K)
+        return blocks.squeeze(-3) if blocks.shape[-3] == 1 else _block_diag(blocks)
+
+    def _base(self, f: Tensor):
+        return dist.Categorical(logits=self._unflatten(f))
+
+    def predictive(self, mean, covariance, link_approx, num_samples, generator):
+        if link_approx == "probit":
+            variance = covariance.diagonal(dim1=-2, dim2=-1)
+            probs = torch.softmax(self._groups(mean / (1 + math.pi / 8 * variance).sqrt()), -1)
+        else:
+            draws = _gaussian_draws_full(mean, covariance, num_samples, generator)
+            probs = torch.softmax(self._groups(draws), -1).mean(0)
+        return self._wrap(dist.Categorical(probs=self._unflatten(probs.flatten(-2))))
+
+
+class _Poisson(Likelihood):
+    name = "Poisson"
+
+    def outputs(self) -> Tensor:
+        return self._flatten(torch.broadcast_to(self.base.rate, self.shape)).log()
+
+    def _sqrt_lambda(self, f: Tensor) -> Tensor:
+        return torch.diag_embed((0.5 * f).exp())
+
+    def _base(self, f: Tensor):
+        return dist.Poisson(self._unflatten(f).exp())
+
+    def predictive(self, mean, covariance, link_approx, num_samples, generator):
+        variance = covariance.diagonal(dim1=-2, dim2=-1)
+        if link_approx == "mc":
+            rates = _gaussian_draws(mean, variance.sqrt(), num_samples, generator).exp()
+            components = dist.Poisson(rates.movedim(0, -1).reshape(self.shape + (num_samples,)))
+            mixing = dist.Categorical(logits=rates.new_zeros(self.shape + (num_samples,)))
+            return self._wrap(dist.MixtureSameFamily(mixing, components))
+        # Poisson-log-normal, moment-matched by a negative binomial: mean mu, variance mu + mu^2 (e^v - 1)
+        mu = (mean + variance / 2).exp()
+        total_count = 1 / variance.clamp_min(torch.finfo(mean.dtype).tiny).expm1()
+        probs = mu / (mu + total_count)
+        return self._wrap(dist.NegativeBinomial(self._unflatten(total_count), probs=self._unflatten(probs)))
+
+
+_FAMILIES = {
+    dist.Normal: _Normal,
+    dist.Bernoulli: _Bernoulli,
+    dist.Binomial: _Binomial,
+    dist.Categorical: _Categorical,
+    dist.Poisson: _Poisson,
+}
+
+
+def likelihood_of(site: str, fn, mask: Tensor | None = None, *, heteroscedastic: bool = False) -> Likelihood:
+    """The family of observed ``site`` whose distribution is ``fn`` (raises a :class:`ModelError` if unknown)."""
+    base = fn
+    while isinstance(base, (dist.Independent, dist.MaskedDistribution, dist.ExpandedDistribution)):
+        base = base.base_dist
+    for family, cls in _FAMILIES.items():
+        if type(base) is family:
+            return cls(site, fn, mask, heteroscedastic) if cls is _Normal else cls(site, fn, mask)
+    known = ", ".join(f.__name__ for f in _FAMILIES)
+    raise ModelError(
+        f"observed site '{site}' has a {type(base).__name__} likelihood, whose GGN curvature is not known here "
+        f"(known: {known}). Write the likelihood with one of these families."
+    )
+
+
+def _block_diag(blocks: Tensor) -> Tensor:
+    # (points, groups, K, K) -> (points, groups*K, groups*K)
+    points, groups, size, _ = blocks.shape
+    out = blocks.new_zeros(points, groups, size, groups, size)
+    index = torch.arange(groups, device=blocks.device)
+    out[:, index, :, index, :] = blocks.movedim(1, 0)
+    return out.reshape(points, groups * size, groups * size)
+
+
+def _gaussian_draws(mean: Tensor, scale: Tensor, num_samples: int, generator) -> Tensor:
+    noise = torch.randn((num_samples,) + mean.shape, generator=generator, dtype=mean.dtype, device=mean.device)
+    return mean + scale * noise
+
+
+def _gaussian_draws_full(mean: Tensor, covariance: Tensor, num_samples: int, generator) -> Tensor:
+    eye = torch.eye(covariance.shape[-1], dtype=covariance.dtype, device=covariance.device)
+    jitter = 1e-10 * covariance.diagonal(dim1=-2, dim2=-1).mean(-1).clamp_min(1e-30)[..., None, None]
+    root = torch.linalg.cholesky(covariance + jitter * eye)
+    noise = torch.randn((num_samples,) + mean.shape, generator=generator, dtype=mean.dtype, device=mean.device)
+    return mean + torch.einsum("nij,snj->sni", root, noise)

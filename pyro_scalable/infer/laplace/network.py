@@ -1,0 +1,191 @@
+r"""A Pyro model seen as a network :math:`f(x, \theta)` around its MAP, for linearised Laplace.
+
+:math:`\theta` is the flat vector of the unconstrained values of the Laplace sites (by default every latent site
+that the mean output depends on); every other latent (a Normal's noise scale, the first layers of a last-layer
+Laplace) is held at its MAP value. :class:`NetworkFunction` gives
+
+* the outputs :math:`f` and the likelihood family of the observed site, on the full data in chunks along the
+  data plate (never on a random minibatch);
+* Jacobian-vector and vector-Jacobian products with ``torch.func`` (``jvp``/``vjp``), vectorised over many
+  vectors with ``vmap``;
+* the prior as a Gaussian :math:`\mathcal N(m, \mathrm{diag}(P)^{-1})` in unconstrained space: exact for Normal
+  priors on real-valued sites; otherwise the Gaussian that matches the gradient and the (diagonal) curvature of
+  the log prior (with its log-Jacobian) at :math:`\theta_*`, :math:`P = -\mathrm{diag}\,\nabla^2 \log p`,
+  :math:`m = \theta_* + P^{-1}\nabla \log p` — exact up to second order for priors that factorise over
+  elements.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pyro.distributions as dist
+import torch
+from torch import Tensor
+from torch.func import jvp, vjp, vmap
+
+from pyro_scalable.bridge.checks import ModelError
+from pyro_scalable.bridge.minibatches import chunks
+from pyro_scalable.bridge.model import Batch, Latents, ModelBridge
+from pyro_scalable.bridge.outputs import ModelOutputs, model_outputs
+from pyro_scalable.infer.laplace.layout import ParameterLayout
+from pyro_scalable.infer.laplace.likelihoods import Likelihood, likelihood_of
+
+__all__ = ["NetworkFunction", "Outputs"]
+
+
+@dataclass
+class Outputs:
+    """The observed site at one chunk: its family, outputs ``f`` (``points x outputs``), value and layers."""
+
+    likelihood: Likelihood
+    f: Tensor
+    value: Tensor | None
+    raw: ModelOutputs
+
+
+class NetworkFunction:
+    """``theta -> f`` for a Pyro model bound to data, around ``theta`` (the MAP), other latents at ``fixed``."""
+
+    def __init__(
+        self,
+        bridge: ModelBridge,
+        site: str,
+        layout: ParameterLayout,
+        theta: Tensor,
+        fixed: Latents,
+        *,
+        heteroscedastic: bool = False,
+        chunk_size: int | None = None,
+    ):
+        self.bridge, self.site, self.layout = bridge, site, layout
+        self.theta_star = theta.detach()
+        self.fixed = {k: v.detach() for k, v in fixed.items()}
+        self.heteroscedastic = heteroscedastic
+        self.chunk_size = chunk_size
+
+    # ------------------------------------------------------------------ forward
+    def latents(self, theta: Tensor) -> Latents:
+        return {**self.fixed, **self.layout.unflatten(theta)}
+
+    def outputs(self, theta: Tensor, batch: Batch, *, layers: bool = False) -> Outputs:
+        raw = model_outputs(self.bridge, self.latents(theta), batch, site=self.site, layers=layers)
+        likelihood = likelihood_of(self.site, raw.fn, raw.mask, heteroscedastic=self.heteroscedastic)
+        return Outputs(likelihood, likelihood.outputs(), raw.value, raw)
+
+    def f(self, theta: Tensor, batch: Batch) -> Tensor:
+        return self.outputs(theta, batch).f
+
+    def batches(self, args: tuple | None = None, kwargs: dict | None = None) -> Iterator[Batch]:
+        """Chunks of the full data along the first subsampled plate (the training data unless ``args`` given)."""
+        args = self.bridge.args if args is None else args
+        kwargs = self.bridge.kwargs if kwargs is None else kwargs
+        plate = next(iter(self.bridge.plates.values()), None)
+        if plate is None:
+            yield Batch({}, args, kwargs)
+            return
+        size = plate.size if args is self.bridge.args else self.plate_size(args, kwargs)
+        step = self.chunk_size or max(plate.subsample_size, 1024)
+        for idx in chunks(size, step, self.bridge.device):
+            yield Batch({plate.name: idx}, args, kwargs)
+
+    def _head(self, args: tuple, kwargs: dict) -> Batch:
+        return Batch(
+            {p: torch.zeros(1, dtype=torch.long, device=self.bridge.device) for p in self.bridge.plates}, args, kwargs
+        )
+
+    def plate_size(self, args: tuple, kwargs: dict) -> int:
+        """The data plate's size N when the model runs on ``args`` (runs the model on one data point)."""
+        plate = next(iter(self.bridge.plates))
+        latents = self.latents(self.theta_star)
+        raw = model_outputs(self.bridge, latents, self._head(args, kwargs), site=self.site)
+        return raw.plate_sizes[plate]
+
+    # ------------------------------------------------------------------ products
+    def jvp(self, theta: Tensor, tangents: Tensor, batch: Batch) -> tuple[Tensor, Tensor]:
+        """``(f, J v)`` for tangents ``(k, d)``: ``J v`` has shape ``(k, points, outputs)``."""
+
+        def single(tangent):
+            return jvp(lambda t: self.f(t, batch), (theta,), (tangent,))
+
+        try:
+            values, products = vmap(single, randomness="different")(tangents)
+            return values[0], products
+        except RuntimeError:
+            results = [single(t) for t in tangents]
+            return results[0][0], torch.stack([r[1] for r in results])
+
+    def vjp(self, theta: Tensor, cotangents: Tensor, batch: Batch) -> Tensor:
+        """``J^T u`` for cotangents ``(k, points, outputs)``; returns ``(k, d)``."""
+        _, pullback = vjp(lambda t: self.f(t, batch), theta)
+        try:
+            return vmap(pullback)(cotangents)[0]
+        except RuntimeError:
+            return torch.stack([pullback(u)[0] for u in cotangents])
+
+    def ggn_vp(self, theta: Tensor, vectors: Tensor, roots: list[Tensor] | None = None) -> Tensor:
+        """:math:`G v = \\sum_i J_i^\\top \\Lambda_i J_i v` on the full data for ``vectors`` ``(k, d)``."""
+        out = torch.zeros_like(vectors)
+        for number, batch in enumerate(self.batches()):
+            f, products = self.jvp(theta, vectors, batch)
+            root = roots[number] if roots is not None else self.outputs(theta, batch).likelihood.hessian_sqrt(f)
+            weighted = torch.einsum("pmr,pnr,kpn->kpm", root, root, products)
+            out = out + self.vjp(theta, weighted, batch)
+        return out
+
+    # ------------------------------------------------------------------ prior
+    def prior(self, theta: Tensor) -> tuple[Tensor, Tensor]:
+        """Diagonal prior precision ``P`` and mean ``m`` (flat) of the Gaussian prior in unconstrained space."""
+        theta = theta.detach().requires_grad_(True)
+        raw = model_outputs(
+            self.bridge, self.latents(theta), self._head(self.bridge.args, self.bridge.kwargs), site=self.site
+        )
+        precision, mean = torch.empty_like(theta), torch.empty_like(theta)
+        for name, slot in self.layout.slots.items():
+            fn = raw.priors.get(name)
+            if fn is None:
+                raise ModelError(
+                    f"latent site '{name}' comes after the observed site '{self.site}' in the model; "
+                    "declare global latents before the likelihood."
+                )
+            value = theta[slot.start : slot.stop].reshape(slot.shape)
+            precision[slot.start : slot.stop], mean[slot.start : slot.stop] = self._site_prior(name, fn, value)
+        return precision.detach(), mean.detach()
+
+    def _site_prior(self, name: str, fn, value: Tensor) -> tuple[Tensor, Tensor]:
+        site = self.bridge.sites[name]
+        base = fn
+        while isinstance(base, (dist.Independent, dist.ExpandedDistribution)):
+            base = base.base_dist
+        if any(v.requires_grad for v in base.__dict__.values() if isinstance(v, Tensor)):
+            raise ModelError(
+                f"the prior of latent site '{name}' depends on other Laplace sites (a hierarchical prior); the "
+                "Laplace prior must be fixed. Pass sites=[...] without the hyper-parameter sites: they are then "
+                "held at their MAP values."
+            )
+        if isinstance(base, dist.Normal) and not site.has_jacobian:
+            loc, scale = torch.broadcast_to(base.loc, value.shape), torch.broadcast_to(base.scale, value.shape)
+            return scale.pow(-2).flatten().detach(), loc.flatten().detach()
+        if fn.event_shape.numel() > 1 and not isinstance(fn, (dist.Independent, dist.ExpandedDistribution)):
+            raise ModelError(
+                f"latent site '{name}' has a {type(fn).__name__} prior, whose Hessian is not diagonal; give it a "
+                "factorised prior (e.g. Normal(...).to_event(1)) or leave it out of sites=[...]."
+            )
+
+        def log_density(u):
+            constrained = site.transform(u)
+            log_prob = fn.log_prob(constrained).sum()
+            if site.has_jacobian:
+                log_prob = log_prob + site.transform.log_abs_det_jacobian(u, constrained).sum()
+            return log_prob
+
+        point = value.detach()
+        gradient, curvature = jvp(torch.func.grad(log_density), (point,), (torch.ones_like(point),))
+        precision = -curvature.flatten()
+        if not bool((precision > 0).all()):
+            raise ModelError(
+                f"the prior of latent site '{name}' ({type(base).__name__}) has no positive curvature at the MAP; "
+                "pass prior_precision=... to laplace_approximation, or give the site a Normal prior."
+            )
+        return precision, point.flatten() + gradient.flatten() / precision

@@ -1,0 +1,357 @@
+r"""The Laplace posterior :math:`\mathcal N(\bar\theta, H^{-1})` of a Pyro model: a guide, its evidence, its predictive.
+
+Around the MAP :math:`\theta_*`, the linearised model has the log-likelihood
+:math:`\ell_* + g^\top\delta - \tfrac12\delta^\top G\delta` (:math:`\delta = \theta - \theta_*`, :math:`g` the
+full-data gradient, :math:`G` the GGN) and the Gaussian prior :math:`\mathcal N(m, P^{-1})`. With
+:math:`r = \theta_* - m`, :math:`H = G + P` and :math:`b = g - P r` (the gradient of the log joint at
+:math:`\theta_*`), its evidence is, in closed form (DESIGN.md §4),
+
+.. math::
+
+    \log Z(P, \sigma) = \ell_* - \tfrac12 r^\top P r + \tfrac12\log\det P - \tfrac12\log\det H
+        + \tfrac12 b^\top H^{-1} b,
+
+and its posterior mean is :math:`\bar\theta = \theta_* + H^{-1} b`. At the prior the MAP was fitted with,
+:math:`b = 0` and this is the usual Laplace evidence
+:math:`\log p(D\mid\theta_*) + \log p(\theta_*) - \tfrac12\log\det(H/2\pi)`; away from it, the
+:math:`b^\top H^{-1} b` term keeps it exact for a linear-Gaussian model instead of evaluating a stale MAP. For a
+Normal likelihood with one scalar noise :math:`\sigma` (MAP value :math:`\sigma_0`), :math:`G` and :math:`g` scale
+by :math:`\sigma_0^2/\sigma^2` and :math:`\ell_* = -\frac n2\log 2\pi\sigma^2 - \mathrm{SSR}/2\sigma^2`, so the
+evidence is also exact in :math:`\sigma`. :meth:`LaplacePosterior.optimize_prior_precision` maximises it by
+L-BFGS over :math:`\log P` (scalar, per site or per parameter) and :math:`\log\sigma`.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, Literal, NamedTuple
+
+import pyro
+import pyro.distributions as dist
+import torch
+from torch import Tensor
+
+from pyro_scalable.bridge.checks import ModelError
+from pyro_scalable.bridge.model import Batch, ModelBridge
+from pyro_scalable.infer.laplace.curvature import CurvatureError, Precision
+from pyro_scalable.infer.laplace.ggn import DataFit
+from pyro_scalable.infer.laplace.likelihoods import LinkApprox
+from pyro_scalable.infer.laplace.network import NetworkFunction
+from pyro_scalable.infer.laplace.predictive import functional_covariance
+
+__all__ = ["GLMPredictive", "LaplacePosterior"]
+
+
+class GLMPredictive(NamedTuple):
+    """The linearised predictive at some inputs: the outputs' mean and covariance, and the law of ``y``."""
+
+    mean: Tensor  # (points, outputs)
+    covariance: Tensor  # (points, outputs, outputs)
+    distribution: Any  # a Pyro distribution shaped like the observed site
+
+
+class LaplacePosterior:
+    """A Gaussian posterior over the Laplace sites; every other latent site held at its MAP value.
+
+    Calling it like the model (``posterior(*args)``) samples every latent site — it is a Pyro guide, so
+    ``Predictive(model, guide=posterior, num_samples=S)`` gives the sampled-weights predictive and
+    ``Predictive(posterior.linearized_model, guide=posterior, num_samples=S)`` the linearised one.
+    Build it with :meth:`AutoLinearizedLaplace.laplace_approximation`.
+    """
+
+    def __init__(
+        self,
+        net: NetworkFunction,
+        fit: DataFit,
+        prior_precision: Tensor,
+        prior_mean: Tensor,
+        *,
+        structure: str,
+        noise_scale: Tensor | None,
+        noise_site: str | None,
+        jitter: float = 0.0,
+    ):
+        self.net, self.fit, self.structure = net, fit, structure
+        self.theta_star = net.theta_star
+        self.prior_mean = prior_mean
+        self._map_noise = noise_scale
+        self._noise_site = noise_site
+        self.jitter = jitter
+        self._prior_precision = prior_precision
+        self._observation_noise = noise_scale
+        self._cache: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ state
+    @property
+    def bridge(self) -> ModelBridge:
+        return self.net.bridge
+
+    @property
+    def sites(self) -> list[str]:
+        """The Laplace sites (the others are held at their MAP values)."""
+        return self.net.layout.names
+
+    @property
+    def num_params(self) -> int:
+        return self.net.layout.num_params
+
+    @property
+    def prior_precision(self) -> Tensor:
+        """Diagonal prior precision over the flattened Laplace sites (unconstrained space)."""
+        return self._prior_precision
+
+    @prior_precision.setter
+    def prior_precision(self, value: Tensor | float) -> None:
+        self._prior_precision = torch.broadcast_to(
+            torch.as_tensor(value, dtype=self.theta_star.dtype, device=self.theta_star.device), self.theta_star.shape
+        ).clone()
+        self._cache.clear()
+
+    @property
+    def observation_noise(self) -> Tensor | None:
+        """The scalar noise scale σ of a Normal likelihood (``None`` for other likelihoods)."""
+        return self._observation_noise
+
+    @observation_noise.setter
+    def observation_noise(self, value: Tensor | float) -> None:
+        if self._map_noise is None:
+            raise ModelError("observation_noise applies to a Normal likelihood with one scalar scale only.")
+        self._observation_noise = torch.as_tensor(value, dtype=self.theta_star.dtype, device=self.theta_star.device)
+        self._cache.clear()
+
+    def _scale(self, noise: Tensor | None) -> Tensor | float:
+        return 1.0 if noise is None else (self._map_noise / noise) ** 2
+
+    def _precision(self, prior_precision: Tensor, noise: Tensor | None) -> Precision:
+        try:
+            return self.fit.curvature.precision(prior_precision + self.jitter, self._scale(noise))
+        except CurvatureError as error:
+            if error.index is not None and error.index.numel():
+                names = sorted({self.net.layout.site_of(int(i)) for i in error.index[:100]})
+                raise CurvatureError(f"{error} Sites involved: {', '.join(map(repr, names))}.", error.index) from None
+            raise
+
+    @property
+    def precision(self) -> Precision:
+        """The posterior precision :math:`H` in the fitted structure."""
+        if "precision" not in self._cache:
+            self._cache["precision"] = self._precision(self._prior_precision, self._observation_noise)
+        return self._cache["precision"]
+
+    def _log_joint_gradient(self, prior_precision: Tensor, noise: Tensor | None) -> Tensor:
+        return self.fit.gradient * self._scale(noise) - prior_precision * (self.theta_star - self.prior_mean)
+
+    @property
+    def mean(self) -> Tensor:
+        """The posterior mean :math:`\\theta_* + H^{-1} b` (flat, unconstrained); :math:`\\theta_*` at the fitted prior."""
+        if "mean" not in self._cache:
+            b = self._log_joint_gradient(self._prior_precision, self._observation_noise)
+            self._cache["mean"] = self.theta_star + self.precision.solve(b)
+        return self._cache["mean"]
+
+    # ------------------------------------------------------------------ evidence
+    def log_marginal_likelihood(
+        self, prior_precision: Tensor | float | None = None, observation_noise: Tensor | float | None = None
+    ) -> Tensor:
+        """The Laplace evidence :math:`\\log Z(P, \\sigma)` of the linearised model (differentiable)."""
+        theta = self.theta_star
+        precision = self._prior_precision if prior_precision is None else prior_precision
+        precision = torch.broadcast_to(torch.as_tensor(precision, dtype=theta.dtype, device=theta.device), theta.shape)
+        noise = self._observation_noise if observation_noise is None else torch.as_tensor(observation_noise).to(theta)
+        if observation_noise is not None and self._map_noise is None:
+            raise ModelError("observation_noise applies to a Normal likelihood with one scalar scale only.")
+        if noise is not None:
+            n = self.fit.num_observations
+            log_likelihood = -0.5 * n * torch.log(2 * math.pi * noise**2) - 0.5 * self.fit.sum_squares / noise**2
+        else:
+            log_likelihood = self.fit.log_likelihood
+        H = self._precision(precision, noise)
+        r = theta - self.prior_mean
+        b = self._log_joint_gradient(precision, noise)
+        return (
+            log_likelihood
+            - 0.5 * (r * precision * r).sum()
+            + 0.5 * precision.log().sum()
+            - 0.5 * H.logdet()
+            + 0.5 * (b * H.solve(b)).sum()
+        )
+
+    def optimize_prior_precision(
+        self,
+        method: Literal["scalar", "site", "diagonal"] = "scalar",
+        *,
+        observation_noise: bool | None = None,
+        max_iter: int = 200,
+    ) -> LaplacePosterior:
+        """Maximise the evidence over the prior precision (and σ of a Normal likelihood) by L-BFGS.
+
+        Args:
+            method: one precision for every parameter, one per Laplace site, or one per parameter.
+            observation_noise: also fit σ (default: whenever the likelihood is a Normal with one scalar scale).
+
+        """
+        theta = self.theta_star
+        groups = self._groups(method)
+        start = torch.zeros(int(groups.max()) + 1, dtype=theta.dtype, device=theta.device)
+        start.index_reduce_(0, groups, self._prior_precision.log(), "mean", include_self=False)
+        log_precision = start.clone().requires_grad_(True)
+        fit_noise = self._map_noise is not None if observation_noise is None else observation_noise
+        if fit_noise and self._map_noise is None:
+            raise ModelError("observation_noise=True needs a Normal likelihood with one scalar scale.")
+        variables = [log_precision]
+        log_noise = None
+        if fit_noise:
+            log_noise = self._observation_noise.log().clone().requires_grad_(True)
+            variables.append(log_noise)
+        optimizer = torch.optim.LBFGS(
+            variables, max_iter=max_iter, line_search_fn="strong_wolfe", tolerance_grad=1e-9, tolerance_change=1e-12
+        )
+
+        def closure():
+            optimizer.zero_grad()
+            noise = log_noise.exp() if log_noise is not None else None
+            loss = -self.log_marginal_likelihood(log_precision[groups].exp(), noise)
+            loss.backward()
+            return loss
+
+        optimizer.step(closure)
+        self.prior_precision = log_precision.detach()[groups].exp()
+        if log_noise is not None:
+            self.observation_noise = log_noise.detach().exp()
+        return self
+
+    def _groups(self, method: str) -> Tensor:
+        device = self.theta_star.device
+        if method == "scalar":
+            return torch.zeros(self.num_params, dtype=torch.long, device=device)
+        if method == "diagonal":
+            return torch.arange(self.num_params, device=device)
+        if method == "site":
+            groups = torch.empty(self.num_params, dtype=torch.long, device=device)
+            for k, slot in enumerate(self.net.layout.slots.values()):
+                groups[slot.start : slot.stop] = k
+            return groups
+        raise ValueError(f"method must be 'scalar', 'site' or 'diagonal', not {method!r}.")
+
+    # ------------------------------------------------------------------ samples and guide
+    def sample(self, num_samples: int, generator: torch.Generator | None = None) -> Tensor:
+        """Flat unconstrained draws of the Laplace sites, ``(num_samples, d)``."""
+        return self.mean + self.precision.sample(num_samples, generator)
+
+    def _all_latents(self, theta: Tensor) -> dict[str, Tensor]:
+        batch = theta.shape[:-1]
+        fixed = {k: v.expand(batch + v.shape) for k, v in self.net.fixed.items()}
+        if self._noise_site is not None and self._observation_noise is not None:
+            site = self.bridge.sites[self._noise_site]
+            fixed[self._noise_site] = site.transform.inv(self._observation_noise.expand(batch + site.shape))
+        return {**fixed, **self.net.layout.unflatten(theta)}
+
+    def get_samples(self, num_samples: int, seed: int | None = None) -> dict[str, Tensor]:
+        """Constrained draws of every latent site (the fixed ones repeated), each ``(num_samples, *shape)``."""
+        generator = None
+        if seed is not None:
+            generator = torch.Generator(device=self.theta_star.device).manual_seed(seed)
+        return self.bridge.constrain(self._all_latents(self.sample(num_samples, generator)))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict[str, Tensor]:
+        values = self.bridge.constrain(self._all_latents(self.sample(1)[0]))
+        for name, value in values.items():
+            pyro.sample(name, dist.Delta(value, event_dim=value.dim()))
+        return values
+
+    def median(self, *args: Any, **kwargs: Any) -> dict[str, Tensor]:
+        """The constrained values at the posterior mean (the MAP at the fitted prior)."""
+        return self.bridge.constrain(self._all_latents(self.mean))
+
+    # ------------------------------------------------------------------ predictive
+    def _batches(self, args: tuple, kwargs: dict):
+        if not args and not kwargs:
+            return list(self.net.batches())
+        return list(self.net.batches(args, kwargs))
+
+    def predict(
+        self,
+        *args: Any,
+        link_approx: LinkApprox = "probit",
+        num_samples: int = 100,
+        seed: int | None = None,
+        **kwargs: Any,
+    ) -> GLMPredictive:
+        """The linearised predictive at the model's inputs ``args`` (no ``y`` needed), on every data point.
+
+        Args:
+            link_approx: ``"probit"`` (closed form) or ``"mc"`` (``num_samples`` draws of the outputs per point)
+                for classification and Poisson likelihoods; a Normal likelihood is always exact.
+
+        """
+        generator = None if seed is None else torch.Generator(self.theta_star.device).manual_seed(seed)
+        delta = self.mean - self.theta_star
+        means, covariances, likelihoods = [], [], []
+        for batch in self._batches(args, kwargs):
+            f, covariance = functional_covariance(
+                self.net, self.theta_star, self.precision, self.fit.layers, self.fit.rest, batch
+            )
+            if bool(delta.abs().max() > 0):
+                _, shift = self.net.jvp(self.theta_star, delta.unsqueeze(0), batch)
+                f = f + shift[0].detach()
+            means.append(f)
+            covariances.append(covariance.detach())
+            likelihoods.append(self.net.outputs(self.theta_star, batch).likelihood)
+        mean, covariance = torch.cat(means), torch.cat(covariances)
+        likelihood = _joined(likelihoods, self)
+        return GLMPredictive(
+            mean, covariance, likelihood.predictive(mean, covariance, link_approx, num_samples, generator)
+        )
+
+    def linearized_model(self, *args: Any, **kwargs: Any) -> Tensor:
+        """The linearised model as a Pyro model: latents as sampled, ``f = f(x, θ*) + J(x)(θ - θ*)``, then ``y``."""
+        values = {}
+        for name, site in self.bridge.sites.items():
+            values[name] = pyro.sample(name, dist.ImproperUniform(site.transform.codomain, (), site.shape))
+        theta = self.net.layout.flatten(self.bridge.unconstrain({k: values[k] for k in self.sites}))
+        batch = Batch({}, args, kwargs)
+        with torch.no_grad():
+            f, tangent = self.net.jvp(self.theta_star, (theta - self.theta_star).unsqueeze(0), _full(batch, self))
+            likelihood = self.net.outputs(self.theta_star, _full(batch, self)).likelihood
+        return pyro.sample(self.net.site, likelihood.distribution(f + tangent[0]))
+
+    # ------------------------------------------------------------------ ArviZ
+    def to_inference_data(self, num_samples: int = 1000, seed: int | None = None, **kwargs: Any):
+        """Posterior draws (chain=1, draw=S) with the full-data log-likelihood, via the package's ArviZ adapter."""
+        from pyro_scalable.inference_data import draws_to_inference_data
+
+        generator = None if seed is None else torch.Generator(self.theta_star.device).manual_seed(seed)
+        unconstrained = self._all_latents(self.sample(num_samples, generator))
+        return draws_to_inference_data(self.bridge, unconstrained, num_chains=1, **kwargs)
+
+    def check_map(self, threshold: float = 1.0) -> None:
+        """Warn when :math:`\\theta_*` is not a MAP: half the Newton decrement :math:`b^\\top H^{-1} b/2` in nats."""
+        b = self._log_joint_gradient(self._prior_precision, self._observation_noise)
+        decrement = 0.5 * float((b * self.precision.solve(b)).sum())
+        if decrement > threshold:
+            warnings.warn(
+                f"the latents given as the MAP are not a maximum of the log joint: the gradient there has norm "
+                f"{float(b.norm()):.3g} and a Newton step would gain {decrement:.3g} nats. Train the guide longer "
+                "(or with a smaller final learning rate); the posterior mean is moved by that Newton step.",
+                stacklevel=3,
+            )
+
+
+def _full(batch: Batch, posterior: LaplacePosterior) -> Batch:
+    return Batch({}, batch.args, batch.kwargs)
+
+
+def _joined(likelihoods, posterior: LaplacePosterior):
+    if len(likelihoods) == 1:
+        return likelihoods[0]
+    points = sum(lik.num_points for lik in likelihoods)
+    # re-run on the whole input only for the shape bookkeeping of the returned distribution
+    first = likelihoods[0]
+    joined = object.__new__(type(first))
+    joined.__dict__.update(first.__dict__)
+    joined.shape = torch.Size((points,)) + first.shape[1:]
+    for name in ("scale", "total_count"):
+        if hasattr(first, name):
+            setattr(joined, name, torch.cat([getattr(lik, name) for lik in likelihoods]))
+    return joined
