@@ -20,7 +20,7 @@ products, samples of :math:`\mathcal N(0, H^{-1})` and the marginal variances :m
 
   .. math::
 
-      H_\ell = (I \otimes D^{1/2})(Q_B \otimes Q_A)\,(s\,\mu\lambda^\top + 1)\,(Q_B \otimes Q_A)^\top (I \otimes D^{1/2}),
+      H_\ell = (I \otimes D^{1/2})(Q_B \otimes Q_A)(s\,\mu\lambda^\top + 1)(Q_B \otimes Q_A)^\top(I \otimes D^{1/2}),
 
   which is exact (no further approximation of the prior), and needs no new eigendecomposition when :math:`D`
   is a scalar. Vectors of a layer are ``(outputs, inputs + 1)`` matrices; :math:`(B\otimes A)\,\mathrm{vec}(V)
@@ -60,7 +60,7 @@ class CurvatureError(ModelError):
 
 
 class Precision(Protocol):
-    """:math:`H = sG + \\mathrm{diag}(P)` for one choice of ``(P, s)``."""
+    r""":math:`H = sG + \mathrm{diag}(P)` for one choice of ``(P, s)``."""
 
     def logdet(self) -> Tensor: ...
     def solve(self, v: Tensor) -> Tensor: ...
@@ -147,7 +147,7 @@ class _FullPrecision:
 
 # ---------------------------------------------------------------------------------------------------- diag
 class DiagCurvature:
-    """:math:`\\mathrm{diag}(G)` (``d``)."""
+    r""":math:`\mathrm{diag}(G)` (``d``)."""
 
     def __init__(self, diagonal: Tensor):
         self.diagonal = diagonal
@@ -189,7 +189,7 @@ class _DiagPrecision:
 
 # ---------------------------------------------------------------------------------------------------- low rank
 class LowRankCurvature:
-    """:math:`G \\approx U \\mathrm{diag}(\\lambda) U^\\top`, ``U`` with orthonormal columns (``d x k``)."""
+    r""":math:`G \approx U \mathrm{diag}(\lambda) U^\top`, ``U`` with orthonormal columns (``d x k``)."""
 
     def __init__(self, eigenvectors: Tensor, eigenvalues: Tensor):
         keep = eigenvalues > 0
@@ -245,7 +245,7 @@ class _LowRankPrecision:
 # ---------------------------------------------------------------------------------------------------- kron
 @dataclass
 class KronBlock:
-    """One layer: flat indices ``index`` (``outputs x (inputs+1)``) and factors with :math:`G \\approx B \\otimes A`."""
+    r"""One layer: flat indices ``index`` (``outputs x (inputs+1)``) and factors with :math:`G \approx B \otimes A`."""
 
     index: Tensor  # (out, in') long
     output_factor: Tensor  # B, (out, out)
@@ -262,7 +262,7 @@ def _eigh(matrix: Tensor) -> tuple[Tensor, Tensor]:
 
 
 class KronCurvature:
-    """K-FAC blocks for layers, and :math:`\\mathrm{diag}(G)` for every other parameter (``rest``)."""
+    r"""K-FAC blocks for layers, and :math:`\mathrm{diag}(G)` for every other parameter (``rest``)."""
 
     def __init__(self, blocks: list[KronBlock], rest_index: Tensor, rest_diagonal: Tensor, num_params: int):
         self.blocks = blocks

@@ -55,7 +55,7 @@ class LayerPlan:
 
 @dataclass
 class DataFit:
-    """What the posterior needs from the data at :math:`\\theta_*`."""
+    r"""What the posterior needs from the data at :math:`\theta_*`."""
 
     curvature: Curvature
     log_likelihood: Tensor  # log p(D | theta*)

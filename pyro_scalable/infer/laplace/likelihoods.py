@@ -99,7 +99,7 @@ class Likelihood:
         return fn.to_event(self.reinterpreted) if self.reinterpreted else fn
 
     def hessian_sqrt(self, f: Tensor) -> Tensor:
-        """:math:`L` with :math:`\\Lambda = L L^\\top`, ``(points, outputs, outputs)``, zero rows where masked."""
+        r""":math:`L` with :math:`\Lambda = L L^\top`, ``(points, outputs, outputs)``, zero rows where masked."""
         root = self._sqrt_lambda(f)
         if self.mask is not None:
             root = root * self._mask_outputs(f).unsqueeze(-1)

@@ -125,7 +125,7 @@ class NetworkFunction:
             return torch.stack([pullback(u)[0] for u in cotangents])
 
     def ggn_vp(self, theta: Tensor, vectors: Tensor, roots: list[Tensor] | None = None) -> Tensor:
-        """:math:`G v = \\sum_i J_i^\\top \\Lambda_i J_i v` on the full data for ``vectors`` ``(k, d)``."""
+        r""":math:`G v = \sum_i J_i^\top \Lambda_i J_i v` on the full data for ``vectors`` ``(k, d)``."""
         out = torch.zeros_like(vectors)
         for number, batch in enumerate(self.batches()):
             f, products = self.jvp(theta, vectors, batch)

@@ -144,7 +144,7 @@ class LaplacePosterior:
 
     @property
     def mean(self) -> Tensor:
-        """The posterior mean :math:`\\theta_* + H^{-1} b` (flat, unconstrained); :math:`\\theta_*` at the fitted prior."""
+        r"""The posterior mean :math:`\theta_* + H^{-1} b` (flat, unconstrained); the MAP at the fitted prior."""
         if "mean" not in self._cache:
             b = self._log_joint_gradient(self._prior_precision, self._observation_noise)
             self._cache["mean"] = self.theta_star + self.precision.solve(b)
@@ -154,7 +154,7 @@ class LaplacePosterior:
     def log_marginal_likelihood(
         self, prior_precision: Tensor | float | None = None, observation_noise: Tensor | float | None = None
     ) -> Tensor:
-        """The Laplace evidence :math:`\\log Z(P, \\sigma)` of the linearised model (differentiable)."""
+        r"""The Laplace evidence :math:`\log Z(P, \sigma)` of the linearised model (differentiable)."""
         theta = self.theta_star
         precision = self._prior_precision if prior_precision is None else prior_precision
         precision = torch.broadcast_to(torch.as_tensor(precision, dtype=theta.dtype, device=theta.device), theta.shape)
@@ -326,7 +326,7 @@ class LaplacePosterior:
         return draws_to_inference_data(self.bridge, unconstrained, num_chains=1, **kwargs)
 
     def check_map(self, threshold: float = 1.0) -> None:
-        """Warn when :math:`\\theta_*` is not a MAP: half the Newton decrement :math:`b^\\top H^{-1} b/2` in nats."""
+        r"""Warn when :math:`\theta_*` is not a MAP: half the Newton decrement :math:`b^\top H^{-1} b/2` in nats."""
         b = self._log_joint_gradient(self._prior_precision, self._observation_noise)
         decrement = 0.5 * float((b * self.precision.solve(b)).sum())
         if decrement > threshold:

@@ -1,4 +1,4 @@
-r"""The linearised (GLM) predictive: :math:`f(x) \sim \mathcal N(f(x,\theta_*) + J(x)(\bar\theta - \theta_*),\ J(x) H^{-1} J(x)^\top)`.
+r"""The linearised (GLM) predictive: :math:`f(x) \sim \mathcal N(f_* + J(\bar\theta - \theta_*),\ J H^{-1} J^\top)`.
 
 No per-example Jacobian over all weights is formed. For a recorded layer with inputs :math:`\tilde a` and
 :math:`B = \partial f/\partial z` (one backward pass per output, for every test point at once):
