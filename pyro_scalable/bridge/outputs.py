@@ -16,11 +16,11 @@ with the values this module substituted, so it sees exactly the latent sites and
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import pyro.distributions as dist
 import torch
 import torch.nn.functional as F
 from pyro.poutine.messenger import Messenger
@@ -57,6 +57,7 @@ class ModelOutputs:
     layers: list[LayerCall] = field(default_factory=list)
     priors: dict[str, Any] = field(default_factory=dict)  # latent site -> its distribution, before the site
     plate_sizes: dict[str, int] = field(default_factory=dict)  # subsampling plate -> its full size N
+    raw_logits: Tensor | None = None  # a Categorical's logits before Pyro normalises them
 
 
 class _Stop(Exception):
@@ -99,17 +100,33 @@ class _Outputs(Messenger):
 
 
 class _RecordLayers(TorchFunctionMode):
-    """Record affine maps whose weight (and bias) are substituted latent values."""
+    """Record affine maps whose weight (and bias) are substituted latent values, and un-normalised logits."""
 
-    def __init__(self, values: Mapping[int, str]):
+    def __init__(self, values: Mapping[int, str], layers: bool):
         super().__init__()
         self.values = values
+        self.record = layers
         self.layers: list[LayerCall] = []
         self._by_output: dict[int, LayerCall] = {}
+        self._normalizers: dict[int, Tensor] = {}
+        self.unnormalized: dict[int, Tensor] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        # Categorical(logits=z) keeps only z - logsumexp(z); the linearised predictive wants z itself.
+        name = getattr(func, "__name__", "")
+        if name == "logsumexp":
+            self._normalizers[id(out)] = args[0]
+        elif name in ("sub", "__sub__") and len(args) == 2:
+            source = self._normalizers.get(id(args[1]))
+            if source is not None and source is args[0]:
+                self.unnormalized[id(out)] = source
+        elif name in ("expand", "reshape", "view") and args and id(args[0]) in self.unnormalized:
+            # a plate expands the distribution, and with it the normalised logits
+            self.unnormalized[id(out)] = func(self.unnormalized[id(args[0])], *args[1:], **kwargs)
+        if not self.record:
+            return out
         if func is F.linear:
             inputs, weight = args[0], args[1] if len(args) > 1 else kwargs.get("weight")
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
@@ -149,7 +166,7 @@ def model_outputs(
     ``latents`` are unconstrained values of every latent site. The model stops at ``site``: nothing after it runs.
     """
     capture = _Outputs(bridge, latents, site)
-    recorder = _RecordLayers(capture.values) if layers else contextlib.nullcontext()
+    recorder = _RecordLayers(capture.values, layers)
     try:
         with _validation(False), plate_indices(batch.indices, full_data=True) as sizes, capture, recorder:
             bridge.model(*batch.args, **batch.kwargs)
@@ -160,6 +177,11 @@ def model_outputs(
         raise ModelError(f"the model never reached its observed site '{site}' with these arguments.")
     if layers:
         capture.result.layers = recorder.layers
+    base = capture.result.fn
+    while hasattr(base, "base_dist"):
+        base = base.base_dist
+    if "logits" in base.__dict__ and isinstance(base, dist.Categorical):
+        capture.result.raw_logits = recorder.unnormalized.get(id(base.__dict__["logits"]))
     capture.result.priors = capture.priors
     capture.result.plate_sizes = capture.plate_sizes
     return capture.result

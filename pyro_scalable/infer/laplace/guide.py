@@ -9,11 +9,13 @@ reads the prior from the model, and computes the curvature in one pass over the 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
 from pyro.infer.autoguide import AutoLaplaceApproximation
+from pyro.infer.autoguide.initialization import InitMessenger
 
 from pyro_scalable.bridge.checks import ModelError
 from pyro_scalable.bridge.model import Latents, ModelBridge
@@ -85,7 +87,7 @@ class AutoLinearizedLaplace(AutoLaplaceApproximation):
             raise ValueError(f"structure must be one of {_STRUCTURES}, not {structure!r}.")
         if curvature not in ("ggn", "ef"):
             raise ValueError(f"curvature must be 'ggn' or 'ef', not {curvature!r}.")
-        bridge = ModelBridge(self.model, args, kwargs)
+        bridge = ModelBridge(_user_model(self.model), args, kwargs)
         if len(bridge.observed) != 1:
             raise ModelError(
                 f"linearised Laplace needs exactly one observed site; the model has {sorted(bridge.observed)}."
@@ -175,6 +177,14 @@ def _laplace_sites(bridge: ModelBridge, site: str, latents: Latents, sites) -> t
     if noise_site in chosen:
         noise_site, noise = None, None
     return chosen, heteroscedastic, noise_site, noise
+
+
+def _user_model(model):
+    # AutoContinuous wraps the model in an InitMessenger, which would initialise (and for a discrete site, reject)
+    # the observed site at test inputs; the bridge needs the model as written.
+    while isinstance(model, functools.partial) and len(model.args) == 2 and isinstance(model.args[0], InitMessenger):
+        model = model.args[1]
+    return model
 
 
 def _first_batch(bridge: ModelBridge):

@@ -49,8 +49,9 @@ class Likelihood:
     name: str = ""
     classification = False
 
-    def __init__(self, site: str, fn, mask: Tensor | None):
+    def __init__(self, site: str, fn, mask: Tensor | None, raw_logits: Tensor | None = None):
         self.site = site
+        self.raw_logits = raw_logits
         self.reinterpreted = 0
         while isinstance(fn, (dist.Independent, dist.MaskedDistribution, dist.ExpandedDistribution)):
             if isinstance(fn, dist.Independent):
@@ -235,7 +236,8 @@ class _Categorical(Likelihood):
         return self.shape[-1]
 
     def outputs(self) -> Tensor:
-        return self._flatten(torch.broadcast_to(self.base.logits, self.shape))
+        logits = self.base.logits if self.raw_logits is None else self.raw_logits
+        return self._flatten(torch.broadcast_to(logits, self.shape))
 
     def _groups(self, f: Tensor) -> Tensor:
         return f.reshape(f.shape[:-1] + (-1, self.num_classes))
@@ -294,14 +296,22 @@ _FAMILIES = {
 }
 
 
-def likelihood_of(site: str, fn, mask: Tensor | None = None, *, heteroscedastic: bool = False) -> Likelihood:
-    """The family of observed ``site`` whose distribution is ``fn`` (raises a :class:`ModelError` if unknown)."""
+def likelihood_of(
+    site: str, fn, mask: Tensor | None = None, *, heteroscedastic: bool = False, raw_logits: Tensor | None = None
+) -> Likelihood:
+    """The family of observed ``site`` whose distribution is ``fn`` (raises a :class:`ModelError` if unknown).
+
+    ``raw_logits`` are a Categorical's logits before normalisation, when known: the GGN does not depend on the
+    choice, but the probit approximation does, and the usual convention linearises the network's own logits.
+    """
     base = fn
     while isinstance(base, (dist.Independent, dist.MaskedDistribution, dist.ExpandedDistribution)):
         base = base.base_dist
     for family, cls in _FAMILIES.items():
         if type(base) is family:
-            return cls(site, fn, mask, heteroscedastic) if cls is _Normal else cls(site, fn, mask)
+            if cls is _Normal:
+                return cls(site, fn, mask, heteroscedastic)
+            return cls(site, fn, mask, raw_logits) if cls is _Categorical else cls(site, fn, mask)
     known = ", ".join(f.__name__ for f in _FAMILIES)
     raise ModelError(
         f"observed site '{site}' has a {type(base).__name__} likelihood, whose GGN curvature is not known here "

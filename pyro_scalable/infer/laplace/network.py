@@ -71,7 +71,9 @@ class NetworkFunction:
 
     def outputs(self, theta: Tensor, batch: Batch, *, layers: bool = False) -> Outputs:
         raw = model_outputs(self.bridge, self.latents(theta), batch, site=self.site, layers=layers)
-        likelihood = likelihood_of(self.site, raw.fn, raw.mask, heteroscedastic=self.heteroscedastic)
+        likelihood = likelihood_of(
+            self.site, raw.fn, raw.mask, heteroscedastic=self.heteroscedastic, raw_logits=raw.raw_logits
+        )
         return Outputs(likelihood, likelihood.outputs(), raw.value, raw)
 
     def f(self, theta: Tensor, batch: Batch) -> Tensor:
