@@ -17,13 +17,14 @@ Laplace) is held at its MAP value. :class:`NetworkFunction` gives
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pyro.distributions as dist
 import torch
 from torch import Tensor
-from torch.func import jvp, vjp, vmap
+from torch.func import vjp, vmap
 
 from pyro_scalable.bridge.checks import ModelError
 from pyro_scalable.bridge.minibatches import chunks
@@ -32,7 +33,16 @@ from pyro_scalable.bridge.outputs import ModelOutputs, model_outputs
 from pyro_scalable.infer.laplace.layout import ParameterLayout
 from pyro_scalable.infer.laplace.likelihoods import Likelihood, likelihood_of
 
-__all__ = ["NetworkFunction", "Outputs"]
+__all__ = ["NetworkFunction", "Outputs", "jvp"]
+
+
+def jvp(func, primals, tangents):
+    """``torch.func.jvp``, without torch's one-time notice about its TorchScript decompositions."""
+    # The first forward-mode call in a process makes torch script its jvp decompositions, which warns about
+    # torch.jit.script being deprecated (a torch internal, nothing the user can act on).
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*torch\.jit\.script. is deprecated", category=DeprecationWarning)
+        return torch.func.jvp(func, primals, tangents)
 
 
 @dataclass

@@ -192,6 +192,11 @@ class LaplacePosterior:
 
         """
         theta = self.theta_star
+        if method == "diagonal" and self.structure == "kron":
+            raise ValueError(
+                "structure='kron' keeps a layer's prior precision equal across its outputs; use method='scalar' or "
+                "'site', or structure='diag'/'full' for a per-parameter prior precision."
+            )
         groups = self._groups(method)
         start = torch.zeros(int(groups.max()) + 1, dtype=theta.dtype, device=theta.device)
         start.index_reduce_(0, groups, self._prior_precision.log(), "mean", include_self=False)

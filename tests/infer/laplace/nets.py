@@ -20,7 +20,7 @@ class MLP(PyroModule):
     def __init__(self, sizes=(3, 6, 2), likelihood="normal", noise=0.3, prior_scale=1.0, batch_size=None):
         super().__init__()
         layers = []
-        for k, (fan_in, fan_out) in enumerate(zip(sizes[:-1], sizes[1:])):
+        for fan_in, fan_out in zip(sizes[:-1], sizes[1:]):
             layer = PyroModule[nn.Linear](fan_in, fan_out).double()
             layer.weight = PyroSample(_prior((fan_out, fan_in), prior_scale))
             layer.bias = PyroSample(_prior((fan_out,), prior_scale))
@@ -36,9 +36,12 @@ class MLP(PyroModule):
         return x
 
     def forward(self, x, y=None):
-        f = self.net(x)
-        with pyro.plate("data", x.shape[0], subsample_size=self.batch_size) as idx:
+        data = pyro.plate("data", x.shape[0], subsample_size=self.batch_size)
+        idx = data.indices
+        f = self.net(x[idx])  # outside the plate: the weights are global latents
+        with data:
             obs = None if y is None else y[idx]
+            idx = slice(None)
             if self.likelihood == "normal":
                 return pyro.sample("y", dist.Normal(f[idx], self.noise).to_event(1), obs=obs)
             if self.likelihood == "categorical":
@@ -71,7 +74,7 @@ def brute_force_jacobian(model: MLP, latents: dict, x):
             values[name] = flat[start : start + size].reshape(latents[name].shape)
             start += size
         out = x
-        for k, layer in enumerate(model.layers):
+        for k in range(len(model.layers)):
             out = out @ values[f"layers.{k}.weight"].T + values[f"layers.{k}.bias"]
             if k < len(model.layers) - 1:
                 out = torch.tanh(out)
