@@ -102,7 +102,9 @@ class AutoLinearizedLaplace(AutoLaplaceApproximation):
         )
         precision, mean = net.prior(theta)
         if prior_precision is not None:
-            precision = torch.broadcast_to(torch.as_tensor(prior_precision).to(theta), theta.shape).clone()
+            precision = torch.broadcast_to(
+                torch.as_tensor(prior_precision, dtype=theta.dtype, device=theta.device), theta.shape
+            ).clone()
         generator = torch.Generator(device=theta.device).manual_seed(seed)
         fit = fit_curvature(net, theta, structure, curvature=curvature, rank=rank, generator=generator)
         if curvature == "ef":

@@ -158,7 +158,11 @@ class LaplacePosterior:
         theta = self.theta_star
         precision = self._prior_precision if prior_precision is None else prior_precision
         precision = torch.broadcast_to(torch.as_tensor(precision, dtype=theta.dtype, device=theta.device), theta.shape)
-        noise = self._observation_noise if observation_noise is None else torch.as_tensor(observation_noise).to(theta)
+        noise = (
+            self._observation_noise
+            if observation_noise is None
+            else torch.as_tensor(observation_noise, dtype=theta.dtype, device=theta.device)
+        )
         if observation_noise is not None and self._map_noise is None:
             raise ModelError("observation_noise applies to a Normal likelihood with one scalar scale only.")
         if noise is not None:
@@ -198,8 +202,9 @@ class LaplacePosterior:
                 "'site', or structure='diag'/'full' for a per-parameter prior precision."
             )
         groups = self._groups(method)
-        start = torch.zeros(int(groups.max()) + 1, dtype=theta.dtype, device=theta.device)
-        start.index_reduce_(0, groups, self._prior_precision.log(), "mean", include_self=False)
+        counts = torch.bincount(groups).to(theta.dtype)
+        start = torch.zeros(counts.shape, dtype=theta.dtype, device=theta.device)
+        start = start.index_add(0, groups, self._prior_precision.log()) / counts
         log_precision = start.clone().requires_grad_(True)
         fit_noise = self._map_noise is not None if observation_noise is None else observation_noise
         if fit_noise and self._map_noise is None:

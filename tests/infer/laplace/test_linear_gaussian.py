@@ -1,0 +1,143 @@
+"""Gold tier: on a linear-Gaussian Pyro model the Laplace posterior and its evidence are exact, at any prior."""
+
+from __future__ import annotations
+
+import math
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from scipy.optimize import minimize
+
+from pyro_scalable.infer import AutoLinearizedLaplace
+
+D = torch.float64
+
+
+class Problem:
+    """y = X w + b + noise; w ~ N(0, s_w²), b ~ N(0, s_b²)."""
+
+    def __init__(self, n=120, p=3, noise=0.5, prior_w=1.3, prior_b=2.0, seed=0, latent_noise=False):
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, p, generator=g, dtype=D)
+        self.y = self.x @ torch.randn(p, generator=g, dtype=D) + 0.7 + noise * torch.randn(n, generator=g, dtype=D)
+        self.n, self.p, self.noise, self.prior_w, self.prior_b = n, p, noise, prior_w, prior_b
+        self.latent_noise = latent_noise
+        self.design = torch.cat([self.x, torch.ones(n, 1, dtype=D)], 1)
+
+    def model(self, x, y=None):
+        w = pyro.sample("w", dist.Normal(torch.zeros(self.p, dtype=D), self.prior_w).to_event(1))
+        b = pyro.sample("b", dist.Normal(torch.tensor(0.0, dtype=D), self.prior_b))
+        noise = pyro.sample("sigma", dist.HalfNormal(torch.tensor(1.0, dtype=D))) if self.latent_noise else self.noise
+        with pyro.plate("data", x.shape[0], subsample_size=40) as idx:
+            pyro.sample("obs", dist.Normal(x[idx] @ w + b, noise), obs=None if y is None else y[idx])
+
+    def prior_precision(self, alpha=None):
+        if alpha is not None:
+            return torch.full((self.p + 1,), float(alpha), dtype=D)
+        return torch.tensor([self.prior_w**-2] * self.p + [self.prior_b**-2], dtype=D)
+
+    def posterior(self, prior_precision, noise=None):
+        noise = self.noise if noise is None else noise
+        precision = self.design.T @ self.design / noise**2 + torch.diag(prior_precision)
+        mean = torch.linalg.solve(precision, self.design.T @ self.y / noise**2)
+        return mean, precision
+
+    def evidence(self, prior_precision, noise=None):
+        noise = self.noise if noise is None else noise
+        covariance = self.design @ torch.diag(1 / prior_precision) @ self.design.T + noise**2 * torch.eye(
+            self.n, dtype=D
+        )
+        return dist.MultivariateNormal(torch.zeros(self.n, dtype=D), covariance).log_prob(self.y)
+
+    def laplace(self, structure, **kwargs):
+        mean, _ = self.posterior(self.prior_precision())
+        latents = {"w": mean[: self.p], "b": mean[self.p]}
+        if self.latent_noise:
+            latents["sigma"] = torch.tensor(self.noise, dtype=D)
+        guide = AutoLinearizedLaplace(self.model)
+        return guide.laplace_approximation(self.x, self.y, structure=structure, map_latents=latents, **kwargs)
+
+
+@pytest.mark.parametrize("structure", ["full", "kron", "low_rank"])
+def test_posterior_and_evidence_are_the_closed_form(structure):
+    problem = Problem()
+    posterior = problem.laplace(structure, rank=4)
+    mean, precision = problem.posterior(problem.prior_precision())
+    assert torch.allclose(posterior.precision.to_dense(), precision)
+    assert torch.allclose(posterior.mean, mean)
+    exact = problem.evidence(problem.prior_precision())
+    assert math.isclose(float(posterior.log_marginal_likelihood()), float(exact), rel_tol=1e-12)
+
+
+@pytest.mark.parametrize("structure", ["full", "kron"])
+def test_evidence_and_mean_stay_exact_away_from_the_fitted_prior(structure):
+    problem = Problem()
+    posterior = problem.laplace(structure)
+    for alpha, noise in [(0.05, None), (7.0, None), (0.3, 0.8), (2.0, 0.2)]:
+        value = posterior.log_marginal_likelihood(alpha, noise)
+        exact = problem.evidence(problem.prior_precision(alpha), noise)
+        assert math.isclose(float(value), float(exact), rel_tol=1e-10), (alpha, noise)
+    posterior.prior_precision = 7.0
+    mean, precision = problem.posterior(problem.prior_precision(7.0))
+    assert torch.allclose(posterior.mean, mean)
+    assert torch.allclose(posterior.precision.to_dense(), precision)
+
+
+def _exact_maximiser(problem, method, noise):
+    def objective(log_values):
+        alpha = torch.tensor(log_values[0]).exp()
+        precision = problem.prior_precision(alpha) if method == "scalar" else torch.tensor(log_values[:2]).exp()
+        if method == "site":
+            precision = torch.cat([precision[:1].expand(problem.p), precision[1:]])
+        sigma = torch.tensor(log_values[-1]).exp() if noise else None
+        return -float(problem.evidence(precision, sigma))
+
+    start = [0.0] * (1 if method == "scalar" else 2) + ([0.0] if noise else [])
+    result = minimize(
+        objective, start, method="Nelder-Mead", options={"xatol": 1e-10, "fatol": 1e-12, "maxiter": 20000}
+    )
+    return result.x, -result.fun
+
+
+@pytest.mark.parametrize("method", ["scalar", "site"])
+@pytest.mark.parametrize("noise", [False, True])
+def test_optimize_prior_precision_finds_the_exact_evidence_maximiser(method, noise):
+    problem = Problem()
+    posterior = problem.laplace("full")
+    posterior.optimize_prior_precision(method, observation_noise=noise)
+    log_values, best = _exact_maximiser(problem, method, noise)
+    assert math.isclose(float(posterior.log_marginal_likelihood()), best, abs_tol=1e-6)
+    found = posterior.prior_precision.log()
+    expected = torch.tensor(log_values[:1] if method == "scalar" else log_values[:2], dtype=D)
+    found = found[:1] if method == "scalar" else found[[0, problem.p]]
+    assert torch.allclose(found, expected, atol=1e-3)
+    if noise:
+        assert math.isclose(float(posterior.observation_noise.log()), log_values[-1], abs_tol=1e-3)
+        # and the posterior is the exact one at the optimised hyperparameters
+        mean, precision = problem.posterior(posterior.prior_precision, posterior.observation_noise)
+        assert torch.allclose(posterior.mean, mean)
+
+
+def test_a_latent_noise_scale_is_held_at_its_map_and_can_be_fitted():
+    problem = Problem(latent_noise=True)
+    posterior = problem.laplace("full")
+    assert posterior.sites == ["w", "b"]
+    assert math.isclose(float(posterior.observation_noise), problem.noise)
+    exact = problem.evidence(problem.prior_precision())
+    assert math.isclose(float(posterior.log_marginal_likelihood()), float(exact), rel_tol=1e-12)
+    posterior.optimize_prior_precision("scalar")
+    draws = posterior.get_samples(5, seed=0)
+    assert torch.allclose(draws["sigma"], posterior.observation_noise.expand(5))
+
+
+def test_diag_evidence_uses_the_diagonal_log_determinant():
+    problem = Problem()
+    posterior = problem.laplace("diag")
+    _, precision = problem.posterior(problem.prior_precision())
+    assert torch.allclose(posterior.precision.to_dense(), torch.diag(precision.diagonal()))
+    expected = problem.evidence(problem.prior_precision()) + 0.5 * (
+        torch.logdet(precision) - precision.diagonal().log().sum()
+    )
+    assert math.isclose(float(posterior.log_marginal_likelihood()), float(expected), rel_tol=1e-10)
