@@ -39,19 +39,17 @@ LAPLACE_STACK=(
 )
 POSTERIORS="posteriors>=0.1.3"
 
-if ! "$PYTHON" -c "import torch" >/dev/null 2>&1; then
-    warn "torch is not importable by $PYTHON (install the package first: scripts/install.sh)"
-    exit 0
-fi
-
-# 0: all present; 1: something to install; 2: only a torchvision to remove.
+# 0: all present; 1: something to install (or state unknown); 2: only a torchvision to remove.
 state() {
     "$PYTHON" - "${LAPLACE_STACK[@]}" "$POSTERIORS" <<'EOF'
 import importlib.metadata as md
 import importlib.util
 import sys
 
-from packaging.requirements import Requirement
+try:
+    from packaging.requirements import Requirement
+except ImportError:  # pip vendors it
+    from pip._vendor.packaging.requirements import Requirement
 
 missing = []
 for spec in sys.argv[1:]:
@@ -70,10 +68,13 @@ sys.exit(2 if importlib.util.find_spec("torchvision") is not None else 0)
 EOF
 }
 
-"$PYTHON" -c "import packaging" >/dev/null 2>&1 || "$PYTHON" -m pip install --quiet "packaging>=22" >/dev/null 2>&1
 state
 status=$?
 [ "$status" -eq 0 ] && exit 0
+if ! "$PYTHON" -c "import torch" >/dev/null 2>&1; then
+    warn "torch is not importable by $PYTHON (install the package first: scripts/install.sh)"
+    exit 0
+fi
 
 if [ "$status" -eq 1 ]; then
     constraints=$(mktemp)
