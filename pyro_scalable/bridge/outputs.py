@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import pyro
 import pyro.distributions as dist
 import torch
 import torch.nn.functional as F
@@ -168,8 +169,10 @@ def model_outputs(
     capture = _Outputs(bridge, latents, site)
     recorder = _RecordLayers(capture.values, layers)
     try:
-        with _validation(False), plate_indices(batch.indices, full_data=True) as sizes, capture, recorder:
-            bridge.model(*batch.args, **batch.kwargs)
+        # block: the model's sites are ours alone, never recorded by an enclosing trace (Predictive, SVI)
+        with pyro.poutine.block(), _validation(False), plate_indices(batch.indices, full_data=True) as sizes:
+            with capture, recorder:
+                bridge.model(*batch.args, **batch.kwargs)
     except _Stop:
         pass
     capture.plate_sizes.update(sizes)

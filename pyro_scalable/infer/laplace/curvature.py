@@ -85,7 +85,9 @@ def _randn(shape, like: Tensor, generator) -> Tensor:
 
 
 def _check_positive(values: Tensor, what: str, index: Tensor | None = None) -> None:
-    bad = ~(values > 0)
+    # numerically singular: below d * eps relative to the largest value, as in numpy.linalg.matrix_rank
+    floor = float(values.abs().max()) * values.numel() * torch.finfo(values.dtype).eps if values.numel() else 0.0
+    bad = ~(values > floor)
     if bool(bad.any()):
         where = torch.nonzero(bad).flatten()
         where = where if index is None else index[where]
@@ -119,8 +121,11 @@ class _FullPrecision:
     def __init__(self, matrix: Tensor):
         self.matrix = matrix
         cholesky, info = torch.linalg.cholesky_ex(matrix)
-        if int(info) > 0:
-            eigenvalues = torch.linalg.eigvalsh(matrix.detach())
+        pivots = cholesky.diagonal().detach() ** 2
+        if int(info) > 0 or not bool(
+            (pivots > float(pivots.max()) * len(pivots) * torch.finfo(pivots.dtype).eps).all()
+        ):
+            eigenvalues, vectors = torch.linalg.eigh(matrix.detach())
             _check_positive(eigenvalues, "its eigen-decomposition")
             raise CurvatureError("the posterior precision is numerically singular (Cholesky failed); pass jitter=.")
         self.cholesky = cholesky

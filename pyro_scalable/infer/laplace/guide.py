@@ -112,6 +112,7 @@ class AutoLinearizedLaplace(AutoLaplaceApproximation):
         posterior = LaplacePosterior(
             net, fit, precision, mean, structure=structure, noise_scale=noise, noise_site=noise_site, jitter=jitter
         )
+        posterior.precision  # noqa: B018  (factorise now: a singular curvature is an error here, not later)
         if check_map:
             posterior.check_map()
         return posterior

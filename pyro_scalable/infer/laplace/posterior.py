@@ -315,15 +315,18 @@ class LaplacePosterior:
         )
 
     def linearized_model(self, *args: Any, **kwargs: Any) -> Tensor:
-        """The linearised model as a Pyro model: latents as sampled, ``f = f(x, θ*) + J(x)(θ - θ*)``, then ``y``."""
-        values = {}
-        for name, site in self.bridge.sites.items():
-            values[name] = pyro.sample(name, dist.ImproperUniform(site.transform.codomain, (), site.shape))
+        """The linearised model as a Pyro model: ``f = f(x, θ*) + J(x)(θ - θ*)``, then ``y`` from the likelihood.
+
+        Its latents are drawn from this posterior (so ``Predictive(posterior.linearized_model, num_samples=S)``
+        needs no guide), or taken from a guide's trace when ``Predictive`` conditions on one.
+        """
+        draw = self.bridge.constrain(self._all_latents(self.sample(1)[0]))
+        values = {name: pyro.sample(name, dist.Delta(v, event_dim=v.dim())) for name, v in draw.items()}
         theta = self.net.layout.flatten(self.bridge.unconstrain({k: values[k] for k in self.sites}))
         batch = Batch({}, args, kwargs)
         with torch.no_grad():
-            f, tangent = self.net.jvp(self.theta_star, (theta - self.theta_star).unsqueeze(0), _full(batch, self))
-            likelihood = self.net.outputs(self.theta_star, _full(batch, self)).likelihood
+            f, tangent = self.net.jvp(self.theta_star, (theta - self.theta_star).unsqueeze(0), batch)
+            likelihood = self.net.outputs(self.theta_star, batch).likelihood
         return pyro.sample(self.net.site, likelihood.distribution(f + tangent[0]))
 
     # ------------------------------------------------------------------ ArviZ
@@ -346,10 +349,6 @@ class LaplacePosterior:
                 "(or with a smaller final learning rate); the posterior mean is moved by that Newton step.",
                 stacklevel=3,
             )
-
-
-def _full(batch: Batch, posterior: LaplacePosterior) -> Batch:
-    return Batch({}, batch.args, batch.kwargs)
 
 
 def _joined(likelihoods, posterior: LaplacePosterior):
