@@ -84,9 +84,11 @@ def _randn(shape, like: Tensor, generator) -> Tensor:
     return torch.randn(shape, generator=generator, dtype=like.dtype, device=like.device)
 
 
-def _check_positive(values: Tensor, what: str, index: Tensor | None = None) -> None:
-    # numerically singular: below d * eps relative to the largest value, as in numpy.linalg.matrix_rank
-    floor = float(values.abs().max()) * values.numel() * torch.finfo(values.dtype).eps if values.numel() else 0.0
+def _check_positive(values: Tensor, what: str, index: Tensor | None = None, *, dense: bool = False) -> None:
+    # the eigenvalues of a dense matrix count as zero below d * eps relative to the largest (numpy's matrix_rank)
+    floor = 0.0
+    if dense and values.numel():
+        floor = float(values.abs().max()) * values.numel() * torch.finfo(values.dtype).eps
     bad = ~(values > floor)
     if bool(bad.any()):
         where = torch.nonzero(bad).flatten()
@@ -126,7 +128,7 @@ class _FullPrecision:
             (pivots > float(pivots.max()) * len(pivots) * torch.finfo(pivots.dtype).eps).all()
         ):
             eigenvalues, vectors = torch.linalg.eigh(matrix.detach())
-            _check_positive(eigenvalues, "its eigen-decomposition")
+            _check_positive(eigenvalues, "its eigen-decomposition", dense=True)
             raise CurvatureError("the posterior precision is numerically singular (Cholesky failed); pass jitter=.")
         self.cholesky = cholesky
 
