@@ -38,12 +38,14 @@ __all__ = ["LayerCall", "ModelOutputs", "model_outputs"]
 
 @dataclass
 class LayerCall:
-    """One affine map ``outputs = inputs @ W.T + b`` (``layout="out_in"``) or ``inputs @ W + b`` (``"in_out"``)."""
+    """One affine map: ``inputs @ W.T + b`` (``layout="out_in"``), ``inputs @ W + b`` (``"in_out"``) or a
+    convolution (``"conv"``: ``inputs`` are then the unfolded patches ``(rows, in * kernel, locations)``).
+    """
 
     weight: str
-    layout: Literal["out_in", "in_out"]
-    inputs: Tensor  # (rows, in)
-    outputs: Tensor  # (rows, out) or (rows,) for a vector weight
+    layout: Literal["out_in", "in_out", "conv"]
+    inputs: Tensor  # (rows, in), or (rows, in * kernel, locations) for a convolution
+    outputs: Tensor  # (rows, out) or (rows,) for a vector weight; (rows, out, *spatial) for a convolution
     bias: str | None = None
 
 
@@ -136,6 +138,8 @@ class _RecordLayers(TorchFunctionMode):
                 bias_name = self.values.get(id(bias)) if bias is not None else None
                 if bias is None or bias_name is not None:
                     self._add(LayerCall(name, "out_in", inputs, out, bias_name))
+        elif func in (F.conv1d, F.conv2d):
+            self._conv(func, out, *args, **kwargs)
         elif func in (torch.matmul, Tensor.matmul, Tensor.__matmul__) and len(args) == 2:
             inputs, weight = args
             name = self.values.get(id(weight)) if isinstance(weight, Tensor) else None
@@ -154,9 +158,41 @@ class _RecordLayers(TorchFunctionMode):
                     self._by_output[id(out)] = layer
         return out
 
+    def _conv(self, func, out, inputs, weight, bias=None, stride=1, padding=0, dilation=1, groups=1) -> None:
+        name = self.values.get(id(weight))
+        bias_name = self.values.get(id(bias)) if bias is not None else None
+        spatial = weight.dim() - 2
+        if name is None or groups != 1 or inputs.dim() != spatial + 2 or (bias is not None and bias_name is None):
+            return
+        kernel = weight.shape[2:]
+        stride, dilation = _tuple(stride, spatial), _tuple(dilation, spatial)
+        if isinstance(padding, str):
+            if padding == "valid":
+                padding = (0,) * spatial
+            elif all(d * (k - 1) % 2 == 0 for d, k in zip(dilation, kernel)):
+                padding = tuple(d * (k - 1) // 2 for d, k in zip(dilation, kernel))
+            else:
+                return  # asymmetric "same" padding: left to the generic path
+        padding = _tuple(padding, spatial)
+        # unfold works on 2-d images; a 1-d convolution is a 2-d one with a height of one
+        image = inputs if spatial == 2 else inputs.unsqueeze(-2)
+        extend = (lambda t: t) if spatial == 2 else (lambda t: (1,) + t)
+        patches = F.unfold(
+            image,
+            extend(tuple(kernel)),
+            dilation=extend(dilation),
+            padding=(0,) * (2 - spatial) + padding if spatial == 1 else padding,
+            stride=extend(stride),
+        )
+        self._add(LayerCall(name, "conv", patches, out, bias_name))
+
     def _add(self, layer: LayerCall) -> None:
         self.layers.append(layer)
         self._by_output[id(layer.outputs)] = layer
+
+
+def _tuple(value, size: int) -> tuple:
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,) * size
 
 
 def model_outputs(

@@ -10,7 +10,9 @@ backward pass per column gives :math:`g_{ic}` for every example at once. From th
 * ``diag``: :math:`\sum_{i,c} g_{ic}^2 \otimes \tilde a_i^2` — exact, no per-example Jacobian;
 * ``kron``: :math:`B = \frac1N\sum_{i,c} g_{ic} g_{ic}^\top`, :math:`A = \sum_i \tilde a_i \tilde a_i^\top`
   (K-FAC; exact when :math:`\sum_c g_{ic}g_{ic}^\top` is the same for every example, e.g. a one-layer net with
-  a Gaussian likelihood);
+  a Gaussian likelihood). A convolution is the same affine map applied at :math:`L` locations to unfolded
+  patches; its factors sum over locations too, with :math:`B` divided by :math:`NL` (KFC, Grosse & Martens
+  2016), and its per-example rows are :math:`\sum_l g_{icl}\otimes\tilde a_{il}`;
 * ``full``: the rows :math:`r_{ic}` assembled per chunk and accumulated as :math:`R^\top R`;
 * ``low_rank``: the top eigenpairs of :math:`G` by a randomised eigendecomposition (Halko et al. 2011) built
   from matrix-free GGN-vector products :math:`J^\top \Lambda J v` (``torch.func`` ``jvp`` then ``vjp``).
@@ -51,6 +53,7 @@ class LayerPlan:
     weight: str
     bias: str | None
     index: Tensor
+    conv: bool = False
 
 
 @dataclass
@@ -87,10 +90,10 @@ def layer_plan(net: NetworkFunction, theta: Tensor) -> tuple[list[LayerPlan], Te
             continue
         weight = net.layout.index(layer.weight, theta.device)
         weight = weight.T if layer.layout == "in_out" and weight.dim() == 2 else weight
-        weight = weight.reshape(1, -1) if weight.dim() == 1 else weight
+        weight = weight.reshape(1, -1) if weight.dim() == 1 else weight.reshape(weight.shape[0], -1)
         bias = layer.bias if layer.bias in net.layout.slots and counts.get(layer.bias, 0) == 1 else None
         index = weight if bias is None else torch.cat([weight, net.layout.index(bias, theta.device).reshape(-1, 1)], 1)
-        plans.append(LayerPlan(position, layer.weight, bias, index))
+        plans.append(LayerPlan(position, layer.weight, bias, index, layer.layout == "conv"))
     plans = _verified(plans, out, theta)
     covered = torch.zeros(net.layout.num_params, dtype=torch.bool, device=theta.device)
     for plan in plans:
@@ -103,31 +106,38 @@ def _verified(plans: list[LayerPlan], out, theta: Tensor) -> list[LayerPlan]:
         return plans
     generator = torch.Generator(device=theta.device).manual_seed(0)
     cotangent = torch.randn(out.f.shape, generator=generator, dtype=out.f.dtype, device=out.f.device)
-    outputs = [_column(out.raw.layers[p.position].outputs) for p in plans]
-    grads = torch.autograd.grad(out.f, [theta] + [o[0] for o in outputs], cotangent, retain_graph=True)
+    outputs = [out.raw.layers[p.position].outputs for p in plans]
+    grads = torch.autograd.grad(out.f, [theta] + outputs, cotangent, retain_graph=True)
     kept = []
-    for plan, grad, layer_out in zip(plans, grads[1:], outputs):
+    for plan, grad in zip(plans, grads[1:]):
         inputs = _inputs(out.raw.layers[plan.position].inputs, plan)
-        assembled = _column_grad(grad, layer_out[1]).T @ inputs
+        assembled = per_example(_layer_grad(grad, plan), inputs, plan).sum(0)
         reference = grads[0][plan.index]
         if torch.allclose(assembled, reference, rtol=1e-4, atol=1e-6 * float(reference.abs().max()) + 1e-12):
             kept.append(plan)
     return kept
 
 
-def _column(outputs: Tensor) -> tuple[Tensor, bool]:
-    return outputs, outputs.dim() == 1
-
-
-def _column_grad(grad: Tensor, vector: bool) -> Tensor:
-    return grad.unsqueeze(-1) if vector else grad
+def _layer_grad(grad: Tensor, plan: LayerPlan) -> Tensor:
+    """The gradient at a layer's output as ``(points, out)``, or ``(points, out, locations)`` for a convolution."""
+    if plan.conv:
+        return grad.flatten(2)
+    return grad.unsqueeze(-1) if grad.dim() == 1 else grad
 
 
 def _inputs(inputs: Tensor, plan: LayerPlan) -> Tensor:
+    """A layer's inputs with a constant 1 appended for the folded bias: ``(points, in')`` or ``(points, in', L)``."""
     inputs = inputs.detach()
     if plan.bias is None:
         return inputs
     return torch.cat([inputs, torch.ones_like(inputs[:, :1])], dim=1)
+
+
+def per_example(grad: Tensor, inputs: Tensor, plan: LayerPlan) -> Tensor:
+    """Per-example gradient of the layer's weight matrix (bias folded), ``(..., points, out, in')``."""
+    if plan.conv:
+        return torch.einsum("...nol,nil->...noi", grad, inputs)
+    return grad.unsqueeze(-1) * inputs.unsqueeze(-2)
 
 
 def fit_curvature(
@@ -151,6 +161,7 @@ def fit_curvature(
     rest_diagonal = zeros(rest.numel()) if structure == "kron" else None
     input_factors = [zeros(p.index.shape[1], p.index.shape[1]) for p in plans] if structure == "kron" else []
     output_factors = [zeros(p.index.shape[0], p.index.shape[0]) for p in plans] if structure == "kron" else []
+    locations = [1] * len(plans)
     log_likelihood, gradient = theta.new_zeros(()), zeros(d)
     sum_squares, num_observations, num_points = theta.new_zeros(()), theta.new_zeros(()), 0
     roots_cache: list[Tensor] = []
@@ -176,31 +187,35 @@ def fit_curvature(
             roots_cache.append(roots)
             continue
         layers = out.raw.layers
-        outputs = [_column(layers[p.position].outputs) for p in plans]
+        outputs = [layers[p.position].outputs for p in plans]
         inputs = [_inputs(layers[p.position].inputs, p) for p in plans]
         rest_jacobian = _rest_jacobian(net, leaf.detach(), rest, batch) if rest.numel() else None
         for k, a in enumerate(inputs):
             if structure == "kron":
-                input_factors[k] += a.T @ a
+                input_factors[k] += torch.einsum("nil,njl->ij", a, a) if a.dim() == 3 else a.T @ a
+                locations[k] = a.shape[-1] if a.dim() == 3 else 1
         for c in range(roots.shape[-1]):
             column = roots[..., c]
-            grads = torch.autograd.grad(f, [o[0] for o in outputs], column, retain_graph=True) if outputs else []
-            grads = [_column_grad(g, o[1]) for g, o in zip(grads, outputs)]
+            grads = torch.autograd.grad(f, outputs, column, retain_graph=True) if outputs else []
+            grads = [_layer_grad(g, p) for g, p in zip(grads, plans)]
             rest_rows = torch.einsum("pm,pmr->pr", column, rest_jacobian) if rest_jacobian is not None else None
             if structure == "kron":
                 for k, g in enumerate(grads):
-                    output_factors[k] += g.T @ g
+                    output_factors[k] += torch.einsum("nol,npl->op", g, g) if g.dim() == 3 else g.T @ g
                 if rest_rows is not None:
                     rest_diagonal += (rest_rows**2).sum(0)
             elif structure == "diag":
                 for plan, g, a in zip(plans, grads, inputs):
-                    diagonal[plan.index] += (g**2).T @ (a**2)
+                    if plan.conv:
+                        diagonal[plan.index] += (per_example(g, a, plan) ** 2).sum(0)
+                    else:
+                        diagonal[plan.index] += (g**2).T @ (a**2)
                 if rest_rows is not None:
                     diagonal[rest] += (rest_rows**2).sum(0)
             else:
                 rows = f.new_zeros(f.shape[0], d)
                 for plan, g, a in zip(plans, grads, inputs):
-                    rows[:, plan.index.flatten()] = (g.unsqueeze(-1) * a.unsqueeze(-2)).flatten(1)
+                    rows[:, plan.index.flatten()] = per_example(g, a, plan).flatten(1)
                 if rest_rows is not None:
                     rows[:, rest] = rest_rows
                 full += rows.T @ rows
@@ -209,7 +224,10 @@ def fit_curvature(
     elif structure == "diag":
         result = DiagCurvature(diagonal)
     elif structure == "kron":
-        blocks = [KronBlock(p.index, b / num_points, a) for p, b, a in zip(plans, output_factors, input_factors)]
+        blocks = [
+            KronBlock(p.index, b / (num_points * size), a)
+            for p, b, a, size in zip(plans, output_factors, input_factors, locations)
+        ]
         result = KronCurvature(blocks, rest, rest_diagonal, d)
     else:
         result = _low_rank(net, theta.detach(), roots_cache, rank, oversampling, power_iterations, generator)

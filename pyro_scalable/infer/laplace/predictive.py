@@ -26,7 +26,7 @@ from pyro_scalable.infer.laplace.curvature import (
     _KronPrecision,
     _LowRankPrecision,
 )
-from pyro_scalable.infer.laplace.ggn import LayerPlan, _column, _column_grad, _inputs, _rest_jacobian
+from pyro_scalable.infer.laplace.ggn import LayerPlan, _inputs, _layer_grad, _rest_jacobian, per_example
 from pyro_scalable.infer.laplace.network import NetworkFunction
 
 __all__ = ["functional_covariance"]
@@ -41,30 +41,35 @@ def functional_covariance(
     f = out.f
     points, width = f.shape
     layers = [out.raw.layers[p.position] for p in plans]
-    outputs = [_column(layer.outputs) for layer in layers]
+    outputs = [layer.outputs for layer in layers]
     inputs = [_inputs(layer.inputs, p) for layer, p in zip(layers, plans)]
-    # B[k]: (points, outputs, out_k), the derivative of every output with respect to layer k's pre-activation
+    # B[k]: (points, outputs, out_k[, locations]), the derivative of every output w.r.t. layer k's pre-activation
     per_output: list[list[Tensor]] = [[] for _ in plans]
     if plans:
         for c in range(width):
             cotangent = torch.zeros_like(f)
             cotangent[:, c] = 1.0
-            grads = torch.autograd.grad(f, [o[0] for o in outputs], cotangent, retain_graph=True)
-            for k, (g, o) in enumerate(zip(grads, outputs)):
-                per_output[k].append(_column_grad(g, o[1]))
+            grads = torch.autograd.grad(f, outputs, cotangent, retain_graph=True)
+            for k, (g, plan) in enumerate(zip(grads, plans)):
+                per_output[k].append(_layer_grad(g, plan))
     derivatives = [torch.stack(g, dim=1) for g in per_output]
     rest_jacobian = _rest_jacobian(net, theta.detach(), rest, batch) if rest.numel() else None
     f = f.detach()
     if isinstance(precision, _FullPrecision):
         rows = f.new_zeros(points, width, net.layout.num_params)
         for plan, b, a in zip(plans, derivatives, inputs):
-            rows[:, :, plan.index.flatten()] = (b.unsqueeze(-1) * a[:, None, None, :]).flatten(2)
+            rows[:, :, plan.index.flatten()] = _per_output(b, a, plan).flatten(2)
         if rest_jacobian is not None:
             rows[:, :, rest] = rest_jacobian
         return f, rows @ precision.solve(rows).mT
     covariance = f.new_zeros(points, width, width)
     if isinstance(precision, _KronPrecision):
-        for block, b, a in zip(precision.blocks, derivatives, inputs):
+        for block, b, a, plan in zip(precision.blocks, derivatives, inputs, plans):
+            if plan.conv:
+                jacobian = _per_output(b, a, plan) / block.root_prior  # (points, outputs, out, in')
+                rotated = block.block.output_eigenvectors.T @ jacobian @ block.input_vectors
+                covariance += torch.einsum("pmkj,pnkj,kj->pmn", rotated, rotated, block.eigenvalues.reciprocal())
+                continue
             rotated = b @ block.block.output_eigenvectors
             inner = ((a / block.root_prior) @ block.input_vectors) ** 2
             weights = inner @ block.eigenvalues.reciprocal().T
@@ -77,6 +82,10 @@ def functional_covariance(
             else precision.prior_precision.reciprocal()
         )
         for plan, b, a in zip(plans, derivatives, inputs):
+            if plan.conv:
+                jacobian = _per_output(b, a, plan)
+                covariance += torch.einsum("pmkj,pnkj,kj->pmn", jacobian, jacobian, inverse[plan.index])
+                continue
             weights = (a**2) @ inverse[plan.index].T
             covariance += torch.einsum("pmk,pnk,pk->pmn", b, b, weights)
         rest_inverse = inverse[rest]
@@ -88,3 +97,8 @@ def functional_covariance(
         _, products = net.jvp(theta.detach(), factors, batch)  # (k, points, outputs)
         covariance -= torch.einsum("kpm,kpn->pmn", products, products)
     return f, covariance
+
+
+def _per_output(derivative: Tensor, inputs: Tensor, plan: LayerPlan) -> Tensor:
+    # (points, outputs, out[, L]) and (points, in'[, L]) -> (points, outputs, out, in')
+    return per_example(derivative.movedim(1, 0), inputs, plan).movedim(0, 1)
