@@ -38,8 +38,10 @@ __all__ = ["LayerCall", "ModelOutputs", "model_outputs"]
 
 @dataclass
 class LayerCall:
-    """One affine map: ``inputs @ W.T + b`` (``layout="out_in"``), ``inputs @ W + b`` (``"in_out"``) or a
-    convolution (``"conv"``: ``inputs`` are then the unfolded patches ``(rows, in * kernel, locations)``).
+    """One affine map whose weight is a latent site: ``F.linear``, ``inputs @ W [+ b]``, or a convolution.
+
+    ``layout`` is ``"out_in"`` (``inputs @ W.T + b``), ``"in_out"`` (``inputs @ W + b``) or ``"conv"``, whose
+    ``inputs`` are the unfolded patches ``(rows, in * kernel, locations)``.
     """
 
     weight: str
