@@ -258,3 +258,23 @@ def test_hierarchical_prior_inside_the_laplace_sites_is_rejected():
     assert posterior.sites == ["w"]
     with pytest.raises(ModelError, match="hierarchical prior"):
         guide.laplace_approximation(x, y, sites=["tau", "w"], map_latents=latents, check_map=False)
+
+
+def test_follows_the_device_of_the_data(device):
+    x, y = _classification(n=60)
+    x, y = x.to(device), y.to(device)
+
+    def model(x, y=None):
+        w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=D, device=x.device), 1.0).to_event(1))
+        with pyro.plate("data", x.shape[0], subsample_size=20) as idx:
+            return pyro.sample("y", dist.Bernoulli(logits=x[idx] @ w), obs=None if y is None else y[idx])
+
+    latents = {"w": torch.tensor([0.5, -0.5], dtype=D, device=device)}
+    for structure in ["full", "diag", "kron", "low_rank"]:
+        posterior = AutoLinearizedLaplace(model).laplace_approximation(
+            x, y, structure=structure, map_latents=latents, check_map=False, rank=2
+        )
+        posterior.optimize_prior_precision("site")
+        predictive = posterior.predict(x[:5], link_approx="mc", num_samples=20, seed=0)
+        assert predictive.covariance.device.type == device.type
+        assert posterior.sample(3).device.type == device.type
