@@ -68,6 +68,24 @@ class Likelihood:
         self.shape = self._output_shape(fn)
         self.mask = mask
 
+    @classmethod
+    def concatenate(cls, parts: list[Likelihood]) -> Likelihood:
+        """One likelihood over the points of ``parts`` (chunks of one site, in order)."""
+        if len(parts) == 1:
+            return parts[0]
+        first = parts[0]
+        joined = object.__new__(type(first))
+        joined.__dict__.update(first.__dict__)
+        joined.shape = torch.Size((sum(p.num_points for p in parts),)) + first.shape[1:]
+        joined.raw_logits = None
+        for name in ("scale", "total_count", "mask"):
+            values = [getattr(p, name, None) for p in parts]
+            if all(isinstance(v, Tensor) for v in values):
+                setattr(
+                    joined, name, torch.cat([torch.broadcast_to(v, p.shape[: v.dim()]) for v, p in zip(values, parts)])
+                )
+        return joined
+
     # ------------------------------------------------------------------ per family
     def _output_shape(self, fn) -> torch.Size:
         return fn.batch_shape + fn.event_shape

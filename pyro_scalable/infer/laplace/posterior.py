@@ -36,7 +36,7 @@ from pyro_scalable.bridge.checks import ModelError
 from pyro_scalable.bridge.model import Batch, ModelBridge
 from pyro_scalable.infer.laplace.curvature import CurvatureError, Precision
 from pyro_scalable.infer.laplace.ggn import DataFit
-from pyro_scalable.infer.laplace.likelihoods import LinkApprox
+from pyro_scalable.infer.laplace.likelihoods import Likelihood, LinkApprox
 from pyro_scalable.infer.laplace.network import NetworkFunction
 from pyro_scalable.infer.laplace.predictive import functional_covariance
 
@@ -299,7 +299,7 @@ class LaplacePosterior:
         delta = self.mean - self.theta_star
         means, covariances, likelihoods = [], [], []
         for batch in self._batches(args, kwargs):
-            f, covariance = functional_covariance(
+            f, covariance, likelihood = functional_covariance(
                 self.net, self.theta_star, self.precision, self.fit.layers, self.fit.rest, batch
             )
             if bool(delta.abs().max() > 0):
@@ -307,9 +307,9 @@ class LaplacePosterior:
                 f = f + shift[0].detach()
             means.append(f)
             covariances.append(covariance.detach())
-            likelihoods.append(self.net.outputs(self.theta_star, batch).likelihood)
+            likelihoods.append(likelihood)
         mean, covariance = torch.cat(means), torch.cat(covariances)
-        likelihood = _joined(likelihoods, self)
+        likelihood = Likelihood.concatenate(likelihoods)
         return GLMPredictive(
             mean, covariance, likelihood.predictive(mean, covariance, link_approx, num_samples, generator)
         )
@@ -349,18 +349,3 @@ class LaplacePosterior:
                 "(or with a smaller final learning rate); the posterior mean is moved by that Newton step.",
                 stacklevel=3,
             )
-
-
-def _joined(likelihoods, posterior: LaplacePosterior):
-    if len(likelihoods) == 1:
-        return likelihoods[0]
-    points = sum(lik.num_points for lik in likelihoods)
-    # re-run on the whole input only for the shape bookkeeping of the returned distribution
-    first = likelihoods[0]
-    joined = object.__new__(type(first))
-    joined.__dict__.update(first.__dict__)
-    joined.shape = torch.Size((points,)) + first.shape[1:]
-    for name in ("scale", "total_count"):
-        if hasattr(first, name):
-            setattr(joined, name, torch.cat([getattr(lik, name) for lik in likelihoods]))
-    return joined

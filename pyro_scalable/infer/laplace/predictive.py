@@ -27,6 +27,7 @@ from pyro_scalable.infer.laplace.curvature import (
     _LowRankPrecision,
 )
 from pyro_scalable.infer.laplace.ggn import LayerPlan, _inputs, _layer_grad, _rest_jacobian, per_example
+from pyro_scalable.infer.laplace.likelihoods import Likelihood
 from pyro_scalable.infer.laplace.network import NetworkFunction
 
 __all__ = ["functional_covariance"]
@@ -34,8 +35,8 @@ __all__ = ["functional_covariance"]
 
 def functional_covariance(
     net: NetworkFunction, theta: Tensor, precision, plans: list[LayerPlan], rest: Tensor, batch: Batch
-) -> tuple[Tensor, Tensor]:
-    """``(f(x, theta), J H^{-1} J^T)`` on ``batch``: ``(points, outputs)`` and ``(points, outputs, outputs)``."""
+) -> tuple[Tensor, Tensor, Likelihood]:
+    """``f(x, theta)``, ``J H^{-1} J^T`` and the likelihood on ``batch``: ``(points, outputs)``, ``(.., outputs)``."""
     leaf = theta.detach().requires_grad_(True)
     out = net.outputs(leaf, batch, layers=True)
     f = out.f
@@ -61,7 +62,7 @@ def functional_covariance(
             rows[:, :, plan.index.flatten()] = _per_output(b, a, plan).flatten(2)
         if rest_jacobian is not None:
             rows[:, :, rest] = rest_jacobian
-        return f, rows @ precision.solve(rows).mT
+        return f, rows @ precision.solve(rows).mT, out.likelihood
     covariance = f.new_zeros(points, width, width)
     if isinstance(precision, _KronPrecision):
         for block, b, a, plan in zip(precision.blocks, derivatives, inputs, plans):
@@ -96,7 +97,7 @@ def functional_covariance(
         factors = (precision.basis * shrink / precision.root_prior.unsqueeze(-1)).T.contiguous()
         _, products = net.jvp(theta.detach(), factors, batch)  # (k, points, outputs)
         covariance -= torch.einsum("kpm,kpn->pmn", products, products)
-    return f, covariance
+    return f, covariance, out.likelihood
 
 
 def _per_output(derivative: Tensor, inputs: Tensor, plan: LayerPlan) -> Tensor:

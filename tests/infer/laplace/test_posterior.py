@@ -278,3 +278,24 @@ def test_follows_the_device_of_the_data(device):
         predictive = posterior.predict(x[:5], link_approx="mc", num_samples=20, seed=0)
         assert predictive.covariance.device.type == device.type
         assert posterior.sample(3).device.type == device.type
+
+
+@pytest.mark.parametrize("likelihood", ["normal", "categorical"])
+def test_chunked_passes_equal_one_pass(likelihood):
+    x = torch.randn(50, 3, dtype=D)
+    y = torch.randn(50, 2, dtype=D) if likelihood == "normal" else torch.randint(0, 3, (50,))
+    model = MLP((3, 5, 2 if likelihood == "normal" else 3), likelihood, batch_size=10)
+    latents = random_latents(model, x)
+    guide = AutoLinearizedLaplace(model)
+    chunked, whole = (
+        guide.laplace_approximation(x, y, structure="kron", map_latents=latents, check_map=False, chunk_size=size)
+        for size in (7, 100)
+    )
+    assert torch.allclose(chunked.precision.to_dense(), whole.precision.to_dense())
+    assert torch.allclose(chunked.log_marginal_likelihood(), whole.log_marginal_likelihood())
+    a, b = chunked.predict(x).distribution, whole.predict(x).distribution
+    assert a.batch_shape == b.batch_shape == (50,)
+    if likelihood == "normal":
+        assert torch.allclose(a.scale, b.scale)
+    else:
+        assert torch.allclose(a.probs, b.probs)
