@@ -296,6 +296,6 @@ def test_chunked_passes_equal_one_pass(likelihood):
     a, b = chunked.predict(x).distribution, whole.predict(x).distribution
     assert a.batch_shape == b.batch_shape == (50,)
     if likelihood == "normal":
-        assert torch.allclose(a.scale, b.scale)
+        assert torch.allclose(a.variance, b.variance)
     else:
         assert torch.allclose(a.probs, b.probs)
