@@ -114,9 +114,9 @@ print(f"final loss {loss:.1f}  ({time.perf_counter() - start:.0f} s so far)")
 
 # %% [markdown]
 # ## Laplace with K-FAC curvature
-# One pass over the full data at the MAP builds the GGN H = Σᵢ JᵢᵀΛᵢJᵢ + P in Kronecker-factored form, one
-# block per linear layer with its bias folded in; the prior precision P is read from the model's priors. σ is
-# not a network parameter: it is held at its MAP value, and the evidence can fit it.
+# One pass over the full data at the MAP builds the posterior precision H = G + P: G = Σᵢ JᵢᵀΛᵢJᵢ, the GGN, in
+# Kronecker-factored form (one block per linear layer, its bias folded in), and P the prior precision read from
+# the model's priors. σ is not a network parameter: it is held at its MAP value, and the evidence can fit it.
 
 # %%
 posterior = guide.laplace_approximation(x, y, structure="kron", check_map=not FAST)
@@ -127,8 +127,9 @@ sigma_map = posterior.observation_noise.item()
 # %% [markdown]
 # ## Tuning the prior precision and σ on the evidence
 # `optimize_prior_precision` maximises the Laplace log evidence over one prior precision for every weight (or one
-# per site, `"site"`) and over σ, by L-BFGS. No retraining: the evidence stays exact for the linearised model at
-# any prior precision, and the posterior mean moves from θ* to θ* + H⁻¹b, the MAP under the new prior.
+# per site, `"site"`) and over σ, by L-BFGS. No retraining: the evidence is the linearised model's at any prior
+# precision and σ (a ½ bᵀH⁻¹b term accounts for the MAP moving), and the posterior mean moves from θ* to
+# θ* + H⁻¹b, the MAP of the linearised model under the new prior.
 
 # %%
 posterior.optimize_prior_precision("scalar")
