@@ -54,6 +54,11 @@ class LayerPlan:
     bias: str | None
     index: Tensor
     conv: bool = False
+    plate: str | None = None  # set when the layer runs on all N rows and the model indexes its output afterwards
+
+    def rows(self, tensor: Tensor, batch) -> Tensor:
+        """The rows of a layer tensor that belong to the points of ``batch``."""
+        return tensor if self.plate is None else tensor[batch.indices[self.plate]]
 
 
 @dataclass
@@ -83,25 +88,31 @@ def layer_plan(net: NetworkFunction, theta: Tensor) -> tuple[list[LayerPlan], Te
                 counts[name] = counts.get(name, 0) + 1
     plans: list[LayerPlan] = []
     points = out.f.shape[0]
+    # A model may run its net on all N inputs and index the output with the plate's indices afterwards: the
+    # layer's rows are then the data points, picked by the chunk's indices.
+    plate = next(iter(net.bridge.plates), None)
+    full_rows = out.raw.plate_sizes.get(plate) if plate is not None and plate in batch.indices else None
     for position, layer in enumerate(out.raw.layers):
-        if layer.weight not in net.layout.slots or counts[layer.weight] > 1 or layer.inputs.shape[0] != points:
+        rows = layer.inputs.shape[0]
+        if layer.weight not in net.layout.slots or counts[layer.weight] > 1:
             continue
-        if layer.outputs.shape[0] != points:
+        if rows != layer.outputs.shape[0] or rows not in (points, full_rows):
             continue
+        indexed = plate if rows != points else None
         weight = net.layout.index(layer.weight, theta.device)
         weight = weight.T if layer.layout == "in_out" and weight.dim() == 2 else weight
         weight = weight.reshape(1, -1) if weight.dim() == 1 else weight.reshape(weight.shape[0], -1)
         bias = layer.bias if layer.bias in net.layout.slots and counts.get(layer.bias, 0) == 1 else None
         index = weight if bias is None else torch.cat([weight, net.layout.index(bias, theta.device).reshape(-1, 1)], 1)
-        plans.append(LayerPlan(position, layer.weight, bias, index, layer.layout == "conv"))
-    plans = _verified(plans, out, theta)
+        plans.append(LayerPlan(position, layer.weight, bias, index, layer.layout == "conv", indexed))
+    plans = _verified(plans, out, theta, batch)
     covered = torch.zeros(net.layout.num_params, dtype=torch.bool, device=theta.device)
     for plan in plans:
         covered[plan.index.flatten()] = True
     return plans, torch.nonzero(~covered).flatten()
 
 
-def _verified(plans: list[LayerPlan], out, theta: Tensor) -> list[LayerPlan]:
+def _verified(plans: list[LayerPlan], out, theta: Tensor, batch) -> list[LayerPlan]:
     if not plans:
         return plans
     generator = torch.Generator(device=theta.device).manual_seed(0)
@@ -110,8 +121,8 @@ def _verified(plans: list[LayerPlan], out, theta: Tensor) -> list[LayerPlan]:
     grads = torch.autograd.grad(out.f, [theta] + outputs, cotangent, retain_graph=True)
     kept = []
     for plan, grad in zip(plans, grads[1:]):
-        inputs = _inputs(out.raw.layers[plan.position].inputs, plan)
-        assembled = per_example(_layer_grad(grad, plan), inputs, plan).sum(0)
+        inputs = _inputs(plan.rows(out.raw.layers[plan.position].inputs, batch), plan)
+        assembled = per_example(_layer_grad(plan.rows(grad, batch), plan), inputs, plan).sum(0)
         reference = grads[0][plan.index]
         if torch.allclose(assembled, reference, rtol=1e-4, atol=1e-6 * float(reference.abs().max()) + 1e-12):
             kept.append(plan)
@@ -188,7 +199,7 @@ def fit_curvature(
             continue
         layers = out.raw.layers
         outputs = [layers[p.position].outputs for p in plans]
-        inputs = [_inputs(layers[p.position].inputs, p) for p in plans]
+        inputs = [_inputs(p.rows(layers[p.position].inputs, batch), p) for p in plans]
         rest_jacobian = _rest_jacobian(net, leaf.detach(), rest, batch) if rest.numel() else None
         for k, a in enumerate(inputs):
             if structure == "kron":
@@ -197,7 +208,7 @@ def fit_curvature(
         for c in range(roots.shape[-1]):
             column = roots[..., c]
             grads = torch.autograd.grad(f, outputs, column, retain_graph=True) if outputs else []
-            grads = [_layer_grad(g, p) for g, p in zip(grads, plans)]
+            grads = [_layer_grad(p.rows(g, batch), p) for g, p in zip(grads, plans)]
             rest_rows = torch.einsum("pm,pmr->pr", column, rest_jacobian) if rest_jacobian is not None else None
             if structure == "kron":
                 for k, g in enumerate(grads):

@@ -43,7 +43,7 @@ def functional_covariance(
     points, width = f.shape
     layers = [out.raw.layers[p.position] for p in plans]
     outputs = [layer.outputs for layer in layers]
-    inputs = [_inputs(layer.inputs, p) for layer, p in zip(layers, plans)]
+    inputs = [_inputs(p.rows(layer.inputs, batch), p) for layer, p in zip(layers, plans)]
     # B[k]: (points, outputs, out_k[, locations]), the derivative of every output w.r.t. layer k's pre-activation
     per_output: list[list[Tensor]] = [[] for _ in plans]
     if plans:
@@ -52,7 +52,7 @@ def functional_covariance(
             cotangent[:, c] = 1.0
             grads = torch.autograd.grad(f, outputs, cotangent, retain_graph=True)
             for k, (g, plan) in enumerate(zip(grads, plans)):
-                per_output[k].append(_layer_grad(g, plan))
+                per_output[k].append(_layer_grad(plan.rows(g, batch), plan))
     derivatives = [torch.stack(g, dim=1) for g in per_output]
     rest_jacobian = _rest_jacobian(net, theta.detach(), rest, batch) if rest.numel() else None
     f = f.detach()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pyro
+import pyro.distributions as dist
 import pytest
 import torch
 
@@ -113,3 +115,34 @@ def test_empirical_fisher_is_the_sum_of_score_outer_products():
         x, y, structure="full", curvature="ef", map_latents=latents, check_map=False, chunk_size=16
     )
     assert torch.allclose(posterior.fit.curvature.to_dense(), per_example.T @ per_example)
+
+
+class _NetOnAllRows(MLP):
+    """The net runs on all N inputs and the plate's indices pick its outputs (a common way to write it)."""
+
+    def forward(self, x, y=None):
+        f = self.net(x)
+        with pyro.plate("data", x.shape[0], subsample_size=self.batch_size) as idx:
+            return pyro.sample("y", dist.Categorical(logits=f[idx]), obs=None if y is None else y[idx])
+
+
+@pytest.mark.parametrize("structure", ["full", "diag", "kron"])
+def test_layers_run_on_all_rows_stay_on_the_fast_path(structure):
+    x, y = _data("categorical")
+    model = _NetOnAllRows(LIKELIHOODS["categorical"], "categorical", batch_size=16)
+    latents = random_latents(model, x)
+    f, jacobian = brute_force_jacobian(model, latents, x)
+    ggn = torch.einsum("nmd,nmk,nke->de", jacobian, hessian_lambda("categorical", f), jacobian)
+    posterior = AutoLinearizedLaplace(model).laplace_approximation(
+        x, y, structure=structure, map_latents=latents, check_map=False, chunk_size=16
+    )
+    assert posterior.fit.rest.numel() == 0 and all(p.plate == "data" for p in posterior.fit.layers)
+    dense = posterior.fit.curvature.to_dense()
+    if structure == "full":
+        assert torch.allclose(dense, ggn)
+    elif structure == "diag":
+        assert torch.allclose(dense.diagonal(), ggn.diagonal())
+    x_test = torch.randn(6, 3, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    _, j_test = brute_force_jacobian(model, latents, x_test)
+    covariance = torch.einsum("nmd,de,nke->nmk", j_test, torch.linalg.inv(posterior.precision.to_dense()), j_test)
+    assert torch.allclose(posterior.predict(x_test).covariance, covariance, atol=1e-12, rtol=1e-9)
