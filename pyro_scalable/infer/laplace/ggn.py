@@ -24,6 +24,7 @@ checked once against autograd; one that fails (a weight used twice, say) is trea
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -43,6 +44,7 @@ from pyro_scalable.infer.laplace.network import NetworkFunction
 __all__ = ["DataFit", "LayerPlan", "fit_curvature", "layer_plan"]
 
 Structure = Literal["full", "diag", "kron", "low_rank"]
+_REST_WARNING = 2048
 
 
 @dataclass
@@ -164,6 +166,15 @@ def fit_curvature(
 ) -> DataFit:
     """Compute :math:`G` in ``structure`` and the log-likelihood, its gradient and residuals over the full data."""
     plans, rest = layer_plan(net, theta)
+    if structure != "low_rank" and rest.numel() > _REST_WARNING:
+        names = sorted({net.layout.site_of(int(i)) for i in rest[:: max(rest.numel() // 50, 1)]})
+        warnings.warn(
+            f"{rest.numel()} parameters (sites {names}) are not weights of a linear or convolutional layer the "
+            "engine recognises (F.linear / nn.Linear, x @ W [+ b], F.conv1d/2d), so their per-example Jacobian "
+            "takes one forward-mode pass per parameter. Write those layers in one of these forms, or use "
+            "structure='low_rank' (matrix-free).",
+            stacklevel=3,
+        )
     d = net.layout.num_params
     dtype, device = theta.dtype, theta.device
     zeros = theta.new_zeros
