@@ -110,7 +110,15 @@ class AutoLinearizedLaplace(AutoLaplaceApproximation):
         if curvature == "ef":
             noise = None
         posterior = LaplacePosterior(
-            net, fit, precision, mean, structure=structure, noise_scale=noise, noise_site=noise_site, jitter=jitter
+            net,
+            fit,
+            precision,
+            mean,
+            structure=structure,
+            noise_scale=noise,
+            noise_site=noise_site,
+            jitter=jitter,
+            curvature=curvature,
         )
         posterior.precision  # noqa: B018  (factorise now: a singular curvature is an error here, not later)
         if check_map:

@@ -153,6 +153,13 @@ class _Normal(Likelihood):
         self.heteroscedastic = heteroscedastic
         self.scale = torch.broadcast_to(self.base.scale, self.shape)
 
+    def with_noise(self, noise: Tensor) -> _Normal:
+        """The same site with a homoscedastic scale ``noise`` (as fitted by the evidence)."""
+        copy = object.__new__(type(self))
+        copy.__dict__.update(self.__dict__)
+        copy.scale = torch.broadcast_to(noise.to(self.scale), self.shape)
+        return copy
+
     def outputs(self) -> Tensor:
         loc = self._flatten(torch.broadcast_to(self.base.loc, self.shape))
         if self.heteroscedastic:

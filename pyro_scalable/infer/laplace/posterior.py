@@ -14,7 +14,11 @@ full-data gradient, :math:`G` the GGN) and the Gaussian prior :math:`\mathcal N(
 and its posterior mean is :math:`\bar\theta = \theta_* + H^{-1} b`. At the prior the MAP was fitted with,
 :math:`b = 0` and this is the usual Laplace evidence
 :math:`\log p(D\mid\theta_*) + \log p(\theta_*) - \tfrac12\log\det(H/2\pi)`; away from it, the
-:math:`b^\top H^{-1} b` term keeps it exact for a linear-Gaussian model instead of evaluating a stale MAP. For a
+:math:`b^\top H^{-1} b` term keeps it exact for a linear-Gaussian model instead of evaluating a stale MAP.
+That term (and the moved mean) needs the exact GGN: with an approximate curvature (``diag``, ``kron``,
+``low_rank``, or the empirical Fisher) the quadratic model can promise more than the likelihood holds, and the
+term grows without bound as :math:`\sigma \to 0`; those structures use the usual formula at :math:`\theta_*`
+(:math:`b` left out, the mean kept at :math:`\theta_*`). For a
 Normal likelihood with one scalar noise :math:`\sigma` (MAP value :math:`\sigma_0`), :math:`G` and :math:`g` scale
 by :math:`\sigma_0^2/\sigma^2` and :math:`\ell_* = -\frac n2\log 2\pi\sigma^2 - \mathrm{SSR}/2\sigma^2`, so the
 evidence is also exact in :math:`\sigma`. :meth:`LaplacePosterior.optimize_prior_precision` maximises it by
@@ -71,6 +75,7 @@ class LaplacePosterior:
         noise_scale: Tensor | None,
         noise_site: str | None,
         jitter: float = 0.0,
+        curvature: str = "ggn",
     ):
         self.net, self.fit, self.structure = net, fit, structure
         self.theta_star = net.theta_star
@@ -78,6 +83,8 @@ class LaplacePosterior:
         self._map_noise = noise_scale
         self._noise_site = noise_site
         self.jitter = jitter
+        # the b-term of the evidence and the Newton-moved mean are only sound with the exact GGN (see above)
+        self.recenter = structure == "full" and curvature == "ggn"
         self._prior_precision = prior_precision
         self._observation_noise = noise_scale
         self._cache: dict[str, Any] = {}
@@ -146,8 +153,11 @@ class LaplacePosterior:
     def mean(self) -> Tensor:
         r"""The posterior mean :math:`\theta_* + H^{-1} b` (flat, unconstrained); the MAP at the fitted prior."""
         if "mean" not in self._cache:
-            b = self._log_joint_gradient(self._prior_precision, self._observation_noise)
-            self._cache["mean"] = self.theta_star + self.precision.solve(b)
+            if self.recenter:
+                b = self._log_joint_gradient(self._prior_precision, self._observation_noise)
+                self._cache["mean"] = self.theta_star + self.precision.solve(b)
+            else:
+                self._cache["mean"] = self.theta_star
         return self._cache["mean"]
 
     # ------------------------------------------------------------------ evidence
@@ -172,14 +182,11 @@ class LaplacePosterior:
             log_likelihood = self.fit.log_likelihood
         H = self._precision(precision, noise)
         r = theta - self.prior_mean
-        b = self._log_joint_gradient(precision, noise)
-        return (
-            log_likelihood
-            - 0.5 * (r * precision * r).sum()
-            + 0.5 * precision.log().sum()
-            - 0.5 * H.logdet()
-            + 0.5 * (b * H.solve(b)).sum()
-        )
+        evidence = log_likelihood - 0.5 * (r * precision * r).sum() + 0.5 * precision.log().sum() - 0.5 * H.logdet()
+        if self.recenter:
+            b = self._log_joint_gradient(precision, noise)
+            evidence = evidence + 0.5 * (b * H.solve(b)).sum()
+        return evidence
 
     def optimize_prior_precision(
         self,
@@ -309,7 +316,7 @@ class LaplacePosterior:
             covariances.append(covariance.detach())
             likelihoods.append(likelihood)
         mean, covariance = torch.cat(means), torch.cat(covariances)
-        likelihood = Likelihood.concatenate(likelihoods)
+        likelihood = self._fitted(Likelihood.concatenate(likelihoods))
         return GLMPredictive(
             mean, covariance, likelihood.predictive(mean, covariance, link_approx, num_samples, generator)
         )
@@ -326,8 +333,14 @@ class LaplacePosterior:
         batch = Batch({}, args, kwargs)
         with torch.no_grad():
             f, tangent = self.net.jvp(self.theta_star, (theta - self.theta_star).unsqueeze(0), batch)
-            likelihood = self.net.outputs(self.theta_star, batch).likelihood
+            likelihood = self._fitted(self.net.outputs(self.theta_star, batch).likelihood)
         return pyro.sample(self.net.site, likelihood.distribution(f + tangent[0]))
+
+    def _fitted(self, likelihood: Likelihood) -> Likelihood:
+        # a Normal's noise as the evidence fitted it, where it differs from the model's MAP value
+        if self._map_noise is not None and self._observation_noise is not None:
+            return likelihood.with_noise(self._observation_noise)
+        return likelihood
 
     # ------------------------------------------------------------------ ArviZ
     def to_inference_data(self, num_samples: int = 1000, seed: int | None = None, **kwargs: Any):
@@ -346,6 +359,7 @@ class LaplacePosterior:
             warnings.warn(
                 f"the latents given as the MAP are not a maximum of the log joint: the gradient there has norm "
                 f"{float(b.norm()):.3g} and a Newton step would gain {decrement:.3g} nats. Train the guide longer "
-                "(or with a smaller final learning rate); the posterior mean is moved by that Newton step.",
+                "(or with a smaller final learning rate)"
+                + ("; the posterior mean is moved by that Newton step." if self.recenter else "."),
                 stacklevel=3,
             )
