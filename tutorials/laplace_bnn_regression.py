@@ -151,7 +151,8 @@ assert abs(posterior.observation_noise.item() - NOISE) < 0.05
 pred = posterior.predict(grid)
 mean = pred.mean.squeeze(-1)
 f_std = pred.covariance[:, 0, 0].sqrt()
-y_std = (f_std**2 + posterior.observation_noise**2).sqrt()
+y_std = pred.distribution.stddev  # the law of y: σ², the evidence-fitted noise, added to the variance of f
+assert torch.allclose(y_std, (f_std**2 + posterior.observation_noise**2).sqrt())
 
 g = grid.squeeze(-1)
 inside = (g.abs() > 0.5) & (g.abs() < 1.4)
@@ -239,7 +240,9 @@ full = guide.laplace_approximation(x, y, structure="full", check_map=False)
 evidence_full = full.log_marginal_likelihood(low_rank.prior_precision, low_rank.observation_noise).item()
 evidence_low_rank = low_rank.log_marginal_likelihood().item()
 print(f"log evidence at the same (P, σ): full {evidence_full:.2f}, low_rank {evidence_low_rank:.2f}")
-assert abs(evidence_full - evidence_low_rank) < 1.0
+# At a converged MAP. (The full GGN's evidence also credits the Newton step ½ bᵀH⁻¹b still to be gained from an
+# unconverged θ*, which the approximate structures leave out: in the quick run the two differ by that.)
+assert FAST or abs(evidence_full - evidence_low_rank) < 1.0
 
 # %% [markdown]
 # With `sites="last_layer"`, f is *linear* in the Laplace parameters (the features before the output layer are
