@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import warnings
 
+import numpy as np
 import pyro
 import pyro.distributions as dist
 import pytest
@@ -301,3 +302,22 @@ def test_chunked_passes_equal_one_pass(likelihood):
         assert torch.allclose(a.variance, b.variance)
     else:
         assert torch.allclose(a.probs, b.probs)
+
+
+def test_classification_predictive_probit_and_monte_carlo():
+    """Probit is sigmoid(m / sqrt(1 + πv/8)); Monte Carlo matches the exact Gaussian integral within its error."""
+    x, y = _classification(n=120)
+    posterior = AutoLinearizedLaplace(logistic).laplace_approximation(
+        x, y, structure="full", map_latents={"w": torch.tensor([1.5, -0.8], dtype=D)}, check_map=False
+    )
+    x_test = torch.tensor([[0.5, 0.3], [3.0, -2.0], [-1.0, 4.0]], dtype=D)
+    probit = posterior.predict(x_test)
+    mean, variance = probit.mean[:, 0], probit.covariance[:, 0, 0]
+    assert torch.allclose(probit.distribution.probs, torch.sigmoid(mean / (1 + math.pi * variance / 8).sqrt()))
+    num_samples = 20000
+    mc = posterior.predict(x_test, link_approx="mc", num_samples=num_samples, seed=0).distribution.probs
+    nodes, weights = (torch.tensor(v, dtype=D) for v in np.polynomial.hermite_e.hermegauss(80))
+    values = torch.sigmoid(mean[:, None] + variance.sqrt()[:, None] * nodes)
+    exact = (values * weights).sum(-1) / weights.sum()
+    spread = ((values**2 * weights).sum(-1) / weights.sum() - exact**2).sqrt()
+    assert ((mc - exact).abs() / (spread / num_samples**0.5)).max() < 4.5
