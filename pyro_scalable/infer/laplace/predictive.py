@@ -26,7 +26,14 @@ from pyro_scalable.infer.laplace.curvature import (
     _KronPrecision,
     _LowRankPrecision,
 )
-from pyro_scalable.infer.laplace.ggn import LayerPlan, _inputs, _layer_grad, _rest_jacobian, per_example
+from pyro_scalable.infer.laplace.ggn import (
+    LayerPlan,
+    _inputs,
+    _layer_grad,
+    _rest_jacobian,
+    per_example,
+    pullback,
+)
 from pyro_scalable.infer.laplace.likelihoods import Likelihood
 from pyro_scalable.infer.laplace.network import NetworkFunction
 
@@ -50,7 +57,7 @@ def functional_covariance(
         for c in range(width):
             cotangent = torch.zeros_like(f)
             cotangent[:, c] = 1.0
-            grads = torch.autograd.grad(f, outputs, cotangent, retain_graph=True)
+            grads = pullback(f, outputs, cotangent)
             for k, (g, plan) in enumerate(zip(grads, plans)):
                 per_output[k].append(_layer_grad(plan.rows(g, batch), plan))
     derivatives = [torch.stack(g, dim=1) for g in per_output]
