@@ -189,6 +189,7 @@ def fit_curvature(
     zeros = theta.new_zeros
     full = zeros(d, d) if structure == "full" else None
     diagonal = zeros(d) if structure == "diag" else None
+    layer_diagonals = [zeros(p.index.shape) for p in plans] if structure == "diag" else []
     rest_diagonal = zeros(rest.numel()) if structure == "kron" else None
     input_factors = [zeros(p.index.shape[1], p.index.shape[1]) for p in plans] if structure == "kron" else []
     output_factors = [zeros(p.index.shape[0], p.index.shape[0]) for p in plans] if structure == "kron" else []
@@ -225,6 +226,7 @@ def fit_curvature(
             if structure == "kron":
                 input_factors[k] += torch.einsum("nil,njl->ij", a, a) if a.dim() == 3 else a.T @ a
                 locations[k] = a.shape[-1] if a.dim() == 3 else 1
+        squared_inputs = [a**2 if structure == "diag" else None for a in inputs]
         for c in range(roots.shape[-1]):
             column = roots[..., c]
             grads = pullback(f, outputs, column) if outputs else []
@@ -236,11 +238,11 @@ def fit_curvature(
                 if rest_rows is not None:
                     rest_diagonal += (rest_rows**2).sum(0)
             elif structure == "diag":
-                for plan, g, a in zip(plans, grads, inputs):
+                for k, (plan, g, a) in enumerate(zip(plans, grads, inputs)):
                     if plan.conv:
-                        diagonal[plan.index] += (per_example(g, a, plan) ** 2).sum(0)
+                        layer_diagonals[k] += (per_example(g, a, plan) ** 2).sum(0)
                     else:
-                        diagonal[plan.index] += (g**2).T @ (a**2)
+                        layer_diagonals[k] += (g**2).T @ squared_inputs[k]
                 if rest_rows is not None:
                     diagonal[rest] += (rest_rows**2).sum(0)
             else:
@@ -253,6 +255,8 @@ def fit_curvature(
     if structure == "full":
         result: Curvature = FullCurvature(full)
     elif structure == "diag":
+        for plan, values in zip(plans, layer_diagonals):
+            diagonal[plan.index] = values
         result = DiagCurvature(diagonal)
     elif structure == "kron":
         blocks = [
