@@ -71,7 +71,7 @@ def test_linearized_model_draws_match_the_closed_form_predictive():
     )
     x_test = torch.randn(5, 3, dtype=D)
     exact = posterior.predict(x_test).distribution
-    num_samples = 4000
+    num_samples = 1500
     pyro.set_rng_seed(3)
     draws = Predictive(posterior.linearized_model, guide=posterior, num_samples=num_samples)(x_test)["y"]
     mean, variance = exact.mean, exact.variance
