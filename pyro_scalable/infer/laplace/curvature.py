@@ -136,7 +136,9 @@ class _FullPrecision:
         return 2 * self.cholesky.diagonal().log().sum()
 
     def solve(self, v: Tensor) -> Tensor:
-        return torch.cholesky_solve(v.unsqueeze(-1), self.cholesky).squeeze(-1)
+        # one (d, many) right-hand side: a batch of vectors would broadcast the d x d factor to every one of them
+        d = v.shape[-1]
+        return torch.cholesky_solve(v.reshape(-1, d).T, self.cholesky).T.reshape(v.shape)
 
     def matvec(self, v: Tensor) -> Tensor:
         return v @ self.matrix

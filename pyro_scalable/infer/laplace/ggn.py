@@ -227,6 +227,7 @@ def fit_curvature(
                 input_factors[k] += torch.einsum("nil,njl->ij", a, a) if a.dim() == 3 else a.T @ a
                 locations[k] = a.shape[-1] if a.dim() == 3 else 1
         squared_inputs = [a**2 if structure == "diag" else None for a in inputs]
+        squared_grads: list[Tensor | float] = [0.0] * len(plans)
         for c in range(roots.shape[-1]):
             column = roots[..., c]
             grads = pullback(f, outputs, column) if outputs else []
@@ -242,7 +243,7 @@ def fit_curvature(
                     if plan.conv:
                         layer_diagonals[k] += (per_example(g, a, plan) ** 2).sum(0)
                     else:
-                        layer_diagonals[k] += (g**2).T @ squared_inputs[k]
+                        squared_grads[k] = squared_grads[k] + g**2  # summed over columns, one product per chunk
                 if rest_rows is not None:
                     diagonal[rest] += (rest_rows**2).sum(0)
             else:
@@ -252,6 +253,10 @@ def fit_curvature(
                 if rest_rows is not None:
                     rows[:, rest] = rest_rows
                 full += rows.T @ rows
+        if structure == "diag":
+            for k, plan in enumerate(plans):
+                if not plan.conv:
+                    layer_diagonals[k] += squared_grads[k].T @ squared_inputs[k]
     if structure == "full":
         result: Curvature = FullCurvature(full)
     elif structure == "diag":

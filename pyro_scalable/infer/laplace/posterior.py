@@ -15,7 +15,9 @@ and its posterior mean is :math:`\bar\theta = \theta_* + H^{-1} b`. At the prior
 :math:`b = 0` and this is the usual Laplace evidence
 :math:`\log p(D\mid\theta_*) + \log p(\theta_*) - \tfrac12\log\det(H/2\pi)`; away from it, the
 :math:`b^\top H^{-1} b` term keeps it exact for a linear-Gaussian model instead of evaluating a stale MAP.
-That term (and the moved mean) needs the exact GGN: with an approximate curvature (``diag``, ``kron``,
+That term (and the moved mean) needs a quadratic log-likelihood — a Normal one — and the exact GGN: for
+other likelihoods the quadratic extrapolation overstates the evidence far from the fitted prior, and with an
+approximate curvature (``diag``, ``kron``,
 ``low_rank``, or the empirical Fisher) the quadratic model can promise more than the likelihood holds, and the
 term grows without bound as :math:`\sigma \to 0`; those structures use the usual formula at :math:`\theta_*`
 (:math:`b` left out, the mean kept at :math:`\theta_*`). For a
@@ -84,7 +86,7 @@ class LaplacePosterior:
         self._noise_site = noise_site
         self.jitter = jitter
         # the b-term of the evidence and the Newton-moved mean are only sound with the exact GGN (see above)
-        self.recenter = structure == "full" and curvature == "ggn"
+        self.recenter = structure == "full" and curvature == "ggn" and fit.sum_squares is not None
         self._prior_precision = prior_precision
         self._observation_noise = noise_scale
         self._cache: dict[str, Any] = {}
