@@ -45,6 +45,7 @@ import pyro
 import pyro.distributions as dist
 import torch
 import torch.nn.functional as F
+from machine_load import ForeignLoad  # benchmarks/ is on sys.path when a script runs
 from pyro.infer import MCMC, NUTS
 from pyro.nn import PyroModule, PyroSample
 from torch import Tensor, nn
@@ -308,32 +309,6 @@ def run_posteriors(problem: Problem, num_steps: int, seed: int, inplace: bool = 
 # ====================================================================================== timing
 CLEAN_LIMIT = 0.3  # a repetition is "clean" if other processes used less than this many cores meanwhile
 MAX_WAIT = 0.0  # seconds to wait for a quiet machine before each repetition (--max-wait)
-
-
-class ForeignLoad:
-    """CPU used by other processes (and stolen by the hypervisor) since construction, in cores (Linux only)."""
-
-    def __init__(self) -> None:
-        self._start = self._read()
-
-    @staticmethod
-    def _read() -> tuple[float, int, int] | None:
-        try:
-            with open("/proc/stat") as f:
-                fields = [int(v) for v in f.readline().split()[1:]]
-            with open("/proc/self/stat") as f:
-                own = f.read().rsplit(")", 1)[1].split()
-        except (OSError, ValueError, IndexError):
-            return None
-        busy = sum(fields[:3]) + sum(fields[5:8])  # user nice system, irq softirq steal
-        return time.perf_counter(), busy, int(own[11]) + int(own[12])  # this process: utime + stime
-
-    def cores(self) -> float | None:
-        end = self._read()
-        if end is None or self._start is None or end[0] <= self._start[0]:
-            return None
-        ticks = (end[1] - self._start[1]) - (end[2] - self._start[2])
-        return max(0.0, ticks / os.sysconf("SC_CLK_TCK") / (end[0] - self._start[0]))
 
 
 def wait_for_quiet() -> None:

@@ -178,13 +178,13 @@ class _RecordLayers(TorchFunctionMode):
         padding = _tuple(padding, spatial)
         # unfold works on 2-d images; a 1-d convolution is a 2-d one with a height of one
         image = inputs if spatial == 2 else inputs.unsqueeze(-2)
-        extend = (lambda t: t) if spatial == 2 else (lambda t: (1,) + t)
+        lead = (1,) * (2 - spatial)  # the unit height of a 1-d convolution
         patches = F.unfold(
             image,
-            extend(tuple(kernel)),
-            dilation=extend(dilation),
-            padding=(0,) * (2 - spatial) + padding if spatial == 1 else padding,
-            stride=extend(stride),
+            lead + tuple(kernel),
+            dilation=lead + dilation,
+            padding=(0,) * (2 - spatial) + padding,
+            stride=lead + stride,
         )
         self._add(LayerCall(name, "conv", patches, out, bias_name))
 

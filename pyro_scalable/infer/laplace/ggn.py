@@ -25,7 +25,7 @@ checked once against autograd; one that fails (a weight used twice, say) is trea
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -75,7 +75,6 @@ class DataFit:
     rest: Tensor  # flat indices outside recorded layers
     sum_squares: Tensor | None = None  # Normal: sum of squared residuals (observed, unmasked)
     num_observations: Tensor | None = None  # Normal: number of observed scalars
-    extras: dict = field(default_factory=dict)
 
 
 def layer_plan(net: NetworkFunction, theta: Tensor) -> tuple[list[LayerPlan], Tensor]:
@@ -185,7 +184,6 @@ def fit_curvature(
             stacklevel=3,
         )
     d = net.layout.num_params
-    dtype, device = theta.dtype, theta.device
     zeros = theta.new_zeros
     full = zeros(d, d) if structure == "full" else None
     diagonal = zeros(d) if structure == "diag" else None
@@ -281,7 +279,6 @@ def fit_curvature(
         rest,
         normal,
         num_observations if normal is not None else None,
-        {"dtype": dtype, "device": device},
     )
 
 

@@ -18,7 +18,7 @@ from pyro.infer.autoguide import AutoLaplaceApproximation
 from pyro.infer.autoguide.initialization import InitMessenger
 
 from pyro_scalable.bridge.checks import ModelError
-from pyro_scalable.bridge.model import Latents, ModelBridge
+from pyro_scalable.bridge.model import Batch, Latents, ModelBridge
 from pyro_scalable.bridge.outputs import model_outputs
 from pyro_scalable.infer.laplace.ggn import fit_curvature
 from pyro_scalable.infer.laplace.layout import ParameterLayout
@@ -143,7 +143,7 @@ class AutoLinearizedLaplace(AutoLaplaceApproximation):
 def _laplace_sites(bridge: ModelBridge, site: str, latents: Latents, sites) -> tuple[list[str], bool, str | None, Any]:
     """The Laplace sites, whether the Normal is heteroscedastic, and the scalar noise site and value."""
     leaves = {k: v.detach().clone().requires_grad_(True) for k, v in latents.items()}
-    raw = model_outputs(bridge, leaves, next(iter(_first_batch(bridge))), site=site, layers=True)
+    raw = model_outputs(bridge, leaves, _first_batch(bridge), site=site, layers=True)
     likelihood = likelihood_of(site, raw.fn, raw.mask)
     mean_output = likelihood.outputs()
     names = list(leaves)
@@ -198,9 +198,7 @@ def _user_model(model):
     return model
 
 
-def _first_batch(bridge: ModelBridge):
-    from pyro_scalable.bridge.model import Batch
-
+def _first_batch(bridge: ModelBridge) -> Batch:
     plate = next(iter(bridge.plates.values()), None)
     indices = {} if plate is None else {plate.name: torch.arange(min(plate.size, 1024), device=bridge.device)}
-    yield Batch(indices, bridge.args, bridge.kwargs)
+    return Batch(indices, bridge.args, bridge.kwargs)

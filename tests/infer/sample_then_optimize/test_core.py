@@ -44,14 +44,19 @@ def _run(x, b, precision, targets, *, batch_size, epochs, step_size, generator, 
     return state, info
 
 
-def test_full_batch_optimum_is_the_perturbed_normal_equations_solution():
-    x, b, precision, g = _problem()
-    k = 3
+def _draws(x, b, precision, g, k):
+    """theta0 ~ N(0, A^-1), xi ~ N(0, I), the regulariser centres, and the largest eigenvalue of H."""
     prior_sample = torch.randn(k, x.shape[1], generator=g, dtype=D) / precision.sqrt()
     xi = torch.randn(k, x.shape[0], generator=g, dtype=D)
     targets = core.regularizer_targets(prior_sample, precision, (b**0.5 * xi) @ x)
-    h = b * x.T @ x + torch.diag(precision)
-    step_size = 0.5 / float(torch.linalg.eigvalsh(h).max())
+    largest = float(torch.linalg.eigvalsh(b * x.T @ x + torch.diag(precision)).max())
+    return prior_sample, xi, targets, largest
+
+
+def test_full_batch_optimum_is_the_perturbed_normal_equations_solution():
+    x, b, precision, g = _problem()
+    prior_sample, xi, targets, largest = _draws(x, b, precision, g, k=3)
+    step_size = 0.5 / largest
     state, info = _run(x, b, precision, targets, batch_size=200, epochs=2000, step_size=step_size, generator=g)
     expected = _perturbed_solution(x, b, precision, prior_sample, xi)
     assert torch.allclose(state.samples, expected, rtol=1e-8, atol=1e-10)
@@ -61,12 +66,8 @@ def test_full_batch_optimum_is_the_perturbed_normal_equations_solution():
 def test_minibatch_sgd_with_decay_and_clipping_heads_for_the_same_point():
     """A convergence check, not a gold test: minibatch SGD reaches the solution at its usual O(1/sqrt(T)) pace."""
     x, b, precision, g = _problem()
-    k = 4
-    prior_sample = torch.randn(k, x.shape[1], generator=g, dtype=D) / precision.sqrt()
-    xi = torch.randn(k, x.shape[0], generator=g, dtype=D)
-    targets = core.regularizer_targets(prior_sample, precision, (b**0.5 * xi) @ x)
-    h = b * x.T @ x + torch.diag(precision)
-    step_size = 0.2 / float(torch.linalg.eigvalsh(h).max())
+    prior_sample, xi, targets, largest = _draws(x, b, precision, g, k=4)
+    step_size = 0.2 / largest
     state, _ = _run(
         x, b, precision, targets, batch_size=20, epochs=300, step_size=step_size, generator=g, max_grad_norm=1e3
     )
