@@ -64,6 +64,23 @@ class LaplacePosterior:
     ``Predictive(model, guide=posterior, num_samples=S)`` gives the sampled-weights predictive and
     ``Predictive(posterior.linearized_model, guide=posterior, num_samples=S)`` the linearised one.
     Build it with :meth:`AutoLinearizedLaplace.laplace_approximation`.
+
+    Example:
+        >>> import pyro, pyro.distributions as dist, torch
+        >>> from pyro_scalable.infer import AutoLinearizedLaplace
+        >>> def model(x, y=None):
+        ...     w = pyro.sample("w", dist.Normal(torch.zeros(2), 1.0).to_event(1))
+        ...     with pyro.plate("data", x.shape[0]):
+        ...         pyro.sample("y", dist.Normal(x @ w, 0.5), obs=y)
+        >>> x = torch.randn(50, 2); y = x @ torch.tensor([1.0, -1.0]) + 0.5 * torch.randn(50)
+        >>> posterior = AutoLinearizedLaplace(model).laplace_approximation(
+        ...     x, y, structure="full", map_latents={"w": torch.tensor([1.0, -1.0])}, check_map=False)
+        >>> posterior = posterior.optimize_prior_precision("scalar")
+        >>> predictive = posterior.predict(x[:3])  # a GLMPredictive
+        >>> predictive.covariance.shape, predictive.distribution.batch_shape
+        (torch.Size([3, 1, 1]), torch.Size([3]))
+        >>> posterior.get_samples(10, seed=0)["w"].shape
+        torch.Size([10, 2])
     """
 
     def __init__(
