@@ -10,6 +10,7 @@ reads the prior from the model, and computes the curvature in one pass over the 
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -93,6 +94,12 @@ class AutoLinearizedLaplace(AutoLaplaceApproximation):
                 f"linearised Laplace needs exactly one observed site; the model has {sorted(bridge.observed)}."
             )
         site = next(iter(bridge.observed))
+        if chunk_size is not None and not bridge.plates:
+            warnings.warn(
+                f"chunk_size={chunk_size} is ignored: the model has no plate with subsample_size, so the data is "
+                "passed in one go. Give the data plate a subsample_size to have it walked in chunks.",
+                stacklevel=2,
+            )
         latents = self._map(bridge, map_latents)
         chosen, heteroscedastic, noise_site, noise = _laplace_sites(bridge, site, latents, sites)
         layout = ParameterLayout({name: bridge.sites[name].unconstrained_shape for name in chosen})

@@ -81,6 +81,7 @@ class LaplacePosterior:
         (torch.Size([3, 1, 1]), torch.Size([3]))
         >>> posterior.get_samples(10, seed=0)["w"].shape
         torch.Size([10, 2])
+
     """
 
     def __init__(

@@ -321,3 +321,17 @@ def test_classification_predictive_probit_and_monte_carlo():
     exact = (values * weights).sum(-1) / weights.sum()
     spread = ((values**2 * weights).sum(-1) / weights.sum() - exact**2).sqrt()
     assert ((mc - exact).abs() / (spread / num_samples**0.5)).max() < 4.5
+
+
+def test_chunk_size_without_a_subsampled_plate_warns():
+    x, y = _classification(n=30)
+
+    def model(x, y=None):
+        w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=D), 1.0).to_event(1))
+        with pyro.plate("data", x.shape[0]):
+            return pyro.sample("y", dist.Bernoulli(logits=x @ w), obs=y)
+
+    with pytest.warns(UserWarning, match="chunk_size=10 is ignored"):
+        AutoLinearizedLaplace(model).laplace_approximation(
+            x, y, chunk_size=10, map_latents={"w": torch.zeros(2, dtype=D)}, check_map=False
+        )
