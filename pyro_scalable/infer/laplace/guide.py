@@ -19,12 +19,10 @@ from pyro.infer.autoguide import AutoLaplaceApproximation
 from pyro.infer.autoguide.initialization import InitMessenger
 
 from pyro_scalable.bridge.checks import ModelError
-from pyro_scalable.bridge.model import Batch, Latents, ModelBridge
-from pyro_scalable.bridge.outputs import model_outputs
+from pyro_scalable.bridge.model import Latents, ModelBridge
 from pyro_scalable.infer.laplace.ggn import fit_curvature
 from pyro_scalable.infer.laplace.layout import ParameterLayout
-from pyro_scalable.infer.laplace.likelihoods import likelihood_of
-from pyro_scalable.infer.laplace.network import NetworkFunction
+from pyro_scalable.infer.laplace.network import NetworkFunction, choose_sites
 from pyro_scalable.infer.laplace.posterior import LaplacePosterior
 
 __all__ = ["AutoLinearizedLaplace"]
@@ -101,7 +99,7 @@ class AutoLinearizedLaplace(AutoLaplaceApproximation):
                 stacklevel=2,
             )
         latents = self._map(bridge, map_latents)
-        chosen, heteroscedastic, noise_site, noise = _laplace_sites(bridge, site, latents, sites)
+        chosen, heteroscedastic, noise_site, noise = choose_sites(bridge, site, latents, sites)
         layout = ParameterLayout({name: bridge.sites[name].unconstrained_shape for name in chosen})
         theta = layout.flatten(latents).detach()
         net = NetworkFunction(
@@ -147,65 +145,9 @@ class AutoLinearizedLaplace(AutoLaplaceApproximation):
         return {name: latents[name].reshape(bridge.sites[name].unconstrained_shape) for name in bridge.sites}
 
 
-def _laplace_sites(bridge: ModelBridge, site: str, latents: Latents, sites) -> tuple[list[str], bool, str | None, Any]:
-    """The Laplace sites, whether the Normal is heteroscedastic, and the scalar noise site and value."""
-    leaves = {k: v.detach().clone().requires_grad_(True) for k, v in latents.items()}
-    raw = model_outputs(bridge, leaves, _first_batch(bridge), site=site, layers=True)
-    likelihood = likelihood_of(site, raw.fn, raw.mask)
-    mean_output = likelihood.outputs()
-    names = list(leaves)
-
-    def depends(tensor) -> set[str]:
-        if not tensor.requires_grad:
-            return set()
-        grads = torch.autograd.grad(tensor.sum(), [leaves[n] for n in names], allow_unused=True, retain_graph=True)
-        return {n for n, g in zip(names, grads) if g is not None}
-
-    on_mean = depends(mean_output)
-    heteroscedastic, noise_site, noise = False, None, None
-    if likelihood.name == "Normal":
-        scale = likelihood.scale
-        on_scale = depends(scale)
-        constant = bool((scale == scale.flatten()[0]).all())
-        if on_scale and (not constant or on_scale & on_mean):
-            heteroscedastic = True
-            on_mean |= on_scale
-        elif constant:
-            noise = scale.flatten()[0].detach()
-            noise_site = next(iter(on_scale)) if len(on_scale) == 1 else None
-            if noise_site is not None and bridge.sites[noise_site].shape.numel() != 1:
-                noise_site = None
-    if sites is None:
-        chosen = [n for n in bridge.sites if n in on_mean]
-    elif sites == "last_layer":
-        layers = [layer for layer in raw.layers if layer.weight in on_mean]
-        if not layers:
-            raise ModelError(
-                "sites='last_layer' found no linear layer (F.linear or x @ W) whose weight is a latent site."
-            )
-        last = layers[-1]
-        chosen = [n for n in bridge.sites if n in (last.weight, last.bias)]
-    else:
-        unknown = sorted(set(sites) - set(bridge.sites))
-        if unknown:
-            raise ModelError(f"sites={unknown} are not latent sites of the model; it has {sorted(bridge.sites)}.")
-        chosen = [n for n in bridge.sites if n in set(sites)]
-    if not chosen:
-        raise ModelError(f"no latent site affects the output of the observed site '{site}'; nothing to approximate.")
-    if noise_site in chosen:
-        noise_site, noise = None, None
-    return chosen, heteroscedastic, noise_site, noise
-
-
 def _user_model(model):
     # AutoContinuous wraps the model in an InitMessenger, which would initialise (and for a discrete site, reject)
     # the observed site at test inputs; the bridge needs the model as written.
     while isinstance(model, functools.partial) and len(model.args) == 2 and isinstance(model.args[0], InitMessenger):
         model = model.args[1]
     return model
-
-
-def _first_batch(bridge: ModelBridge) -> Batch:
-    plate = next(iter(bridge.plates.values()), None)
-    indices = {} if plate is None else {plate.name: torch.arange(min(plate.size, 1024), device=bridge.device)}
-    return Batch(indices, bridge.args, bridge.kwargs)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import pyro.distributions as dist
 import torch
@@ -33,7 +34,7 @@ from pyro_scalable.bridge.outputs import ModelOutputs, model_outputs
 from pyro_scalable.infer.laplace.layout import ParameterLayout
 from pyro_scalable.infer.laplace.likelihoods import Likelihood, likelihood_of
 
-__all__ = ["NetworkFunction", "Outputs", "jvp"]
+__all__ = ["NetworkFunction", "Outputs", "choose_sites", "first_batch", "jvp"]
 
 
 def jvp(func, primals, tangents):
@@ -201,3 +202,64 @@ class NetworkFunction:
                 "pass prior_precision=... to laplace_approximation, or give the site a Normal prior."
             )
         return precision, point.flatten() + gradient.flatten() / precision
+
+
+def choose_sites(bridge: ModelBridge, site: str, latents: Latents, sites) -> tuple[list[str], bool, str | None, Any]:
+    """The sites to linearise in, whether the Normal is heteroscedastic, and the scalar noise site and value.
+
+    By default every latent site the mean output depends on; a scalar Normal noise scale is left out (held at its
+    given value). ``sites`` may name them, or be ``"last_layer"``.
+    """
+    leaves = {k: v.detach().clone().requires_grad_(True) for k, v in latents.items()}
+    raw = model_outputs(bridge, leaves, first_batch(bridge), site=site, layers=True)
+    likelihood = likelihood_of(site, raw.fn, raw.mask)
+    mean_output = likelihood.outputs()
+    names = list(leaves)
+
+    def depends(tensor) -> set[str]:
+        if not tensor.requires_grad:
+            return set()
+        grads = torch.autograd.grad(tensor.sum(), [leaves[n] for n in names], allow_unused=True, retain_graph=True)
+        return {n for n, g in zip(names, grads) if g is not None}
+
+    on_mean = depends(mean_output)
+    heteroscedastic, noise_site, noise = False, None, None
+    if likelihood.name == "Normal":
+        scale = likelihood.scale
+        on_scale = depends(scale)
+        constant = bool((scale == scale.flatten()[0]).all())
+        if on_scale and (not constant or on_scale & on_mean):
+            heteroscedastic = True
+            on_mean |= on_scale
+        elif constant:
+            noise = scale.flatten()[0].detach()
+            noise_site = next(iter(on_scale)) if len(on_scale) == 1 else None
+            if noise_site is not None and bridge.sites[noise_site].shape.numel() != 1:
+                noise_site = None
+    if sites is None:
+        chosen = [n for n in bridge.sites if n in on_mean]
+    elif sites == "last_layer":
+        layers = [layer for layer in raw.layers if layer.weight in on_mean]
+        if not layers:
+            raise ModelError(
+                "sites='last_layer' found no linear layer (F.linear or x @ W) whose weight is a latent site."
+            )
+        last = layers[-1]
+        chosen = [n for n in bridge.sites if n in (last.weight, last.bias)]
+    else:
+        unknown = sorted(set(sites) - set(bridge.sites))
+        if unknown:
+            raise ModelError(f"sites={unknown} are not latent sites of the model; it has {sorted(bridge.sites)}.")
+        chosen = [n for n in bridge.sites if n in set(sites)]
+    if not chosen:
+        raise ModelError(f"no latent site affects the output of the observed site '{site}'; nothing to approximate.")
+    if noise_site in chosen:
+        noise_site, noise = None, None
+    return chosen, heteroscedastic, noise_site, noise
+
+
+def first_batch(bridge: ModelBridge) -> Batch:
+    """The first (at most 1024) points of the data plate: enough to see the model's structure."""
+    plate = next(iter(bridge.plates.values()), None)
+    indices = {} if plate is None else {plate.name: torch.arange(min(plate.size, 1024), device=bridge.device)}
+    return Batch(indices, bridge.args, bridge.kwargs)
