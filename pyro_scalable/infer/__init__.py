@@ -2,6 +2,7 @@
 
 from pyro_scalable.infer.laplace import AutoLinearizedLaplace, CurvatureError, GLMPredictive, LaplacePosterior
 from pyro_scalable.infer.mcmc import StochasticMCMC
+from pyro_scalable.infer.sample_then_optimize import SampleThenOptimize
 from pyro_scalable.infer.schedules import Cyclical, PolynomialDecay
 from pyro_scalable.infer.sgmcmc import SGHMC, SGLD, sghmc, sgld
 
@@ -14,6 +15,7 @@ __all__ = [
     "GLMPredictive",
     "LaplacePosterior",
     "PolynomialDecay",
+    "SampleThenOptimize",
     "StochasticMCMC",
     "sghmc",
     "sgld",

@@ -1,5 +1,6 @@
-"""Sample-then-optimise for large linear and linearised models (DESIGN.md §5): the functional core so far."""
+"""Sample-then-optimise for large linear and linearised models, with EM for the prior precision (DESIGN.md §5)."""
 
-from pyro_scalable.infer.sample_then_optimize import core
+from pyro_scalable.infer.sample_then_optimize import core, em
+from pyro_scalable.infer.sample_then_optimize.engine import SampleThenOptimize
 
-__all__ = ["core"]
+__all__ = ["SampleThenOptimize", "core", "em"]

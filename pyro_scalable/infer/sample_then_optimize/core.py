@@ -16,6 +16,13 @@ The data term has no target, so its minibatch estimate :math:`\frac{N}{|\mathcal
 \phi_i^\top B_i\phi_i z` is the only noise; the regulariser's gradient :math:`A(z - \theta^n)` is exact
 (:math:`\theta^n` takes one pass over the data, done once).
 
+The posterior mean solves the same kind of quadratic (a centre of its own, see the engine), but its solution is
+:math:`O(\lVert\theta\rVert)` where a sample's is :math:`O(\text{posterior sd})`, so the multiplicative minibatch
+noise :math:`\propto \lVert z\rVert` would swamp it. Rows may therefore carry an *anchor* :math:`\tilde z` with its
+full-data product :math:`M\tilde z` (a control variate, as in SVRG: Johnson & Zhang 2013): their data term is
+:math:`\frac{N}{|\mathcal B|}\sum_{i\in\mathcal B}\phi_i^\top B_i\phi_i (z - \tilde z) + M\tilde z`, still unbiased, with
+noise :math:`\propto \lVert z - \tilde z\rVert`, which vanishes as the anchor is refreshed near the solution.
+
 The optimiser is SGD with Nesterov momentum, per-sample gradient clipping and a linear step-size decay, with all
 :math:`K` samples stepped together: one batched Jacobian-vector and one vector-Jacobian product per minibatch
 (``ggn_vp`` below). The functional core here sees only ``ggn_vp(z, batch)`` — for a Pyro model the bridge's
@@ -30,7 +37,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-__all__ = ["SampleInfo", "SampleState", "init", "regularizer_targets", "step"]
+__all__ = ["SampleInfo", "SampleState", "init", "regularizer_targets", "step", "with_anchor"]
 
 # ggn_vp(vectors (K, d), batch) -> (K, d): sum over the minibatch's points of phi_i^T B_i phi_i v, unscaled
 GGNVectorProduct = Callable[[Tensor, Any], Tensor]
@@ -42,6 +49,8 @@ class SampleState(NamedTuple):
     samples: Tensor  # (K, d): the current iterates z
     velocity: Tensor  # (K, d): Nesterov momentum buffer
     targets: Tensor  # (K, d): theta^n, the centre of each sample's regulariser
+    anchor: Tensor  # (R, d): control-variate anchors of the last R rows (R may be 0)
+    anchor_product: Tensor  # (R, d): their full-data products M anchor
     step_count: Tensor  # 0-d int64
 
 
@@ -59,9 +68,17 @@ def regularizer_targets(prior_sample: Tensor, prior_precision: Tensor, perturbat
 
 
 def init(targets: Tensor, samples: Tensor | None = None) -> SampleState:
-    """Start every sample at ``samples`` (default: its regulariser's centre, a warm start that is already close)."""
+    """Start every row at ``samples`` (default: its regulariser's centre), with no anchors."""
     start = targets.clone() if samples is None else samples.clone()
-    return SampleState(start, torch.zeros_like(start), targets, torch.zeros((), dtype=torch.long, device=start.device))
+    none = start.new_zeros((0, start.shape[-1]))
+    return SampleState(
+        start, torch.zeros_like(start), targets, none, none, torch.zeros((), dtype=torch.long, device=start.device)
+    )
+
+
+def with_anchor(state: SampleState, anchor: Tensor, anchor_product: Tensor) -> SampleState:
+    """Anchor the last ``len(anchor)`` rows at ``anchor``, whose full-data products are ``anchor_product``."""
+    return state._replace(anchor=anchor, anchor_product=anchor_product)
 
 
 def step(
@@ -83,7 +100,12 @@ def step(
 
     """
     z = state.samples
-    data_term = data_scale * ggn_vp(z, batch)
+    anchored = state.anchor.shape[0]
+    products = data_scale * ggn_vp(torch.cat([z, state.anchor]) if anchored else z, batch)
+    data_term = products[: z.shape[0]]
+    if anchored:
+        correction = state.anchor_product - products[z.shape[0] :]
+        data_term = torch.cat([data_term[:-anchored], data_term[-anchored:] + correction])
     offset = z - state.targets
     gradient = data_term + prior_precision * offset
     objective = 0.5 * (z * data_term).sum(-1) + 0.5 * (prior_precision * offset**2).sum(-1)
@@ -93,5 +115,5 @@ def step(
     velocity = momentum * state.velocity + gradient
     update = gradient + momentum * velocity
     step_size = torch.as_tensor(step_size, dtype=z.dtype, device=z.device)
-    new = SampleState(z - step_size * update, velocity, state.targets, state.step_count + 1)
+    new = state._replace(samples=z - step_size * update, velocity=velocity, step_count=state.step_count + 1)
     return new, SampleInfo(objective.detach(), grad_norm.detach(), step_size)
