@@ -20,8 +20,8 @@ The posterior mean solves the same kind of quadratic (a centre of its own, see t
 :math:`O(\lVert\theta\rVert)` where a sample's is :math:`O(\text{posterior sd})`, so the multiplicative minibatch
 noise :math:`\propto \lVert z\rVert` would swamp it. Rows may therefore carry an *anchor* :math:`\tilde z` with its
 full-data product :math:`M\tilde z` (a control variate, as in SVRG: Johnson & Zhang 2013): their data term is
-:math:`\frac{N}{|\mathcal B|}\sum_{i\in\mathcal B}\phi_i^\top B_i\phi_i (z - \tilde z) + M\tilde z`, still unbiased, with
-noise :math:`\propto \lVert z - \tilde z\rVert`, which vanishes as the anchor is refreshed near the solution.
+:math:`\frac{N}{|\mathcal B|}\sum_{i\in\mathcal B}\phi_i^\top B_i\phi_i (z - \tilde z) + M\tilde z`, still unbiased,
+with noise :math:`\propto \lVert z - \tilde z\rVert`, which vanishes as the anchor is refreshed near the solution.
 
 The optimiser is SGD with Nesterov momentum, per-sample gradient clipping and a linear step-size decay, with all
 :math:`K` samples stepped together: one batched Jacobian-vector and one vector-Jacobian product per minibatch

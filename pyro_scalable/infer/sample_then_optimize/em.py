@@ -18,11 +18,12 @@ needs is never formed: with zero-mean posterior samples :math:`\zeta_j \sim \mat
 
     \hat\gamma_g = \frac1K \sum_{j=1}^K \sum_{k\in g} \zeta_{jk}\,(M\zeta_j)_k
 
-is unbiased (a group's estimate, which also carries the coupling of its samples to other groups through
-:math:`M`, can leave :math:`(0, d_g)`, where the true value lies, and is clipped to it); for a single group it is :math:`\frac1K\sum_j \lVert\Phi\zeta_j\rVert^2_B`, the prediction-space
-estimate of Antorán et al. (2023), whose variance is small (one sample is often enough). The E-step (samples and
-mean at :math:`\alpha`) and this M-step alternate; the samples' prior draws are kept and rescaled (
-:math:`\theta^0 = A^{-1/2}\varepsilon` with fixed :math:`\varepsilon`) and each solve starts from the last.
+is unbiased. For a single group it is :math:`\frac1K\sum_j \lVert\Phi\zeta_j\rVert^2_B`, the prediction-space
+estimate of Antorán et al. (2023), whose variance is small (one sample is often enough). A group's estimate also
+carries its samples' coupling to the other groups through :math:`M`, so it is noisier and can leave
+:math:`(0, d_g)`, where the true value lies; it is clipped to that interval. The E-step (samples and mean at
+:math:`\alpha`) and this M-step alternate; the samples' prior draws are kept and rescaled
+(:math:`\theta^0 = A^{-1/2}\varepsilon` with fixed :math:`\varepsilon`), and each solve starts from the last.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def effective_dimension(samples: Tensor, ggn_samples: Tensor, groups: Tensor, nu
 
 
 def mackay_update(gamma: Tensor, offset: Tensor, scale: Tensor, groups: Tensor) -> Tensor:
-    r"""The new :math:`\alpha_g = \gamma_g / \sum_{k\in g} s_k\,\mathrm{offset}_k^2`, offset :math:`= \bar\theta - m`."""
+    r"""The new :math:`\alpha_g = \gamma_g / \sum_{k\in g} s_k o_k^2`, with the offset :math:`o = \bar\theta - m`."""
     norms = torch.zeros_like(gamma).index_add(0, groups, scale * offset**2)
     sizes = torch.bincount(groups, minlength=gamma.shape[0]).to(gamma)
     # gamma_g lies in (0, d_g); a group's estimate can leave it (the cross-group terms of M are noisy), the total
