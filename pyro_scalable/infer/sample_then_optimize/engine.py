@@ -507,7 +507,7 @@ class _Problem:
             "grad_norm": gradient[:-1].norm(dim=-1),
             "relative_grad_norm": gradient[:-1].norm(dim=-1) / (precision * state.targets[:-1]).norm(dim=-1),
         }
-        self.mean_grad_norm = float(gradient[-1].norm())
+        self.engine.mean_grad_norm = float(gradient[-1].norm())
         mean_offset = self.theta + rows[-1] - self.prior_mean
         return mean_offset, rows[:-1], ggn
 
