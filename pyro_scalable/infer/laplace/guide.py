@@ -20,14 +20,15 @@ from pyro.infer.autoguide.initialization import InitMessenger
 
 from pyro_scalable.bridge.checks import ModelError
 from pyro_scalable.bridge.model import Latents, ModelBridge
-from pyro_scalable.infer.laplace.ggn import fit_curvature
+from pyro_scalable.infer.laplace.ggn import DataFit, fit_curvature
 from pyro_scalable.infer.laplace.layout import ParameterLayout
 from pyro_scalable.infer.laplace.network import NetworkFunction, choose_sites
 from pyro_scalable.infer.laplace.posterior import LaplacePosterior
+from pyro_scalable.infer.laplace.sampled import SampledCurvature
 
 __all__ = ["AutoLinearizedLaplace"]
 
-_STRUCTURES = ("full", "diag", "kron", "low_rank")
+_STRUCTURES = ("full", "diag", "kron", "low_rank", "sampled")
 
 
 class AutoLinearizedLaplace(AutoLaplaceApproximation):
@@ -54,11 +55,12 @@ class AutoLinearizedLaplace(AutoLaplaceApproximation):
     def laplace_approximation(
         self,
         *args: Any,
-        structure: Literal["full", "diag", "kron", "low_rank"] = "kron",
+        structure: Literal["full", "diag", "kron", "low_rank", "sampled"] = "kron",
         sites: Sequence[str] | Literal["last_layer"] | None = None,
         curvature: Literal["ggn", "ef"] = "ggn",
         prior_precision: torch.Tensor | float | None = None,
         rank: int = 50,
+        num_samples: int = 64,
         jitter: float = 0.0,
         chunk_size: int | None = None,
         map_latents: Latents | None = None,
@@ -70,7 +72,9 @@ class AutoLinearizedLaplace(AutoLaplaceApproximation):
 
         Args:
             structure: ``"full"``, ``"diag"``, ``"kron"`` (K-FAC per linear layer, diagonal elsewhere) or
-                ``"low_rank"`` (top-``rank`` eigenpairs of the GGN).
+                ``"low_rank"`` (top-``rank`` eigenpairs of the GGN), or ``"sampled"`` (``num_samples`` draws of
+                the full-GGN posterior by :class:`~pyro_scalable.infer.SampleThenOptimize`, for nets too large for
+                the others; no evidence, EM instead).
             sites: the latent sites the Laplace covers (default: all that the mean output depends on), or
                 ``"last_layer"``; every other latent is held at its MAP value.
             curvature: the GGN, or the empirical Fisher (``"ef"``).
@@ -111,7 +115,14 @@ class AutoLinearizedLaplace(AutoLaplaceApproximation):
                 torch.as_tensor(prior_precision, dtype=theta.dtype, device=theta.device), theta.shape
             ).clone()
         generator = torch.Generator(device=theta.device).manual_seed(seed)
-        fit = fit_curvature(net, theta, structure, curvature=curvature, rank=rank, generator=generator)
+        if structure == "sampled":
+            if curvature != "ggn":
+                raise ValueError("structure='sampled' samples the GGN posterior; curvature='ef' is not available.")
+            fit = _sampled_fit(
+                self.model, args, kwargs, bridge, latents, chosen, precision, num_samples, seed, check_map
+            )
+        else:
+            fit = fit_curvature(net, theta, structure, curvature=curvature, rank=rank, generator=generator)
         if curvature == "ef":
             noise = None
         posterior = LaplacePosterior(
@@ -126,7 +137,7 @@ class AutoLinearizedLaplace(AutoLaplaceApproximation):
             curvature=curvature,
         )
         posterior.precision  # noqa: B018  (factorise now: a singular curvature is an error here, not later)
-        if check_map:
+        if check_map and structure != "sampled":  # the sampler checks it (a Newton step, its mean row)
             posterior.check_map()
         return posterior
 
@@ -151,3 +162,30 @@ def _user_model(model):
     while isinstance(model, functools.partial) and len(model.args) == 2 and isinstance(model.args[0], InitMessenger):
         model = model.args[1]
     return model
+
+
+def _sampled_fit(model, args, kwargs, bridge, latents, chosen, precision, num_samples, seed, check_map) -> DataFit:
+    from pyro_scalable.infer.sample_then_optimize import SampleThenOptimize
+
+    engine = SampleThenOptimize(
+        _user_model(model),
+        num_samples=num_samples,
+        linearize_at=bridge.constrain(latents),
+        sites=chosen,
+        prior_precision=precision,
+        seed=seed,
+        progress_bar=False,
+    )
+    with warnings.catch_warnings():
+        if not check_map:
+            warnings.filterwarnings("ignore", message="the linearisation point is not a MAP")
+        engine.run(*args, **kwargs)
+    zeros = precision.new_zeros
+    return DataFit(
+        curvature=SampledCurvature(engine, precision),
+        log_likelihood=zeros(()).fill_(float("nan")),
+        gradient=engine.data_gradient,
+        num_points=next(iter(bridge.plates.values())).size if bridge.plates else 1,
+        layers=[],
+        rest=torch.zeros(0, dtype=torch.long, device=precision.device),
+    )

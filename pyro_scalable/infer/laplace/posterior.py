@@ -29,6 +29,7 @@ L-BFGS over :math:`\log P` (scalar, per site or per parameter) and :math:`\log\s
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from typing import Any, Literal, NamedTuple
@@ -214,14 +215,20 @@ class LaplacePosterior:
         *,
         observation_noise: bool | None = None,
         max_iter: int = 200,
+        em_steps: int = 8,
     ) -> LaplacePosterior:
         """Maximise the evidence over the prior precision (and σ of a Normal likelihood) by L-BFGS.
+
+        With ``structure="sampled"`` there is no evidence: ``em_steps`` MacKay updates from the samples instead
+        (``"scalar"`` or ``"site"``; σ stays fixed), re-running the sampler with warm starts.
 
         Args:
             method: one precision for every parameter, one per Laplace site, or one per parameter.
             observation_noise: also fit σ (default: whenever the likelihood is a Normal with one scalar scale).
 
         """
+        if self.structure == "sampled":
+            return self._sampled_em(method, observation_noise, em_steps)
         theta = self.theta_star
         if method == "diagonal" and self.structure == "kron":
             raise ValueError(
@@ -256,6 +263,23 @@ class LaplacePosterior:
         self.prior_precision = log_precision.detach()[groups].exp()
         if log_noise is not None:
             self.observation_noise = log_noise.detach().exp()
+        return self
+
+    def _sampled_em(self, method: str, observation_noise: bool | None, em_steps: int) -> LaplacePosterior:
+        if method not in ("scalar", "site"):
+            raise ValueError(
+                f"structure='sampled' tunes the prior by EM with method 'scalar' or 'site', not {method!r}."
+            )
+        if observation_noise:
+            raise ModelError("structure='sampled' keeps the observation noise fixed; pass observation_noise=False.")
+        engine = self.fit.curvature.engine
+        engine.em_steps, engine.em_groups, engine.prior_precision = em_steps, method, self._prior_precision
+        with warnings.catch_warnings():  # reported (or silenced) when the posterior was built
+            warnings.filterwarnings("ignore", message="the linearisation point is not a MAP")
+            engine.run(*engine._args, **engine._kwargs)
+        precision = engine._problem_precision
+        self.fit = dataclasses.replace(self.fit, curvature=type(self.fit.curvature)(engine, precision))
+        self.prior_precision = precision
         return self
 
     def _groups(self, method: str) -> Tensor:

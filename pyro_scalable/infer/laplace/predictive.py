@@ -7,6 +7,7 @@ No per-example Jacobian over all weights is formed. For a recorded layer with in
   :math:`[J H_\ell^{-1} J^\top]_{cc'} = \sum_k U_{ck} U_{c'k} w_k`, with :math:`U = B Q_B` and
   :math:`w_k = \sum_j (Q_A^\top D^{-1/2}\tilde a)_j^2 / E_{kj}`;
 * diagonal block with inverse :math:`h_{kj}`: :math:`\sum_k B_{ck}B_{c'k} w_k`, :math:`w_k = \sum_j h_{kj}\tilde a_j^2`;
+* sampled: the Monte-Carlo estimate from the stored samples (:mod:`~pyro_scalable.infer.laplace.sampled`);
 * low rank: :math:`H^{-1} = P^{-1} - V V^\top`, so :math:`J H^{-1}J^\top = J P^{-1} J^\top - (JV)(JV)^\top` with
   :math:`JV` from :math:`k` Jacobian-vector products.
 
@@ -36,6 +37,7 @@ from pyro_scalable.infer.laplace.ggn import (
 )
 from pyro_scalable.infer.laplace.likelihoods import Likelihood
 from pyro_scalable.infer.laplace.network import NetworkFunction
+from pyro_scalable.infer.laplace.sampled import SampledPrecision
 
 __all__ = ["functional_covariance"]
 
@@ -44,6 +46,9 @@ def functional_covariance(
     net: NetworkFunction, theta: Tensor, precision, plans: list[LayerPlan], rest: Tensor, batch: Batch
 ) -> tuple[Tensor, Tensor, Likelihood]:
     """``f(x, theta)``, ``J H^{-1} J^T`` and the likelihood on ``batch``: ``(points, outputs)``, ``(.., outputs)``."""
+    if isinstance(precision, SampledPrecision):
+        f, covariance = precision.functional_covariance(net, theta.detach(), batch)
+        return f, covariance, net.outputs(theta.detach(), batch).likelihood
     leaf = theta.detach().requires_grad_(True)
     out = net.outputs(leaf, batch, layers=True)
     f = out.f

@@ -73,6 +73,8 @@ class SampleThenOptimize(Draws):
             latent; otherwise the MAP found by ``map_steps`` Adam steps.
         sites: the latent sites to sample (default: all that the output depends on; a scalar Normal noise scale is
             held at its value at ``linearize_at``).
+        prior_precision: overrides the precision read from the model's priors (a scalar or a flat vector over the
+            sampled sites, in unconstrained space); the prior mean stays the model's.
         g_prior: scale the prior precision of each parameter by ``diag(M)`` (normalised to mean one per group),
             which makes it invariant to the scale of each weight (robust to normalisation layers).
         em_steps: MacKay updates of the prior precision; ``0`` keeps the model's prior.
@@ -115,6 +117,7 @@ class SampleThenOptimize(Draws):
         max_grad_norm: float | None = None,
         linearize_at: dict[str, Tensor] | Any | None = None,
         sites: list[str] | Literal["last_layer"] | None = None,
+        prior_precision: float | Tensor | None = None,
         g_prior: bool = False,
         em_steps: int = 0,
         em_groups: Literal["scalar", "site"] = "scalar",
@@ -154,6 +157,7 @@ class SampleThenOptimize(Draws):
         self.max_grad_norm = max_grad_norm
         self.linearize_at = linearize_at
         self.sites = sites
+        self.prior_precision = prior_precision
         self.g_prior = g_prior
         self.em_steps = operator.index(em_steps)
         self.em_groups = em_groups
@@ -290,6 +294,7 @@ class SampleThenOptimize(Draws):
         mean = problem.theta + state.samples[-1]
         draws = mean + state.samples[:-1]
         self.mean_unconstrained = mean.detach()
+        self.data_gradient = problem.gradient.detach()
         self._problem_precision = problem.precision.detach()
         latents = {
             **{k: v.expand((self.num_samples,) + v.shape) for k, v in net.fixed.items()},
@@ -300,8 +305,8 @@ class SampleThenOptimize(Draws):
 
     # ------------------------------------------------------------------ results
     @property
-    def prior_precision(self) -> dict[str, Tensor]:
-        """The prior precision in use (after EM) of every sampled site, shaped like its unconstrained value."""
+    def final_prior_precision(self) -> dict[str, Tensor]:
+        """The prior precision of the last solve (after EM) of every sampled site, shaped like its value."""
         net = self._require_net()
         return net.layout.unflatten(self._problem_precision)
 
@@ -324,6 +329,9 @@ class _Problem:
         bridge = net.bridge
         self.num_samples = engine.num_samples
         precision, self.prior_mean = net.prior(theta)
+        if engine.prior_precision is not None:
+            given = torch.as_tensor(engine.prior_precision, dtype=theta.dtype, device=theta.device)
+            precision = torch.broadcast_to(given, theta.shape).clone()
         self._check_prior(precision)
         self.groups, self.group_names = _groups(net.layout, engine.em_groups, theta.device)
         self.num_groups = len(self.group_names)

@@ -195,7 +195,7 @@ def test_em_per_site_and_g_prior():
     assert engine.em_history["groups"] == ["w", "b"]
     assert engine.em_history["prior_precision"].shape == (4, 2)
     assert engine.em_history["effective_dimension"].shape == (4, 2)
-    ratio = engine.prior_precision["w"] / (x**2).sum(0)
+    ratio = engine.final_prior_precision["w"] / (x**2).sum(0)
     torch.testing.assert_close(ratio, ratio.mean().expand(3), rtol=1e-9, atol=0)
 
 
