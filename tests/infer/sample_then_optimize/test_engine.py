@@ -336,7 +336,7 @@ def test_divergence_keeps_the_last_finite_state(regression):
 
 def test_map_is_found_for_a_nonlinear_model():
     x, labels = _classifier_data(n=120)
-    engine = _engine(classifier, num_samples=4, num_epochs=5, map_steps=1500)
+    engine = _engine(classifier, num_samples=4, num_epochs=2, map_steps=300)
     engine.run(x, labels)
     assert not engine._linear
     assert engine.get_samples()["w1"].shape == (4, 4, 2)
