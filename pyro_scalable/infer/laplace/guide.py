@@ -61,6 +61,7 @@ class AutoLinearizedLaplace(AutoLaplaceApproximation):
         prior_precision: torch.Tensor | float | None = None,
         rank: int = 50,
         num_samples: int = 64,
+        sampler_options: dict[str, Any] | None = None,
         jitter: float = 0.0,
         chunk_size: int | None = None,
         map_latents: Latents | None = None,
@@ -74,7 +75,8 @@ class AutoLinearizedLaplace(AutoLaplaceApproximation):
             structure: ``"full"``, ``"diag"``, ``"kron"`` (K-FAC per linear layer, diagonal elsewhere) or
                 ``"low_rank"`` (top-``rank`` eigenpairs of the GGN), or ``"sampled"`` (``num_samples`` draws of
                 the full-GGN posterior by :class:`~pyro_scalable.infer.SampleThenOptimize`, for nets too large for
-                the others; no evidence, EM instead).
+                the others; no evidence, EM instead). ``sampler_options`` go to the sampler (``num_epochs``,
+                ``variance_reduction``, ``step_size``, ...).
             sites: the latent sites the Laplace covers (default: all that the mean output depends on), or
                 ``"last_layer"``; every other latent is held at its MAP value.
             curvature: the GGN, or the empirical Fisher (``"ef"``).
@@ -118,9 +120,8 @@ class AutoLinearizedLaplace(AutoLaplaceApproximation):
         if structure == "sampled":
             if curvature != "ggn":
                 raise ValueError("structure='sampled' samples the GGN posterior; curvature='ef' is not available.")
-            fit = _sampled_fit(
-                self.model, args, kwargs, bridge, latents, chosen, precision, num_samples, seed, check_map
-            )
+            options = {"num_samples": num_samples, "seed": seed, **(sampler_options or {})}
+            fit = _sampled_fit(self.model, args, kwargs, bridge, latents, chosen, precision, options, check_map)
         else:
             fit = fit_curvature(net, theta, structure, curvature=curvature, rank=rank, generator=generator)
         if curvature == "ef":
@@ -164,17 +165,15 @@ def _user_model(model):
     return model
 
 
-def _sampled_fit(model, args, kwargs, bridge, latents, chosen, precision, num_samples, seed, check_map) -> DataFit:
+def _sampled_fit(model, args, kwargs, bridge, latents, chosen, precision, options, check_map) -> DataFit:
     from pyro_scalable.infer.sample_then_optimize import SampleThenOptimize
 
     engine = SampleThenOptimize(
         _user_model(model),
-        num_samples=num_samples,
         linearize_at=bridge.constrain(latents),
         sites=chosen,
         prior_precision=precision,
-        seed=seed,
-        progress_bar=False,
+        **{"progress_bar": False, **options},
     )
     with warnings.catch_warnings():
         if not check_map:

@@ -12,10 +12,12 @@ Categorical's logits, ...) and the latent sites :math:`\theta` the engine covers
   Jacobian-vector and vector-Jacobian products);
 * the mean :math:`\bar\theta = \theta_* + \bar\delta`, :math:`H\bar\delta = b - A(\theta_* - m)` with
   :math:`b = \sum_i J_i^\top \nabla_f \log p(y_i \mid f_i)`, is one more row of the same batched quadratic
-  (regulariser centre :math:`A^{-1}b - (\theta_* - m)`). For a Normal likelihood it is the exact posterior mean
-  of the linear model; for others it is the Gauss-Newton step from :math:`\theta_*`, i.e. the mean of the
-  linearised Laplace posterior at :math:`\theta_*` (at the MAP and the prior it was fitted with,
-  :math:`\bar\delta \approx 0`).
+  (regulariser centre :math:`A^{-1}b - (\theta_* - m)`). For a Normal likelihood (one scale) it is the exact
+  posterior mean of the linear model, and the draws are centred there. For other likelihoods it is only the
+  Gauss-Newton step from :math:`\theta_*`, whose quadratic extrapolation overstates the likelihood away from the
+  prior the MAP was fitted with (and makes per-site EM run away): the draws are centred at :math:`\theta_*`, as
+  in the linearised Laplace guide, and the step (``newton_step``) serves as the check that :math:`\theta_*` is a
+  MAP.
 
 The regulariser centres need one pass over the data (one VJP per chunk for all rows, :math:`\xi_i \sim
 \mathcal N(0, I)` drawn there and summed into :math:`\sum_i J_i^\top \Lambda_i^{1/2}\xi_i`); each optimisation step
@@ -268,6 +270,7 @@ class SampleThenOptimize(Draws):
                 self.state = state
                 mean_offset, samples, ggn = problem.finish(state)
                 gamma = effective_dimension(samples, ggn[:-1], problem.groups, num_groups)
+                gamma = gamma.clamp(min=1e-3).minimum(problem.group_sizes)  # the true value lies in (0, d_g)
                 gammas.append(gamma)
                 if em_step == 0:
                     problem.check_map(state)
@@ -282,6 +285,7 @@ class SampleThenOptimize(Draws):
                     state = state._replace(velocity=torch.zeros_like(state.velocity))
         finally:
             bar.close()
+        _warn_unconverged(problem.final_stats["relative_grad_norm"])
         self.em_history = {
             "groups": problem.group_names,
             "prior_precision": torch.stack(alphas).to(self.draws_device),
@@ -291,7 +295,8 @@ class SampleThenOptimize(Draws):
 
     def _keep(self, problem: _Problem, state: core.SampleState) -> None:
         net = self.net
-        mean = problem.theta + state.samples[-1]
+        self.newton_step = state.samples[-1].detach()
+        mean = problem.theta + state.samples[-1] if problem.quadratic else problem.theta
         draws = mean + state.samples[:-1]
         self.mean_unconstrained = mean.detach()
         self.data_gradient = problem.gradient.detach()
@@ -336,6 +341,7 @@ class _Problem:
         self.groups, self.group_names = _groups(net.layout, engine.em_groups, theta.device)
         self.num_groups = len(self.group_names)
         counts = torch.bincount(self.groups, minlength=self.num_groups).to(theta.dtype)
+        self.group_sizes = counts
         self.alpha = (
             torch.zeros(self.num_groups, dtype=theta.dtype, device=theta.device).index_add(0, self.groups, precision)
             / counts
@@ -389,6 +395,7 @@ class _Problem:
         perturbation = torch.zeros(self.num_samples + 1, theta.numel(), dtype=theta.dtype, device=theta.device)
         for batch in net.batches():
             out = net.outputs(theta, batch)
+            self.quadratic = out.likelihood.name == "Normal" and not net.heteroscedastic
             f = out.f.detach()
             _check_finite(f, net.site, "outputs at the linearisation point")
             root = out.likelihood.hessian_sqrt(f)
@@ -516,8 +523,8 @@ class _Problem:
             "relative_grad_norm": gradient[:-1].norm(dim=-1) / (precision * state.targets[:-1]).norm(dim=-1),
         }
         self.engine.mean_grad_norm = float(gradient[-1].norm())
-        mean_offset = self.theta + rows[-1] - self.prior_mean
-        return mean_offset, rows[:-1], ggn
+        mean = self.theta + rows[-1] if self.quadratic else self.theta
+        return mean - self.prior_mean, rows[:-1], ggn
 
     def check_map(self, state: core.SampleState) -> None:
         """Warn when a nonlinear model's linearisation point is far from its MAP (half the Newton decrement)."""
@@ -549,6 +556,16 @@ def _ggn_diagonal(net: NetworkFunction, theta: Tensor) -> Tensor:
 
     fit = fit_curvature(net, theta, "diag")
     return fit.curvature.diagonal
+
+
+def _warn_unconverged(relative_grad_norm: Tensor) -> None:
+    worst = float(relative_grad_norm.median())
+    if worst > 0.1:
+        warnings.warn(
+            f"the samples have not converged: the median relative gradient norm (full data) is {worst:.2g}. Raise "
+            "num_epochs (or em_epochs), or use variance_reduction='all'; see sample_stats['relative_grad_norm'].",
+            stacklevel=4,
+        )
 
 
 def _check_finite(value: Tensor, site: str, what: str) -> None:
