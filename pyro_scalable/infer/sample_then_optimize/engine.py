@@ -44,7 +44,9 @@ from pyro_scalable.bridge.checks import ModelError
 from pyro_scalable.bridge.minibatches import EpochSampler
 from pyro_scalable.bridge.model import Batch, FullDataModel, Latents, ModelBridge
 from pyro_scalable.infer.laplace.layout import ParameterLayout
+from pyro_scalable.infer.laplace.likelihoods import Likelihood
 from pyro_scalable.infer.laplace.network import NetworkFunction, choose_sites, first_batch
+from pyro_scalable.infer.laplace.posterior import GLMPredictive
 from pyro_scalable.infer.results import Draws
 from pyro_scalable.infer.sample_then_optimize import core
 from pyro_scalable.infer.sample_then_optimize.em import effective_dimension, mackay_update
@@ -319,6 +321,39 @@ class SampleThenOptimize(Draws):
         if self.net is None:
             raise RuntimeError("call run(...) before asking for results.")
         return self.net
+
+    def predict(
+        self,
+        *args: Any,
+        link_approx: Literal["probit", "mc"] = "probit",
+        num_samples: int = 100,
+        seed: int | None = None,
+        **kwargs: Any,
+    ) -> GLMPredictive:
+        r"""The linearised predictive at the model's inputs ``args`` (no ``y`` needed), every data point.
+
+        The outputs are :math:`f(x, \theta_*) + J(x)(\bar\theta - \theta_*)` with the covariance
+        :math:`\frac1K\sum_j (J\zeta_j)(J\zeta_j)^\top` of the draws (rank at most K); the law of ``y`` follows
+        from the likelihood as in :meth:`LaplacePosterior.predict` (``link_approx`` for classification).
+        """
+        net = self._require_net()
+        theta = net.theta_star
+        zeta = self.state.samples[:-1].detach()
+        rows = torch.cat([(self.mean_unconstrained - theta).unsqueeze(0), zeta])
+        generator = None if seed is None else torch.Generator(theta.device).manual_seed(seed)
+        batches = list(net.batches()) if not args and not kwargs else list(net.batches(args, kwargs))
+        means, covariances, likelihoods = [], [], []
+        with torch.no_grad():
+            for batch in batches:
+                f, products = net.jvp(theta, rows, batch)
+                means.append(f + products[0])
+                covariances.append(torch.einsum("kpm,kpn->pmn", products[1:], products[1:]) / zeta.shape[0])
+                likelihoods.append(net.outputs(theta, batch).likelihood)
+        mean, covariance = torch.cat(means), torch.cat(covariances)
+        likelihood = Likelihood.concatenate(likelihoods)
+        return GLMPredictive(
+            mean, covariance, likelihood.predictive(mean, covariance, link_approx, num_samples, generator)
+        )
 
     def get_mean(self) -> dict[str, Tensor]:
         """The posterior mean of the sampled sites (constrained; the other sites at their fixed values)."""

@@ -246,6 +246,43 @@ def test_linearised_classifier_matches_the_full_laplace_covariance(num_samples):
     assert bound < 0.05 * float((expected - laplace.theta_star).norm())
 
 
+def test_predict_is_the_linearised_predictive():
+    """For a linear-Gaussian model: y* ~ N(x*ᵀ mean, x*ᵀ C x* + σ²) with C the draws' covariance (exactly)."""
+    problem = LinearRegression(num_data=400, dim=3, batch_size=100, noise_scale=0.5)
+    engine = _engine(problem.model, num_samples=400, num_epochs=150, variance_reduction="all")
+    engine.run(problem.x, problem.y)
+    x_new = torch.randn(7, 3, dtype=F64)
+    predictive = engine.predict(x_new, None)
+    zeta = engine.state.samples[:-1]
+    torch.testing.assert_close(predictive.mean[:, 0], x_new @ problem.mean, rtol=1e-8, atol=1e-10)
+    draws_cov = zeta.T @ zeta / zeta.shape[0]
+    torch.testing.assert_close(predictive.covariance[:, 0, 0], ((x_new @ draws_cov) * x_new).sum(-1))
+    scale = (((x_new @ draws_cov) * x_new).sum(-1) + 0.25).sqrt()
+    torch.testing.assert_close(predictive.distribution.scale, scale)
+    # and the draws' predictive variance is the exact one within Monte-Carlo error (relative se sqrt(2/K))
+    exact = ((x_new @ problem.cov) * x_new).sum(-1)
+    assert ((predictive.covariance[:, 0, 0] / exact - 1).abs() / (2 / 400) ** 0.5).max() < Z
+
+
+def test_singular_features_keep_the_prior_in_their_null_space():
+    """A zero and a duplicated column make XᵀX singular; H = M + A is not, and the draws follow it."""
+    g = torch.Generator().manual_seed(4)
+    base = torch.randn(300, 2, generator=g, dtype=F64)
+    x = torch.cat([base, base[:, :1], torch.zeros(300, 1, dtype=F64)], dim=1)
+    y = base @ torch.tensor([1.0, -0.5], dtype=F64) + 0.3 * torch.randn(300, generator=g, dtype=F64)
+
+    def model(x, y=None):
+        w = pyro.sample("w", dist.Normal(x.new_zeros(4), 1.0).to_event(1))
+        with pyro.plate("data", 300, subsample_size=100) as idx:
+            pyro.sample("y", dist.Normal(x[idx] @ w, 0.3), obs=None if y is None else y[idx])
+
+    h = x.T @ x / 0.09 + torch.eye(4, dtype=F64)
+    cov = torch.linalg.inv(h)
+    engine = _engine(model, num_samples=1000, num_epochs=60, variance_reduction="all")
+    engine.run(x, y)
+    _assert_covariance(engine.get_samples()["w"], cov @ (x.T @ y) / 0.09, cov)
+
+
 # ---------------------------------------------------------------------------------------------------- ArviZ
 
 
