@@ -471,22 +471,30 @@ class _Problem:
 
     # ------------------------------------------------------------------ solving
     def _largest_eigenvalue(self, generator: torch.Generator, batches) -> float:
+        """The largest eigenvalue of a minibatch's estimate of H, the largest over a few minibatches.
+
+        With B < d a minibatch's estimate (N/B) Σ_B JᵀΛJ + A has a much larger top eigenvalue than H itself, and it
+        is what a step must be stable for; power iterations that change minibatch at every product would converge
+        to H's instead (too large a step, divergence).
+        """
         vector = torch.randn(
             1, self.theta.numel(), generator=generator, dtype=self.theta.dtype, device=self.theta.device
         )
-        precision, estimates = self.precision, []
-        for _ in range(20):
-            vector = vector / vector.norm()
-            product = self.data_scale * self.ggn_vp(vector, next(batches)).detach() + precision * vector
-            estimates.append(float((vector * product).sum()))
-            vector = product
-        value = max(estimates[-5:])
-        if not math.isfinite(value) or value <= 0:
+        precision, largest = self.precision, 0.0
+        for _ in range(4):
+            batch = next(batches)
+            for _ in range(8):
+                vector = vector / vector.norm()
+                product = self.data_scale * self.ggn_vp(vector, batch).detach() + precision * vector
+                estimate = float((vector * product).sum())
+                vector = product
+            largest = max(largest, estimate) if math.isfinite(estimate) else estimate
+        if not math.isfinite(largest) or largest <= 0:
             raise ModelError(
-                f"the curvature of the linearised model of '{self.net.site}' is not finite (estimate {value}); "
+                f"the curvature of the linearised model of '{self.net.site}' is not finite (estimate {largest}); "
                 "check the inputs for non-finite values."
             )
-        return value
+        return largest
 
     def _batches(self, generator: torch.Generator):
         bridge = self.net.bridge
@@ -531,11 +539,15 @@ class _Problem:
                 momentum=engine.momentum,
                 max_grad_norm=engine.max_grad_norm,
             )
-            if not bool(torch.isfinite(new.samples).all()):
+            if t == 0:
+                first = info.grad_norm.max()
+            if not bool(torch.isfinite(new.samples).all()) or bool(info.grad_norm.max() > 1e6 * first):
                 engine.state = state
                 raise RuntimeError(
-                    f"the optimisation diverged at step {t} (non-finite iterates) with step_size={step_size:.3g}; "
-                    "pass a smaller step_size or max_grad_norm. The last finite state is kept in .state."
+                    f"the optimisation diverged at step {t} (the gradient norm grew from {float(first):.3g} to "
+                    f"{float(info.grad_norm.max()):.3g}, or the iterates are not finite) with "
+                    f"step_size={step_size:.3g}; pass a smaller step_size or max_grad_norm. The state before that "
+                    "step is kept in .state."
                 )
             state = new
             if (t + 1) % self.steps_per_epoch == 0:
