@@ -147,6 +147,23 @@ class _Evaluate(Messenger):
             self.log_likelihood[msg["name"]] = log_prob
 
 
+def _explain_latent_in_plate(trace, error: Exception) -> None:
+    """Raise a ModelError when the model failed after sampling a latent inside a subsampled plate."""
+    for name, node in trace.nodes.items():
+        if node["type"] != "sample" or node["is_observed"] or site_is_subsample(node):
+            continue
+        for frame in node["cond_indep_stack"]:
+            if frame.full_size is not None and frame.size < frame.full_size:
+                first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+                raise ModelError(
+                    f"the model failed ({first}) after sampling latent site '{name}' inside the subsampled plate "
+                    f"'{frame.name}', which gives it a batch dimension of the minibatch's size. Global latents "
+                    "must be sampled outside the plate; a PyroModule's PyroSample weights are sampled when the "
+                    "module runs, so run the network outside the `with plate` block: "
+                    "`data = pyro.plate(...); f = net(x[data.indices]); with data: pyro.sample(..., obs=...)`."
+                ) from error
+
+
 class ModelBridge:
     """A Pyro model bound to its data: unconstrained latents, log posterior, full-data log-likelihood.
 
@@ -185,6 +202,9 @@ class ModelBridge:
                 f"indexing the data with the plate's indices failed ({error}); the plate size must equal the "
                 f"number of data points{': plates ' + sizes if sizes else ''}. Pass N = len(data) to pyro.plate."
             ) from error
+        except (RuntimeError, ValueError) as error:
+            _explain_latent_in_plate(tracer.msngr.trace, error)
+            raise
 
     def _latent_nodes(self, trace) -> Iterator[tuple[LatentSite, dict]]:
         for name, site in self.sites.items():

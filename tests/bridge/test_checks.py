@@ -88,6 +88,18 @@ def test_latent_inside_subsample_idx_plate_is_named(data):
         ModelBridge(model, (x[idx], y[idx], idx))
 
 
+def test_weights_sampled_inside_the_plate_that_break_the_model_are_explained(data):
+    """A global weight drawn inside the plate gets a batch dim, and the model fails before the bridge's checks."""
+
+    def model(x, y):
+        with pyro.plate("data", N, subsample_size=B) as idx:
+            w = pyro.sample("w", dist.Normal(torch.zeros(3, 2), 1.0).to_event(2))  # (B, 3, 2)
+            pyro.sample("obs", dist.Normal(torch.nn.functional.linear(x[idx], w).sum(-1), 1.0), obs=y[idx])
+
+    with pytest.raises(ModelError, match=r"after sampling latent site 'w' inside the subsampled plate 'data'.*outside"):
+        ModelBridge(model, data)
+
+
 def test_latent_inside_an_unsubsampled_plate_is_fine(data):
     def model(x, y):
         with pyro.plate("features", 2):
