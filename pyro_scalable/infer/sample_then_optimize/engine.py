@@ -271,13 +271,16 @@ class SampleThenOptimize(Draws):
                 state = problem.solve(state, epochs, generator, bar)
                 self.state = state
                 mean_offset, samples, ggn = problem.finish(state)
-                gamma = effective_dimension(samples, ggn[:-1], problem.groups, num_groups)
-                gamma = gamma.clamp(min=1e-3).minimum(problem.group_sizes)  # the true value lies in (0, d_g)
+                raw = effective_dimension(samples, ggn[:-1], problem.groups, num_groups)
+                gamma = raw.clamp(min=1e-3).minimum(problem.group_sizes)  # the true value lies in (0, d_g)
                 gammas.append(gamma)
                 if em_step == 0:
                     problem.check_map(state)
                 if em_step < self.em_steps:
-                    problem.alpha = mackay_update(gamma, mean_offset, problem.scale, problem.groups)
+                    update = mackay_update(gamma, mean_offset, problem.scale, problem.groups)
+                    # a group whose estimate is <= 0 (pure noise from its coupling to other groups) keeps its
+                    # precision: clipping it would all but flatten its prior, and nothing would bring it back
+                    problem.alpha = torch.where(raw > 0, update, problem.alpha)
                     if not bool(torch.isfinite(problem.alpha).all() and (problem.alpha > 0).all()):
                         raise ModelError(
                             f"the EM update gave a prior precision of {problem.alpha.tolist()} (the posterior mean is "
