@@ -137,14 +137,27 @@ class NetworkFunction:
         except RuntimeError:
             return torch.stack([pullback(u)[0] for u in cotangents])
 
+    def batch_ggn_vp(self, theta: Tensor, vectors: Tensor, batch: Batch, root: Tensor | None = None) -> Tensor:
+        r""":math:`\sum_{i\in B} J_i^\top \Lambda_i J_i v` on ``batch``, ``vectors`` ``(k, d)``: batched JVP and VJP."""
+
+        def forward(t):
+            out = self.outputs(t, batch)
+            return out.f, out.likelihood.hessian_sqrt(out.f.detach()) if root is None else root
+
+        _, pullback, lam_root = vjp(forward, theta, has_aux=True)
+        _, products = self.jvp(theta, vectors, batch)
+        weighted = torch.einsum("pmr,pnr,kpn->kpm", lam_root, lam_root, products)
+        try:
+            return vmap(pullback)(weighted)[0]
+        except RuntimeError:
+            return torch.stack([pullback(u)[0] for u in weighted])
+
     def ggn_vp(self, theta: Tensor, vectors: Tensor, roots: list[Tensor] | None = None) -> Tensor:
         r""":math:`G v = \sum_i J_i^\top \Lambda_i J_i v` on the full data for ``vectors`` ``(k, d)``."""
         out = torch.zeros_like(vectors)
         for number, batch in enumerate(self.batches()):
-            f, products = self.jvp(theta, vectors, batch)
-            root = roots[number] if roots is not None else self.outputs(theta, batch).likelihood.hessian_sqrt(f)
-            weighted = torch.einsum("pmr,pnr,kpn->kpm", root, root, products)
-            out = out + self.vjp(theta, weighted, batch)
+            root = roots[number] if roots is not None else None
+            out = out + self.batch_ggn_vp(theta, vectors, batch, root).detach()
         return out
 
     # ------------------------------------------------------------------ prior

@@ -37,7 +37,6 @@ from typing import Any, Literal
 import torch
 from pyro.infer.autoguide.initialization import init_to_median, init_to_uniform
 from torch import Tensor
-from torch.func import vjp, vmap
 from tqdm.auto import tqdm
 
 from pyro_scalable.bridge.checks import ModelError
@@ -452,25 +451,10 @@ class _Problem:
 
     def ggn_vp(self, vectors: Tensor, batch: Batch) -> Tensor:
         """``Σ_i J_iᵀ Λ_i J_i v`` over the minibatch, for every row of ``vectors``: one JVP and one VJP, batched."""
-        net, theta = self.net, self.theta
-
-        def forward(t):
-            out = net.outputs(t, batch)
-            return out.f, out.likelihood.hessian_sqrt(out.f.detach())
-
-        _, pullback, root = vjp(forward, theta, has_aux=True)
-        _, products = net.jvp(theta, vectors, batch)
-        weighted = torch.einsum("pmr,pnr,kpn->kpm", root, root, products)
-        try:
-            return vmap(pullback)(weighted)[0]
-        except RuntimeError:
-            return torch.stack([pullback(u)[0] for u in weighted])
+        return self.net.batch_ggn_vp(self.theta, vectors, batch)
 
     def full_ggn_vp(self, vectors: Tensor) -> Tensor:
-        out = torch.zeros_like(vectors)
-        for batch in self.net.batches():
-            out += self.ggn_vp(vectors, batch).detach()
-        return out
+        return self.net.ggn_vp(self.theta, vectors)
 
     # ------------------------------------------------------------------ solving
     def _largest_eigenvalue(self, generator: torch.Generator, batches) -> float:
