@@ -290,7 +290,7 @@ def record_step_size_estimates() -> list[float]:
     from pyro_scalable.infer.sample_then_optimize import engine as engine_module
 
     estimates: list[float] = []
-    problem = engine_module._Problem
+    problem = engine_module.Problem
     original = problem._largest_eigenvalue
 
     def recorded(*args, **kwargs):
@@ -485,7 +485,7 @@ class Timers:
         self.running_peak = 0.0
         self.track_memory = False
         self._wrap(core, "step", self.steps)
-        problem = engine_module._Problem
+        problem = engine_module.Problem
         for name in ("solve", "finish", "_largest_eigenvalue", "_data_pass"):
             self._wrap(problem, name, name)
 

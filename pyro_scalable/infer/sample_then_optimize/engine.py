@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import math
 import operator
-import warnings
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -49,6 +48,7 @@ from pyro_scalable.infer.laplace.posterior import GLMPredictive
 from pyro_scalable.infer.results import Draws
 from pyro_scalable.infer.sample_then_optimize import core
 from pyro_scalable.infer.sample_then_optimize.em import effective_dimension, mackay_update
+from pyro_scalable.infer.sample_then_optimize.problem import Problem, warn_unconverged
 
 __all__ = ["SampleThenOptimize"]
 
@@ -207,7 +207,7 @@ class SampleThenOptimize(Draws):
         self.net = net = NetworkFunction(
             bridge, site, layout, theta, latents, heteroscedastic=heteroscedastic, chunk_size=self.chunk_size
         )
-        problem = _Problem(self, net, theta, generator)
+        problem = Problem(self, net, theta, generator)
         self._solve_all(problem, generator)
 
     def _linearization_point(self, bridge, site, args, kwargs, generator) -> Latents:
@@ -258,7 +258,7 @@ class SampleThenOptimize(Draws):
             schedule.step()
         return {k: v.detach() for k, v in latents.items()}
 
-    def _solve_all(self, problem: _Problem, generator: torch.Generator) -> None:
+    def _solve_all(self, problem: Problem, generator: torch.Generator) -> None:
         num_groups = problem.num_groups
         alphas, gammas = [problem.alpha.clone()], []
         total = (self.num_epochs + self.em_steps * self.em_epochs) * problem.steps_per_epoch
@@ -289,7 +289,7 @@ class SampleThenOptimize(Draws):
                     state = state._replace(velocity=torch.zeros_like(state.velocity))
         finally:
             bar.close()
-        _warn_unconverged(problem.final_stats["relative_grad_norm"])
+        warn_unconverged(problem.final_stats["relative_grad_norm"])
         self.em_history = {
             "groups": problem.group_names,
             "prior_precision": torch.stack(alphas).to(self.draws_device),
@@ -297,7 +297,7 @@ class SampleThenOptimize(Draws):
         }
         self._keep(problem, state)
 
-    def _keep(self, problem: _Problem, state: core.SampleState) -> None:
+    def _keep(self, problem: Problem, state: core.SampleState) -> None:
         net = self.net
         self.newton_step = state.samples[-1].detach()
         mean = problem.theta + state.samples[-1] if problem.quadratic else problem.theta
@@ -361,253 +361,6 @@ class SampleThenOptimize(Draws):
         """The posterior mean of the sampled sites (constrained; the other sites at their fixed values)."""
         net = self._require_net()
         return self.bridge.constrain({**net.fixed, **net.layout.unflatten(self.mean_unconstrained)})
-
-
-class _Problem:
-    """One run's quadratic: the data pass, the regulariser centres, the solves and the full-data diagnostics."""
-
-    def __init__(self, engine: SampleThenOptimize, net: NetworkFunction, theta: Tensor, generator: torch.Generator):
-        self.engine, self.net, self.theta = engine, net, theta
-        bridge = net.bridge
-        self.num_samples = engine.num_samples
-        precision, self.prior_mean = net.prior(theta)
-        if engine.prior_precision is not None:
-            given = torch.as_tensor(engine.prior_precision, dtype=theta.dtype, device=theta.device)
-            precision = torch.broadcast_to(given, theta.shape).clone()
-        self._check_prior(precision)
-        self.groups, self.group_names = _groups(net.layout, engine.em_groups, theta.device)
-        self.num_groups = len(self.group_names)
-        counts = torch.bincount(self.groups, minlength=self.num_groups).to(theta.dtype)
-        self.group_sizes = counts
-        self.alpha = (
-            torch.zeros(self.num_groups, dtype=theta.dtype, device=theta.device).index_add(0, self.groups, precision)
-            / counts
-        )
-        if engine.g_prior:
-            diagonal = _ggn_diagonal(net, theta)
-            mean = torch.zeros_like(self.alpha).index_add(0, self.groups, diagonal) / counts
-            self.scale = (diagonal / mean[self.groups]).clamp_min(1e-6)
-        else:
-            self.scale = precision / self.alpha[self.groups]
-        self.anchored = 1 if engine.variance_reduction == "mean" else engine.num_samples + 1
-        self.plate = next(iter(bridge.plates.values()), None)
-        self.steps_per_epoch = 1 if self.plate is None else max(self.plate.size // self.plate.subsample_size, 1)
-        self.data_scale = 1.0 if self.plate is None else self.plate.size / self.plate.subsample_size
-        self.noise_state = generator.get_state()
-        self.prior_noise_shape = (self.num_samples, theta.numel())
-        torch.randn(self.prior_noise_shape, generator=generator, dtype=theta.dtype, device=theta.device)
-        self.perturbation, self.gradient = self._data_pass(generator)
-        self.final_stats: dict[str, Tensor] = {}
-
-    def _check_prior(self, precision: Tensor) -> None:
-        bad = ~(torch.isfinite(precision) & (precision > 0))
-        if bool(bad.any()):
-            names = sorted({self.net.layout.site_of(int(i)) for i in bad.nonzero().flatten()[:100]})
-            raise ModelError(
-                f"the prior of site(s) {names} has no positive finite precision (a flat or improper prior); "
-                "sample-then-optimise needs a proper Gaussian-like prior on every sampled site."
-            )
-
-    @property
-    def precision(self) -> Tensor:
-        return self.alpha[self.groups] * self.scale
-
-    def _prior_noise(self) -> Tensor:
-        generator = torch.Generator(device=self.theta.device)
-        generator.set_state(self.noise_state)
-        return torch.randn(
-            self.prior_noise_shape, generator=generator, dtype=self.theta.dtype, device=self.theta.device
-        )
-
-    def targets(self) -> Tensor:
-        """Regulariser centres: θⁿ for every sample row, and the mean row's ``A⁻¹b − (θ* − m)``."""
-        precision = self.precision
-        samples = core.regularizer_targets(self._prior_noise() / precision.sqrt(), precision, self.perturbation)
-        mean = self.gradient / precision - (self.theta - self.prior_mean)
-        return torch.cat([samples, mean.unsqueeze(0)])
-
-    # ------------------------------------------------------------------ passes over the data
-    def _data_pass(self, generator: torch.Generator) -> tuple[Tensor, Tensor]:
-        net, theta = self.net, self.theta
-        perturbation = torch.zeros(self.num_samples + 1, theta.numel(), dtype=theta.dtype, device=theta.device)
-        for batch in net.batches():
-            out = net.outputs(theta, batch)
-            self.quadratic = out.likelihood.name == "Normal" and not net.heteroscedastic
-            f = out.f.detach()
-            _check_finite(f, net.site, "outputs at the linearisation point")
-            root = out.likelihood.hessian_sqrt(f)
-            leaf = f.clone().requires_grad_(True)
-            (score,) = torch.autograd.grad(out.likelihood.log_prob(leaf, out.value), leaf)
-            xi = torch.randn(
-                (self.num_samples,) + root.shape[:1] + root.shape[2:],
-                generator=generator,
-                dtype=f.dtype,
-                device=f.device,
-            )
-            cotangents = torch.cat([torch.einsum("pmr,kpr->kpm", root, xi), score.unsqueeze(0)])
-            perturbation += net.vjp(theta, cotangents, batch).detach()
-        _check_finite(perturbation, net.site, "Jacobian-vector products")
-        return perturbation[:-1], perturbation[-1]
-
-    def ggn_vp(self, vectors: Tensor, batch: Batch) -> Tensor:
-        """``Σ_i J_iᵀ Λ_i J_i v`` over the minibatch, for every row of ``vectors``: one JVP and one VJP, batched."""
-        return self.net.batch_ggn_vp(self.theta, vectors, batch)
-
-    def full_ggn_vp(self, vectors: Tensor) -> Tensor:
-        return self.net.ggn_vp(self.theta, vectors)
-
-    # ------------------------------------------------------------------ solving
-    def _largest_eigenvalue(self, generator: torch.Generator, batches) -> float:
-        """The largest eigenvalue of a minibatch's estimate of H, the largest over a few minibatches.
-
-        With B < d a minibatch's estimate (N/B) Σ_B JᵀΛJ + A has a much larger top eigenvalue than H itself, and it
-        is what a step must be stable for; power iterations that change minibatch at every product would converge
-        to H's instead (too large a step, divergence).
-        """
-        vector = torch.randn(
-            1, self.theta.numel(), generator=generator, dtype=self.theta.dtype, device=self.theta.device
-        )
-        precision, largest = self.precision, 0.0
-        for _ in range(4):
-            batch = next(batches)
-            for _ in range(8):
-                vector = vector / vector.norm()
-                product = self.data_scale * self.ggn_vp(vector, batch).detach() + precision * vector
-                estimate = float((vector * product).sum())
-                vector = product
-            largest = max(largest, estimate) if math.isfinite(estimate) else estimate
-        if not math.isfinite(largest) or largest <= 0:
-            raise ModelError(
-                f"the curvature of the linearised model of '{self.net.site}' is not finite (estimate {largest}); "
-                "check the inputs for non-finite values."
-            )
-        return largest
-
-    def _batches(self, generator: torch.Generator):
-        bridge = self.net.bridge
-        if self.plate is None:
-            while True:
-                yield Batch({}, bridge.args, bridge.kwargs)
-        sampler = EpochSampler({self.plate.name: self.plate}, 1, generator, bridge.device)
-        for indices in sampler:
-            yield Batch({k: v[0] for k, v in indices.items()}, bridge.args, bridge.kwargs)
-
-    def solve(self, state: core.SampleState | None, epochs: int, generator: torch.Generator, bar) -> core.SampleState:
-        engine = self.engine
-        batches = self._batches(generator)
-        step_size = engine.step_size
-        if step_size is None:
-            step_size = 0.5 / self._largest_eigenvalue(generator, batches)
-        self.step_size_used = step_size
-        targets = self.targets()
-        if state is None:
-            # theta^0 (the mean row: theta_*) is close to the solution in every direction: the prior's where the
-            # data say little, within O(A^{-1/2}) where the fast, data-dominated directions soon correct it; the
-            # centre theta^n itself is O(sqrt(N)) away along those.
-            start = torch.cat([self._prior_noise() / self.precision.sqrt(), torch.zeros_like(targets[-1:])])
-            state = core.init(targets, start)
-        else:
-            state = state._replace(targets=targets)
-        total = epochs * self.steps_per_epoch
-        precision = self.precision
-        trace = engine.trace.setdefault("objective", []), engine.trace.setdefault("grad_norm", [])
-        for t in range(total):
-            if t % self.steps_per_epoch == 0 and self.steps_per_epoch > 1:
-                # re-anchor the control variate once per epoch: one full pass for the anchored rows
-                anchor = state.samples[-self.anchored :].detach()
-                state = core.with_anchor(state, anchor, self.full_ggn_vp(anchor))
-            new, info = core.step(
-                state,
-                next(batches),
-                self.ggn_vp,
-                prior_precision=precision,
-                data_scale=self.data_scale,
-                step_size=step_size * (1 - t / total),
-                momentum=engine.momentum,
-                max_grad_norm=engine.max_grad_norm,
-            )
-            if t == 0:
-                first = info.grad_norm.max()
-            if not bool(torch.isfinite(new.samples).all()) or bool(info.grad_norm.max() > 1e6 * first):
-                engine.state = state
-                raise RuntimeError(
-                    f"the optimisation diverged at step {t} (the gradient norm grew from {float(first):.3g} to "
-                    f"{float(info.grad_norm.max()):.3g}, or the iterates are not finite) with "
-                    f"step_size={step_size:.3g}; pass a smaller step_size or max_grad_norm. The state before that "
-                    "step is kept in .state."
-                )
-            state = new
-            if (t + 1) % self.steps_per_epoch == 0:
-                trace[0].append(info.objective.detach().cpu())
-                trace[1].append(info.grad_norm.detach().cpu())
-            bar.update()
-        return state
-
-    def finish(self, state: core.SampleState) -> tuple[Tensor, Tensor, Tensor]:
-        """Full-data diagnostics of every row; returns ``θ̄ − m``, the zero-mean samples and ``M`` times every row."""
-        rows = state.samples.detach()
-        ggn = self.full_ggn_vp(rows)
-        precision = self.precision
-        offset = rows - state.targets
-        gradient = ggn + precision * offset
-        objective = 0.5 * (rows * ggn).sum(-1) + 0.5 * (precision * offset**2).sum(-1)
-        self.final_stats = {
-            "objective": objective[:-1],
-            "grad_norm": gradient[:-1].norm(dim=-1),
-            "relative_grad_norm": gradient[:-1].norm(dim=-1) / (precision * state.targets[:-1]).norm(dim=-1),
-        }
-        self.engine.mean_grad_norm = float(gradient[-1].norm())
-        mean = self.theta + rows[-1] if self.quadratic else self.theta
-        return mean - self.prior_mean, rows[:-1], ggn
-
-    def check_map(self, state: core.SampleState) -> None:
-        """Warn when a nonlinear model's linearisation point is far from its MAP (half the Newton decrement)."""
-        if self.engine._linear:
-            return
-        decrement = 0.5 * float(
-            (state.samples[-1] * (self.gradient - self.precision * (self.theta - self.prior_mean))).sum()
-        )
-        if decrement > 1.0:
-            warnings.warn(
-                f"the linearisation point is not a MAP of the model: a Newton step from it gains {decrement:.3g} nats. "
-                "The samples are those of the model linearised there; train the MAP longer for the usual "
-                "linearised-Laplace posterior.",
-                stacklevel=4,
-            )
-
-
-def _groups(layout: ParameterLayout, how: str, device) -> tuple[Tensor, list[str]]:
-    if how == "scalar":
-        return torch.zeros(layout.num_params, dtype=torch.long, device=device), ["all"]
-    groups = torch.empty(layout.num_params, dtype=torch.long, device=device)
-    for k, slot in enumerate(layout.slots.values()):
-        groups[slot.start : slot.stop] = k
-    return groups, layout.names
-
-
-def _ggn_diagonal(net: NetworkFunction, theta: Tensor) -> Tensor:
-    from pyro_scalable.infer.laplace.ggn import fit_curvature
-
-    fit = fit_curvature(net, theta, "diag")
-    return fit.curvature.diagonal
-
-
-def _warn_unconverged(relative_grad_norm: Tensor) -> None:
-    worst = float(relative_grad_norm.median())
-    if worst > 0.1:
-        warnings.warn(
-            f"the samples have not converged: the median relative gradient norm (full data) is {worst:.2g}. Raise "
-            "num_epochs (or em_epochs), or use variance_reduction='all'; see sample_stats['relative_grad_norm'].",
-            stacklevel=4,
-        )
-
-
-def _check_finite(value: Tensor, site: str, what: str) -> None:
-    if not bool(torch.isfinite(value).all()):
-        raise ModelError(
-            f"the {what} of observed site '{site}' are not finite; check the model's inputs (features) for NaN or "
-            "inf values, and the linearisation point."
-        )
 
 
 def _guide_median(guide: Any, args: tuple, kwargs: dict) -> dict[str, Tensor]:
