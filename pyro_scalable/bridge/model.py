@@ -35,7 +35,7 @@ from torch.distributions.transforms import ComposeTransform, IndependentTransfor
 from pyro_scalable.bridge.checks import ModelError, check_inputs, named_tensors
 from pyro_scalable.bridge.plates import full_data, plate_indices
 
-__all__ = ["Batch", "DataPlate", "FullDataModel", "LatentSite", "Latents", "ModelBridge"]
+__all__ = ["Batch", "DataPlate", "FullDataModel", "LatentSite", "Latents", "LogPosterior", "ModelBridge"]
 
 Latents = dict[str, Tensor]
 
@@ -147,6 +147,20 @@ class _Evaluate(Messenger):
             self.log_likelihood[msg["name"]] = log_prob
 
 
+def _bounds(support) -> list[Tensor]:
+    while hasattr(support, "base_constraint"):
+        support = support.base_constraint
+    return [torch.as_tensor(getattr(support, a)) for a in ("lower_bound", "upper_bound") if hasattr(support, a)]
+
+
+def _same_support(first, second) -> bool:
+    """Whether two traces' supports of one site are the same constraint (bounds equal, e.g. not a latent's value)."""
+    if type(first) is not type(second):
+        return False
+    a, b = _bounds(first), _bounds(second)
+    return len(a) == len(b) and all(x.shape == y.shape and bool((x == y).all()) for x, y in zip(a, b))
+
+
 def _explain_latent_in_plate(trace, error: Exception) -> None:
     """Raise a ModelError when the model failed after sampling a latent inside a subsampled plate."""
     for name, node in trace.nodes.items():
@@ -173,6 +187,12 @@ class ModelBridge:
     """
 
     def __init__(self, model: Callable, args: tuple = (), kwargs: Mapping[str, Any] | None = None):
+        if not callable(model):
+            raise TypeError(f"model must be a Pyro model (a callable), got {type(model).__name__}.")
+        if not isinstance(args, (tuple, list)):
+            raise TypeError(f"args must be a tuple of the model's positional arguments, got {type(args).__name__}.")
+        if kwargs is not None and not isinstance(kwargs, Mapping):
+            raise TypeError(f"kwargs must be a dict of the model's keyword arguments, got {type(kwargs).__name__}.")
         self.model = model.model if isinstance(model, FullDataModel) else model
         self.args = tuple(args)
         self.kwargs = dict(kwargs or {})
@@ -189,7 +209,7 @@ class ModelBridge:
 
     # ------------------------------------------------------------------ discovery and checks
     def _trace(self, model: Callable, *, validate: bool, indices: Mapping[str, Tensor] | None = None):
-        context = plate_indices(indices) if indices is not None else contextlib.nullcontext()
+        context = plate_indices(indices or {})  # also checks every plate's size (plates.py)
         tracer = pyro.poutine.trace(model)
         try:
             with _validation(validate), context:
@@ -240,10 +260,12 @@ class ModelBridge:
                 stacklevel=4,
             )
         sites = {}
+        self._supports = {}
         for name, node in trace.nodes.items():
             if node["type"] != "sample" or node["is_observed"] or site_is_subsample(node):
                 continue
             fn = node["fn"]
+            self._supports[name] = fn.support
             if fn.support.is_discrete:
                 raise ModelError(
                     f"latent site '{name}' is discrete ({type(fn).__name__}); stochastic-gradient MCMC needs "
@@ -259,7 +281,14 @@ class ModelBridge:
             value = node["value"]
             if not value.is_floating_point():
                 raise ModelError(f"latent site '{name}' has a non-float value ({value.dtype}).")
-            transform = biject_to(fn.support)
+            try:
+                transform = biject_to(fn.support)
+            except NotImplementedError:
+                raise ModelError(
+                    f"latent site '{name}' has support {fn.support}, which has no bijection to unconstrained space "
+                    "(torch.distributions.biject_to). Reparametrise it, e.g. a lower-Cholesky factor as "
+                    "diag(positive scales) @ LKJCholesky, a covariance matrix from that factor."
+                ) from None
             unconstrained = transform.inv(value)
             sites[name] = LatentSite(name, value.shape, unconstrained.shape, transform, not _is_identity(transform))
         return sites
@@ -280,17 +309,27 @@ class ModelBridge:
         return observed
 
     def _check_plate_sizes(self) -> None:
+        # Rows that no subsampled plate can reach are never visited. With several plates (rows and columns) a
+        # tensor may be indexed by any of them, so only rows beyond the largest plate are an error.
+        largest = max(self.plates.values(), key=lambda p: p.size, default=None)
+        for label, tensor in named_tensors(self.model, self.args, self.kwargs) if largest is not None else ():
+            rows = tensor.shape[0] if tensor.dim() else 0
+            if rows > largest.size:
+                raise ModelError(
+                    f"{label} has {rows} rows but plate '{largest.name}' has size {largest.size}; rows beyond "
+                    f"{largest.size} would never be visited. Pass N = {rows} to pyro.plate('{largest.name}', N, ...)."
+                )
         for plate in self.plates.values():
-            for label, tensor in named_tensors(self.model, self.args, self.kwargs):
-                rows = tensor.shape[0] if tensor.dim() else 0
-                if rows > plate.size:
-                    raise ModelError(
-                        f"{label} has {rows} rows but plate '{plate.name}' has size {plate.size}; rows beyond "
-                        f"{plate.size} would never be visited. Pass N = {rows} to pyro.plate('{plate.name}', N, ...)."
-                    )
             last = torch.arange(max(plate.size - plate.subsample_size, 0), plate.size, device=self.device)
             self._trace(self.model, validate=True, indices={plate.name: last})
         for site, node in self._latent_nodes(self._trace(self.model, validate=False)):
+            if not _same_support(node["fn"].support, self._supports[site.name]):
+                raise ModelError(
+                    f"latent site '{site.name}' has a support that depends on other latents ({node['fn'].support} "
+                    f"in one prior draw, {self._supports[site.name]} in another); the unconstrained space needs a "
+                    "fixed support. Sample it on a fixed support and transform it in the model, e.g. "
+                    "`x = upper * pyro.sample('x_unit', dist.Beta(a, b))` instead of `dist.Uniform(0, upper)`."
+                )
             if self.device is not None and node["value"].device != self.device:
                 raise ModelError(
                     f"latent site '{site.name}' is on {node['value'].device} but the data is on {self.device}; "
@@ -305,6 +344,11 @@ class ModelBridge:
         with _validation(False), plate_indices(batch.indices), evaluate:
             self.model(*batch.args, **batch.kwargs)
         return evaluate.log_joint
+
+    @property
+    def log_posterior_fn(self) -> LogPosterior:
+        """:meth:`log_posterior` as the engines' ``log_posterior_fn``, able to split a minibatch into examples."""
+        return LogPosterior(self)
 
     def pointwise_log_likelihood(self, latents: Latents, batch: Batch) -> dict[str, Tensor]:
         """Unscaled ``log p(y_i | latents)`` of every observed site, on the data points of ``batch``."""
@@ -350,3 +394,43 @@ class ModelBridge:
         """The observed values of every observed site, on the full data."""
         trace = self._trace(FullDataModel(self.model), validate=False)
         return {name: trace.nodes[name]["value"] for name in self.observed}
+
+
+class LogPosterior:
+    """A bridge's log posterior as an engine's ``log_posterior_fn``, with the per-example split of a minibatch.
+
+    ``examples(batch)`` turns the subsampled plate's ``B`` indices into ``B`` batches of one index each, stacked on
+    a leading dimension, so that ``torch.func.vmap`` evaluates ``log p(θ) + N log p(y_i | θ)`` for every example at
+    once: the per-example gradients whose spread is the minibatch gradient's noise.
+    """
+
+    def __init__(self, bridge: ModelBridge):
+        self.bridge = bridge
+
+    def __call__(self, latents: Latents, batch: Batch) -> Tensor:
+        return self.bridge.log_posterior(latents, batch)
+
+    def examples(self, batch: Batch) -> tuple[Batch, Batch, int]:
+        """``(examples, in_dims, N)``: one batch per example of the subsampled plate, for ``torch.func.vmap``."""
+        plates = list(self.bridge.plates.values())
+        if len(plates) != 1:
+            names = ", ".join(f"'{p.name}'" for p in plates) or "none"
+            raise ModelError(
+                "estimating the gradient noise needs exactly one subsampled plate (found: "
+                f"{names}); give only the data plate a subsample_size, or switch the noise estimate off."
+            )
+        plate = plates[0]
+        indices = batch.indices.get(plate.name)
+        if indices is None:
+            raise ModelError(
+                f"estimating the gradient noise needs the minibatch indices of plate '{plate.name}', which a "
+                "`batches=` loader does not give; use pyro.plate(..., subsample_size=B) instead of a DataLoader."
+            )
+        if indices.shape[-1] < 2:
+            raise ModelError(
+                f"plate '{plate.name}' has a minibatch of {indices.shape[-1]} point; estimating the gradient noise "
+                "needs subsample_size >= 2."
+            )
+        split = {**batch.indices, plate.name: indices.unsqueeze(-1)}
+        in_dims = Batch({name: 0 if name == plate.name else None for name in split}, None, None)
+        return Batch(split, batch.args, batch.kwargs), in_dims, plate.size

@@ -24,6 +24,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 from torch.func import vmap
+from torch.utils._pytree import tree_map
 from tqdm.auto import tqdm
 
 from pyro_scalable.bridge.checks import ModelError
@@ -141,6 +142,11 @@ class StochasticMCMC(Draws):
             self.bridge = ModelBridge(model, args, kwargs)
             self._full_bridge = self.bridge
         bridge = self.bridge
+        if getattr(self.kernel, "adapts", False) and self.num_warmup == 0:
+            raise ValueError(
+                f"{self.kernel!r} chooses its step size in warm-up, but num_warmup=0: give num_warmup "
+                "(a few hundred steps), or a step_size."
+            )
         generator = torch.Generator(device=bridge.device).manual_seed(seed)
         latents = bridge.init_latents(self.num_chains, self.kernel.init_strategy, seed=seed)
         sampler = EpochSampler(bridge.plates, self.num_chains, generator, bridge.device)
@@ -158,8 +164,8 @@ class StochasticMCMC(Draws):
                     batch = Batch({}, step_args, step_kwargs)
                 else:
                     batch = Batch(next(sampler), bridge.args, bridge.kwargs)
-                info = stepper.step(batch)
                 warming = t < self.num_warmup
+                info = stepper.step(batch, adapt=_power_iterations(t) if warming else 0)
                 diverged = bool(info.diverging.any()) if self.on_divergence == "stop" else False
                 if warming:
                     self.num_warmup_divergences += int(info.diverging.sum())
@@ -188,12 +194,14 @@ class StochasticMCMC(Draws):
         finally:
             bar.close()
         self._truncate(kept, stepper)
+        self._stats = {k: v for k, v in self._stats.items() if not (v.is_floating_point() and v.isnan().all())}
         if diverged and kept == 0:
             raise RuntimeError(
                 "a chain diverged during warmup and on_divergence='stop'; no draw was kept. "
                 "Lower the step size, or use on_divergence='continue'."
             )
         self._warn_divergences()
+        self._warn_noise()
 
     def _allocate(self, latents: Latents) -> None:
         shape = (self.num_chains, self.num_samples)
@@ -232,34 +240,67 @@ class StochasticMCMC(Draws):
             )
 
 
+    def _warn_noise(self) -> None:
+        uncorrected = self._stats.get("uncorrected")
+        if uncorrected is None or self.num_samples == 0:
+            return
+        share = float(uncorrected.float().mean())
+        if share > 0.01:
+            warnings.warn(
+                f"in {share:.1%} of the coordinates of the kept steps the minibatch gradient alone brought more "
+                "noise than the sampler should inject, so no correction was possible there and the draws are too "
+                "wide (sample_stats.noise_ratio > 1). Lower the step size, or raise the minibatch size.",
+                stacklevel=3,
+            )
+
+
+def _power_iterations(step: int) -> int:
+    """Hessian-vector products a warm-up step spends on the curvature: a few at the start, then one a step."""
+    return 8 if step == 0 else 1
+
+
 class _ChainStepper:
     """Steps all chains: vmapped, single-chain, or one after another (the fallback)."""
 
     def __init__(self, kernel: Any, bridge: ModelBridge, latents: Latents, generator: torch.Generator, method: str):
         self.kernel = kernel
         self.bridge = bridge
+        self.log_posterior_fn = bridge.log_posterior_fn
+        self.adapts = bool(getattr(kernel, "adapts", False))
         self.generator = generator
         self.num_chains = next(iter(latents.values())).shape[0]
         self.mode = "vectorized" if method == "vectorized" and self.num_chains > 1 else "sequential"
         self.state: Any = None
         self._chains: list = []
+        self._vsteps: dict[int, Any] = {}
         if self.mode == "vectorized":
             self.state = vmap(kernel.init)(latents)
-            self._vstep = vmap(self._one, in_dims=(0, 0, None, None), randomness="different")
         else:
             self._chains = [kernel.init({k: v[c] for k, v in latents.items()}) for c in range(self.num_chains)]
 
-    def _one(self, state: Any, indices: dict, args: tuple, kwargs: dict):
-        return self.kernel.step(state, Batch(indices, args, kwargs), self.bridge.log_posterior, self.generator)
+    def _one(self, state: Any, indices: dict, args: tuple, kwargs: dict, adapt: int = 0):
+        batch = Batch(indices, args, kwargs)
+        if self.adapts:
+            return self.kernel.step(state, batch, self.log_posterior_fn, self.generator, adapt=adapt)
+        return self.kernel.step(state, batch, self.log_posterior_fn, self.generator)
 
-    def step(self, batch: Batch):
+    def _vstep(self, adapt: int):
+        if adapt not in self._vsteps:
+
+            def one(state, indices, args, kwargs):
+                return self._one(state, indices, args, kwargs, adapt)
+
+            self._vsteps[adapt] = vmap(one, in_dims=(0, 0, None, None), randomness="different")
+        return self._vsteps[adapt]
+
+    def step(self, batch: Batch, adapt: int = 0):
         if self.mode == "vectorized":
             try:
-                self.state, info = self._vstep(self.state, batch.indices, batch.args, batch.kwargs)
+                self.state, info = self._vstep(adapt)(self.state, batch.indices, batch.args, batch.kwargs)
                 return info
             except (RuntimeError, NotImplementedError, ModelError) as error:
-                self._chains = [type(self.state)(*_index_tree(self.state, c)) for c in range(self.num_chains)]
-                info = self._sequential(batch)  # a model error that is not about vmap is raised here
+                self._chains = [tree_map(lambda x, c=c: x[c], self.state) for c in range(self.num_chains)]
+                info = self._sequential(batch, adapt)  # a model error that is not about vmap is raised here
                 self.mode = "sequential"
                 warnings.warn(
                     "chains run one after another: the model cannot be vectorised with torch.func.vmap "
@@ -267,13 +308,13 @@ class _ChainStepper:
                     stacklevel=4,
                 )
                 return info
-        return self._sequential(batch)
+        return self._sequential(batch, adapt)
 
-    def _sequential(self, batch: Batch):
+    def _sequential(self, batch: Batch, adapt: int = 0):
         infos = []
         for c, chain_state in enumerate(self._chains):
             indices = {k: v[c] for k, v in batch.indices.items()}
-            self._chains[c], info = self._one(chain_state, indices, batch.args, batch.kwargs)
+            self._chains[c], info = self._one(chain_state, indices, batch.args, batch.kwargs, adapt)
             infos.append(info)
         return type(infos[0])(*(torch.stack(values) for values in zip(*infos)))
 
@@ -287,10 +328,6 @@ class _ChainStepper:
     @property
     def final_state(self) -> Any:
         return self.state if self.mode == "vectorized" else self._chains
-
-
-def _index_tree(state: Any, c: int) -> list:
-    return [{k: v[c] for k, v in field.items()} if isinstance(field, dict) else field[c] for field in state]
 
 
 def _first_line(error: Exception) -> str:

@@ -1,14 +1,25 @@
-"""What every stochastic-gradient MCMC engine shares: the contract, the Info record, gradients and noise.
+r"""What every stochastic-gradient MCMC engine shares: the contract, the Info record, gradients and their noise.
 
 Contract (BlackJAX-style): an engine module has ``init(latents) -> State`` and
 ``step(state, batch, log_posterior_fn, *, <hyperparameters>, generator) -> (State, Info)``, with every State
 field a tensor so that ``torch.func.vmap(step, randomness="different")`` runs many chains as one computation.
+``step`` is ``update(state, estimate_gradient(log_posterior_fn, state.latents, batch), ...)``: the driver may call
+the two halves itself, so that a data-parallel run can all-reduce the :class:`GradientEstimate` between them.
+
 Every State also carries ``checked_latents``: the last point at which the log density and its gradient were
 found finite. That point, not the untested proposal, is the draw the driver records, so ``Info.log_posterior``
 and ``Info.grad_norm`` belong to it (on a diverging step they show the non-finite values met). A step whose log
 density or gradient is not finite sets ``Info.diverging`` and sends the chain back to ``checked_latents``
 (momentum reset): it goes on from there with fresh noise and a fresh minibatch, and no engine ever hands the
 driver a point with a non-finite density, let alone a NaN draw.
+
+**Gradient noise.** With a subsampled plate of size :math:`N` and a minibatch :math:`\mathcal{B}` of :math:`B`
+points drawn without replacement, the minibatch gradient is the mean of the per-example gradients
+:math:`g_i = \nabla \log p(\theta) + N \nabla \log p(y_i \mid \theta)`, so its covariance is
+:math:`V = (1 - B/N)\,\mathrm{Cov}_i(g_i) / B`. :func:`estimate_gradient` with ``noise=True`` evaluates the
+:math:`g_i` with one ``torch.func.vmap`` over single-example batches and returns the diagonal of the unbiased
+estimate :math:`\hat V = (1 - B/N)\, s^2 / B` (sample variance :math:`s^2` over the minibatch) next to their
+mean, which is the usual minibatch gradient.
 """
 
 from __future__ import annotations
@@ -17,17 +28,44 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import Tensor
-from torch.func import grad_and_value
+from torch.func import grad_and_value, vmap
 
-__all__ = ["LogPosteriorFn", "SGMCMCInfo", "evaluate", "gaussian_like", "keep_where_finite"]
+__all__ = [
+    "GradientEstimate",
+    "LogPosteriorFn",
+    "SGMCMCInfo",
+    "check_gradient_noise",
+    "estimate_gradient",
+    "evaluate",
+    "gaussian_like",
+    "injected_variance",
+    "keep_where_finite",
+]
 
 Latents = dict[str, Tensor]
 
 
 class LogPosteriorFn(Protocol):
-    """``log_posterior_fn(latents, batch)``: an unbiased minibatch estimate of the full-data log joint."""
+    """``log_posterior_fn(latents, batch)``: an unbiased minibatch estimate of the full-data log joint.
+
+    For per-example gradients it may also offer ``examples(batch) -> (examples, in_dims, population_size)``: the
+    minibatch split into single-example batches along a leading dimension (``in_dims`` as for ``torch.func.vmap``),
+    each an estimate of the log joint on its own, and the number of data points N they are drawn from.
+    """
 
     def __call__(self, latents: Latents, batch: Any) -> Tensor: ...
+
+
+class GradientEstimate(NamedTuple):
+    """The minibatch gradient of the log posterior at one point, and what is known about its noise."""
+
+    grads: Latents
+    log_posterior: Tensor  # the minibatch estimate of the log joint
+    grad_norm: Tensor
+    diverging: Tensor  # bool: the value or the gradient is not finite
+    noise_variance: Latents  # diag of the estimated Cov(grads) per site; {} when not estimated
+    num_examples: Tensor  # B, the number of per-example gradients behind noise_variance (0 when not estimated)
+    hessian_product: Latents  # warm-up's Hessian-vector product ({} outside warm-up)
 
 
 class SGMCMCInfo(NamedTuple):
@@ -35,9 +73,39 @@ class SGMCMCInfo(NamedTuple):
 
     log_posterior: Tensor  # minibatch estimate at the latents before the step ("lp" in ArviZ)
     grad_norm: Tensor
-    step_size: Tensor  # after schedules
+    step_size: Tensor  # after schedules (or as chosen in warm-up)
     temperature: Tensor  # after schedules
     diverging: Tensor  # bool: the step was rejected because the log density or gradient was not finite
+    noise_ratio: Tensor  # max over coordinates of gradient-noise variance / wanted noise variance (NaN: not estimated)
+    uncorrected: Tensor  # share of coordinates where that ratio passed 1: no correction possible (NaN: not estimated)
+
+
+def injected_variance(
+    wanted: Tensor | Latents, gradient_variance: Latents, correct: bool, latents: Latents
+) -> tuple[Latents, Tensor, Tensor]:
+    """Per-coordinate variance to inject, and the ``noise_ratio`` and ``uncorrected`` statistics of a step.
+
+    ``wanted`` is the noise variance the sampler needs per step (a scalar or per site); ``gradient_variance`` is
+    what the minibatch gradient already brings into the same update ({} when not estimated). With ``correct`` the
+    injected variance is ``wanted - gradient_variance``, floored at 0 where the gradient noise alone is too large.
+    """
+
+    def wanted_for(name: str) -> Tensor:
+        return wanted[name] if isinstance(wanted, dict) else wanted
+
+    first = next(iter(latents.values()))
+    if not gradient_variance:
+        nan = torch.full((), float("nan"), dtype=first.dtype, device=first.device)
+        return {name: wanted_for(name) + torch.zeros_like(x) for name, x in latents.items()}, nan, nan
+    ratios = {}
+    injected = {}
+    for name, x in latents.items():
+        want = wanted_for(name) + torch.zeros_like(x)
+        ratio = torch.where(want > 0, gradient_variance[name] / torch.where(want > 0, want, 1.0), 0.0)
+        ratios[name] = ratio
+        injected[name] = torch.clamp(want - gradient_variance[name], min=0.0) if correct else want
+    flat = torch.cat([r.reshape(-1) for r in ratios.values()])
+    return injected, flat.max(), (flat > 1).to(first.dtype).mean()
 
 
 def evaluate(log_posterior_fn: LogPosteriorFn, latents: Latents, batch: Any) -> tuple[Latents, Tensor, Tensor, Tensor]:
@@ -58,6 +126,37 @@ def evaluate(log_posterior_fn: LogPosteriorFn, latents: Latents, batch: Any) -> 
     return grads, value, grad_sq.sqrt(), diverging
 
 
+def estimate_gradient(
+    log_posterior_fn: LogPosteriorFn, latents: Latents, batch: Any, *, noise: bool = False
+) -> GradientEstimate:
+    """The minibatch gradient at ``latents``; with ``noise=True`` also the diagonal of its covariance.
+
+    The noise estimate needs ``log_posterior_fn.examples`` (the Pyro bridge offers it for a model with one
+    subsampled plate) and at least two examples per minibatch.
+    """
+    if not noise:
+        grads, value, grad_norm, diverging = evaluate(log_posterior_fn, latents, batch)
+        return GradientEstimate(grads, value, grad_norm, diverging, {}, torch.zeros((), device=value.device), {})
+    split = getattr(log_posterior_fn, "examples", None)
+    if split is None:
+        raise TypeError(
+            "estimating the gradient noise needs per-example terms: log_posterior_fn must offer "
+            "examples(batch) (the Pyro bridge does, for a model with a subsampled plate)."
+        )
+    examples, in_dims, population_size = split(batch)
+    per_grads, per_values = vmap(grad_and_value(log_posterior_fn), in_dims=(None, in_dims))(latents, examples)
+    size = per_values.shape[0]
+    grads = {name: g.mean(0) for name, g in per_grads.items()}
+    value = per_values.mean()
+    shrink = (1.0 - size / population_size) / size
+    variance = {name: g.var(0, correction=1) * shrink for name, g in per_grads.items()}
+    grad_sq = sum(g.square().sum() for g in grads.values())
+    finite_noise = torch.stack([torch.isfinite(v).all() for v in variance.values()]).all()
+    diverging = ~(torch.isfinite(value) & torch.isfinite(grad_sq) & finite_noise)
+    count = torch.full((), float(size), dtype=value.dtype, device=value.device)
+    return GradientEstimate(grads, value, grad_sq.sqrt(), diverging, variance, count, {})
+
+
 def _under_transform(x: Tensor) -> bool:
     """Whether ``x`` is a torch.func (vmap/grad) wrapper, so that autograd.grad cannot be used on it."""
     is_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
@@ -76,3 +175,15 @@ def gaussian_like(latents: Latents, generator: torch.Generator | None, temperatu
 def keep_where_finite(diverging: Tensor, new: Latents, old: Latents) -> Latents:
     """Select ``new`` where the step was finite and ``old`` where it diverged."""
     return {name: torch.where(diverging, old[name], new[name]) for name in new}
+
+
+GRADIENT_NOISE_CHOICES = ("correct", "estimate", "ignore")
+
+
+def check_gradient_noise(gradient_noise: str | None, step_size: Any) -> str:
+    """The ``gradient_noise`` mode: as given, or ``"correct"`` when the step size is left to warm-up."""
+    if gradient_noise is None:
+        return "correct" if step_size is None else "ignore"
+    if gradient_noise not in GRADIENT_NOISE_CHOICES:
+        raise ValueError(f"gradient_noise must be one of {GRADIENT_NOISE_CHOICES} or None, got {gradient_noise!r}.")
+    return gradient_noise

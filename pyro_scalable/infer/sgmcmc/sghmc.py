@@ -9,8 +9,23 @@ Momentum :math:`m`, friction :math:`\alpha`, mass :math:`\sigma^2`, step size :m
                + \sqrt{2\,\alpha\,\epsilon\,T}\;\xi_t, \\
     \theta_{t+1} &= \theta_t + \epsilon\,\sigma^{-2} m_{t+1} .
 
-The continuous-time limit has stationary law :math:`\pi_T(\theta)\,\mathcal{N}(m; 0, T\sigma^2)`. The
-gradient-noise correction :math:`\hat\beta` of the posteriors paper is not estimated here (taken as 0).
+The continuous-time limit has stationary law :math:`\pi_T(\theta)\,\mathcal{N}(m; 0, T\sigma^2)`. The mass may
+be a diagonal matrix (per coordinate), given or estimated in warm-up as the diagonal Fisher
+(``mass="fisher"``, proportional to the gradient-noise variance, normalised to mean 1, then frozen).
+
+**Gradient noise** (Chen et al.'s :math:`\hat B`; the posteriors paper's :math:`\hat\beta`). The minibatch
+gradient adds :math:`\epsilon^2 V` to the momentum's noise. With ``gradient_noise="correct"`` the injected
+variance is :math:`2\alpha\epsilon T - \epsilon^2 \hat V_j` per coordinate (diagonal, unbiased per-minibatch
+:math:`\hat V`), possible where :math:`\epsilon \hat V_j \le 2\alpha T`; elsewhere nothing is injected and the
+coordinate counts in ``sample_stats.uncorrected``. (DESIGN.md writes the same term as
+:math:`T\epsilon(2\alpha - T\epsilon\hat\beta)`, i.e. :math:`\hat\beta = V/T^2`: the gradient's noise does not
+scale with the temperature.)
+
+**Warm-up.** ``step_size=None`` chooses :math:`\epsilon \le 0.3/\sqrt{\lambda}` (:math:`\lambda` the largest
+curvature in the mass metric: a stationary-variance bias of about 2%) and, where the friction is also left to
+warm-up, :math:`\alpha = \max(\epsilon \bar V_{\max} / (2T\rho),\ 0.1\,\bar m/\epsilon)` with
+:math:`\epsilon` small enough that the momentum keeps at least half of itself per step; a given friction instead
+bounds :math:`\epsilon \le 2\alpha T\rho / \bar V_{\max}`.
 
 **T = 0 is SGD with momentum.** Writing :math:`b_t = -m_t / \epsilon`, the update is
 :math:`b_{t+1} = \mu b_t + \nabla(-\log p)`, :math:`\theta_{t+1} = \theta_t - \eta\, b_{t+1}` — exactly
@@ -28,7 +43,7 @@ gradient-noise correction :math:`\hat\beta` of the posteriors paper is not estim
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -37,16 +52,26 @@ from torch import Tensor
 
 from pyro_scalable.bridge.model import FullDataModel
 from pyro_scalable.infer.schedules import ScalarOrSchedule, check_positive, resolve
+from pyro_scalable.infer.sgmcmc import warmup
 from pyro_scalable.infer.sgmcmc.base import (
+    GradientEstimate,
     Latents,
     LogPosteriorFn,
-    SGMCMCInfo,
-    evaluate,
+    check_gradient_noise,
+    estimate_gradient,
     gaussian_like,
+    injected_variance,
     keep_where_finite,
 )
 
-__all__ = ["SGHMC", "SGHMCState", "init", "sgd_hyperparameters", "step"]
+__all__ = ["SGHMC", "SGHMCInfo", "SGHMCState", "estimate", "init", "sgd_hyperparameters", "step", "update"]
+
+CURVATURE_BOUND = 0.3  # ε √λ_max chosen in warm-up
+_LEAST_MASS = 1e-3  # a Fisher mass is floored at this share of its mean
+_LEAST_DECAY = 0.5  # warm-up keeps the momentum's per-step decay 1 - ε α / m at or above this
+_DEFAULT_DECAY = 0.9  # warm-up's friction where the gradient noise does not ask for more
+
+Mass = float | Mapping[str, Tensor] | str
 
 
 class SGHMCState(NamedTuple):
@@ -58,15 +83,141 @@ class SGHMCState(NamedTuple):
         Latents  # last point with finite density and gradient: the draw, and where a diverging step returns
     )
     step_count: Tensor  # 0-d int64
+    mass: Latents  # diagonal mass, shaped like the latents
+    friction: Tensor  # 0-d α (NaN until warm-up chooses it)
+    adaptation: warmup.Adaptation
 
 
-def init(latents: Latents, momenta: Latents | None = None) -> SGHMCState:
-    """Start a chain at ``latents`` with zero momenta (or the given ones)."""
+class SGHMCInfo(NamedTuple):
+    """An SGHMC step, for people and ArviZ (the fields of :class:`~.base.SGMCMCInfo`, and the friction)."""
+
+    log_posterior: Tensor
+    grad_norm: Tensor
+    step_size: Tensor
+    temperature: Tensor
+    diverging: Tensor
+    noise_ratio: Tensor
+    uncorrected: Tensor
+    friction: Tensor
+
+
+def init(
+    latents: Latents,
+    momenta: Latents | None = None,
+    *,
+    step_size: ScalarOrSchedule | None = None,
+    friction: float | None = 1.0,
+    mass: Mass = 1.0,
+) -> SGHMCState:
+    """Start a chain at ``latents`` with zero momenta (or the given ones); ``None``/"fisher": chosen in warm-up."""
     first = next(iter(latents.values()))
     if momenta is None:
         momenta = {name: torch.zeros_like(x) for name, x in latents.items()}
     zero = torch.zeros((), dtype=torch.int64, device=first.device)
-    return SGHMCState(dict(latents), dict(momenta), dict(latents), zero)
+    masses = {name: _mass_of(mass, name, x) for name, x in latents.items()}
+    alpha = torch.full((), math.nan if friction is None else float(friction), dtype=first.dtype, device=first.device)
+    adaptation = warmup.init_adaptation(latents, step_size)
+    return SGHMCState(dict(latents), dict(momenta), dict(latents), zero, masses, alpha, adaptation)
+
+
+def _mass_of(mass: Mass, name: str, x: Tensor) -> Tensor:
+    if isinstance(mass, str):
+        return torch.ones_like(x)
+    if isinstance(mass, Mapping):
+        return torch.as_tensor(mass[name], dtype=x.dtype, device=x.device) + torch.zeros_like(x)
+    return torch.full_like(x, float(mass))
+
+
+def estimate(
+    state: SGHMCState,
+    batch: Any,
+    log_posterior_fn: LogPosteriorFn,
+    *,
+    gradient_noise: str = "ignore",
+    adapt: int = 0,
+) -> GradientEstimate:
+    """The minibatch gradient, its noise, and in warm-up the curvature in the mass metric."""
+    noise = gradient_noise != "ignore" or adapt > 0
+    result = estimate_gradient(log_posterior_fn, state.latents, batch, noise=noise)
+    if adapt > 0:
+        inverse_mass = {name: 1.0 / m for name, m in state.mass.items()}
+        product = warmup.hessian_product(
+            log_posterior_fn, state.latents, batch, state.adaptation, inverse_mass, iterations=adapt
+        )
+        result = result._replace(hessian_product=product)
+    return result
+
+
+def update(
+    state: SGHMCState,
+    gradient: GradientEstimate,
+    *,
+    step_size: ScalarOrSchedule | None,
+    friction: float | None = 1.0,
+    mass: Mass = 1.0,
+    temperature: ScalarOrSchedule = 1.0,
+    gradient_noise: str = "ignore",
+    generator: torch.Generator | None = None,
+) -> tuple[SGHMCState, SGHMCInfo]:
+    """Move one chain by one SGHMC step with the gradient ``gradient`` (from :func:`estimate`)."""
+    temp = resolve(temperature, state.step_count, gradient.log_posterior)
+    masses, alpha, adaptation = state.mass, state.friction, state.adaptation
+    if gradient.hessian_product:
+        adaptation = warmup.observe(adaptation, gradient)
+        if mass == "fisher":
+            masses = _fisher_mass(adaptation.noise)
+        if step_size is None:
+            eps, alpha = _choose(adaptation, masses, friction, temp)
+            adaptation = adaptation._replace(step_size=eps)
+    eps = adaptation.step_size if step_size is None else resolve(step_size, state.step_count, gradient.log_posterior)
+    gradient_variance = {} if gradient_noise == "ignore" else {
+        name: eps**2 * v for name, v in gradient.noise_variance.items()
+    }
+    variance, noise_ratio, uncorrected = injected_variance(
+        2.0 * alpha * eps * temp, gradient_variance, gradient_noise == "correct", state.latents
+    )
+    noise = gaussian_like(state.latents, generator, temperature)
+    momenta = {
+        name: (1.0 - eps * alpha / masses[name]) * m + eps * gradient.grads[name]
+        + torch.sqrt(variance[name]) * noise[name]
+        for name, m in state.momenta.items()
+    }
+    proposal = {name: x + (eps / masses[name]) * momenta[name] for name, x in state.latents.items()}
+    diverging = gradient.diverging
+    latents = keep_where_finite(diverging, proposal, state.checked_latents)
+    previous = keep_where_finite(diverging, state.latents, state.checked_latents)
+    momenta = {name: torch.where(diverging, m.new_zeros(()), m) for name, m in momenta.items()}
+    info = SGHMCInfo(gradient.log_posterior, gradient.grad_norm, eps, temp, diverging, noise_ratio, uncorrected, alpha)
+    new = SGHMCState(latents, momenta, previous, state.step_count + 1, masses, alpha, adaptation)
+    return new, info
+
+
+def _fisher_mass(noise: Latents) -> Latents:
+    """The diagonal Fisher up to a constant (the gradient-noise variance), normalised to mean 1 and floored."""
+    flat = torch.cat([v.reshape(-1) for v in noise.values()])
+    mean = flat.mean()
+    scale = torch.where(mean > 0, mean, torch.ones_like(mean))
+    return {name: torch.clamp(v / scale, min=_LEAST_MASS) for name, v in noise.items()}
+
+
+def _choose(adaptation: warmup.Adaptation, masses: Latents, friction: float | None, temp: Tensor):
+    """Warm-up's step size (and friction, where not given) from the curvature and the gradient noise."""
+    least_mass = torch.stack([m.min() for m in masses.values()]).min()
+    mean_mass = torch.cat([m.reshape(-1) for m in masses.values()]).mean()
+    eps = CURVATURE_BOUND / torch.sqrt(adaptation.curvature)
+    largest_noise = torch.stack([v.max() for v in adaptation.noise.values()]).max()
+    noise_rate = largest_noise / (2.0 * temp * warmup.NOISE_FRACTION)  # α must be at least ε times this
+    noise_rate = torch.where(temp > 0, noise_rate, torch.zeros_like(noise_rate))
+    if friction is None:
+        # α = ε · noise_rate must leave a decay 1 - ε α / m of at least _LEAST_DECAY
+        eps = torch.minimum(eps, torch.sqrt((1.0 - _LEAST_DECAY) * least_mass / noise_rate))
+        alpha = torch.maximum(eps * noise_rate, (1.0 - _DEFAULT_DECAY) * mean_mass / eps)
+        alpha = torch.minimum(alpha, (1.0 - _LEAST_DECAY) * least_mass / eps)
+        return eps, alpha
+    alpha = torch.full_like(eps, float(friction))
+    eps = torch.minimum(eps, alpha / noise_rate)
+    eps = torch.minimum(eps, (1.0 - _LEAST_DECAY) * least_mass / alpha)
+    return eps, alpha
 
 
 def step(
@@ -74,26 +225,28 @@ def step(
     batch: Any,
     log_posterior_fn: LogPosteriorFn,
     *,
-    step_size: ScalarOrSchedule,
-    friction: float = 1.0,
-    mass: float = 1.0,
+    step_size: ScalarOrSchedule | None,
+    friction: float | None = 1.0,
+    mass: Mass = 1.0,
     temperature: ScalarOrSchedule = 1.0,
+    gradient_noise: str = "ignore",
+    adapt: int = 0,
     generator: torch.Generator | None = None,
-) -> tuple[SGHMCState, SGMCMCInfo]:
-    """Advance one chain by one SGHMC step on ``batch``."""
-    grads, log_posterior, grad_norm, diverging = evaluate(log_posterior_fn, state.latents, batch)
-    eps = resolve(step_size, state.step_count, log_posterior)
-    temp = resolve(temperature, state.step_count, log_posterior)
-    decay = 1.0 - eps * friction / mass
-    noise_scale = torch.sqrt(2.0 * friction * eps * temp)
-    noise = gaussian_like(state.latents, generator, temperature)
-    momenta = {name: decay * m + eps * grads[name] + noise_scale * noise[name] for name, m in state.momenta.items()}
-    proposal = {name: x + (eps / mass) * momenta[name] for name, x in state.latents.items()}
-    latents = keep_where_finite(diverging, proposal, state.checked_latents)
-    previous = keep_where_finite(diverging, state.latents, state.checked_latents)
-    momenta = {name: torch.where(diverging, m.new_zeros(()), m) for name, m in momenta.items()}
-    info = SGMCMCInfo(log_posterior, grad_norm, eps, temp, diverging)
-    return SGHMCState(latents, momenta, previous, state.step_count + 1), info
+) -> tuple[SGHMCState, SGHMCInfo]:
+    """Advance one chain by one SGHMC step on ``batch`` (:func:`estimate` then :func:`update`).
+
+    A state made by :func:`init` carries its mass and friction; ``friction`` and ``mass`` here say only whether
+    warm-up chooses them (``None`` / ``"fisher"``), except that a state started with the defaults takes them.
+    """
+    if not isinstance(mass, str):
+        state = state._replace(mass={name: _mass_of(mass, name, x) for name, x in state.latents.items()})
+    if friction is not None:
+        state = state._replace(friction=torch.full_like(state.friction, float(friction)))
+    gradient = estimate(state, batch, log_posterior_fn, gradient_noise=gradient_noise, adapt=adapt)
+    return update(
+        state, gradient, step_size=step_size, friction=friction, mass=mass, temperature=temperature,
+        gradient_noise=gradient_noise, generator=generator,
+    )
 
 
 def sgd_hyperparameters(lr: float, momentum: float, mass: float = 1.0) -> dict[str, float]:
@@ -113,16 +266,21 @@ def sgd_hyperparameters(lr: float, momentum: float, mass: float = 1.0) -> dict[s
 class SGHMC:
     """SGHMC for a Pyro model: binds the model and the hyperparameters; the maths is in :func:`step`.
 
-    With ``temperature=0`` the trajectory is that of ``torch.optim.SGD(lr=step_size**2 / mass,
+    With ``temperature=0`` and a scalar mass the trajectory is that of ``torch.optim.SGD(lr=step_size**2 / mass,
     momentum=1 - step_size * friction / mass)`` minimising the negative log joint (see the module docstring).
 
     Args:
         model: a Pyro model whose likelihood sits in a subsampled ``pyro.plate``; kept as ``self.model``, a
             :class:`~pyro_scalable.bridge.FullDataModel` (the same model on the full data).
-        step_size: ε, a constant or a schedule (:mod:`pyro_scalable.infer.schedules`).
-        friction: α > 0; ``step_size * friction / mass`` must be below 1.
-        mass: σ², a positive scalar.
+        step_size: ε, a constant or a schedule (:mod:`pyro_scalable.infer.schedules`); ``None`` (the default)
+            chooses it in warm-up from the curvature and the gradient noise (needs ``num_warmup`` > 0).
+        friction: α > 0; ``step_size * friction / mass`` must be below 1. ``None`` (the default) is 1.0 with a
+            given step size, and chosen in warm-up with the step size otherwise.
+        mass: the diagonal mass: a positive scalar, a dict of positive tensors by site (broadcast to the site's
+            unconstrained shape), or ``"fisher"``: the diagonal Fisher, estimated in warm-up then frozen.
         temperature: T; 1 is Bayes, 0 is SGD with momentum. A constant or a schedule.
+        gradient_noise: ``"correct"``, ``"estimate"`` or ``"ignore"``, as for :class:`~.sgld.SGLD` (default:
+            ``"correct"`` when the step size is left to warm-up, else ``"ignore"``).
         init_strategy: a Pyro init strategy, one draw per chain.
 
     Example:
@@ -143,51 +301,94 @@ class SGHMC:
     def __init__(
         self,
         model: Callable,
-        step_size: ScalarOrSchedule,
-        friction: float = 1.0,
-        mass: float = 1.0,
+        step_size: ScalarOrSchedule | None = None,
+        friction: float | None = None,
+        mass: Mass = 1.0,
         temperature: ScalarOrSchedule = 1.0,
         *,
+        gradient_noise: str | None = None,
         init_strategy: Callable = init_to_uniform,
     ):
-        check_positive("step_size", step_size)
-        check_positive("friction", friction)
-        check_positive("mass", mass)
+        if step_size is not None:
+            check_positive("step_size", step_size)
+            friction = 1.0 if friction is None else friction
+        if friction is not None:
+            check_positive("friction", friction)
+        least_mass = _check_mass(mass)
         check_positive("temperature", temperature, allow_zero=True)
-        largest = float(step_size(torch.zeros(())) if callable(step_size) else step_size)  # schedules start highest
-        if largest * friction / mass >= 1.0:
-            raise ValueError(
-                f"step_size * friction / mass must be below 1 (got {largest * friction / mass:.3g}): "
-                "the momentum would change sign every step. Lower the step size or the friction."
-            )
+        if step_size is not None:
+            largest = float(step_size(torch.zeros(())) if callable(step_size) else step_size)  # schedules start highest
+            if largest * friction / least_mass >= 1.0:
+                raise ValueError(
+                    f"step_size * friction / mass must be below 1 (got {largest * friction / least_mass:.3g}): "
+                    "the momentum would change sign every step. Lower the step size or the friction."
+                )
         self.model = FullDataModel(model)
         self.step_size = step_size
         self.friction = friction
         self.mass = mass
         self.temperature = temperature
+        self.gradient_noise = check_gradient_noise(gradient_noise, step_size)
         self.init_strategy = init_strategy
+
+    @property
+    def adapts(self) -> bool:
+        """Whether warm-up chooses something: the step size (and friction) or the Fisher mass."""
+        return self.step_size is None or self.mass == "fisher"
 
     def init(self, latents: Latents) -> SGHMCState:
         """Start a chain at unconstrained ``latents`` with zero momenta."""
-        return init(latents)
+        return init(latents, step_size=self.step_size, friction=self.friction, mass=self.mass)
 
-    def step(
-        self, state: SGHMCState, batch: Any, log_posterior_fn: LogPosteriorFn, generator: torch.Generator | None = None
-    ) -> tuple[SGHMCState, SGMCMCInfo]:
-        """One step with this kernel's hyperparameters."""
-        return step(
+    def estimate(self, state: SGHMCState, batch: Any, log_posterior_fn: LogPosteriorFn, adapt: int = 0):
+        """The gradient (and its noise, and in warm-up the curvature) the next update needs."""
+        return estimate(state, batch, log_posterior_fn, gradient_noise=self.gradient_noise, adapt=adapt)
+
+    def update(self, state: SGHMCState, gradient: GradientEstimate, generator: torch.Generator | None = None):
+        """One update with this kernel's hyperparameters, given the gradient."""
+        return update(
             state,
-            batch,
-            log_posterior_fn,
+            gradient,
             step_size=self.step_size,
             friction=self.friction,
             mass=self.mass,
             temperature=self.temperature,
+            gradient_noise=self.gradient_noise,
             generator=generator,
         )
 
+    def step(
+        self,
+        state: SGHMCState,
+        batch: Any,
+        log_posterior_fn: LogPosteriorFn,
+        generator: torch.Generator | None = None,
+        adapt: int = 0,
+    ) -> tuple[SGHMCState, SGHMCInfo]:
+        """One step with this kernel's hyperparameters."""
+        return self.update(state, self.estimate(state, batch, log_posterior_fn, adapt), generator)
+
     def __repr__(self) -> str:
+        mass = self.mass if isinstance(self.mass, (str, float, int)) else "{...}"
         return (
-            f"SGHMC(step_size={self.step_size!r}, friction={self.friction!r}, mass={self.mass!r}, "
-            f"temperature={self.temperature!r})"
+            f"SGHMC(step_size={self.step_size!r}, friction={self.friction!r}, mass={mass!r}, "
+            f"temperature={self.temperature!r}, gradient_noise={self.gradient_noise!r})"
         )
+
+
+def _check_mass(mass: Mass) -> float:
+    """Validate ``mass`` and return its smallest value (1 for a mass warm-up estimates)."""
+    if isinstance(mass, str):
+        if mass != "fisher":
+            raise ValueError(f"mass must be a positive number, a dict of positive tensors by site, or 'fisher'; got {mass!r}.")
+        return 1.0
+    if isinstance(mass, Mapping):
+        least = math.inf
+        for name, value in mass.items():
+            value = torch.as_tensor(value)
+            if not bool(torch.isfinite(value).all()) or not bool((value > 0).all()):
+                raise ValueError(f"mass['{name}'] must be finite and positive everywhere.")
+            least = min(least, float(value.min()))
+        return least
+    check_positive("mass", mass)
+    return float(mass)

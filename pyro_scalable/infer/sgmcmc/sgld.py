@@ -12,6 +12,19 @@ the minibatch estimate of :math:`\log p(\theta, \mathcal{D})` (the plate does th
   gradient ascent: ``torch.optim.SGD(lr=step_size)`` on the negative log joint.
 * On a Gaussian target :math:`\mathcal{N}(0, \sigma^2)` with exact gradients the chain is AR(1) with stationary
   variance :math:`T\sigma^2 / (1 - \epsilon / (2\sigma^2))` — the discretisation bias the tests check.
+
+**Gradient noise.** The minibatch gradient brings noise of covariance :math:`V` (see :mod:`.base`) into the
+update on top of the injected :math:`2\epsilon T`: a step's noise is :math:`2\epsilon T + \epsilon^2 V`, and
+on the Gaussian target the stationary variance grows to :math:`(2\epsilon T + \epsilon^2 V) /
+(\epsilon\lambda(2 - \epsilon\lambda))`, too wide by :math:`1 + \epsilon V / (2T)`. With
+``gradient_noise="correct"`` the step injects :math:`2\epsilon T - \epsilon^2\hat V_j` per coordinate
+(:math:`\hat V` the unbiased per-minibatch estimate, diagonal), so the expected noise is :math:`2\epsilon T`
+again. That is possible only where :math:`\epsilon\hat V_j \le 2T`; where it is not, nothing is injected and the
+step counts in ``sample_stats.uncorrected``. The off-diagonal part of :math:`V` is left uncorrected.
+
+**Step size.** ``step_size=None`` chooses :math:`\epsilon = \min(0.1/\lambda, \rho\, 2T/\max_j \bar V_j)` in
+warm-up (:mod:`.warmup`): a stationary-variance bias of at most 5% in the stiffest direction, and gradient noise
+of at most :math:`\rho = 1/2` of the wanted noise.
 """
 
 from __future__ import annotations
@@ -25,16 +38,22 @@ from torch import Tensor
 
 from pyro_scalable.bridge.model import FullDataModel
 from pyro_scalable.infer.schedules import ScalarOrSchedule, check_positive, resolve
+from pyro_scalable.infer.sgmcmc import warmup
 from pyro_scalable.infer.sgmcmc.base import (
+    GradientEstimate,
     Latents,
     LogPosteriorFn,
     SGMCMCInfo,
-    evaluate,
+    check_gradient_noise,
+    estimate_gradient,
     gaussian_like,
+    injected_variance,
     keep_where_finite,
 )
 
-__all__ = ["SGLD", "SGLDState", "init", "step"]
+__all__ = ["SGLD", "SGLDState", "estimate", "init", "step", "update"]
+
+CURVATURE_BOUND = 0.1  # ε λ_max chosen in warm-up
 
 
 class SGLDState(NamedTuple):
@@ -45,12 +64,71 @@ class SGLDState(NamedTuple):
         Latents  # last point with finite density and gradient: the draw, and where a diverging step returns
     )
     step_count: Tensor  # 0-d int64
+    adaptation: warmup.Adaptation  # the step size chosen in warm-up and what it was chosen from
 
 
-def init(latents: Latents) -> SGLDState:
-    """Start a chain at unconstrained ``latents``."""
+def init(latents: Latents, step_size: ScalarOrSchedule | None = None) -> SGLDState:
+    """Start a chain at unconstrained ``latents`` (``step_size=None``: to be chosen in warm-up)."""
     first = next(iter(latents.values()))
-    return SGLDState(dict(latents), dict(latents), torch.zeros((), dtype=torch.int64, device=first.device))
+    zero = torch.zeros((), dtype=torch.int64, device=first.device)
+    return SGLDState(dict(latents), dict(latents), zero, warmup.init_adaptation(latents, step_size))
+
+
+def estimate(
+    state: SGLDState,
+    batch: Any,
+    log_posterior_fn: LogPosteriorFn,
+    *,
+    gradient_noise: str = "ignore",
+    adapt: int = 0,
+) -> GradientEstimate:
+    """The minibatch gradient at ``state.latents``, its noise, and in warm-up (``adapt`` > 0) the curvature."""
+    noise = gradient_noise != "ignore" or adapt > 0
+    result = estimate_gradient(log_posterior_fn, state.latents, batch, noise=noise)
+    if adapt > 0:
+        product = warmup.hessian_product(
+            log_posterior_fn, state.latents, batch, state.adaptation, None, iterations=adapt
+        )
+        result = result._replace(hessian_product=product)
+    return result
+
+
+def update(
+    state: SGLDState,
+    gradient: GradientEstimate,
+    *,
+    step_size: ScalarOrSchedule | None,
+    temperature: ScalarOrSchedule = 1.0,
+    gradient_noise: str = "ignore",
+    generator: torch.Generator | None = None,
+) -> tuple[SGLDState, SGMCMCInfo]:
+    """Move one chain by one SGLD step with the gradient ``gradient`` (from :func:`estimate`)."""
+    temp = resolve(temperature, state.step_count, gradient.log_posterior)
+    adaptation = state.adaptation
+    if gradient.hessian_product:
+        adaptation = warmup.observe(adaptation, gradient)
+        if step_size is None:
+            chosen = torch.minimum(
+                CURVATURE_BOUND / adaptation.curvature, warmup.noise_bound(adaptation.noise, None, 2.0 * temp)
+            )
+            adaptation = adaptation._replace(step_size=chosen)
+    eps = adaptation.step_size if step_size is None else resolve(step_size, state.step_count, gradient.log_posterior)
+    gradient_variance = {} if gradient_noise == "ignore" else {
+        name: eps**2 * v for name, v in gradient.noise_variance.items()
+    }
+    variance, noise_ratio, uncorrected = injected_variance(
+        2.0 * eps * temp, gradient_variance, gradient_noise == "correct", state.latents
+    )
+    noise = gaussian_like(state.latents, generator, temperature)
+    proposal = {
+        name: x + eps * gradient.grads[name] + torch.sqrt(variance[name]) * noise[name]
+        for name, x in state.latents.items()
+    }
+    diverging = gradient.diverging
+    latents = keep_where_finite(diverging, proposal, state.checked_latents)
+    previous = keep_where_finite(diverging, state.latents, state.checked_latents)
+    info = SGMCMCInfo(gradient.log_posterior, gradient.grad_norm, eps, temp, diverging, noise_ratio, uncorrected)
+    return SGLDState(latents, previous, state.step_count + 1, adaptation), info
 
 
 def step(
@@ -58,21 +136,18 @@ def step(
     batch: Any,
     log_posterior_fn: LogPosteriorFn,
     *,
-    step_size: ScalarOrSchedule,
+    step_size: ScalarOrSchedule | None,
     temperature: ScalarOrSchedule = 1.0,
+    gradient_noise: str = "ignore",
+    adapt: int = 0,
     generator: torch.Generator | None = None,
 ) -> tuple[SGLDState, SGMCMCInfo]:
-    """Advance one chain by one SGLD step on ``batch``."""
-    grads, log_posterior, grad_norm, diverging = evaluate(log_posterior_fn, state.latents, batch)
-    eps = resolve(step_size, state.step_count, log_posterior)
-    temp = resolve(temperature, state.step_count, log_posterior)
-    noise_scale = torch.sqrt(2.0 * eps * temp)
-    noise = gaussian_like(state.latents, generator, temperature)
-    proposal = {name: x + eps * grads[name] + noise_scale * noise[name] for name, x in state.latents.items()}
-    latents = keep_where_finite(diverging, proposal, state.checked_latents)
-    previous = keep_where_finite(diverging, state.latents, state.checked_latents)
-    info = SGMCMCInfo(log_posterior, grad_norm, eps, temp, diverging)
-    return SGLDState(latents, previous, state.step_count + 1), info
+    """Advance one chain by one SGLD step on ``batch`` (:func:`estimate` then :func:`update`)."""
+    gradient = estimate(state, batch, log_posterior_fn, gradient_noise=gradient_noise, adapt=adapt)
+    return update(
+        state, gradient, step_size=step_size, temperature=temperature, gradient_noise=gradient_noise,
+        generator=generator,
+    )
 
 
 class SGLD:
@@ -80,14 +155,19 @@ class SGLD:
 
     ``model`` is kept as ``self.model``, a :class:`~pyro_scalable.bridge.FullDataModel`: the same model with
     subsampling switched off, which is what ``Predictive`` and ``arviz.from_pyro`` should run (the model as written
-    is ``self.model.model``). With ``temperature=0`` the trajectory is that of
+    is ``self.model.model``). With ``temperature=0`` and a given step size the trajectory is that of
     ``torch.optim.SGD(params, lr=step_size)`` minimising the negative log joint.
 
     Args:
         model: a Pyro model whose likelihood sits in ``pyro.plate(name, N, subsample_size=B)`` (or
             ``subsample=idx``), so that it returns an unbiased estimate of the full-data log joint.
-        step_size: ε, a constant or a schedule (:mod:`pyro_scalable.infer.schedules`).
+        step_size: ε, a constant or a schedule (:mod:`pyro_scalable.infer.schedules`); ``None`` (the default)
+            chooses it in warm-up from the curvature and the gradient noise (needs ``num_warmup`` > 0).
         temperature: T; 1 is Bayes, 0 is SGD. A constant or a schedule.
+        gradient_noise: ``"correct"`` subtracts the minibatch gradient's estimated noise from the injected noise
+            (per-example gradients; one subsampled plate with ``subsample_size`` >= 2), ``"estimate"`` only
+            reports it in ``sample_stats.noise_ratio``, ``"ignore"`` does neither. Default: ``"correct"`` when
+            the step size is left to warm-up, else ``"ignore"``.
         init_strategy: a Pyro init strategy (``pyro.infer.autoguide.init_to_*``), one draw per chain.
 
     Example:
@@ -108,34 +188,58 @@ class SGLD:
     def __init__(
         self,
         model: Callable,
-        step_size: ScalarOrSchedule,
+        step_size: ScalarOrSchedule | None = None,
         temperature: ScalarOrSchedule = 1.0,
         *,
+        gradient_noise: str | None = None,
         init_strategy: Callable = init_to_uniform,
     ):
-        check_positive("step_size", step_size)
+        if step_size is not None:
+            check_positive("step_size", step_size)
         check_positive("temperature", temperature, allow_zero=True)
         self.model = FullDataModel(model)
         self.step_size = step_size
         self.temperature = temperature
+        self.gradient_noise = check_gradient_noise(gradient_noise, step_size)
         self.init_strategy = init_strategy
+
+    @property
+    def adapts(self) -> bool:
+        """Whether warm-up chooses something (here: the step size)."""
+        return self.step_size is None
 
     def init(self, latents: Latents) -> SGLDState:
         """Start a chain at unconstrained ``latents``."""
-        return init(latents)
+        return init(latents, self.step_size)
 
-    def step(
-        self, state: SGLDState, batch: Any, log_posterior_fn: LogPosteriorFn, generator: torch.Generator | None = None
-    ) -> tuple[SGLDState, SGMCMCInfo]:
-        """One step with this kernel's hyperparameters."""
-        return step(
+    def estimate(self, state: SGLDState, batch: Any, log_posterior_fn: LogPosteriorFn, adapt: int = 0):
+        """The gradient (and its noise, and in warm-up the curvature) the next update needs."""
+        return estimate(state, batch, log_posterior_fn, gradient_noise=self.gradient_noise, adapt=adapt)
+
+    def update(self, state: SGLDState, gradient: GradientEstimate, generator: torch.Generator | None = None):
+        """One update with this kernel's hyperparameters, given the gradient."""
+        return update(
             state,
-            batch,
-            log_posterior_fn,
+            gradient,
             step_size=self.step_size,
             temperature=self.temperature,
+            gradient_noise=self.gradient_noise,
             generator=generator,
         )
 
+    def step(
+        self,
+        state: SGLDState,
+        batch: Any,
+        log_posterior_fn: LogPosteriorFn,
+        generator: torch.Generator | None = None,
+        adapt: int = 0,
+    ) -> tuple[SGLDState, SGMCMCInfo]:
+        """One step with this kernel's hyperparameters."""
+        return self.update(state, self.estimate(state, batch, log_posterior_fn, adapt), generator)
+
     def __repr__(self) -> str:
-        return f"SGLD(step_size={self.step_size!r}, temperature={self.temperature!r})"
+        return (
+            f"SGLD(step_size={self.step_size!r}, temperature={self.temperature!r}, "
+            f"gradient_noise={self.gradient_noise!r})"
+        )

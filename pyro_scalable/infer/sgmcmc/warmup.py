@@ -1,0 +1,123 @@
+r"""Step-size warm-up: choose the step size from the estimated curvature and gradient noise.
+
+During warm-up each step also measures, on its own minibatch,
+
+* the **gradient noise** :math:`\hat V` (diagonal, from per-example gradients; see :mod:`.base`), averaged over
+  the warm-up steps with an exponential moving average, and
+* the **curvature** :math:`\lambda = \max|\mathrm{eig}(S^{1/2} H S^{1/2})|` of the minibatch Hessian
+  :math:`H` of the negative log joint in the sampler's metric :math:`S` (the preconditioner or inverse mass;
+  :math:`S = I` for plain SGLD/SGHMC), by power iteration with Hessian-vector products (``torch.func.jvp`` of
+  the gradient), one iteration per warm-up step after a few at the first.
+
+Each sampler turns the two into a step size with a stability bound (:math:`\epsilon\lambda \le c` for Langevin,
+:math:`\epsilon\sqrt\lambda \le c` for the momentum samplers, which keeps the discretisation bias of the
+stationary variance to a few per cent) and a **noise bound**: the gradient noise a step adds must stay below a
+fraction :math:`\rho = 1/2` of the noise the sampler is meant to inject in every coordinate, so that the
+noise correction is possible and the draws are calibrated (for SGLD :math:`\epsilon S_j \hat V_j \le 2 T \rho`).
+At the end of warm-up the step size is frozen; the values chosen are in ``sample_stats``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+from torch.func import grad, jvp
+
+from pyro_scalable.infer.sgmcmc.base import GradientEstimate, Latents, LogPosteriorFn
+
+__all__ = ["NOISE_FRACTION", "Adaptation", "hessian_product", "init_adaptation", "noise_bound", "observe"]
+
+NOISE_FRACTION = 0.5  # ρ: the largest share of the wanted noise that the gradient noise may supply
+_FIRST_ITERATIONS = 8  # power iterations at the first warm-up step
+_WINDOW = 50  # steps: the moving averages forget older warm-up steps at this rate
+
+
+class Adaptation(NamedTuple):
+    """What warm-up has learnt so far. Every field is a tensor (the state of a chain carries it)."""
+
+    step_size: Tensor  # 0-d: the step size in use (NaN until the first warm-up step when it is chosen)
+    noise: Latents  # moving average of the diagonal gradient-noise variance
+    curvature: Tensor  # 0-d moving average of the largest |eigenvalue| of the minibatch Hessian in the metric
+    direction: Latents  # the power-iteration vector (unit norm over all sites)
+    count: Tensor  # 0-d: warm-up steps seen
+
+
+def init_adaptation(latents: Latents, step_size: Any = None) -> Adaptation:
+    """A fresh record: ``step_size`` is the user's constant, or NaN where warm-up must choose it."""
+    first = next(iter(latents.values()))
+    value = float("nan") if step_size is None or callable(step_size) else float(step_size)
+    zero = torch.zeros((), dtype=first.dtype, device=first.device)
+    direction = {name: _spread(x) for name, x in latents.items()}
+    norm = torch.sqrt(sum(v.square().sum() for v in direction.values()))
+    direction = {name: v / norm for name, v in direction.items()}
+    noise = {name: torch.zeros_like(x) for name, x in latents.items()}
+    return Adaptation(zero + value, noise, zero, direction, zero.to(torch.int64))
+
+
+def _spread(x: Tensor) -> Tensor:
+    # a fixed, irregular start for the power iteration: neither random (no generator needed) nor special
+    # (a constant vector can be orthogonal to the top eigenvector of a symmetric problem)
+    k = torch.arange(x.numel(), dtype=x.dtype, device=x.device).reshape(x.shape)
+    return torch.cos(1.3 * k + 0.7) + 1.5 + 0.0 * x
+
+
+def hessian_product(
+    log_posterior_fn: LogPosteriorFn,
+    latents: Latents,
+    batch: Any,
+    adaptation: Adaptation,
+    metric: Latents | None,
+    *,
+    iterations: int,
+) -> Latents:
+    """:math:`S^{1/2} H S^{1/2} v` on ``batch`` after ``iterations - 1`` power iterations from the stored vector."""
+    direction = adaptation.direction
+    for k in range(iterations):
+        product = _metric_hvp(log_posterior_fn, latents, batch, direction, metric)
+        if k + 1 < iterations:
+            direction = _normalised(product)
+    return product
+
+
+def observe(adaptation: Adaptation, estimate: GradientEstimate) -> Adaptation:
+    """Fold one warm-up step's noise estimate and Hessian-vector product into the moving averages."""
+    direction = _normalised(estimate.hessian_product)
+    curvature_now = torch.sqrt(sum(p.square().sum() for p in estimate.hessian_product.values()))
+    count = adaptation.count + 1
+    weight = torch.clamp(1.0 / count.to(curvature_now.dtype), min=1.0 / _WINDOW)
+    finite = torch.isfinite(curvature_now) & (curvature_now > 0) & ~estimate.diverging
+    curvature = torch.where(finite, adaptation.curvature + weight * (curvature_now - adaptation.curvature),
+                            adaptation.curvature)
+    noise = {
+        name: torch.where(finite, v + weight * (estimate.noise_variance.get(name, torch.zeros_like(v)) - v), v)
+        for name, v in adaptation.noise.items()
+    }
+    direction = {name: torch.where(finite, d, adaptation.direction[name]) for name, d in direction.items()}
+    return Adaptation(adaptation.step_size, noise, curvature, direction, count)
+
+
+def _metric_hvp(
+    log_posterior_fn: LogPosteriorFn, latents: Latents, batch: Any, direction: Latents, metric: Latents | None
+) -> Latents:
+    root = {name: torch.sqrt(m) for name, m in metric.items()} if metric is not None else None
+    tangent = {name: v * root[name] for name, v in direction.items()} if root is not None else direction
+    _, product = jvp(lambda z: grad(log_posterior_fn)(z, batch), (latents,), (tangent,))
+    if root is not None:
+        product = {name: p * root[name] for name, p in product.items()}
+    return product
+
+
+def _normalised(vector: Latents) -> Latents:
+    norm = torch.sqrt(sum(p.square().sum() for p in vector.values()))
+    safe = torch.where(norm > 0, norm, torch.ones_like(norm))
+    return {name: p / safe for name, p in vector.items()}
+
+
+def noise_bound(noise: Latents, metric: Latents | None, target: Tensor) -> Tensor:
+    """The largest ε with ε · S_j · V_j ≤ ρ · ``target`` in every coordinate (inf where there is no noise)."""
+    scaled = [(v * metric[name] if metric is not None else v).max() for name, v in noise.items()]
+    largest = torch.stack(scaled).max()
+    return torch.where(largest > 0, NOISE_FRACTION * target / largest, torch.full_like(largest, math.inf))
