@@ -48,7 +48,8 @@ def to_inference_data(
         log_likelihood: compute the full-data ``log_likelihood`` group (one pass over the data per 64 draws).
         data_chunk_size: data points per chunk for the log-likelihood (default: max(B, 1024)).
         draws_chunk_size: draws vectorised together for the log-likelihood.
-        coords, dims: as in ``arviz.from_dict``; plate dimensions are named after their plates by default.
+        coords: as in ``arviz.from_dict``.
+        dims: as in ``arviz.from_dict``; plate dimensions are named after their plates by default.
 
     """
     posterior = _numpy(mcmc.get_samples(group_by_chain=True))

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Install pyro_scalable and the extras named in $1 (e.g. "test" or "demo") into the current Python.
+# Install pyro_scalable and the extras named in $1 -- one ("test", "demo") or several, comma-separated ("test,docs")
+# -- into the current Python.
 # An existing torch (a CUDA build, say) is kept; only where none is installed do we ask pip for torch 2.13.0,
 # a version pip resolves to a CPU wheel on machines that provide one and to PyPI's build elsewhere.
 set -euo pipefail

@@ -1,0 +1,96 @@
+"""MkDocs hook: show files that live outside ``docs/`` (the tutorials, the raw benchmark results) as site pages.
+
+The Markdown in ``docs/`` links to them by their repository paths (``../tutorials/x.py``), which work when the
+files are read on GitHub or in a checkout. MkDocs only resolves links inside ``docs_dir``, so this hook
+
+* adds each file below to the build at its repository path (``tutorials/x.py``, ``benchmarks/results/y.md``);
+  mkdocs-jupyter then renders the tutorials, which are jupytext "percent" scripts, without running them;
+* expands a glob such as ``tutorials/*.py`` in ``nav`` (so a new tutorial appears with no edit here);
+* rewrites every relative link that leaves the Markdown file's own folder for a repository file the site holds,
+  so that ``mkdocs build --strict`` checks it like any other link (and still fails on a broken one).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import posixpath
+import re
+
+from mkdocs.plugins import event_priority
+from mkdocs.structure.files import File, Files
+
+# Repository files the site shows besides docs/, as globs relative to the repository root.
+REPO_GLOBS = ("tutorials/*.py", "tutorials/README.md", "benchmarks/README.md", "benchmarks/results/*.md")
+
+_LINK = re.compile(r"(\]\()(\.\./[^)\s#]+)")
+
+
+def _repo_root(config) -> str:
+    return os.path.dirname(os.path.abspath(config.config_file_path))
+
+
+def _docs_prefix(config) -> str:
+    return posixpath.relpath(os.path.abspath(config.docs_dir), _repo_root(config)).replace(os.sep, "/")
+
+
+def _repo_files(config) -> list[str]:
+    root = _repo_root(config)
+    found = set()
+    for pattern in REPO_GLOBS:
+        found.update(posixpath.relpath(p, root).replace(os.sep, "/") for p in glob.glob(os.path.join(root, pattern)))
+    return sorted(found)
+
+
+def on_config(config):
+    """Expand globs in ``nav`` into the files they match, in name order."""
+    root = _repo_root(config)
+
+    def expand(items):
+        out = []
+        for item in items:
+            if isinstance(item, str) and any(c in item for c in "*?["):
+                out.extend(
+                    sorted(posixpath.relpath(p, root).replace(os.sep, "/") for p in glob.glob(os.path.join(root, item)))
+                )
+            elif isinstance(item, dict):
+                out.append({k: expand(v) if isinstance(v, list) else v for k, v in item.items()})
+            else:
+                out.append(item)
+        return out
+
+    if config.nav:
+        config.nav = expand(config.nav)
+    return config
+
+
+@event_priority(100)  # before mkdocs-jupyter's on_files, which wraps the tutorials as notebook pages
+def on_files(files: Files, config) -> Files:
+    """Add the repository files of ``REPO_GLOBS`` at their repository paths."""
+    root = _repo_root(config)
+    for path in _repo_files(config):
+        if files.get_file_from_path(path) is None:
+            # A real source folder (the repository root), not File.generated: mkdocs-jupyter's wrapper recomputes
+            # the source path from src_dir.
+            files.append(
+                File(path, src_dir=root, dest_dir=config.site_dir, use_directory_urls=config.use_directory_urls)
+            )
+    return files
+
+
+def on_page_markdown(markdown: str, page, config, files: Files) -> str:
+    """Point ``../``-links at repository files the site holds to their pages, relative to this page."""
+    src = page.file.src_uri
+    # Where the Markdown file sits in the repository: docs pages under docs/, the added ones at their own path.
+    prefix = _docs_prefix(config) + "/"
+    repo_path = src if src in set(_repo_files(config)) else prefix + src
+    here = posixpath.dirname(repo_path)
+
+    def rewrite(match: re.Match) -> str:
+        target = posixpath.normpath(posixpath.join(here, match.group(2)))
+        site_path = target[len(prefix) :] if target.startswith(prefix) else target
+        if files.get_file_from_path(site_path) is None:
+            return match.group(0)  # left alone: the strict build reports it
+        return match.group(1) + posixpath.relpath(site_path, posixpath.dirname(src) or ".")
+
+    return _LINK.sub(rewrite, markdown)
