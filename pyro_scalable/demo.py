@@ -8,6 +8,8 @@ seeing 128 tumours per step, are checked with ArviZ: the summary prints r_hat an
 from __future__ import annotations
 
 import argparse
+import os
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -85,7 +87,15 @@ def main(argv: list[str] | None = None) -> None:
     az.plot_trace(idata, var_names=["bias", "weight"], compact=True)
     path = args.out / "demo_trace.png"
     plt.tight_layout()
-    plt.savefig(path, dpi=80)
+    # written next to the target and renamed: an interrupted save never leaves a half-written PNG behind
+    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.stem}.", suffix=".png", delete=False) as tmp:
+        pass
+    try:
+        plt.savefig(tmp.name, dpi=80, format="png")
+        os.replace(tmp.name, path)
+    finally:
+        if os.path.exists(tmp.name):
+            os.unlink(tmp.name)
     print(f"trace plot saved to {path.resolve()}")
 
 

@@ -19,7 +19,9 @@ import warnings
 from typing import Any
 
 import numpy as np
+import torch
 
+from pyro_scalable.bridge.checks import check_count, check_flag
 from pyro_scalable.bridge.likelihood import full_data_log_likelihood
 from pyro_scalable.bridge.model import ModelBridge
 
@@ -52,6 +54,9 @@ def to_inference_data(
         dims: as in ``arviz.from_dict``; plate dimensions are named after their plates by default.
 
     """
+    if not (hasattr(mcmc, "get_samples") and hasattr(mcmc, "sample_stats") and hasattr(mcmc, "_full_bridge")):
+        raise TypeError(f"mcmc must be a finished run (StochasticMCMC, SampleThenOptimize), got {type(mcmc).__name__}.")
+    _check_options(log_likelihood, data_chunk_size, draws_chunk_size, coords, dims)
     posterior = _numpy(mcmc.get_samples(group_by_chain=True))
     stats = _numpy(mcmc.sample_stats)
     bridge: ModelBridge | None = mcmc._full_bridge
@@ -89,6 +94,11 @@ def draws_to_inference_data(
     dims: dict | None = None,
 ):
     """Convert unconstrained draws ``{site: (chains * draws, *shape)}`` of a model (e.g. a Laplace posterior's)."""
+    if not isinstance(bridge, ModelBridge):
+        raise TypeError(f"bridge must be a ModelBridge, got {type(bridge).__name__}.")
+    check_count("num_chains", num_chains)
+    _check_options(log_likelihood, data_chunk_size, draws_chunk_size, coords, dims)
+    _check_draws(bridge, latents, num_chains)
     num_draws = next(iter(latents.values())).shape[0] // num_chains
     shape = (num_chains, num_draws)
     constrained = bridge.constrain(latents)
@@ -105,12 +115,50 @@ def draws_to_inference_data(
     return _from_dict(groups, coords, all_dims)
 
 
+def _check_options(log_likelihood, data_chunk_size, draws_chunk_size, coords, dims) -> None:
+    check_flag("log_likelihood", log_likelihood)
+    check_count("data_chunk_size", data_chunk_size, optional=True)
+    check_count("draws_chunk_size", draws_chunk_size)
+    for name, value in (("coords", coords), ("dims", dims)):
+        if value is not None and not isinstance(value, dict):
+            raise TypeError(f"{name} must be a dict (as in arviz.from_dict) or None, got {type(value).__name__}.")
+    for site, names in (dims or {}).items():
+        if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+            raise TypeError(f"dims[{site!r}] must be a list of dimension names, got {names!r}.")
+
+
+def _check_draws(bridge: ModelBridge, latents: Any, num_chains: int) -> None:
+    if not isinstance(latents, dict) or not latents:
+        raise TypeError("latents must be a non-empty dict {site: unconstrained draws (chains * draws, *shape)}.")
+    missing = sorted(set(bridge.sites) - set(latents))
+    if missing:
+        raise ValueError(f"latents lacks the latent site(s) {missing}.")
+    counts = set()
+    for name, site in bridge.sites.items():
+        value = latents[name]
+        if not isinstance(value, torch.Tensor) or tuple(value.shape[1:]) != tuple(site.unconstrained_shape):
+            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(
+                f"latents[{name!r}] must be a tensor of shape (draws, *{tuple(site.unconstrained_shape)}), got {shape}."
+            )
+        counts.add(value.shape[0])
+    if len(counts) != 1:
+        raise ValueError(f"latents have different numbers of draws per site: {sorted(counts)}.")
+    total = counts.pop()
+    if total == 0 or total % num_chains:
+        raise ValueError(f"num_chains={num_chains} must divide the number of draws ({total}), which must be positive.")
+
+
 def _from_dict(groups: dict, coords: dict | None, dims: dict):
     if _ARVIZ_1:
         from arviz_base import from_dict
 
         return from_dict(groups, coords=coords, dims=dims)
-    return az.from_dict(**groups, coords=coords, dims=dims)
+    with warnings.catch_warnings():
+        # ArviZ guesses that arrays with more chains than draws are mis-shaped; ours are (chain, draw, ...) by
+        # construction, and many chains of one draw each is parallel SG-MCMC (a deep ensemble at T = 0).
+        warnings.filterwarnings("ignore", message=r"More chains \(\d+\) than draws", category=UserWarning)
+        return az.from_dict(**groups, coords=coords, dims=dims)
 
 
 def _numpy(tensors: dict) -> dict[str, np.ndarray]:

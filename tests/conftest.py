@@ -2,10 +2,32 @@
 
 from __future__ import annotations
 
+import os
+
 import pyro
 import pyro.distributions as dist
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
+
+# Property-based tests (tests/hardening): "ci" keeps them fast on a shared 2-core machine; HYPOTHESIS_PROFILE=dev
+# explores many more examples. No deadline: the first example of a test pays for Pyro's and torch's warm-up.
+settings.register_profile(
+    "ci",
+    max_examples=25,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile("dev", max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_configure(config):
+    # hypothesis, reporting a falsifying example, touches mypy_extensions.TypedDict (deprecated): with warnings as
+    # errors that would hide the example behind an INTERNALERROR
+    config.addinivalue_line("filterwarnings", "ignore:mypy_extensions.TypedDict is deprecated:DeprecationWarning")
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 

@@ -57,6 +57,7 @@ class LatentSite:
     unconstrained_shape: torch.Size
     transform: Transform
     has_jacobian: bool = True  # False for real-valued sites: their log|det J| is 0 and is skipped
+    dtype: torch.dtype = torch.float32  # of the constrained value (the model's)
 
 
 @dataclass(frozen=True)
@@ -218,9 +219,16 @@ class ModelBridge:
             # On the first trace the plates are not known yet; the partial trace has the plates entered so far.
             plates = getattr(self, "plates", None) or self._find_plates(tracer.msngr.trace)
             sizes = ", ".join(f"'{p.name}' (size {p.size})" for p in plates.values())
+            largest = max((p.size for p in plates.values()), default=0)
+            short = [
+                f"{label} has {t.shape[0]} rows"
+                for label, t in named_tensors(self.model, self.args, self.kwargs)
+                if t.dim() and t.shape[0] < largest
+            ]
             raise ModelError(
-                f"indexing the data with the plate's indices failed ({error}); the plate size must equal the "
-                f"number of data points{': plates ' + sizes if sizes else ''}. Pass N = len(data) to pyro.plate."
+                f"indexing the data with the plate's indices failed ({error}){'; ' + ', '.join(short) if short else ''}"
+                f"; the plate size must equal the number of data points{': plates ' + sizes if sizes else ''}. "
+                "Pass N = len(data) to pyro.plate, and data of one length."
             ) from error
         except (RuntimeError, ValueError) as error:
             _explain_latent_in_plate(tracer.msngr.trace, error)
@@ -290,7 +298,9 @@ class ModelBridge:
                     "diag(positive scales) @ LKJCholesky, a covariance matrix from that factor."
                 ) from None
             unconstrained = transform.inv(value)
-            sites[name] = LatentSite(name, value.shape, unconstrained.shape, transform, not _is_identity(transform))
+            sites[name] = LatentSite(
+                name, value.shape, unconstrained.shape, transform, not _is_identity(transform), value.dtype
+            )
         return sites
 
     def _find_observed(self, trace) -> dict[str, dict[int, str]]:

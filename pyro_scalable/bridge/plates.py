@@ -24,6 +24,8 @@ import torch
 from pyro.poutine.subsample_messenger import SubsampleMessenger
 from torch import Tensor
 
+from pyro_scalable.bridge.checks import ModelError
+
 __all__ = ["full_data", "plate_indices"]
 
 _pyro_subsample = SubsampleMessenger._subsample
@@ -40,6 +42,11 @@ def _controlled_subsample(
     use_cuda: bool | None = None,
     device: str | None = None,
 ):
+    if _OVERRIDES and size == 0:
+        raise ModelError(
+            f"plate '{name}' has size 0: there is no data point to condition on. Pass at least one data point, "
+            "or leave the plate and its sites out of the model when there is no data."
+        )
     if _OVERRIDES and size is not None:
         indices, full, sizes = _OVERRIDES[-1]
         sizes[name] = size
@@ -48,10 +55,25 @@ def _controlled_subsample(
             return size, chosen.shape[0], chosen
         if full and subsample is None and subsample_size is not None:
             return size, size, torch.arange(size, device=device)
+    if _OVERRIDES:  # Pyro draws the subsample itself: its errors name neither the plate nor the fix
+        _check_plate(name, size, subsample_size, subsample)
     return _pyro_subsample(name, size, subsample_size, subsample, use_cuda, device)
 
 
 SubsampleMessenger._subsample = staticmethod(_controlled_subsample)
+
+
+def _check_plate(name: str, size: int | None, subsample_size: int | None, subsample: Tensor | None) -> None:
+    if subsample_size == 0 or (subsample is not None and len(subsample) == 0):
+        raise ModelError(
+            f"plate '{name}' has an empty subsample: there is no data point to condition on. Use a "
+            "subsample_size of at least 1, or pass at least one data point."
+        )
+    if subsample is None and size is not None and subsample_size is not None and subsample_size > size:
+        raise ModelError(
+            f"plate '{name}' has subsample_size {subsample_size}, more than its size {size}; "
+            f"use subsample_size <= {size} (or leave it out to use all the data)."
+        )
 
 
 @contextlib.contextmanager

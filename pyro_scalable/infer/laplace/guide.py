@@ -11,14 +11,22 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import torch
 from pyro.infer.autoguide import AutoLaplaceApproximation
 from pyro.infer.autoguide.initialization import InitMessenger
 
-from pyro_scalable.bridge.checks import ModelError
+from pyro_scalable.bridge.checks import (
+    ModelError,
+    check_choice,
+    check_count,
+    check_flag,
+    check_number,
+    check_seed,
+    check_tensor,
+)
 from pyro_scalable.bridge.model import Latents, ModelBridge
 from pyro_scalable.infer.laplace.ggn import DataFit, fit_curvature
 from pyro_scalable.infer.laplace.layout import ParameterLayout
@@ -51,6 +59,11 @@ class AutoLinearizedLaplace(AutoLaplaceApproximation):
         torch.Size([5])
 
     """
+
+    def __init__(self, model: Any, *args: Any, **kwargs: Any):
+        if not callable(model):
+            raise TypeError(f"model must be a Pyro model (a callable), got {type(model).__name__}.")
+        super().__init__(model, *args, **kwargs)
 
     def laplace_approximation(
         self,
@@ -88,10 +101,22 @@ class AutoLinearizedLaplace(AutoLaplaceApproximation):
             seed: seeds the random probes of ``"low_rank"``.
 
         """
-        if structure not in _STRUCTURES:
-            raise ValueError(f"structure must be one of {_STRUCTURES}, not {structure!r}.")
-        if curvature not in ("ggn", "ef"):
-            raise ValueError(f"curvature must be 'ggn' or 'ef', not {curvature!r}.")
+        check_choice("structure", structure, _STRUCTURES)
+        check_choice("curvature", curvature, ("ggn", "ef"))
+        if prior_precision is not None:
+            check_tensor("prior_precision", prior_precision, nonnegative=True)
+        check_count("rank", rank)
+        check_count("num_samples", num_samples)
+        if sampler_options is not None and not isinstance(sampler_options, Mapping):
+            raise TypeError(f"sampler_options must be a dict or None, got {type(sampler_options).__name__}.")
+        check_number("jitter", jitter, nonnegative=True)
+        check_count("chunk_size", chunk_size, optional=True)
+        if map_latents is not None and not isinstance(map_latents, Mapping):
+            raise TypeError(
+                f"map_latents must be a dict of constrained values by site name, got {type(map_latents).__name__}."
+            )
+        check_flag("check_map", check_map)
+        check_seed("seed", seed)
         bridge = ModelBridge(_user_model(self.model), args, kwargs)
         if len(bridge.observed) != 1:
             raise ModelError(
@@ -113,6 +138,7 @@ class AutoLinearizedLaplace(AutoLaplaceApproximation):
         )
         precision, mean = net.prior(theta)
         if prior_precision is not None:
+            check_tensor("prior_precision", prior_precision, nonnegative=True, shape=theta.shape)
             precision = torch.broadcast_to(
                 torch.as_tensor(prior_precision, dtype=theta.dtype, device=theta.device), theta.shape
             ).clone()
@@ -147,7 +173,15 @@ class AutoLinearizedLaplace(AutoLaplaceApproximation):
             missing = sorted(set(bridge.sites) - set(map_latents))
             if missing:
                 raise ModelError(f"map_latents lacks the latent site(s) {missing}.")
-            return {k: v.detach() for k, v in bridge.unconstrain({k: map_latents[k] for k in bridge.sites}).items()}
+            values = {}
+            for name, site in bridge.sites.items():
+                value = torch.as_tensor(map_latents[name], dtype=site.dtype, device=bridge.device).detach()
+                if value.shape != site.shape:
+                    raise ModelError(
+                        f"map_latents['{name}'] has shape {tuple(value.shape)}, the site has {tuple(site.shape)}."
+                    )
+                values[name] = value
+            return {k: v.detach() for k, v in bridge.unconstrain(values).items()}
         if not hasattr(self, "loc"):
             raise ModelError(
                 "the guide has not been trained: run SVI(model, guide, optimizer, Trace_ELBO()) on the data first, "

@@ -223,6 +223,11 @@ def choose_sites(bridge: ModelBridge, site: str, latents: Latents, sites) -> tup
     By default every latent site the mean output depends on; a scalar Normal noise scale is left out (held at its
     given value). ``sites`` may name them, or be ``"last_layer"``.
     """
+    if isinstance(sites, str) and sites != "last_layer":
+        raise ValueError(f"sites must be None, 'last_layer' or a list of latent site names, got {sites!r}.")
+    if sites is not None and not isinstance(sites, str):
+        if not isinstance(sites, (list, tuple, set, frozenset)) or not all(isinstance(s, str) for s in sites):
+            raise TypeError(f"sites must be None, 'last_layer' or a list of latent site names, got {sites!r}.")
     leaves = {k: v.detach().clone().requires_grad_(True) for k, v in latents.items()}
     raw = model_outputs(bridge, leaves, first_batch(bridge), site=site, layers=True)
     likelihood = likelihood_of(site, raw.fn, raw.mask)

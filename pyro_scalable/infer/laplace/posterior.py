@@ -39,7 +39,15 @@ import pyro.distributions as dist
 import torch
 from torch import Tensor
 
-from pyro_scalable.bridge.checks import ModelError
+from pyro_scalable.bridge.checks import (
+    ModelError,
+    check_choice,
+    check_count,
+    check_flag,
+    check_number,
+    check_seed,
+    check_tensor,
+)
 from pyro_scalable.bridge.model import Batch, ModelBridge
 from pyro_scalable.infer.laplace.curvature import CurvatureError, Precision
 from pyro_scalable.infer.laplace.ggn import DataFit
@@ -50,12 +58,30 @@ from pyro_scalable.infer.laplace.predictive import functional_covariance
 __all__ = ["GLMPredictive", "LaplacePosterior"]
 
 
-class GLMPredictive(NamedTuple):
-    """The linearised predictive at some inputs: the outputs' mean and covariance, and the law of ``y``."""
-
+class _GLMPredictiveFields(NamedTuple):
     mean: Tensor  # (points, outputs)
     covariance: Tensor  # (points, outputs, outputs)
     distribution: Any  # a Pyro distribution shaped like the observed site
+
+
+class GLMPredictive(_GLMPredictiveFields):
+    """The linearised predictive at some inputs: the outputs' mean and covariance, and the law of ``y``."""
+
+    __slots__ = ()
+
+    def __new__(cls, mean: Tensor, covariance: Tensor, distribution: Any):
+        if not isinstance(mean, Tensor) or mean.dim() != 2:
+            raise ValueError(f"mean must be a (points, outputs) tensor, got {_describe(mean)}.")
+        if not isinstance(covariance, Tensor) or covariance.shape != mean.shape + mean.shape[-1:]:
+            raise ValueError(
+                f"covariance must be a tensor of shape (points, outputs, outputs) = "
+                f"{tuple(mean.shape + mean.shape[-1:])}, got {_describe(covariance)}."
+            )
+        return super().__new__(cls, mean, covariance, distribution)
+
+
+def _describe(value: Any) -> str:
+    return f"shape {tuple(value.shape)}" if isinstance(value, Tensor) else type(value).__name__
 
 
 class LaplacePosterior:
@@ -131,6 +157,7 @@ class LaplacePosterior:
 
     @prior_precision.setter
     def prior_precision(self, value: Tensor | float) -> None:
+        check_tensor("prior_precision", value, nonnegative=True, shape=self.theta_star.shape)
         self._prior_precision = torch.broadcast_to(
             torch.as_tensor(value, dtype=self.theta_star.dtype, device=self.theta_star.device), self.theta_star.shape
         ).clone()
@@ -145,6 +172,7 @@ class LaplacePosterior:
     def observation_noise(self, value: Tensor | float) -> None:
         if self._map_noise is None:
             raise ModelError("observation_noise applies to a Normal likelihood with one scalar scale only.")
+        check_number("observation_noise", value, positive=True)
         self._observation_noise = torch.as_tensor(value, dtype=self.theta_star.dtype, device=self.theta_star.device)
         self._cache.clear()
 
@@ -187,6 +215,10 @@ class LaplacePosterior:
     ) -> Tensor:
         r"""The Laplace evidence :math:`\log Z(P, \sigma)` of the linearised model (differentiable)."""
         theta = self.theta_star
+        if prior_precision is not None and not _traced(prior_precision):
+            check_tensor("prior_precision", prior_precision, positive=True, shape=theta.shape)
+        if observation_noise is not None and not _traced(observation_noise):
+            check_number("observation_noise", observation_noise, positive=True)
         precision = self._prior_precision if prior_precision is None else prior_precision
         precision = torch.broadcast_to(torch.as_tensor(precision, dtype=theta.dtype, device=theta.device), theta.shape)
         noise = (
@@ -227,6 +259,10 @@ class LaplacePosterior:
             observation_noise: also fit σ (default: whenever the likelihood is a Normal with one scalar scale).
 
         """
+        check_choice("method", method, ("scalar", "site", "diagonal"))
+        check_flag("observation_noise", observation_noise, optional=True)
+        check_count("max_iter", max_iter)
+        check_count("em_steps", em_steps, 0)
         if self.structure == "sampled":
             return self._sampled_em(method, observation_noise, em_steps)
         theta = self.theta_star
@@ -298,6 +334,9 @@ class LaplacePosterior:
     # ------------------------------------------------------------------ samples and guide
     def sample(self, num_samples: int, generator: torch.Generator | None = None) -> Tensor:
         """Flat unconstrained draws of the Laplace sites, ``(num_samples, d)``."""
+        check_count("num_samples", num_samples)
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}.")
         return self.mean + self.precision.sample(num_samples, generator)
 
     def _all_latents(self, theta: Tensor) -> dict[str, Tensor]:
@@ -310,6 +349,8 @@ class LaplacePosterior:
 
     def get_samples(self, num_samples: int, seed: int | None = None) -> dict[str, Tensor]:
         """Constrained draws of every latent site (the fixed ones repeated), each ``(num_samples, *shape)``."""
+        check_count("num_samples", num_samples)
+        check_seed("seed", seed)
         generator = None
         if seed is not None:
             generator = torch.Generator(device=self.theta_star.device).manual_seed(seed)
@@ -346,6 +387,9 @@ class LaplacePosterior:
                 for classification and Poisson likelihoods; a Normal likelihood is always exact.
 
         """
+        check_choice("link_approx", link_approx, ("probit", "mc"))
+        check_count("num_samples", num_samples)
+        check_seed("seed", seed)
         generator = None if seed is None else torch.Generator(self.theta_star.device).manual_seed(seed)
         delta = self.mean - self.theta_star
         means, covariances, likelihoods = [], [], []
@@ -391,12 +435,15 @@ class LaplacePosterior:
         """Posterior draws (chain=1, draw=S) with the full-data log-likelihood, via the package's ArviZ adapter."""
         from pyro_scalable.inference_data import draws_to_inference_data
 
+        check_count("num_samples", num_samples)
+        check_seed("seed", seed)
         generator = None if seed is None else torch.Generator(self.theta_star.device).manual_seed(seed)
         unconstrained = self._all_latents(self.sample(num_samples, generator))
         return draws_to_inference_data(self.bridge, unconstrained, num_chains=1, **kwargs)
 
     def check_map(self, threshold: float = 1.0) -> None:
         r"""Warn when :math:`\theta_*` is not a MAP: half the Newton decrement :math:`b^\top H^{-1} b/2` in nats."""
+        check_number("threshold", threshold, nonnegative=True)
         b = self._log_joint_gradient(self._prior_precision, self._observation_noise)
         decrement = 0.5 * float((b * self.precision.solve(b)).sum())
         if decrement > threshold:
@@ -407,3 +454,8 @@ class LaplacePosterior:
                 + ("; the posterior mean is moved by that Newton step." if self.recenter else "."),
                 stacklevel=3,
             )
+
+
+def _traced(value: Any) -> bool:
+    # inside the evidence optimiser: a line search may try an overflowing step, which L-BFGS itself handles
+    return isinstance(value, Tensor) and value.requires_grad

@@ -28,7 +28,6 @@ effective dimension of :mod:`~pyro_scalable.infer.sample_then_optimize.em`.
 
 from __future__ import annotations
 
-import math
 import operator
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -38,7 +37,16 @@ from pyro.infer.autoguide.initialization import init_to_median, init_to_uniform
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from pyro_scalable.bridge.checks import ModelError
+from pyro_scalable.bridge.checks import (
+    ModelError,
+    check_choice,
+    check_count,
+    check_device,
+    check_flag,
+    check_number,
+    check_seed,
+    check_tensor,
+)
 from pyro_scalable.bridge.minibatches import EpochSampler
 from pyro_scalable.bridge.model import Batch, FullDataModel, Latents, ModelBridge
 from pyro_scalable.infer.laplace.layout import ParameterLayout
@@ -132,6 +140,8 @@ class SampleThenOptimize(Draws):
         draws_device: torch.device | str = "cpu",
         progress_bar: bool = True,
     ):
+        if not callable(model):
+            raise TypeError(f"model must be a Pyro model (a callable), got {type(model).__name__}.")
         for name, value, least in (
             ("num_samples", num_samples, 1),
             ("num_epochs", num_epochs, 1),
@@ -141,16 +151,26 @@ class SampleThenOptimize(Draws):
         ):
             if isinstance(value, bool) or not hasattr(value, "__index__") or operator.index(value) < least:
                 raise ValueError(f"{name} must be an int >= {least}, got {value!r}.")
-        if step_size is not None and not (math.isfinite(step_size) and step_size > 0):
-            raise ValueError(f"step_size must be a positive number, got {step_size!r}.")
-        if not 0 <= momentum < 1:
+        check_number("step_size", step_size, positive=True, optional=True)
+        if not 0 <= check_number("momentum", momentum) < 1:
             raise ValueError(f"momentum must be in [0, 1), got {momentum!r}.")
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm must be positive or None, got {max_grad_norm!r}.")
-        if variance_reduction not in ("mean", "all"):
-            raise ValueError(f"variance_reduction must be 'mean' or 'all', got {variance_reduction!r}.")
-        if em_groups not in ("scalar", "site"):
-            raise ValueError(f"em_groups must be 'scalar' or 'site', got {em_groups!r}.")
+        check_number("max_grad_norm", max_grad_norm, positive=True, optional=True)
+        check_choice("variance_reduction", variance_reduction, ("mean", "all"))
+        check_choice("em_groups", em_groups, ("scalar", "site"))
+        if linearize_at is not None and not isinstance(linearize_at, dict) and not hasattr(linearize_at, "median"):
+            raise TypeError(
+                "linearize_at must be a dict of constrained values by site name or a trained autoguide, "
+                f"got {type(linearize_at).__name__}."
+            )
+        if isinstance(sites, str) and sites != "last_layer":
+            raise ValueError(f"sites must be None, 'last_layer' or a list of latent site names, got {sites!r}.")
+        if prior_precision is not None:
+            check_tensor("prior_precision", prior_precision, positive=True)
+        check_flag("g_prior", g_prior)
+        check_count("chunk_size", chunk_size, optional=True)
+        check_seed("seed", seed)
+        draws_device = check_device("draws_device", draws_device)
+        check_flag("progress_bar", progress_bar)
         self.kernel = _Kernel(FullDataModel(model))
         self.num_samples = operator.index(num_samples)
         self.num_chains = 1
@@ -221,7 +241,7 @@ class SampleThenOptimize(Draws):
                 )
             latents = {}
             for name, latent in bridge.sites.items():
-                value = torch.as_tensor(values[name], dtype=None).detach()
+                value = torch.as_tensor(values[name], dtype=latent.dtype).detach()
                 if value.shape != latent.shape:
                     raise ModelError(
                         f"linearize_at['{name}'] has shape {tuple(value.shape)}, the site has {tuple(latent.shape)}."
@@ -339,6 +359,9 @@ class SampleThenOptimize(Draws):
         from the likelihood as in :meth:`LaplacePosterior.predict` (``link_approx`` for classification).
         """
         net = self._require_net()
+        check_choice("link_approx", link_approx, ("probit", "mc"))
+        check_count("num_samples", num_samples)
+        check_seed("seed", seed)
         theta = net.theta_star
         zeta = self.state.samples[:-1].detach()
         rows = torch.cat([(self.mean_unconstrained - theta).unsqueeze(0), zeta])

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from pyro_scalable.bridge.checks import ModelError
+from pyro_scalable.bridge.checks import ModelError, check_tensor
 from pyro_scalable.bridge.minibatches import EpochSampler
 from pyro_scalable.bridge.model import Batch
 from pyro_scalable.infer.laplace.layout import ParameterLayout
@@ -29,6 +29,7 @@ class Problem:
         self.num_samples = engine.num_samples
         precision, self.prior_mean = net.prior(theta)
         if engine.prior_precision is not None:
+            check_tensor("prior_precision", engine.prior_precision, positive=True, shape=theta.shape)
             given = torch.as_tensor(engine.prior_precision, dtype=theta.dtype, device=theta.device)
             precision = torch.broadcast_to(given, theta.shape).clone()
         self._check_prior(precision)
