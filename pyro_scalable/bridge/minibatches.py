@@ -53,6 +53,15 @@ class EpochSampler:
             self._position[plate.name] = start + plate.subsample_size
         return batch
 
+    def state_dict(self) -> dict[str, dict]:
+        """The current permutations and positions (the generator's state is its owner's to save)."""
+        return {"orders": dict(self._orders), "position": dict(self._position)}
+
+    def load_state_dict(self, state: dict[str, dict]) -> None:
+        """Continue from :meth:`state_dict`: the same minibatches follow, given the same generator state."""
+        self._orders = {name: order.to(self.device) for name, order in state["orders"].items()}
+        self._position = {name: int(position) for name, position in state["position"].items()}
+
 
 def chunks(size: int, chunk_size: int, device: torch.device) -> Iterator[Tensor]:
     """Consecutive index chunks covering ``range(size)``."""

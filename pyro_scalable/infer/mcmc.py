@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+import os
 import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any, Literal
@@ -30,6 +31,7 @@ from tqdm.auto import tqdm
 from pyro_scalable.bridge.checks import ModelError
 from pyro_scalable.bridge.minibatches import EpochSampler
 from pyro_scalable.bridge.model import Batch, Latents, ModelBridge
+from pyro_scalable.infer.checkpoint import RunCheckpoint
 from pyro_scalable.infer.results import Draws
 
 __all__ = ["StochasticMCMC"]
@@ -54,6 +56,12 @@ class StochasticMCMC(Draws):
             ``sample_stats.diverging`` and goes on; ``"stop"`` ends the run there, keeping every draw taken.
         draws_device: where draws are stored (default CPU, whatever device the model runs on).
         progress_bar: show a tqdm progress bar.
+        checkpoint: a file to write the run's state to, so that a killed run goes on where it stopped
+            (:mod:`pyro_scalable.infer.checkpoint`). ``run`` resumes from it where it exists and was written with
+            the same settings, and refuses it, naming what differs, where it was not.
+        checkpoint_every: steps (warm-up included) between checkpoints; one is also written at the end of
+            warm-up, at the end of the run and on ``KeyboardInterrupt``.
+        resume: ``False`` starts over even where a checkpoint exists (and overwrites it).
 
     Example:
         >>> import pyro, pyro.distributions as dist, torch
@@ -84,12 +92,16 @@ class StochasticMCMC(Draws):
         on_divergence: Literal["continue", "stop"] = "continue",
         draws_device: torch.device | str = "cpu",
         progress_bar: bool = True,
+        checkpoint: str | os.PathLike | None = None,
+        checkpoint_every: int = 1000,
+        resume: bool = True,
     ):
         for name, value, least in (
             ("num_samples", num_samples, 1),
             ("num_warmup", num_warmup, 0),
             ("num_chains", num_chains, 1),
             ("thin", thin, 1),
+            ("checkpoint_every", checkpoint_every, 1),
         ):
             if isinstance(value, bool) or not hasattr(value, "__index__") or operator.index(value) < least:
                 raise ValueError(f"{name} must be an int >= {least}, got {value!r}.")
@@ -109,6 +121,9 @@ class StochasticMCMC(Draws):
         self.on_divergence = on_divergence
         self.draws_device = torch.device(draws_device)
         self.progress_bar = progress_bar
+        self.checkpoint = checkpoint
+        self.checkpoint_every = operator.index(checkpoint_every)
+        self.resume = bool(resume)
         self._num_samples_requested = self.num_samples
         self.bridge: ModelBridge | None = None
         self._full_bridge: ModelBridge | None = None  # the full data, where a DataLoader fed the steps
@@ -154,11 +169,21 @@ class StochasticMCMC(Draws):
 
         self._allocate(latents)
         total = self.num_warmup + self.num_samples * self.thin
-        kept = 0
+        start, kept, diverged = 0, 0, False
         self.num_warmup_divergences = 0
-        bar = tqdm(total=total, disable=not self.progress_bar, desc="Warmup" if self.num_warmup else "Sample")
+        checkpoint = None
+        if self.checkpoint is not None:
+            checkpoint = RunCheckpoint(
+                self.checkpoint, self.checkpoint_every, run=self, stepper=stepper, generator=generator,
+                sampler=sampler if batch_iter is None else None, total=total, batches=batches,
+            )
+            start, kept, diverged = checkpoint.resume(self.resume)
+            for _ in range(start if batch_iter is not None else 0):
+                next(batch_iter)  # exact only where iterating `batches` again yields the same sequence
+        bar = tqdm(total=total, initial=start, disable=not self.progress_bar,
+                   desc="Warmup" if start < self.num_warmup else "Sample")
         try:
-            for t in range(total):
+            for t in range(start, start if diverged else total):  # a run stopped at a divergence stays stopped
                 if batch_iter is not None:
                     step_args, step_kwargs = next(batch_iter)
                     batch = Batch({}, step_args, step_kwargs)
@@ -172,6 +197,8 @@ class StochasticMCMC(Draws):
                 elif (t - self.num_warmup + 1) % self.thin == 0:
                     self._record(kept, stepper.latents(), info)
                     kept += 1
+                if checkpoint is not None:
+                    checkpoint.step_done(t + 1, kept, stopped=diverged)
                 if t + 1 == self.num_warmup:
                     bar.set_description("Sample")
                 if t % 50 == 0 or t + 1 == total:
@@ -188,6 +215,8 @@ class StochasticMCMC(Draws):
                     )
                     break
         except KeyboardInterrupt:
+            if checkpoint is not None:
+                checkpoint.write()  # as the last completed step left the run
             self._truncate(kept, stepper)
             warnings.warn(f"interrupted: keeping the {kept} draws per chain taken so far.", stacklevel=2)
             raise
@@ -328,6 +357,14 @@ class _ChainStepper:
     @property
     def final_state(self) -> Any:
         return self.state if self.mode == "vectorized" else self._chains
+
+    def restore(self, mode: str, state: Any) -> None:
+        """Go on from a checkpointed ``final_state`` that was taken in ``mode``."""
+        self.mode = mode
+        if mode == "vectorized":
+            self.state = state
+        else:
+            self._chains = state
 
 
 def _first_line(error: Exception) -> str:

@@ -1,0 +1,52 @@
+"""A small run for tests/infer/test_checkpoint.py to kill: ``python killable_run.py CHECKPOINT PAUSE``.
+
+``PAUSE`` seconds of sleep in each model call slow the run down enough for a test to kill it mid-way; the pause
+does not change a single number.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import pyro
+import pyro.distributions as dist
+import torch
+
+from pyro_scalable.infer import SGHMC, StochasticMCMC
+
+NUM_WARMUP, NUM_SAMPLES = 10, 30
+PAUSE = 0.0
+
+
+def data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(100, 2, generator=g, dtype=torch.float64)
+    y = x @ torch.tensor([1.0, -2.0], dtype=torch.float64) + torch.randn(100, generator=g, dtype=torch.float64)
+    return x, y
+
+
+def model(x, y):
+    if PAUSE:
+        time.sleep(PAUSE)
+    w = pyro.sample("w", dist.Normal(x.new_zeros(2), 1.0).to_event(1))
+    with pyro.plate("data", len(y), subsample_size=10) as idx:
+        pyro.sample("obs", dist.Normal(x[idx] @ w, 1.0), obs=y[idx])
+
+
+def sampler(checkpoint=None) -> StochasticMCMC:
+    return StochasticMCMC(
+        SGHMC(model, step_size=1e-3, friction=10.0),
+        num_samples=NUM_SAMPLES,
+        num_warmup=NUM_WARMUP,
+        num_chains=3,
+        seed=3,
+        progress_bar=False,
+        checkpoint=checkpoint,
+        checkpoint_every=5,
+    )
+
+
+if __name__ == "__main__":
+    PAUSE = float(sys.argv[2])
+    sampler(sys.argv[1]).run(*data())

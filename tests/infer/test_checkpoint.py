@@ -1,0 +1,275 @@
+"""Checkpoint and resume: a killed run goes on bitwise as if it had never stopped, and no draw is ever lost."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from pyro_scalable.infer import SGHMC, SGLD, StochasticMCMC
+from pyro_scalable.infer import mcmc as mcmc_module
+from pyro_scalable.infer.checkpoint import CheckpointError, load
+
+from ..conftest import LinearRegression
+from . import killable_run
+
+# SGLD's warm-up computes Hessian-vector products with torch.func.jvp, whose first call in a process has torch
+# script its decompositions and warn that torch.jit.script is deprecated: a torch internal, not ours to act on.
+pytestmark = pytest.mark.filterwarnings(r"ignore:.*torch\.jit\.script. is deprecated:DeprecationWarning")
+
+
+class Killed(Exception):
+    """Stands for SIGKILL inside the test process: the run stops between two steps and writes nothing more."""
+
+
+def sampler(kernel, path=None, **options):
+    settings = dict(num_samples=12, num_warmup=6, num_chains=3, seed=5, progress_bar=False, checkpoint_every=4)
+    settings.update(options)
+    return StochasticMCMC(kernel, checkpoint=path, **settings)
+
+
+def stop_at(monkeypatch, call, error=Killed, after=False):
+    """Make the ``call``-th step (1-based) raise ``error``, before the step or (``after``) once it has run."""
+    original = mcmc_module._ChainStepper.step
+    calls = []
+
+    def step(self, batch, adapt=0):
+        calls.append(None)
+        if len(calls) == call and not after:
+            raise error
+        info = original(self, batch, adapt)
+        if len(calls) == call:
+            raise error
+        return info
+
+    monkeypatch.setattr(mcmc_module._ChainStepper, "step", step)
+
+
+def assert_same_run(run, reference):
+    assert run.num_samples == reference.num_samples
+    for name, value in reference.get_unconstrained_samples(group_by_chain=True).items():
+        assert torch.equal(run.get_unconstrained_samples(group_by_chain=True)[name], value), name
+    assert run.sample_stats.keys() == reference.sample_stats.keys()
+    for name, value in reference.sample_stats.items():
+        torch.testing.assert_close(run.sample_stats[name], value, rtol=0, atol=0, equal_nan=True, msg=name)
+    assert run.num_warmup_divergences == reference.num_warmup_divergences
+
+
+def small():
+    return LinearRegression(num_data=120, batch_size=10)
+
+
+def test_a_killed_process_resumes_exactly(tmp_path):
+    if not hasattr(signal, "SIGKILL"):
+        pytest.skip("needs SIGKILL")
+    path = tmp_path / "run.pt"
+    script = Path(killable_run.__file__)
+    process = subprocess.Popen(
+        [sys.executable, str(script), str(path), "0.05"], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and process.poll() is None:
+            if path.exists() and load(path)["step"] >= killable_run.NUM_WARMUP + 5:
+                os.kill(process.pid, signal.SIGKILL)
+                break
+            time.sleep(0.02)
+        assert process.poll() is None or process.wait() == -signal.SIGKILL, process.communicate()[1].decode()
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.communicate()
+    saved = load(path)
+    assert killable_run.NUM_WARMUP < saved["step"] < killable_run.NUM_WARMUP + killable_run.NUM_SAMPLES
+    assert saved["kept"] > 0
+
+    resumed = killable_run.sampler(path)
+    resumed.run(*killable_run.data())
+    reference = killable_run.sampler()
+    reference.run(*killable_run.data())
+    assert_same_run(resumed, reference)
+    assert torch.equal(
+        resumed.get_unconstrained_samples(group_by_chain=True)["w"][:, : saved["kept"]], saved["draws"]["w"]
+    )
+
+
+@pytest.mark.parametrize("chain_method", ["vectorized", "sequential", "fallback"])
+def test_resume_equals_the_uninterrupted_run(tmp_path, monkeypatch, chain_method):
+    data = small()
+    model = data.model
+    if chain_method == "fallback":
+
+        def model(x, y):
+            w = pyro.sample("w", dist.Normal(x.new_zeros(2), 1.0).to_event(1))
+            if bool(w.detach().abs().max() > 1e6):  # Python control flow on a value: vmap cannot batch it
+                raise AssertionError
+            with pyro.plate("data", len(y), subsample_size=10) as idx:
+                pyro.sample("obs", dist.Normal(x[idx] @ w, 1.0), obs=y[idx])
+
+    def kernel():
+        return SGHMC(model, step_size=1e-3, friction=10.0)
+
+    method = "sequential" if chain_method == "sequential" else "vectorized"
+    with pytest.warns(UserWarning, match="one after another") if chain_method == "fallback" else nullcontext():
+        reference = sampler(kernel(), chain_method=method)
+        reference.run(data.x, data.y)
+    path = tmp_path / "run.pt"
+    with monkeypatch.context() as patch:
+        stop_at(patch, 15)
+        with pytest.raises(Killed), pytest.warns(UserWarning) if chain_method == "fallback" else nullcontext():
+            sampler(kernel(), path, chain_method=method).run(data.x, data.y)
+    saved = load(path)
+    assert (saved["step"], saved["kept"]) == (12, 6)
+    assert saved["mode"] == ("vectorized" if chain_method == "vectorized" else "sequential")
+    resumed = sampler(kernel(), path, chain_method=method)
+    resumed.run(data.x, data.y)
+    assert_same_run(resumed, reference)
+
+
+# seven warm-up steps choose a step size too coarsely for calibrated draws (the driver may warn that the gradient
+# noise could not be corrected): this test is about resuming that choice exactly, not about its quality
+@pytest.mark.filterwarnings("ignore:in .* of the coordinates of the kept steps:UserWarning")
+@pytest.mark.parametrize("stop, written", [(6, 4), (8, 7)], ids=["in-warmup", "after-warmup"])
+def test_the_step_size_chosen_in_warmup_survives(tmp_path, monkeypatch, stop, written):
+    data = small()
+    reference = sampler(SGLD(data.model), num_warmup=7, num_samples=4)
+    reference.run(data.x, data.y)
+    path = tmp_path / "run.pt"
+    with monkeypatch.context() as patch:
+        stop_at(patch, stop)
+        with pytest.raises(Killed):
+            sampler(SGLD(data.model), path, num_warmup=7, num_samples=4).run(data.x, data.y)
+    assert load(path)["step"] == written  # every 4 steps, and at the end of warm-up
+    resumed = sampler(SGLD(data.model), path, num_warmup=7, num_samples=4)
+    resumed.run(data.x, data.y)
+    assert_same_run(resumed, reference)
+    assert bool(torch.isfinite(resumed.sample_stats["step_size"]).all())
+
+
+def test_keyboard_interrupt_keeps_the_draws_and_a_valid_checkpoint(tmp_path, monkeypatch):
+    data = small()
+    kernel = SGHMC(data.model, step_size=1e-3)
+    reference = sampler(kernel)
+    reference.run(data.x, data.y)
+    path = tmp_path / "run.pt"
+    interrupted = sampler(kernel, path)
+    with monkeypatch.context() as patch:
+        # the 14th step runs (its noise and minibatch are drawn) and then the interrupt arrives
+        stop_at(patch, 14, KeyboardInterrupt, after=True)
+        with pytest.raises(KeyboardInterrupt), pytest.warns(UserWarning, match="interrupted"):
+            interrupted.run(data.x, data.y)
+    assert interrupted.num_samples == 7
+    expected = reference.get_unconstrained_samples(group_by_chain=True)["w"][:, :7]
+    assert torch.equal(interrupted.get_unconstrained_samples(group_by_chain=True)["w"], expected)
+    saved = load(path)
+    assert (saved["step"], saved["kept"]) == (13, 7)  # the last completed step: the 14th is redone on resume
+    assert torch.equal(saved["draws"]["w"], expected)
+    resumed = sampler(kernel, path)
+    resumed.run(data.x, data.y)
+    assert_same_run(resumed, reference)
+
+
+def test_a_crash_while_writing_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    data = small()
+    kernel = SGHMC(data.model, step_size=1e-3)
+    reference = sampler(kernel)
+    reference.run(data.x, data.y)
+    path = tmp_path / "run.pt"
+    save = torch.save
+    writes = []
+
+    def failing_save(payload, file):
+        writes.append(None)
+        if len(writes) < 3:
+            return save(payload, file)
+        save(payload, file)
+        file.truncate(file.tell() // 2)  # half of the file is on disk when the machine goes down
+        raise OSError("no space left on device")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "save", failing_save)
+        with pytest.raises(OSError, match="no space"):
+            sampler(kernel, path).run(data.x, data.y)
+    assert load(path)["step"] == 6  # the second checkpoint (steps 4 and 6, the end of warm-up), whole
+    assert os.listdir(tmp_path) == ["run.pt"]  # no half-written temporary left behind
+    resumed = sampler(kernel, path)
+    resumed.run(data.x, data.y)
+    assert_same_run(resumed, reference)
+
+
+def test_a_different_configuration_is_refused(tmp_path):
+    data = small()
+    path = tmp_path / "run.pt"
+    sampler(SGHMC(data.model, step_size=1e-3), path).run(data.x, data.y)
+    other = sampler(SGHMC(data.model, step_size=2e-3), path, num_samples=20)
+    with pytest.raises(CheckpointError, match=r"num_samples is 12 there and 20 here.*resume=False") as error:
+        other.run(data.x, data.y)
+    assert "step_size=0.002" in str(error.value)
+    fresh = sampler(SGHMC(data.model, step_size=2e-3), path, num_samples=20, resume=False)
+    fresh.run(data.x, data.y)
+    assert fresh.num_samples == 20
+    assert "num_samples" in load(path)["fingerprint"] and load(path)["kept"] == 20
+
+
+def test_a_finished_run_is_read_back(tmp_path, monkeypatch):
+    data = small()
+    path = tmp_path / "run.pt"
+    first = sampler(SGHMC(data.model, step_size=1e-3), path)
+    first.run(data.x, data.y)
+    again = sampler(SGHMC(data.model, step_size=1e-3), path)
+    stop_at(monkeypatch, 1)  # no step is taken again
+    again.run(data.x, data.y)
+    assert_same_run(again, first)
+
+
+def test_a_loader_run_resumes_by_skipping_the_consumed_minibatches(tmp_path, monkeypatch):
+    num_data = 50
+
+    def model(x, y, idx):
+        w = pyro.sample("w", dist.Normal(x.new_zeros(2), 1.0).to_event(1))
+        with pyro.plate("data", num_data, subsample=idx):
+            pyro.sample("obs", dist.Normal(x @ w, 1.0), obs=y)
+
+    data = small()
+    dataset = TensorDataset(data.x[:num_data], data.y[:num_data], torch.arange(num_data))
+
+    def loader():  # shuffled, from a seeded generator: iterating it again gives the same minibatches
+        return DataLoader(dataset, batch_size=10, shuffle=True, generator=torch.Generator().manual_seed(0))
+
+    kernel = SGLD(model, step_size=1e-3)
+    reference = sampler(kernel)
+    reference.run(batches=loader())
+    path = tmp_path / "run.pt"
+    with monkeypatch.context() as patch:
+        stop_at(patch, 11)
+        with pytest.raises(Killed):
+            sampler(kernel, path).run(batches=loader())
+    resumed = sampler(kernel, path)
+    resumed.run(batches=loader())
+    assert_same_run(resumed, reference)
+
+
+def test_resume_on_the_data_device(tmp_path, monkeypatch, device):
+    data = LinearRegression(num_data=120, batch_size=10, device=device)
+    kernel = SGLD(data.model, step_size=1e-3)
+    reference = sampler(kernel)
+    reference.run(data.x, data.y)
+    path = tmp_path / "run.pt"
+    with monkeypatch.context() as patch:
+        stop_at(patch, 10)
+        with pytest.raises(Killed):
+            sampler(kernel, path).run(data.x, data.y)
+    assert load(path)["fingerprint"]["device"] == repr(device.type)
+    resumed = sampler(kernel, path)
+    resumed.run(data.x, data.y)
+    assert_same_run(resumed, reference)
