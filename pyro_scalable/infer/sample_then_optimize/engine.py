@@ -29,6 +29,7 @@ effective dimension of :mod:`~pyro_scalable.infer.sample_then_optimize.em`.
 from __future__ import annotations
 
 import operator
+import os
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -55,6 +56,7 @@ from pyro_scalable.infer.laplace.network import NetworkFunction, choose_sites, f
 from pyro_scalable.infer.laplace.posterior import GLMPredictive
 from pyro_scalable.infer.results import Draws
 from pyro_scalable.infer.sample_then_optimize import core
+from pyro_scalable.infer.sample_then_optimize.checkpoint import SolveCheckpoint
 from pyro_scalable.infer.sample_then_optimize.em import effective_dimension, mackay_update
 from pyro_scalable.infer.sample_then_optimize.problem import Problem, warn_unconverged
 
@@ -99,6 +101,11 @@ class SampleThenOptimize(Draws):
         seed: seeds the prior draws, the perturbations, the minibatches; ``None`` draws one from torch.
         draws_device: where draws are kept (default CPU).
         progress_bar: show a tqdm progress bar.
+        checkpoint: a file to write the run's progress to every ``checkpoint_every`` epochs (and at the end of
+            each solve), so that a killed run goes on where it stopped, with the same draws
+            (:mod:`.checkpoint`); ``run`` resumes from it where it exists and was written with the same settings.
+        checkpoint_every: epochs between checkpoints.
+        resume: ``False`` starts over even where a checkpoint exists (and overwrites it).
 
     Example:
         >>> import pyro, pyro.distributions as dist, torch
@@ -139,6 +146,9 @@ class SampleThenOptimize(Draws):
         seed: int | None = None,
         draws_device: torch.device | str = "cpu",
         progress_bar: bool = True,
+        checkpoint: str | os.PathLike | None = None,
+        checkpoint_every: int = 1,
+        resume: bool = True,
     ):
         if not callable(model):
             raise TypeError(f"model must be a Pyro model (a callable), got {type(model).__name__}.")
@@ -148,6 +158,7 @@ class SampleThenOptimize(Draws):
             ("em_steps", em_steps, 0),
             ("em_epochs", num_epochs if em_epochs is None else em_epochs, 1),
             ("map_steps", map_steps, 0),
+            ("checkpoint_every", checkpoint_every, 1),
         ):
             if isinstance(value, bool) or not hasattr(value, "__index__") or operator.index(value) < least:
                 raise ValueError(f"{name} must be an int >= {least}, got {value!r}.")
@@ -191,6 +202,9 @@ class SampleThenOptimize(Draws):
         self.seed = seed
         self.draws_device = torch.device(draws_device)
         self.progress_bar = progress_bar
+        self.checkpoint = checkpoint
+        self.checkpoint_every = operator.index(checkpoint_every)
+        self.resume = check_flag("resume", resume)
         self._reset()
 
     def _reset(self) -> None:
@@ -282,12 +296,21 @@ class SampleThenOptimize(Draws):
         num_groups = problem.num_groups
         alphas, gammas = [problem.alpha.clone()], []
         total = (self.num_epochs + self.em_steps * self.em_epochs) * problem.steps_per_epoch
-        bar = tqdm(total=total, disable=not self.progress_bar, desc="Solve")
+        checkpoint = None if self.checkpoint is None else SolveCheckpoint(self, problem, generator)
+        saved = None if checkpoint is None else checkpoint.resume()
+        first_em_step, done = 0, 0
+        if saved is not None:
+            first_em_step, alphas, gammas = saved["em_step"], saved["alphas"], saved["gammas"]
+            done = min(first_em_step, 1) * self.num_epochs + max(first_em_step - 1, 0) * self.em_epochs
+            done = done * problem.steps_per_epoch + saved["progress"]["t"]
+        bar = tqdm(total=total, initial=done, disable=not self.progress_bar, desc="Solve")
         try:
             state = None
-            for em_step in range(self.em_steps + 1):
+            for em_step in range(first_em_step, self.em_steps + 1):
                 epochs = self.num_epochs if em_step == 0 else self.em_epochs
-                state = problem.solve(state, epochs, generator, bar)
+                progress = saved["progress"] if saved is not None and em_step == first_em_step else None
+                on_epoch = None if checkpoint is None else checkpoint.on_epoch(em_step, epochs, alphas, gammas)
+                state = problem.solve(state, epochs, generator, bar, progress, on_epoch)
                 self.state = state
                 mean_offset, samples, ggn = problem.finish(state)
                 raw = effective_dimension(samples, ggn[:-1], problem.groups, num_groups)

@@ -141,35 +141,60 @@ class Problem:
             )
         return largest
 
-    def _batches(self, generator: torch.Generator):
+    def _batches(self, generator: torch.Generator, sampler: EpochSampler | None = None):
         bridge = self.net.bridge
+        self.sampler = None
         if self.plate is None:
             while True:
                 yield Batch({}, bridge.args, bridge.kwargs)
-        sampler = EpochSampler({self.plate.name: self.plate}, 1, generator, bridge.device)
-        for indices in sampler:
+        self.sampler = sampler or EpochSampler({self.plate.name: self.plate}, 1, generator, bridge.device)
+        for indices in self.sampler:
             yield Batch({k: v[0] for k, v in indices.items()}, bridge.args, bridge.kwargs)
 
-    def solve(self, state: core.SampleState | None, epochs: int, generator: torch.Generator, bar) -> core.SampleState:
+    def solve(
+        self,
+        state: core.SampleState | None,
+        epochs: int,
+        generator: torch.Generator,
+        bar,
+        progress: dict[str, Any] | None = None,
+        on_epoch=None,
+    ) -> core.SampleState:
+        """Run one solve of ``epochs`` epochs from ``state`` (``None``: the first solve).
+
+        ``progress`` (from :mod:`.checkpoint`) resumes the solve where ``on_epoch(progress)`` last saw it: after
+        every epoch it gets the step count ``t``, ``state``, ``step_size``, the first gradient norm and the
+        minibatch sampler, everything the rest of the solve needs besides the generator.
+        """
         engine = self.engine
-        batches = self._batches(generator)
-        step_size = engine.step_size
-        if step_size is None:
-            step_size = 0.5 / self._largest_eigenvalue(generator, batches)
+        done, first = 0, None
+        if progress is None:
+            batches = self._batches(generator)
+            step_size = engine.step_size
+            if step_size is None:
+                step_size = 0.5 / self._largest_eigenvalue(generator, batches)
+        else:
+            sampler = None
+            if self.plate is not None:  # made before the generator is put back: making it draws a permutation
+                sampler = EpochSampler({self.plate.name: self.plate}, 1, generator, self.net.bridge.device)
+                sampler.load_state_dict(progress["sampler"])
+            generator.set_state(progress["generator"])
+            batches = self._batches(generator, sampler)
+            done, first, step_size, state = progress["t"], progress["first"], progress["step_size"], progress["state"]
         self.step_size_used = step_size
         targets = self.targets()
-        if state is None:
+        if progress is None and state is None:
             # theta^0 (the mean row: theta_*) is close to the solution in every direction: the prior's where the
             # data say little, within O(A^{-1/2}) where the fast, data-dominated directions soon correct it; the
             # centre theta^n itself is O(sqrt(N)) away along those.
             start = torch.cat([self._prior_noise() / self.precision.sqrt(), torch.zeros_like(targets[-1:])])
             state = core.init(targets, start)
-        else:
+        elif progress is None:
             state = state._replace(targets=targets)
         total = epochs * self.steps_per_epoch
         precision = self.precision
         trace = engine.trace.setdefault("objective", []), engine.trace.setdefault("grad_norm", [])
-        for t in range(total):
+        for t in range(done, total):
             if t % self.steps_per_epoch == 0 and self.steps_per_epoch > 1:
                 # re-anchor the control variate once per epoch: one full pass for the anchored rows
                 anchor = state.samples[-self.anchored :].detach()
@@ -199,6 +224,9 @@ class Problem:
                 trace[0].append(info.objective.detach().cpu())
                 trace[1].append(info.grad_norm.detach().cpu())
             bar.update()
+            if on_epoch is not None and (t + 1) % self.steps_per_epoch == 0:
+                sampler = None if self.sampler is None else self.sampler.state_dict()
+                on_epoch({"t": t + 1, "state": state, "step_size": step_size, "first": first, "sampler": sampler})
         return state
 
     def finish(self, state: core.SampleState) -> tuple[Tensor, Tensor, Tensor]:

@@ -1,0 +1,107 @@
+"""Checkpoint and resume for ``SampleThenOptimize``: one file per run, rewritten after every few epochs.
+
+Everything before the first solve — the MAP search, the linearisation, the prior draws and the perturbation pass —
+is a deterministic function of the seed, so a resumed run redoes it and then puts back what the solves had reached:
+the EM step, the prior precision and the EM history, and within the solve the step count, the optimiser state of
+every row, the step size, the minibatch sampler and the generator. The rest of the run is then bitwise that of an
+uninterrupted one. The file is written atomically and checked against a fingerprint of the configuration, as the
+driver's checkpoints are (:mod:`pyro_scalable.infer.checkpoint`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from pyro_scalable.infer.checkpoint import FORMAT, check_fingerprint, describe, load, save, stable_repr
+from pyro_scalable.infer.sample_then_optimize import core
+
+__all__ = ["SolveCheckpoint"]
+
+_SETTINGS = (
+    "num_samples",
+    "num_epochs",
+    "step_size",
+    "momentum",
+    "max_grad_norm",
+    "sites",
+    "g_prior",
+    "em_steps",
+    "em_groups",
+    "em_epochs",
+    "variance_reduction",
+    "map_steps",
+    "chunk_size",
+    "seed",
+)
+
+
+def fingerprint(engine: Any) -> dict[str, str]:
+    """What a run's draws depend on: the settings, the model's name, the device and the data's dtypes and shapes."""
+    model = engine.kernel.model.model
+    bridge = engine.bridge
+    fields = {name: stable_repr(getattr(engine, name)) for name in _SETTINGS}
+    fields["model"] = stable_repr(getattr(model, "__qualname__", type(model).__name__))
+    fields["device"] = stable_repr(bridge.device.type)
+    fields["linearize_at"] = describe(engine.linearize_at)
+    fields["prior_precision"] = describe(engine.prior_precision)
+    fields["data"] = describe((bridge.args, bridge.kwargs))
+    return fields
+
+
+class SolveCheckpoint:
+    """The engine's side: put the solves back where the checkpoint left them; write one every ``every`` epochs."""
+
+    def __init__(self, engine: Any, problem: Any, generator: torch.Generator):
+        self.engine, self.problem, self.generator = engine, problem, generator
+        self.path: str | os.PathLike = engine.checkpoint
+        self.fingerprint = fingerprint(engine)
+
+    def resume(self) -> dict[str, Any] | None:
+        """The saved run (the EM step, the solve's progress, the EM history), its prior precision put back."""
+        saved = load(self.path) if self.engine.resume else None
+        if saved is None:
+            return None
+        check_fingerprint(
+            {"format": str(saved.get("format")), **saved["fingerprint"]},
+            {"format": str(FORMAT), **self.fingerprint},
+            self.path,
+        )
+        device = self.problem.theta.device
+        progress = saved["progress"]
+        progress["state"] = core.SampleState(**{k: v.to(device) for k, v in progress["state"].items()})
+        progress["first"] = progress["first"].to(device)
+        progress["generator"] = saved["generator"]
+        self.problem.alpha = saved["alpha"].to(device)
+        self.engine.trace = {name: list(values) for name, values in saved["trace"].items()}
+        saved["alphas"] = [a.to(device) for a in saved["alphas"]]
+        saved["gammas"] = [g.to(device) for g in saved["gammas"]]
+        return saved
+
+    def on_epoch(self, em_step: int, epochs: int, alphas: list, gammas: list):
+        """The ``on_epoch`` of ``Problem.solve`` in EM step ``em_step``: write every ``every`` epochs and at the end."""
+        steps_per_epoch, every = self.problem.steps_per_epoch, self.engine.checkpoint_every
+
+        def write(progress: dict[str, Any]) -> None:
+            epoch = progress["t"] // steps_per_epoch
+            if epoch % every and epoch != epochs:
+                return
+            state = {k: v.detach().cpu() for k, v in progress["state"]._asdict().items()}
+            save(
+                self.path,
+                {
+                    "format": FORMAT,
+                    "fingerprint": self.fingerprint,
+                    "em_step": em_step,
+                    "progress": {**progress, "state": state, "first": progress["first"].detach().cpu()},
+                    "generator": self.generator.get_state(),
+                    "alpha": self.problem.alpha.cpu(),
+                    "alphas": [a.cpu() for a in alphas],
+                    "gammas": [g.cpu() for g in gammas],
+                    "trace": self.engine.trace,
+                },
+            )
+
+        return write

@@ -1,0 +1,77 @@
+"""SampleThenOptimize checkpoints: a run stopped mid-solve resumes to bitwise the draws of an uninterrupted run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pyro_scalable.infer import SampleThenOptimize
+from pyro_scalable.infer.checkpoint import CheckpointError, load
+from pyro_scalable.infer.sample_then_optimize import core
+from tests.conftest import LinearRegression
+
+
+class Killed(Exception):
+    """Stands for SIGKILL: the run stops between two optimiser steps and writes nothing more."""
+
+
+def engine(problem, path=None, **options):
+    settings = dict(num_samples=4, num_epochs=3, em_steps=2, em_epochs=2, seed=1, progress_bar=False)
+    settings.update(options)
+    return SampleThenOptimize(problem.model, checkpoint=path, **settings)
+
+
+def kill_at(monkeypatch, call):
+    original, calls = core.step, []
+
+    def step(*args, **kwargs):
+        calls.append(None)
+        if len(calls) == call:
+            raise Killed
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(core, "step", step)
+
+
+def assert_same_run(run, reference):
+    for name, value in reference.get_unconstrained_samples(group_by_chain=True).items():
+        assert torch.equal(run.get_unconstrained_samples(group_by_chain=True)[name], value), name
+    for name, value in reference.sample_stats.items():
+        assert torch.equal(run.sample_stats[name], value), name
+    for name in ("prior_precision", "effective_dimension"):
+        assert torch.equal(run.em_history[name], reference.em_history[name]), name
+    for name, values in reference.trace.items():
+        assert torch.equal(torch.stack(run.trace[name]), torch.stack(values)), name
+
+
+# steps per epoch: 200 // 50 = 4; solves of 3, 2 and 2 epochs: steps 1-12, 13-20 and 21-28. Killed at step 23, the
+# run goes back to the end of the second solve (before its EM update).
+@pytest.mark.parametrize(
+    "kill, step_size, em_step",
+    [(7, None, 0), (18, None, 1), (23, 2e-3, 1)],
+    ids=["first-solve", "em-solve", "end-of-solve"],
+)
+def test_resume_equals_the_uninterrupted_run(tmp_path, monkeypatch, kill, step_size, em_step):
+    problem = LinearRegression(num_data=200, dim=3, batch_size=50)
+    reference = engine(problem, step_size=step_size)
+    reference.run(problem.x, problem.y)
+    path = tmp_path / "run.pt"
+    with monkeypatch.context() as patch:
+        kill_at(patch, kill)
+        with pytest.raises(Killed):
+            engine(problem, path, step_size=step_size).run(problem.x, problem.y)
+    assert load(path)["em_step"] == em_step
+    resumed = engine(problem, path, step_size=step_size)
+    resumed.run(problem.x, problem.y)
+    assert_same_run(resumed, reference)
+
+
+@pytest.mark.filterwarnings("ignore:the samples have not converged:UserWarning")  # a few epochs: not the point here
+def test_a_different_configuration_is_refused(tmp_path):
+    problem = LinearRegression(num_data=200, dim=3, batch_size=50)
+    path = tmp_path / "run.pt"
+    engine(problem, path).run(problem.x, problem.y)
+    with pytest.raises(CheckpointError, match="num_epochs is 3 there and 4 here"):
+        engine(problem, path, num_epochs=4).run(problem.x, problem.y)
+    engine(problem, path, num_epochs=4, resume=False).run(problem.x, problem.y)
+    assert load(path)["fingerprint"]["num_epochs"] == "4"
