@@ -74,8 +74,10 @@ def test_a_killed_process_resumes_exactly(tmp_path):
         pytest.skip("needs SIGKILL")
     path = tmp_path / "run.pt"
     script = Path(killable_run.__file__)
+    root = str(script.parents[2])  # the repository, so that the script imports this checkout's pyro_scalable
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     process = subprocess.Popen(
-        [sys.executable, str(script), str(path), "0.05"], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        [sys.executable, str(script), str(path), "0.05"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env
     )
     try:
         deadline = time.monotonic() + 120
