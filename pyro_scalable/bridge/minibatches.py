@@ -1,9 +1,15 @@
-"""Minibatch indices for the engine-controlled plates, and the full data in chunks.
+r"""Minibatch indices for the engine-controlled plates, and the full data in chunks.
 
 Each chain walks through its own random permutation of ``range(N)`` in slices of B (reshuffling when fewer than
 B indices remain), as a shuffled ``DataLoader`` would: every point is visited once per epoch, which gives a lower
 gradient variance than drawing with replacement. Indices live on the data's device and come from the engine's
 generator, so a seeded run is reproducible on CPU and CUDA alike.
+
+With ``replacement=True`` each minibatch is instead B indices drawn uniformly with replacement, independently
+of every other minibatch. The gradient noise is then independent from step to step with covariance
+:math:`\mathrm{Cov}_i(g_i)/B`, which is what a noise correction can subtract; an epoch's minibatches are
+negatively correlated (at a fixed point their gradients sum to the full-data gradient), so a slowly moving
+chain sees less noise than one minibatch's spread suggests, and a correction computed from it over-corrects.
 """
 
 from __future__ import annotations
@@ -21,8 +27,17 @@ __all__ = ["EpochSampler", "chunks"]
 class EpochSampler:
     """Per-chain shuffled minibatch indices for each subsampled plate: ``next(sampler) -> {plate: (C, B)}``."""
 
-    def __init__(self, plates: dict[str, DataPlate], num_chains: int, generator: torch.Generator, device: torch.device):
+    def __init__(
+        self,
+        plates: dict[str, DataPlate],
+        num_chains: int,
+        generator: torch.Generator,
+        device: torch.device,
+        *,
+        replacement: bool = False,
+    ):
         self.plates = plates
+        self.replacement = replacement
         self.num_chains = num_chains
         self.generator = generator
         self.device = device
@@ -45,6 +60,10 @@ class EpochSampler:
     def __next__(self) -> dict[str, Tensor]:
         batch = {}
         for plate in self.plates.values():
+            if self.replacement:
+                shape = (self.num_chains, plate.subsample_size)
+                batch[plate.name] = torch.randint(plate.size, shape, generator=self.generator, device=self.device)
+                continue
             start = self._position[plate.name]
             if start + plate.subsample_size > plate.size:
                 self._shuffle(plate)

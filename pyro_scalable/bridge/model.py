@@ -17,6 +17,7 @@ Pyro traces; everything above it sees ``log_posterior(latents, batch) -> scalar`
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -414,15 +415,22 @@ class LogPosterior:
     once: the per-example gradients whose spread is the minibatch gradient's noise.
     """
 
-    def __init__(self, bridge: ModelBridge):
+    def __init__(self, bridge: ModelBridge, *, replacement: bool = False):
         self.bridge = bridge
+        self.replacement = replacement  # minibatches drawn with replacement: no finite-population correction
 
     def __call__(self, latents: Latents, batch: Batch) -> Tensor:
         return self.bridge.log_posterior(latents, batch)
 
-    def examples(self, batch: Batch) -> tuple[Batch, Batch, int]:
-        """``(examples, in_dims, N)``: one batch per example of the subsampled plate, for ``torch.func.vmap``."""
+    def examples(self, batch: Batch) -> tuple[Batch, Batch, float] | None:
+        """``(examples, in_dims, N)``: one batch per example of the subsampled plate, for ``torch.func.vmap``.
+
+        ``None`` where no plate is subsampled (the gradient has no noise); N is ``inf`` for minibatches drawn
+        with replacement (no finite-population correction).
+        """
         plates = list(self.bridge.plates.values())
+        if not plates:
+            return None  # no subsampling: the gradient is exact
         if len(plates) != 1:
             names = ", ".join(f"'{p.name}'" for p in plates) or "none"
             raise ModelError(
@@ -443,4 +451,4 @@ class LogPosterior:
             )
         split = {**batch.indices, plate.name: indices.unsqueeze(-1)}
         in_dims = Batch({name: 0 if name == plate.name else None for name in split}, None, None)
-        return Batch(split, batch.args, batch.kwargs), in_dims, plate.size
+        return Batch(split, batch.args, batch.kwargs), in_dims, math.inf if self.replacement else plate.size

@@ -50,7 +50,8 @@ class LogPosteriorFn(Protocol):
 
     For per-example gradients it may also offer ``examples(batch) -> (examples, in_dims, population_size)``: the
     minibatch split into single-example batches along a leading dimension (``in_dims`` as for ``torch.func.vmap``),
-    each an estimate of the log joint on its own, and the number of data points N they are drawn from.
+    each an estimate of the log joint on its own, and the number of data points N they are drawn from (``inf``
+    for draws with replacement); or ``None`` where the batch is the full data and the gradient exact.
     """
 
     def __call__(self, latents: Latents, batch: Any) -> Tensor: ...
@@ -143,7 +144,13 @@ def estimate_gradient(
             "estimating the gradient noise needs per-example terms: log_posterior_fn must offer "
             "examples(batch) (the Pyro bridge does, for a model with a subsampled plate)."
         )
-    examples, in_dims, population_size = split(batch)
+    parts = split(batch)
+    if parts is None:  # the full data: an exact gradient, no noise
+        grads, value, grad_norm, diverging = evaluate(log_posterior_fn, latents, batch)
+        zero = torch.zeros((), dtype=value.dtype, device=value.device)
+        variance = {name: torch.zeros_like(g) for name, g in grads.items()}
+        return GradientEstimate(grads, value, grad_norm, diverging, variance, zero, {})
+    examples, in_dims, population_size = parts
     per_grads, per_values = vmap(grad_and_value(log_posterior_fn), in_dims=(None, in_dims))(latents, examples)
     size = per_values.shape[0]
     grads = {name: g.mean(0) for name, g in per_grads.items()}

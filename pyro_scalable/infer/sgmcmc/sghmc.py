@@ -157,21 +157,22 @@ def update(
     mass: Mass = 1.0,
     temperature: ScalarOrSchedule = 1.0,
     gradient_noise: str = "ignore",
+    burn_in: bool = False,
     generator: torch.Generator | None = None,
 ) -> tuple[SGHMCState, SGHMCInfo]:
     """Move one chain by one SGHMC step with the gradient ``gradient`` (from :func:`estimate`)."""
     temp = resolve(temperature, state.step_count, gradient.log_posterior)
-    masses, alpha, adaptation = state.mass, state.friction, state.adaptation
+    masses, alpha = state.mass, state.friction
+    adaptation = warmup.observe(state.adaptation, gradient)
     if gradient.hessian_product:
-        adaptation = warmup.observe(adaptation, gradient)
         if mass == "fisher":
             masses = _fisher_mass(adaptation.noise)
         if step_size is None:
-            eps, alpha = _choose(adaptation, masses, friction, temp)
+            eps, alpha = _choose(adaptation, masses, friction, temp if not burn_in else torch.zeros_like(temp))
             adaptation = adaptation._replace(step_size=eps)
     eps = adaptation.step_size if step_size is None else resolve(step_size, state.step_count, gradient.log_posterior)
     gradient_variance = {} if gradient_noise == "ignore" else {
-        name: eps**2 * v for name, v in gradient.noise_variance.items()
+        name: eps**2 * adaptation.noise[name] for name in gradient.noise_variance
     }
     variance, noise_ratio, uncorrected = injected_variance(
         2.0 * alpha * eps * temp, gradient_variance, gradient_noise == "correct", state.latents
@@ -231,6 +232,7 @@ def step(
     temperature: ScalarOrSchedule = 1.0,
     gradient_noise: str = "ignore",
     adapt: int = 0,
+    burn_in: bool = False,
     generator: torch.Generator | None = None,
 ) -> tuple[SGHMCState, SGHMCInfo]:
     """Advance one chain by one SGHMC step on ``batch`` (:func:`estimate` then :func:`update`).
@@ -245,7 +247,7 @@ def step(
     gradient = estimate(state, batch, log_posterior_fn, gradient_noise=gradient_noise, adapt=adapt)
     return update(
         state, gradient, step_size=step_size, friction=friction, mass=mass, temperature=temperature,
-        gradient_noise=gradient_noise, generator=generator,
+        gradient_noise=gradient_noise, burn_in=burn_in, generator=generator,
     )
 
 
@@ -344,8 +346,9 @@ class SGHMC:
         """The gradient (and its noise, and in warm-up the curvature) the next update needs."""
         return estimate(state, batch, log_posterior_fn, gradient_noise=self.gradient_noise, adapt=adapt)
 
-    def update(self, state: SGHMCState, gradient: GradientEstimate, generator: torch.Generator | None = None):
-        """One update with this kernel's hyperparameters, given the gradient."""
+    def update(self, state: SGHMCState, gradient: GradientEstimate, generator: torch.Generator | None = None, burn_in: bool = False
+    ):
+        """One update with this kernel's hyperparameters, given the gradient (``burn_in``: early warm-up)."""
         return update(
             state,
             gradient,
@@ -354,6 +357,7 @@ class SGHMC:
             mass=self.mass,
             temperature=self.temperature,
             gradient_noise=self.gradient_noise,
+            burn_in=burn_in,
             generator=generator,
         )
 
@@ -364,9 +368,10 @@ class SGHMC:
         log_posterior_fn: LogPosteriorFn,
         generator: torch.Generator | None = None,
         adapt: int = 0,
+        burn_in: bool = False,
     ) -> tuple[SGHMCState, SGHMCInfo]:
         """One step with this kernel's hyperparameters."""
-        return self.update(state, self.estimate(state, batch, log_posterior_fn, adapt), generator)
+        return self.update(state, self.estimate(state, batch, log_posterior_fn, adapt), generator, burn_in)
 
     def __repr__(self) -> str:
         mass = self.mass if isinstance(self.mass, (str, float, int)) else "{...}"

@@ -100,21 +100,20 @@ def update(
     step_size: ScalarOrSchedule | None,
     temperature: ScalarOrSchedule = 1.0,
     gradient_noise: str = "ignore",
+    burn_in: bool = False,
     generator: torch.Generator | None = None,
 ) -> tuple[SGLDState, SGMCMCInfo]:
     """Move one chain by one SGLD step with the gradient ``gradient`` (from :func:`estimate`)."""
     temp = resolve(temperature, state.step_count, gradient.log_posterior)
-    adaptation = state.adaptation
-    if gradient.hessian_product:
-        adaptation = warmup.observe(adaptation, gradient)
-        if step_size is None:
-            chosen = torch.minimum(
-                CURVATURE_BOUND / adaptation.curvature, warmup.noise_bound(adaptation.noise, None, 2.0 * temp)
-            )
-            adaptation = adaptation._replace(step_size=chosen)
+    adaptation = warmup.observe(state.adaptation, gradient)
+    if gradient.hessian_product and step_size is None:
+        chosen = CURVATURE_BOUND / adaptation.curvature
+        if not burn_in:
+            chosen = torch.minimum(chosen, warmup.noise_bound(adaptation.noise, None, 2.0 * temp))
+        adaptation = adaptation._replace(step_size=chosen)
     eps = adaptation.step_size if step_size is None else resolve(step_size, state.step_count, gradient.log_posterior)
     gradient_variance = {} if gradient_noise == "ignore" else {
-        name: eps**2 * v for name, v in gradient.noise_variance.items()
+        name: eps**2 * adaptation.noise[name] for name in gradient.noise_variance
     }
     variance, noise_ratio, uncorrected = injected_variance(
         2.0 * eps * temp, gradient_variance, gradient_noise == "correct", state.latents
@@ -140,13 +139,14 @@ def step(
     temperature: ScalarOrSchedule = 1.0,
     gradient_noise: str = "ignore",
     adapt: int = 0,
+    burn_in: bool = False,
     generator: torch.Generator | None = None,
 ) -> tuple[SGLDState, SGMCMCInfo]:
     """Advance one chain by one SGLD step on ``batch`` (:func:`estimate` then :func:`update`)."""
     gradient = estimate(state, batch, log_posterior_fn, gradient_noise=gradient_noise, adapt=adapt)
     return update(
         state, gradient, step_size=step_size, temperature=temperature, gradient_noise=gradient_noise,
-        generator=generator,
+        burn_in=burn_in, generator=generator,
     )
 
 
@@ -216,14 +216,16 @@ class SGLD:
         """The gradient (and its noise, and in warm-up the curvature) the next update needs."""
         return estimate(state, batch, log_posterior_fn, gradient_noise=self.gradient_noise, adapt=adapt)
 
-    def update(self, state: SGLDState, gradient: GradientEstimate, generator: torch.Generator | None = None):
-        """One update with this kernel's hyperparameters, given the gradient."""
+    def update(self, state: SGLDState, gradient: GradientEstimate, generator: torch.Generator | None = None, burn_in: bool = False
+    ):
+        """One update with this kernel's hyperparameters, given the gradient (``burn_in``: early warm-up)."""
         return update(
             state,
             gradient,
             step_size=self.step_size,
             temperature=self.temperature,
             gradient_noise=self.gradient_noise,
+            burn_in=burn_in,
             generator=generator,
         )
 
@@ -234,9 +236,10 @@ class SGLD:
         log_posterior_fn: LogPosteriorFn,
         generator: torch.Generator | None = None,
         adapt: int = 0,
+        burn_in: bool = False,
     ) -> tuple[SGLDState, SGMCMCInfo]:
         """One step with this kernel's hyperparameters."""
-        return self.update(state, self.estimate(state, batch, log_posterior_fn, adapt), generator)
+        return self.update(state, self.estimate(state, batch, log_posterior_fn, adapt), generator, burn_in)
 
     def __repr__(self) -> str:
         return (

@@ -20,11 +20,12 @@ At the end of warm-up the step size is frozen; the values chosen are in ``sample
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
-from torch.func import grad, jvp
+from torch.func import grad
 
 from pyro_scalable.infer.sgmcmc.base import GradientEstimate, Latents, LogPosteriorFn
 
@@ -83,19 +84,28 @@ def hessian_product(
 
 
 def observe(adaptation: Adaptation, estimate: GradientEstimate) -> Adaptation:
-    """Fold one warm-up step's noise estimate and Hessian-vector product into the moving averages."""
-    direction = _normalised(estimate.hessian_product)
-    curvature_now = torch.sqrt(sum(p.square().sum() for p in estimate.hessian_product.values()))
+    """Fold a step's noise estimate (and, in warm-up, its Hessian-vector product) into the moving averages.
+
+    The noise average goes on through sampling (the noise correction uses it: a moving average over about
+    ``_WINDOW`` steps is steadier than one minibatch's estimate, whose clipping at 0 would bias the correction);
+    the curvature is measured only in warm-up.
+    """
+    if not estimate.noise_variance:
+        return adaptation
     count = adaptation.count + 1
-    weight = torch.clamp(1.0 / count.to(curvature_now.dtype), min=1.0 / _WINDOW)
-    finite = torch.isfinite(curvature_now) & (curvature_now > 0) & ~estimate.diverging
-    curvature = torch.where(finite, adaptation.curvature + weight * (curvature_now - adaptation.curvature),
-                            adaptation.curvature)
+    weight = torch.clamp(1.0 / count.to(adaptation.curvature.dtype), min=1.0 / _WINDOW)
+    keep = estimate.diverging
     noise = {
-        name: torch.where(finite, v + weight * (estimate.noise_variance.get(name, torch.zeros_like(v)) - v), v)
+        name: torch.where(keep, v, v + weight * (estimate.noise_variance[name] - v))
         for name, v in adaptation.noise.items()
     }
-    direction = {name: torch.where(finite, d, adaptation.direction[name]) for name, d in direction.items()}
+    curvature, direction = adaptation.curvature, adaptation.direction
+    if estimate.hessian_product:
+        curvature_now = torch.sqrt(sum(p.square().sum() for p in estimate.hessian_product.values()))
+        finite = torch.isfinite(curvature_now) & (curvature_now > 0) & ~keep
+        curvature = torch.where(finite, curvature + weight * (curvature_now - curvature), curvature)
+        turned = _normalised(estimate.hessian_product)
+        direction = {name: torch.where(finite, turned[name], d) for name, d in direction.items()}
     return Adaptation(adaptation.step_size, noise, curvature, direction, count)
 
 
@@ -104,7 +114,11 @@ def _metric_hvp(
 ) -> Latents:
     root = {name: torch.sqrt(m) for name, m in metric.items()} if metric is not None else None
     tangent = {name: v * root[name] for name, v in direction.items()} if root is not None else direction
-    _, product = jvp(lambda z: grad(log_posterior_fn)(z, batch), (latents,), (tangent,))
+    with warnings.catch_warnings():
+        # the first forward-mode call in a process scripts torch's jvp decompositions, and torch warns that
+        # torch.jit.script is deprecated: a torch internal, nothing a user can act on
+        warnings.filterwarnings("ignore", message=r".*torch\.jit\.script. is deprecated", category=DeprecationWarning)
+        _, product = torch.func.jvp(lambda z: grad(log_posterior_fn)(z, batch), (latents,), (tangent,))
     if root is not None:
         product = {name: p * root[name] for name, p in product.items()}
     return product
