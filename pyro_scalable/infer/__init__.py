@@ -4,11 +4,14 @@ from pyro_scalable.infer.laplace import AutoLinearizedLaplace, CurvatureError, G
 from pyro_scalable.infer.mcmc import StochasticMCMC
 from pyro_scalable.infer.sample_then_optimize import SampleThenOptimize
 from pyro_scalable.infer.schedules import Cyclical, PolynomialDecay
-from pyro_scalable.infer.sgmcmc import SGHMC, SGLD, sghmc, sgld
+from pyro_scalable.infer.sgmcmc import BAOAB, PSGLD, SGHMC, SGLD, SGNHT, baoab, psgld, sghmc, sgld, sgnht
 
 __all__ = [
+    "BAOAB",
     "SGHMC",
+    "PSGLD",
     "SGLD",
+    "SGNHT",
     "AutoLinearizedLaplace",
     "CurvatureError",
     "Cyclical",
@@ -17,6 +20,9 @@ __all__ = [
     "PolynomialDecay",
     "SampleThenOptimize",
     "StochasticMCMC",
+    "baoab",
     "sghmc",
+    "psgld",
     "sgld",
+    "sgnht",
 ]

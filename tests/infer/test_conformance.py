@@ -7,14 +7,17 @@ import torch
 from torch.func import vmap
 from torch.utils._pytree import tree_leaves
 
-from pyro_scalable.infer import SGHMC, SGLD, sghmc, sgld
+from pyro_scalable.infer import BAOAB, SGHMC, SGLD, SGNHT, baoab, sghmc, sgld, sgnht
 from pyro_scalable.infer.schedules import Cyclical, PolynomialDecay
 from pyro_scalable.infer.sgmcmc.base import SGMCMCInfo
 
 ENGINES = [
     pytest.param(sgld, SGLD, {"step_size": 0.05}, id="sgld"),
     pytest.param(sghmc, SGHMC, {"step_size": 0.05, "friction": 2.0}, id="sghmc"),
+    pytest.param(sgnht, SGNHT, {"step_size": 0.05, "friction": 2.0}, id="sgnht"),
+    pytest.param(baoab, BAOAB, {"step_size": 0.05, "friction": 2.0}, id="baoab"),
 ]
+NO_ZERO_TEMPERATURE = {sgnht}  # SGNHT has no T = 0 limit (its thermostat diverges): it refuses T = 0
 
 
 def target(latents, batch):
@@ -47,6 +50,8 @@ def test_step_contract_and_info(module, cls, hyper):
 
 @pytest.mark.parametrize("module,cls,hyper", ENGINES)
 def test_vmap_over_chains_equals_loop_at_zero_temperature(module, cls, hyper):
+    if module in NO_ZERO_TEMPERATURE:
+        pytest.skip("no T = 0 limit; test_vmap_over_chains_with_shared_noise_equals_loop covers vmap")
     chains = {"x": torch.randn(4, 2, dtype=torch.float64), "y": torch.randn(4, dtype=torch.float64)}
     batched = vmap(module.init)(chains)
 
@@ -62,6 +67,27 @@ def test_vmap_over_chains_equals_loop_at_zero_temperature(module, cls, hyper):
         for name in chains:
             torch.testing.assert_close(batched.latents[name][c], single.latents[name], rtol=1e-14, atol=1e-14)
     assert info.log_posterior.shape == (4,)
+
+
+@pytest.mark.parametrize("module,cls,hyper", ENGINES)
+def test_vmap_over_chains_with_shared_noise_equals_loop(module, cls, hyper):
+    chains = {"x": torch.randn(3, 2, dtype=torch.float64), "y": torch.randn(3, dtype=torch.float64)}
+    g = torch.Generator()
+
+    def one(state):
+        return module.step(state, None, target, **hyper, temperature=0.5, generator=g)
+
+    g.manual_seed(0)
+    batched = vmap(module.init)(chains)
+    for _ in range(5):
+        batched, _ = vmap(one, randomness="same")(batched)  # one noise draw, shared by the chains
+    for c in range(3):
+        g.manual_seed(0)
+        single = module.init({k: v[c] for k, v in chains.items()})
+        for _ in range(5):
+            single, _ = one(single)
+        for name in chains:
+            torch.testing.assert_close(batched.latents[name][c], single.latents[name], rtol=1e-13, atol=1e-13)
 
 
 @pytest.mark.parametrize("module,cls,hyper", ENGINES)

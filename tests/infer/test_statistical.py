@@ -7,16 +7,27 @@ Lyapunov solution) — it tends to T·H⁻¹ as ε → 0. What is left is Monte-
 noise (2εT for SGLD, 2αεT for SGHMC); its relative effect is bounded by εV/(2T) resp. εV/(2αT) with V the largest
 eigenvalue of the N/B-scaled minibatch-gradient covariance at the posterior mean, taken twice as a margin for
 evaluating V at one point. Nothing here is tuned to a seed. The mean of a linear-Gaussian target is unbiased.
+
+BAOAB's exact law is its own 2×2 Lyapunov solution (whose θ-marginal is T·H⁻¹ exactly); its kicks bring
+c²ε²V against O's (1 - c²)T, the same allowance with 2αε replaced by (1 - c²)/c². SGNHT has no exact law: its
+thermostat starts at A and relaxes at a rate of about T/A per unit time, far slower than these runs, so it is
+compared with SGHMC's law at friction A; the thermostat's drift towards A + εV̄/(2T) changes the friction by at
+most εV/(2AT) relative, so SGNHT gets twice SGHMC's allowance. Its chains start at posterior draws: from the
+prior, the energy released falling into the posterior would lift the thermostat far above A for the whole run.
+A run costs about a minute of CPU (per-step overhead: 128 chains cost nearly as much as 512), so these two
+engines run in the slow tier only; their fast checks are the gold tests in test_baoab.py / test_sgnht.py.
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 from pyro.infer.autoguide.initialization import init_to_sample
 from pyro.ops.stats import effective_sample_size
 
-from pyro_scalable.infer import SGHMC, SGLD, StochasticMCMC
+from pyro_scalable.infer import BAOAB, SGHMC, SGLD, SGNHT, StochasticMCMC
 
 from ..conftest import LinearRegression
 from .test_sghmc import lyapunov
@@ -39,6 +50,12 @@ def stationary_cov(problem: LinearRegression, kind: str, step_size: float, tempe
     for h in lam.tolist():
         if kind == "sgld":
             variances.append(temperature / (h * (1 - eps * h / 2)))
+        elif kind == "baoab":
+            c, half = math.exp(-friction * eps), eps / 2
+            a = torch.tensor([[1 - half * (1 + c) * eps * h, half * (1 + c)], [-c * eps * h, c]], dtype=torch.float64)
+            s = ((1 - c**2) * temperature) ** 0.5
+            b = torch.tensor([half * s, s], dtype=torch.float64)
+            variances.append(float(lyapunov(a, torch.outer(b, b))[0, 0]))
         else:
             decay = 1 - eps * friction
             a = torch.tensor([[1 - eps**2 * h, eps * decay], [-eps * h, decay]], dtype=torch.float64)
@@ -105,6 +122,48 @@ def test_sghmc_matches_conjugate_posterior(size, temperature):
     )
     draws = sample(kernel, problem, *size)
     allowance = 2 * step_size * gradient_noise(problem) / (2 * friction * temperature)
+    expected = stationary_cov(problem, "sghmc", step_size, temperature, friction)
+    assert_matches(draws, problem.mean, expected, allowance)
+
+
+NEW_ENGINE_SIZES = {"fast": pytest.param(SIZES["fast"], marks=pytest.mark.slow), "slow": SIZES["slow"]}
+
+
+def init_to_posterior(problem: LinearRegression, temperature: float):
+    """A Pyro init strategy drawing ``w`` from the tempered closed-form posterior."""
+    root = torch.linalg.cholesky(temperature * problem.cov)
+
+    def strategy(site):
+        return problem.mean + root @ torch.randn(problem.mean.shape, dtype=problem.mean.dtype)
+
+    return strategy
+
+
+@pytest.mark.parametrize("size", NEW_ENGINE_SIZES.values(), ids=NEW_ENGINE_SIZES.keys())
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_baoab_matches_conjugate_posterior(size, temperature):
+    problem = LinearRegression(**PROBLEM)
+    step_size, friction = 1e-3, 50.0
+    kernel = BAOAB(
+        problem.model, step_size=step_size, friction=friction, temperature=temperature, init_strategy=init_to_sample
+    )
+    draws = sample(kernel, problem, *size)
+    c = math.exp(-friction * step_size)
+    allowance = 2 * c**2 * step_size**2 * gradient_noise(problem) / ((1 - c**2) * temperature)
+    expected = stationary_cov(problem, "baoab", step_size, temperature, friction)
+    torch.testing.assert_close(expected, temperature * problem.cov, rtol=1e-9, atol=0)  # BAOAB: exact θ-marginal
+    assert_matches(draws, problem.mean, expected, allowance)
+
+
+@pytest.mark.parametrize("size", NEW_ENGINE_SIZES.values(), ids=NEW_ENGINE_SIZES.keys())
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_sgnht_matches_conjugate_posterior(size, temperature):
+    problem = LinearRegression(**PROBLEM)
+    step_size, friction = 1e-3, 50.0
+    init = init_to_posterior(problem, temperature)
+    kernel = SGNHT(problem.model, step_size=step_size, friction=friction, temperature=temperature, init_strategy=init)
+    draws = sample(kernel, problem, *size)
+    allowance = 2 * 2 * step_size * gradient_noise(problem) / (2 * friction * temperature)
     expected = stationary_cov(problem, "sghmc", step_size, temperature, friction)
     assert_matches(draws, problem.mean, expected, allowance)
 

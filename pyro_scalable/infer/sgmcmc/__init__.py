@@ -1,8 +1,28 @@
 """Stochastic-gradient MCMC engines: one module per algorithm (``init``, ``step``, a thin Pyro-facing class)."""
 
-from pyro_scalable.infer.sgmcmc import sghmc, sgld
+from pyro_scalable.infer.sgmcmc import baoab, psgld, sghmc, sgld, sgnht
+from pyro_scalable.infer.sgmcmc.baoab import BAOAB, BAOABState
 from pyro_scalable.infer.sgmcmc.base import SGMCMCInfo
+from pyro_scalable.infer.sgmcmc.psgld import PSGLD, PSGLDState
 from pyro_scalable.infer.sgmcmc.sghmc import SGHMC, SGHMCState
 from pyro_scalable.infer.sgmcmc.sgld import SGLD, SGLDState
+from pyro_scalable.infer.sgmcmc.sgnht import SGNHT, SGNHTState
 
-__all__ = ["SGHMC", "SGHMCState", "SGLD", "SGLDState", "SGMCMCInfo", "sghmc", "sgld"]
+__all__ = [
+    "BAOAB",
+    "BAOABState",
+    "PSGLD",
+    "PSGLDState",
+    "SGHMC",
+    "SGHMCState",
+    "SGLD",
+    "SGLDState",
+    "SGMCMCInfo",
+    "SGNHT",
+    "SGNHTState",
+    "baoab",
+    "psgld",
+    "sghmc",
+    "sgld",
+    "sgnht",
+]

@@ -1,0 +1,416 @@
+r"""BAOAB Langevin splitting with stochastic gradients and a temperature (Leimkuhler & Matthews, 2013).
+
+Momentum :math:`p`, diagonal mass :math:`m`, friction :math:`\gamma`, step size :math:`\epsilon`, temperature
+:math:`T`, minibatch gradient :math:`\hat g` of the log joint, :math:`c = e^{-\gamma\epsilon}` and
+:math:`\zeta \sim \mathcal{N}(0, I)`. One step is five sub-steps:
+
+.. math::
+
+    \text{B: } p \leftarrow p + \tfrac{\epsilon}{2}\hat g(\theta), \quad
+    \text{A: } \theta \leftarrow \theta + \tfrac{\epsilon}{2} p / m, \quad
+    \text{O: } p \leftarrow c\,p + \sqrt{(1 - c^2)\,T m}\;\zeta, \quad
+    \text{A}, \quad \text{B}.
+
+O is the exact solution of the Ornstein–Uhlenbeck part, so any :math:`\gamma\epsilon` is allowed. On a Gaussian
+target :math:`\mathcal{N}(0, \sigma^2)` with exact gradients the :math:`\theta`-marginal of the stationary law is
+exactly :math:`T\sigma^2` for every stable step (:math:`\epsilon < 2\sigma\sqrt m`); the momentum after a full
+step has variance :math:`Tm\,(1 - \epsilon^2/(4m\sigma^2))`, and the momentum this module stores (after O, see
+below) exactly :math:`Tm`. For other targets configurational averages are second order in :math:`\epsilon`.
+
+**One gradient per step.** Step :math:`t`'s closing B and step :math:`t+1`'s opening B are both at
+:math:`\theta_{t+1}`. The state therefore stores :math:`\theta_t` and :math:`\tilde p_t`, the momentum after
+the previous step's O (and A), still owed its closing half-kick; :func:`update` computes
+:math:`\hat g(\theta_t)` once and applies the two half-kicks together:
+
+.. math::
+
+    p' = \tilde p_t + \tfrac{\epsilon_{t-1} + \epsilon_t}{2}\,\hat g(\theta_t), \quad
+    \theta' = \theta_t + \tfrac{\epsilon_t}{2} p'/m, \quad
+    \tilde p_{t+1} = c\,p' + \sqrt{(1 - c^2) T m}\,\zeta_t, \quad
+    \theta_{t+1} = \theta' + \tfrac{\epsilon_t}{2}\tilde p_{t+1}/m .
+
+*Proof that the recorded* :math:`\theta` *are BAOAB's.* Let :math:`p_t = \tilde p_t + \tfrac{\epsilon_{t-1}}{2}
+\hat g(\theta_t)` (the closing B of step :math:`t-1`). Then :math:`p' = p_t + \tfrac{\epsilon_t}{2}\hat g
+(\theta_t)` is step :math:`t`'s opening B, :math:`\theta'` its first A, :math:`\tilde p_{t+1}` its O,
+:math:`\theta_{t+1}` its second A, and its closing B, :math:`p_{t+1} = \tilde p_{t+1} + \tfrac{\epsilon_t}{2}
+\hat g(\theta_{t+1})`, is by definition the :math:`p_{t+1}` of the next step: by induction
+:math:`(\theta_t, p_t)` is the BAOAB chain for every :math:`t`, the B's at :math:`\theta_{t+1}` using one and the
+same minibatch gradient. The chain starts at :math:`\tilde p_0` (zero by default) with :math:`\epsilon_{-1} =
+\epsilon_0`: BAOAB from :math:`p_0 = \tilde p_0 + \tfrac{\epsilon_0}{2}\hat g(\theta_0)`. A diverging step resets
+:math:`\tilde p` to 0 and starts afresh in the same way.
+
+**T = 0 is SGD with momentum.** O becomes :math:`p \leftarrow c\,p`. Writing :math:`b_t = -p'_t/\epsilon`
+(:math:`p'_t` the momentum after step :math:`t`'s kick), a constant step gives
+:math:`b_t = c\,b_{t-1} + \nabla(-\log p)(\theta_t)` and :math:`\theta_{t+1} = \theta_t - \tfrac{\epsilon^2(1 + c)}
+{2m} b_t` — exactly ``torch.optim.SGD(lr=η, momentum=μ)`` from a zero momentum buffer, with
+
+.. math::
+
+    \eta = \frac{\epsilon^2 (1 + c)}{2m}, \quad \mu = c = e^{-\gamma\epsilon}
+    \qquad\Longleftrightarrow\qquad
+    \epsilon = \sqrt{\frac{2 m \eta}{1 + \mu}}, \quad \gamma = -\frac{\ln\mu}{\epsilon}
+
+(:func:`sgd_hyperparameters`; :math:`0 < \mu < 1`).
+
+**Gradient noise.** The two half-kicks bring :math:`\epsilon^2 V` into :math:`p'`, of which :math:`c^2\epsilon^2
+V` survives O (to first order in :math:`\gamma\epsilon`, :math:`\epsilon^2 V`). With ``gradient_noise="correct"``
+O's fresh noise is :math:`(1 - c^2) T m_j - c^2 \epsilon^2 \hat V_j` per coordinate, floored at 0 (diagonal,
+the moving average of the per-minibatch estimates, as SGLD's): the stored momentum's variance is then right; what the approximation
+leaves is the gradient noise's direct effect on :math:`\theta` through the first A, of order
+:math:`\epsilon^4\hat V/m^2`.
+
+**Warm-up.** ``step_size=None`` chooses :math:`\epsilon \le 0.5/\sqrt\lambda` (:math:`\lambda` the largest
+curvature in the mass metric) and, with a given friction, a step small enough that the kicks' noise is at most
+:math:`\rho = 1/2` of O's (using :math:`1 - c^2 \ge 2\gamma\epsilon/(1 + 2\gamma\epsilon)`); where the friction is
+left to warm-up, :math:`\epsilon^2 \bar V_{\max}/m \le 3\rho T` and :math:`c` is the largest value up to 0.9 for
+which the noise bound holds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import torch
+from pyro.infer.autoguide.initialization import init_to_uniform
+from torch import Tensor
+
+from pyro_scalable.bridge.model import FullDataModel
+from pyro_scalable.infer.schedules import ScalarOrSchedule, check_positive, resolve
+from pyro_scalable.infer.sgmcmc import warmup
+from pyro_scalable.infer.sgmcmc.base import (
+    GradientEstimate,
+    Latents,
+    LogPosteriorFn,
+    check_gradient_noise,
+    estimate_gradient,
+    gaussian_like,
+    injected_variance,
+    keep_where_finite,
+)
+
+__all__ = ["BAOAB", "BAOABInfo", "BAOABState", "estimate", "init", "sgd_hyperparameters", "step", "update"]
+
+CURVATURE_BOUND = 0.5  # ε √λ_max chosen in warm-up (stability needs < 2; θ is exact on a Gaussian below that)
+_LEAST_DECAY = 0.5  # warm-up keeps c = exp(-γ ε) at or above this where it chooses γ
+_DEFAULT_DECAY = 0.9  # warm-up's c where the gradient noise does not ask for less
+
+Mass = float | Mapping[str, Tensor]
+
+
+class BAOABState(NamedTuple):
+    """Everything the next BAOAB step needs. Every field is a tensor."""
+
+    latents: Latents  # unconstrained values, keyed by Pyro site name
+    momenta: Latents  # after the last O: still owed the closing half-kick at ``latents`` (see the module)
+    checked_latents: (
+        Latents  # last point with finite density and gradient: the draw, and where a diverging step returns
+    )
+    step_count: Tensor  # 0-d int64
+    mass: Latents  # diagonal mass, shaped like the latents
+    friction: Tensor  # 0-d γ (NaN until warm-up chooses it)
+    previous_step_size: Tensor  # 0-d ε of the last step, whose closing half-kick is owed (NaN: none, use ε)
+    adaptation: warmup.Adaptation
+
+
+class BAOABInfo(NamedTuple):
+    """A BAOAB step, for people and ArviZ (the fields of :class:`~.base.SGMCMCInfo`, and the friction)."""
+
+    log_posterior: Tensor
+    grad_norm: Tensor
+    step_size: Tensor
+    temperature: Tensor
+    diverging: Tensor
+    noise_ratio: Tensor
+    uncorrected: Tensor
+    friction: Tensor
+
+
+def init(
+    latents: Latents,
+    momenta: Latents | None = None,
+    *,
+    step_size: ScalarOrSchedule | None = None,
+    friction: float | None = 1.0,
+    mass: Mass = 1.0,
+) -> BAOABState:
+    """Start a chain at ``latents``; ``momenta`` (zero by default) are owed their first half-kick."""
+    first = next(iter(latents.values()))
+    if momenta is None:
+        momenta = {name: torch.zeros_like(x) for name, x in latents.items()}
+    zero = torch.zeros((), dtype=torch.int64, device=first.device)
+    masses = {name: _mass_of(mass, name, x) for name, x in latents.items()}
+    gamma = torch.full((), math.nan if friction is None else float(friction), dtype=first.dtype, device=first.device)
+    adaptation = warmup.init_adaptation(latents, step_size)
+    return BAOABState(
+        dict(latents), dict(momenta), dict(latents), zero, masses, gamma, torch.full_like(gamma, math.nan), adaptation
+    )
+
+
+def _mass_of(mass: Mass, name: str, x: Tensor) -> Tensor:
+    if isinstance(mass, Mapping):
+        return torch.as_tensor(mass[name], dtype=x.dtype, device=x.device) + torch.zeros_like(x)
+    return torch.full_like(x, float(mass))
+
+
+def estimate(
+    state: BAOABState,
+    batch: Any,
+    log_posterior_fn: LogPosteriorFn,
+    *,
+    gradient_noise: str = "ignore",
+    adapt: int = 0,
+) -> GradientEstimate:
+    """The minibatch gradient, its noise, and in warm-up the curvature in the mass metric."""
+    noise = gradient_noise != "ignore" or adapt > 0
+    result = estimate_gradient(log_posterior_fn, state.latents, batch, noise=noise)
+    if adapt > 0:
+        inverse_mass = {name: 1.0 / m for name, m in state.mass.items()}
+        product = warmup.hessian_product(
+            log_posterior_fn, state.latents, batch, state.adaptation, inverse_mass, iterations=adapt
+        )
+        result = result._replace(hessian_product=product)
+    return result
+
+
+def update(
+    state: BAOABState,
+    gradient: GradientEstimate,
+    *,
+    step_size: ScalarOrSchedule | None,
+    friction: float | None = 1.0,
+    temperature: ScalarOrSchedule = 1.0,
+    gradient_noise: str = "ignore",
+    burn_in: bool = False,
+    generator: torch.Generator | None = None,
+) -> tuple[BAOABState, BAOABInfo]:
+    """Move one chain by one BAOAB step with the gradient ``gradient`` (from :func:`estimate`)."""
+    temp = resolve(temperature, state.step_count, gradient.log_posterior)
+    masses, gamma, adaptation = state.mass, state.friction, state.adaptation
+    adaptation = warmup.observe(adaptation, gradient)
+    if gradient.hessian_product:
+        if step_size is None:
+            # burn-in (the first half of warm-up) leaves the noise bound out: T = 0 switches it off
+            eps, gamma = _choose(adaptation, masses, friction, torch.zeros_like(temp) if burn_in else temp)
+            adaptation = adaptation._replace(step_size=eps)
+    eps = adaptation.step_size if step_size is None else resolve(step_size, state.step_count, gradient.log_posterior)
+    kick = 0.5 * (torch.where(torch.isnan(state.previous_step_size), eps, state.previous_step_size) + eps)
+    decay = torch.exp(-gamma * eps)
+    wanted = {name: (1.0 - decay**2) * temp * m for name, m in masses.items()}
+    gradient_variance = (  # the moving average of the noise estimates: steadier than one minibatch's
+        {}
+        if gradient_noise == "ignore"
+        else {name: (decay * kick) ** 2 * adaptation.noise[name] for name in gradient.noise_variance}
+    )
+    variance, noise_ratio, uncorrected = injected_variance(
+        wanted, gradient_variance, gradient_noise == "correct", state.latents
+    )
+    noise = gaussian_like(state.latents, generator, temperature)
+    kicked = {name: p + kick * gradient.grads[name] for name, p in state.momenta.items()}
+    momenta = {name: decay * p + torch.sqrt(variance[name]) * noise[name] for name, p in kicked.items()}
+    proposal = {
+        name: x + (0.5 * eps / masses[name]) * kicked[name] + (0.5 * eps / masses[name]) * momenta[name]
+        for name, x in state.latents.items()
+    }
+    diverging = gradient.diverging
+    latents = keep_where_finite(diverging, proposal, state.checked_latents)
+    previous = keep_where_finite(diverging, state.latents, state.checked_latents)
+    momenta = {name: torch.where(diverging, p.new_zeros(()), p) for name, p in momenta.items()}
+    owed = torch.where(diverging, torch.full_like(kick, math.nan), eps + torch.zeros_like(kick))
+    info = BAOABInfo(gradient.log_posterior, gradient.grad_norm, eps, temp, diverging, noise_ratio, uncorrected, gamma)
+    new = BAOABState(latents, momenta, previous, state.step_count + 1, masses, gamma, owed, adaptation)
+    return new, info
+
+
+def _choose(adaptation: warmup.Adaptation, masses: Latents, friction: float | None, temp: Tensor):
+    """Warm-up's step size (and friction, where not given) from the curvature and the gradient noise."""
+    eps = CURVATURE_BOUND / torch.sqrt(adaptation.curvature)
+    # r = max_j V_j / m_j: the kicks' noise in the momentum's own units
+    r = torch.stack([(v / masses[name]).max() for name, v in adaptation.noise.items()]).max()
+    budget = warmup.NOISE_FRACTION * temp  # the kicks' noise may be at most ρ (1 - c²) T m
+    noisy = (r > 0) & (temp > 0)
+    safe_r = torch.where(noisy, r, torch.ones_like(r))
+    if friction is None:
+        # c² ε² r ≤ ρ (1 - c²) T needs, at c = _LEAST_DECAY, ε² r ≤ ρ T (1 - c²) / c²
+        least = _LEAST_DECAY**2
+        eps = torch.where(noisy, torch.minimum(eps, torch.sqrt(budget * (1 - least) / least / safe_r)), eps)
+        decay = torch.sqrt(budget / (budget + eps**2 * safe_r))
+        decay = torch.where(noisy, torch.clamp(decay, max=_DEFAULT_DECAY), torch.full_like(decay, _DEFAULT_DECAY))
+        return eps, -torch.log(decay) / eps
+    gamma = torch.full_like(eps, float(friction))
+    # ε r (1 + 2γε) ≤ 2ργT, sufficient since 1 - c² ≥ 2γε / (1 + 2γε); the positive root, rationalised
+    root = 4.0 * gamma * budget / (safe_r + torch.sqrt(safe_r**2 + 16.0 * gamma**2 * safe_r * budget))
+    return torch.where(noisy, torch.minimum(eps, root), eps), gamma
+
+
+def step(
+    state: BAOABState,
+    batch: Any,
+    log_posterior_fn: LogPosteriorFn,
+    *,
+    step_size: ScalarOrSchedule | None,
+    friction: float | None = 1.0,
+    mass: Mass | None = None,
+    temperature: ScalarOrSchedule = 1.0,
+    gradient_noise: str = "ignore",
+    adapt: int = 0,
+    burn_in: bool = False,
+    generator: torch.Generator | None = None,
+) -> tuple[BAOABState, BAOABInfo]:
+    """Advance one chain by one BAOAB step on ``batch`` (:func:`estimate` then :func:`update`).
+
+    A state made by :func:`init` carries its mass and friction; a given ``friction`` or ``mass`` here replaces
+    them (``friction=None``: warm-up chooses it).
+    """
+    if mass is not None:
+        state = state._replace(mass={name: _mass_of(mass, name, x) for name, x in state.latents.items()})
+    if friction is not None:
+        state = state._replace(friction=torch.full_like(state.friction, float(friction)))
+    gradient = estimate(state, batch, log_posterior_fn, gradient_noise=gradient_noise, adapt=adapt)
+    return update(
+        state,
+        gradient,
+        step_size=step_size,
+        friction=friction,
+        temperature=temperature,
+        gradient_noise=gradient_noise,
+        burn_in=burn_in,
+        generator=generator,
+    )
+
+
+def sgd_hyperparameters(lr: float, momentum: float, mass: float = 1.0) -> dict[str, float]:
+    """The ``step_size`` and ``friction`` whose T = 0 trajectory is ``torch.optim.SGD(lr=lr, momentum=momentum)``.
+
+    Example:
+        >>> {k: round(v, 6) for k, v in sgd_hyperparameters(lr=0.01, momentum=0.9).items()}
+        {'step_size': 0.102598, 'friction': 1.026927}
+
+    """
+    if not (lr > 0 and 0 < momentum < 1 and mass > 0):
+        raise ValueError(f"need lr > 0, 0 < momentum < 1 and mass > 0; got {lr=}, {momentum=}, {mass=}.")
+    step_size = math.sqrt(2.0 * mass * lr / (1.0 + momentum))
+    return {"step_size": step_size, "friction": -math.log(momentum) / step_size}
+
+
+class BAOAB:
+    """BAOAB for a Pyro model: binds the model and the hyperparameters; the maths is in :func:`step`.
+
+    With ``temperature=0`` and a scalar mass the trajectory is that of ``torch.optim.SGD(lr=step_size**2 * (1 + c)
+    / (2 * mass), momentum=c)``, ``c = exp(-friction * step_size)`` (see :func:`sgd_hyperparameters`).
+
+    Args:
+        model: a Pyro model whose likelihood sits in a subsampled ``pyro.plate``; kept as ``self.model``, a
+            :class:`~pyro_scalable.bridge.FullDataModel` (the same model on the full data).
+        step_size: ε, a constant or a schedule (:mod:`pyro_scalable.infer.schedules`); ``None`` (the default)
+            chooses it in warm-up from the curvature and the gradient noise (needs ``num_warmup`` > 0).
+        friction: γ > 0, any size (the O step is exact). ``None`` (the default) is 1.0 with a given step size,
+            and chosen in warm-up with the step size otherwise.
+        mass: the diagonal mass: a positive scalar, or a dict of positive tensors by site.
+        temperature: T; 1 is Bayes, 0 is SGD with momentum. A constant or a schedule.
+        gradient_noise: ``"correct"``, ``"estimate"`` or ``"ignore"``, as for :class:`~.sgld.SGLD` (default:
+            ``"correct"`` when the step size is left to warm-up, else ``"ignore"``).
+        init_strategy: a Pyro init strategy, one draw per chain.
+
+    Example:
+        >>> import pyro, pyro.distributions as dist, torch
+        >>> from pyro_scalable.infer import BAOAB, StochasticMCMC
+        >>> def model(y):
+        ...     mu = pyro.sample("mu", dist.Normal(0.0, 10.0))
+        ...     with pyro.plate("data", len(y), subsample_size=20) as idx:
+        ...         pyro.sample("obs", dist.Normal(mu, 1.0), obs=y[idx])
+        >>> mcmc = StochasticMCMC(BAOAB(model, step_size=0.01, friction=10.0), num_samples=200,
+        ...                       num_warmup=200, num_chains=2, progress_bar=False, seed=0)
+        >>> mcmc.run(torch.randn(500) + 3.0)
+        >>> mcmc.get_samples(group_by_chain=True)["mu"].shape
+        torch.Size([2, 200])
+
+    """
+
+    def __init__(
+        self,
+        model: Callable,
+        step_size: ScalarOrSchedule | None = None,
+        friction: float | None = None,
+        mass: Mass = 1.0,
+        temperature: ScalarOrSchedule = 1.0,
+        *,
+        gradient_noise: str | None = None,
+        init_strategy: Callable = init_to_uniform,
+    ):
+        if step_size is not None:
+            check_positive("step_size", step_size)
+            friction = 1.0 if friction is None else friction
+        if friction is not None:
+            check_positive("friction", friction)
+        _check_mass(mass)
+        check_positive("temperature", temperature, allow_zero=True)
+        self.model = FullDataModel(model)
+        self.step_size = step_size
+        self.friction = friction
+        self.mass = mass
+        self.temperature = temperature
+        self.gradient_noise = check_gradient_noise(gradient_noise, step_size)
+        self.init_strategy = init_strategy
+
+    @property
+    def adapts(self) -> bool:
+        """Whether warm-up chooses something (here: the step size, and the friction if not given)."""
+        return self.step_size is None
+
+    def init(self, latents: Latents) -> BAOABState:
+        """Start a chain at unconstrained ``latents`` with zero momenta."""
+        return init(latents, step_size=self.step_size, friction=self.friction, mass=self.mass)
+
+    def estimate(self, state: BAOABState, batch: Any, log_posterior_fn: LogPosteriorFn, adapt: int = 0):
+        """The gradient (and its noise, and in warm-up the curvature) the next update needs."""
+        return estimate(state, batch, log_posterior_fn, gradient_noise=self.gradient_noise, adapt=adapt)
+
+    def update(
+        self,
+        state: BAOABState,
+        gradient: GradientEstimate,
+        generator: torch.Generator | None = None,
+        burn_in: bool = False,
+    ):
+        """One update with this kernel's hyperparameters, given the gradient (``burn_in``: early warm-up)."""
+        return update(
+            state,
+            gradient,
+            step_size=self.step_size,
+            friction=self.friction,
+            temperature=self.temperature,
+            gradient_noise=self.gradient_noise,
+            burn_in=burn_in,
+            generator=generator,
+        )
+
+    def step(
+        self,
+        state: BAOABState,
+        batch: Any,
+        log_posterior_fn: LogPosteriorFn,
+        generator: torch.Generator | None = None,
+        adapt: int = 0,
+        burn_in: bool = False,
+    ) -> tuple[BAOABState, BAOABInfo]:
+        """One step with this kernel's hyperparameters."""
+        return self.update(state, self.estimate(state, batch, log_posterior_fn, adapt), generator, burn_in)
+
+    def __repr__(self) -> str:
+        mass = self.mass if isinstance(self.mass, (float, int)) else "{...}"
+        return (
+            f"BAOAB(step_size={self.step_size!r}, friction={self.friction!r}, mass={mass!r}, "
+            f"temperature={self.temperature!r}, gradient_noise={self.gradient_noise!r})"
+        )
+
+
+def _check_mass(mass: Mass) -> None:
+    if isinstance(mass, Mapping):
+        for name, value in mass.items():
+            value = torch.as_tensor(value)
+            if not bool(torch.isfinite(value).all()) or not bool((value > 0).all()):
+                raise ValueError(f"mass['{name}'] must be finite and positive everywhere.")
+        return
+    check_positive("mass", mass)
