@@ -25,13 +25,15 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 from torch.func import vmap
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from tqdm.auto import tqdm
 
 from pyro_scalable.bridge.checks import ModelError
 from pyro_scalable.bridge.minibatches import EpochSampler
 from pyro_scalable.bridge.model import Batch, Latents, ModelBridge
 from pyro_scalable.infer.checkpoint import RunCheckpoint
+from pyro_scalable.infer.distributed import DistributedMode, broadcast_seed, normalised_per_chain
+from pyro_scalable.infer.distributed import setup as setup_parallel
 from pyro_scalable.infer.results import Draws
 
 __all__ = ["StochasticMCMC"]
@@ -56,6 +58,11 @@ class StochasticMCMC(Draws):
             ``sample_stats.diverging`` and goes on; ``"stop"`` ends the run there, keeping every draw taken.
         draws_device: where draws are stored (default CPU, whatever device the model runs on).
         progress_bar: show a tqdm progress bar.
+        distributed: run on every process of torch.distributed's default process group (launched by ``torchrun``;
+            see :mod:`pyro_scalable.infer.distributed`). ``"data"`` splits each minibatch across the ranks and
+            all-reduces the gradient: every rank runs every chain and ends with the same draws as one process on
+            the whole minibatch. ``"chains"`` splits the chains across the ranks; rank 0 then holds every chain's
+            draws, and every other rank only its own (its ``num_chains`` is its share). ``None``: one process.
         checkpoint: a file to write the run's state to, so that a killed run goes on where it stopped
             (:mod:`pyro_scalable.infer.checkpoint`). ``run`` resumes from it where it exists and was written with
             the same settings, and refuses it, naming what differs, where it was not.
@@ -92,6 +99,7 @@ class StochasticMCMC(Draws):
         on_divergence: Literal["continue", "stop"] = "continue",
         draws_device: torch.device | str = "cpu",
         progress_bar: bool = True,
+        distributed: DistributedMode | None = None,
         checkpoint: str | os.PathLike | None = None,
         checkpoint_every: int = 1000,
         resume: bool = True,
@@ -109,6 +117,10 @@ class StochasticMCMC(Draws):
             raise ValueError(f"chain_method must be 'vectorized' or 'sequential', got {chain_method!r}.")
         if on_divergence not in ("continue", "stop"):
             raise ValueError(f"on_divergence must be 'continue' or 'stop', got {on_divergence!r}.")
+        if distributed not in ("data", "chains", None):
+            raise ValueError(f"distributed must be 'data', 'chains' or None, got {distributed!r}.")
+        if distributed == "data" and not (hasattr(kernel, "estimate") and hasattr(kernel, "update")):
+            raise TypeError(f"distributed='data' needs a kernel with estimate() and update(), got {kernel!r}.")
         if not (hasattr(kernel, "init") and hasattr(kernel, "step") and hasattr(kernel, "model")):
             raise TypeError(f"kernel must be an engine such as SGLD(model, ...) or SGHMC(model, ...), got {kernel!r}.")
         self.kernel = kernel
@@ -121,10 +133,14 @@ class StochasticMCMC(Draws):
         self.on_divergence = on_divergence
         self.draws_device = torch.device(draws_device)
         self.progress_bar = progress_bar
+        self.distributed = distributed
+        if checkpoint is not None and distributed is not None:
+            raise ValueError("checkpoint does not work with distributed yet: give one of them.")
         self.checkpoint = checkpoint
         self.checkpoint_every = operator.index(checkpoint_every)
         self.resume = bool(resume)
         self._num_samples_requested = self.num_samples
+        self._num_chains_requested = self.num_chains
         self.bridge: ModelBridge | None = None
         self._full_bridge: ModelBridge | None = None  # the full data, where a DataLoader fed the steps
         self.state: Any = None
@@ -144,6 +160,7 @@ class StochasticMCMC(Draws):
         """
         model = self.kernel.model
         self.num_samples = self._num_samples_requested  # a stopped earlier run may have kept fewer
+        self.num_chains = self._num_chains_requested  # a chain-parallel run leaves a rank's share on ranks > 0
         seed = int(torch.randint(0, 2**62, ())) if self.seed is None else self.seed
         self._args, self._kwargs = args, kwargs
         batch_iter = None
@@ -162,10 +179,16 @@ class StochasticMCMC(Draws):
                 f"{self.kernel!r} chooses its step size in warm-up, but num_warmup=0: give num_warmup "
                 "(a few hundred steps), or a step_size."
             )
-        generator = torch.Generator(device=bridge.device).manual_seed(seed)
+        parallel = setup_parallel(self.distributed, bridge.plates, self.num_chains, sharded=batch_iter is None)
+        if parallel is not None:
+            seed = broadcast_seed(seed, bridge.device)
+        generator = torch.Generator(device=bridge.device).manual_seed(parallel.noise_seed(seed) if parallel else seed)
         latents = bridge.init_latents(self.num_chains, self.kernel.init_strategy, seed=seed)
-        sampler = EpochSampler(bridge.plates, self.num_chains, generator, bridge.device)
-        stepper = _ChainStepper(self.kernel, bridge, latents, generator, self.chain_method)
+        if parallel is not None:
+            latents = parallel.local_chains(latents)
+        sampler = EpochSampler(bridge.plates, next(iter(latents.values())).shape[0], generator, bridge.device)
+        reducer = parallel if self.distributed == "data" else None
+        stepper = _ChainStepper(self.kernel, bridge, latents, generator, self.chain_method, reducer)
 
         self._allocate(latents)
         total = self.num_warmup + self.num_samples * self.thin
@@ -180,8 +203,8 @@ class StochasticMCMC(Draws):
             start, kept, diverged = checkpoint.resume(self.resume)
             for _ in range(start if batch_iter is not None else 0):
                 next(batch_iter)  # exact only where iterating `batches` again yields the same sequence
-        bar = tqdm(total=total, initial=start, disable=not self.progress_bar,
-                   desc="Warmup" if start < self.num_warmup else "Sample")
+        quiet = not self.progress_bar or (parallel is not None and not parallel.is_main)
+        bar = tqdm(total=total, initial=start, disable=quiet, desc="Warmup" if start < self.num_warmup else "Sample")
         try:
             for t in range(start, start if diverged else total):  # a run stopped at a divergence stays stopped
                 if batch_iter is not None:
@@ -224,6 +247,8 @@ class StochasticMCMC(Draws):
             bar.close()
         self._truncate(kept, stepper)
         self._stats = {k: v for k, v in self._stats.items() if not (v.is_floating_point() and v.isnan().all())}
+        if parallel is not None:
+            parallel.gather(self)
         if diverged and kept == 0:
             raise RuntimeError(
                 "a chain diverged during warmup and on_divergence='stop'; no draw was kept. "
@@ -233,7 +258,7 @@ class StochasticMCMC(Draws):
         self._warn_noise()
 
     def _allocate(self, latents: Latents) -> None:
-        shape = (self.num_chains, self.num_samples)
+        shape = (next(iter(latents.values())).shape[0], self.num_samples)  # this rank's chains
         self._draws = {
             name: torch.empty(shape + x.shape[1:], dtype=x.dtype, device=self.draws_device)
             for name, x in latents.items()
@@ -247,7 +272,7 @@ class StochasticMCMC(Draws):
             name = _STAT_NAMES.get(field, field)
             if name not in self._stats:
                 self._stats[name] = torch.empty(
-                    (self.num_chains, self.num_samples), dtype=value.dtype, device=self.draws_device
+                    (value.shape[0], self.num_samples), dtype=value.dtype, device=self.draws_device
                 )
             self._stats[name][:, index].copy_(value.detach())
 
@@ -289,10 +314,22 @@ def _power_iterations(step: int) -> int:
 
 
 class _ChainStepper:
-    """Steps all chains: vmapped, single-chain, or one after another (the fallback)."""
+    """Steps all chains: vmapped, single-chain, or one after another (the fallback).
 
-    def __init__(self, kernel: Any, bridge: ModelBridge, latents: Latents, generator: torch.Generator, method: str):
+    With a ``reducer`` (data-parallel) a step is ``estimate`` on this rank's share, an all-reduce, then ``update``.
+    """
+
+    def __init__(
+        self,
+        kernel: Any,
+        bridge: ModelBridge,
+        latents: Latents,
+        generator: torch.Generator,
+        method: str,
+        reducer: Any = None,
+    ):
         self.kernel = kernel
+        self.reducer = reducer
         self.bridge = bridge
         self.log_posterior_fn = bridge.log_posterior_fn
         self.adapts = bool(getattr(kernel, "adapts", False))
@@ -313,6 +350,9 @@ class _ChainStepper:
             return self.kernel.step(state, batch, self.log_posterior_fn, self.generator, adapt=adapt)
         return self.kernel.step(state, batch, self.log_posterior_fn, self.generator)
 
+    def _update(self, state: Any, gradient: Any):
+        return self.kernel.update(state, gradient, self.generator)
+
     def _vstep(self, adapt: int):
         if adapt not in self._vsteps:
 
@@ -323,6 +363,8 @@ class _ChainStepper:
         return self._vsteps[adapt]
 
     def step(self, batch: Batch, adapt: int = 0):
+        if self.reducer is not None:
+            return self._reduced_step(batch, adapt)
         if self.mode == "vectorized":
             try:
                 self.state, info = self._vstep(adapt)(self.state, batch.indices, batch.args, batch.kwargs)
@@ -347,6 +389,62 @@ class _ChainStepper:
             infos.append(info)
         return type(infos[0])(*(torch.stack(values) for values in zip(*infos)))
 
+    def _reduced_step(self, batch: Batch, adapt: int):
+        local = self.reducer.shard(batch)
+        direction = None  # several power iterations: each Hessian-vector product is all-reduced, then normalised
+        for _ in range(max(adapt, 1)):
+            gradient = self._estimate(local, min(adapt, 1), direction)
+            # the N behind the per-example noise estimate (inf for minibatches drawn with replacement)
+            population = self.log_posterior_fn.examples(local)[2] if gradient.noise_variance else None
+            gradient = self.reducer.reduce(gradient, population)
+            direction = normalised_per_chain(gradient.hessian_product) if gradient.hessian_product else None
+        if self.mode == "vectorized":
+            update = vmap(self._update, randomness="different")
+            self.state, info = update(self.state, gradient)
+            return info
+        infos = []
+        for c, chain_state in enumerate(self._chains):
+            self._chains[c], info = self._update(chain_state, tree_map(lambda x: x[c], gradient))
+            infos.append(info)
+        return _stack(infos)
+
+    def _estimate(self, batch: Batch, adapt: int, direction: Latents | None):
+        """Every chain's :class:`GradientEstimate` on ``batch``, stacked (``direction``: the power-iteration vector)."""
+
+        def one(state, indices, args, kwargs, direction):
+            if direction is not None:
+                state = state._replace(adaptation=state.adaptation._replace(direction=direction))
+            batch = Batch(indices, args, kwargs)
+            if self.adapts:
+                return self.kernel.estimate(state, batch, self.log_posterior_fn, adapt=adapt)
+            return self.kernel.estimate(state, batch, self.log_posterior_fn)
+
+        if self.mode == "vectorized":
+            try:
+                return vmap(one, in_dims=(0, 0, None, None, None if direction is None else 0))(
+                    self.state, batch.indices, batch.args, batch.kwargs, direction
+                )
+            except (RuntimeError, NotImplementedError, ModelError) as error:
+                self._chains = [tree_map(lambda x, c=c: x[c], self.state) for c in range(self.num_chains)]
+                self.mode = "sequential"
+                try:
+                    estimate = self._estimate(batch, adapt, direction)  # an error not about vmap is raised here
+                except Exception:
+                    self.mode = "vectorized"
+                    raise
+                warnings.warn(
+                    "chains run one after another: the model cannot be vectorised with torch.func.vmap "
+                    f"({_first_line(error)}).",
+                    stacklevel=5,
+                )
+                return estimate
+        estimates = []
+        for c, chain_state in enumerate(self._chains):
+            indices = {k: v[c] for k, v in batch.indices.items()}
+            chain_direction = None if direction is None else {k: v[c] for k, v in direction.items()}
+            estimates.append(one(chain_state, indices, batch.args, batch.kwargs, chain_direction))
+        return _stack(estimates)
+
     def latents(self) -> Latents:
         """The draw of each chain: its last point with a finite log density and gradient."""
         if self.mode == "vectorized":
@@ -365,6 +463,12 @@ class _ChainStepper:
             self.state = state
         else:
             self._chains = state
+
+
+def _stack(records: list) -> Any:
+    """Stack per-chain records (NamedTuples of tensors and dicts of tensors) on a new leading dimension."""
+    leaves = [tree_flatten(record)[0] for record in records]
+    return tree_unflatten([torch.stack(values) for values in zip(*leaves)], tree_flatten(records[0])[1])
 
 
 def _first_line(error: Exception) -> str:
