@@ -90,6 +90,7 @@ class DataParallel:
     Args:
         plates: the model's subsampled plates; the one with the largest ``subsample_size`` is split.
         sharded: ``False`` when a ``batches=`` loader gives each rank its own (equal) share already.
+
     """
 
     def __init__(self, plates: Mapping[str, DataPlate], *, sharded: bool = True):
@@ -124,7 +125,7 @@ class DataParallel:
         return latents
 
     def shard(self, batch: Batch) -> Batch:
-        """This rank's share of ``batch``: every ``world_size``-th index of the split plate, from ``rank``."""
+        """Cut ``batch`` to this rank's share: every ``world_size``-th index of the split plate, from ``rank``."""
         if not self.sharded:
             return batch
         name = self.plate.name
@@ -181,11 +182,11 @@ class ChainParallel:
     is_main = property(lambda self: self.rank == 0)
 
     def noise_seed(self, seed: int) -> int:
-        """This rank's generator seed: distinct per rank, so that its chains draw their own minibatches and noise."""
+        """Seed this rank's generator distinctly, so that its chains draw their own minibatches and noise."""
         return (seed * _SEED_STRIDE + self.rank) % 2**63
 
     def local_chains(self, latents: Latents) -> Latents:
-        """This rank's chains' initial points (the same as those chains' in a one-process run)."""
+        """Keep this rank's chains' initial points (the same as those chains' in a one-process run)."""
         return {name: x[self.start : self.stop] for name, x in latents.items()}
 
     def shard(self, batch: Batch) -> Batch:

@@ -26,7 +26,8 @@ WORKER = Path(__file__).with_name("distributed_worker.py")
 RANKS = 2
 
 pytestmark = pytest.mark.skipif(
-    not (dist.is_available() and dist.is_gloo_available()), reason="torch.distributed with the gloo backend is unavailable"
+    not (dist.is_available() and dist.is_gloo_available()),
+    reason="torch.distributed with the gloo backend is unavailable",
 )
 
 
