@@ -39,6 +39,7 @@ from pyro_scalable.infer.results import Draws
 __all__ = ["StochasticMCMC"]
 
 _STAT_NAMES = {"log_posterior": "lp"}
+_NOISE_STATS = ("noise_ratio", "uncorrected")
 
 
 class StochasticMCMC(Draws):
@@ -69,6 +70,11 @@ class StochasticMCMC(Draws):
         checkpoint_every: steps (warm-up included) between checkpoints; one is also written at the end of
             warm-up, at the end of the run and on ``KeyboardInterrupt``.
         resume: ``False`` starts over even where a checkpoint exists (and overwrites it).
+        minibatches: how the subsampled plate's indices are drawn: ``"epoch"`` walks a shuffled permutation (each
+            point once per epoch, as a ``DataLoader`` does), ``"independent"`` draws each minibatch with
+            replacement, independently of the others, so that the gradient noise is what a noise correction
+            subtracts (:mod:`pyro_scalable.bridge.minibatches`). Default: ``"independent"`` for a kernel that
+            estimates its gradient noise, ``"epoch"`` otherwise.
 
     Example:
         >>> import pyro, pyro.distributions as dist, torch
@@ -103,6 +109,7 @@ class StochasticMCMC(Draws):
         checkpoint: str | os.PathLike | None = None,
         checkpoint_every: int = 1000,
         resume: bool = True,
+        minibatches: Literal["epoch", "independent"] | None = None,
     ):
         for name, value, least in (
             ("num_samples", num_samples, 1),
@@ -117,6 +124,12 @@ class StochasticMCMC(Draws):
             raise ValueError(f"chain_method must be 'vectorized' or 'sequential', got {chain_method!r}.")
         if on_divergence not in ("continue", "stop"):
             raise ValueError(f"on_divergence must be 'continue' or 'stop', got {on_divergence!r}.")
+        if minibatches not in ("epoch", "independent", None):
+            raise ValueError(f"minibatches must be 'epoch', 'independent' or None, got {minibatches!r}.")
+        if minibatches is None:
+            noisy = getattr(kernel, "gradient_noise", "ignore") != "ignore"
+            minibatches = "independent" if noisy else "epoch"
+        self.minibatches = minibatches
         if distributed not in ("data", "chains", None):
             raise ValueError(f"distributed must be 'data', 'chains' or None, got {distributed!r}.")
         if distributed == "data" and not (hasattr(kernel, "estimate") and hasattr(kernel, "update")):
@@ -126,6 +139,11 @@ class StochasticMCMC(Draws):
         self.kernel = kernel
         self.num_samples = operator.index(num_samples)
         self.num_warmup = operator.index(num_warmup)
+        if getattr(kernel, "adapts", False) and self.num_warmup == 0:
+            raise ValueError(
+                f"{kernel!r} learns its step size (or metric) in warm-up, but num_warmup=0: give num_warmup "
+                "(a few hundred steps), or a step_size."
+            )
         self.num_chains = operator.index(num_chains)
         self.thin = operator.index(thin)
         self.seed = seed
@@ -174,11 +192,6 @@ class StochasticMCMC(Draws):
             self.bridge = ModelBridge(model, args, kwargs)
             self._full_bridge = self.bridge
         bridge = self.bridge
-        if getattr(self.kernel, "adapts", False) and self.num_warmup == 0:
-            raise ValueError(
-                f"{self.kernel!r} chooses its step size in warm-up, but num_warmup=0: give num_warmup "
-                "(a few hundred steps), or a step_size."
-            )
         parallel = setup_parallel(self.distributed, bridge.plates, self.num_chains, sharded=batch_iter is None)
         if parallel is not None:
             seed = broadcast_seed(seed, bridge.device)
@@ -186,9 +199,16 @@ class StochasticMCMC(Draws):
         latents = bridge.init_latents(self.num_chains, self.kernel.init_strategy, seed=seed)
         if parallel is not None:
             latents = parallel.local_chains(latents)
-        sampler = EpochSampler(bridge.plates, next(iter(latents.values())).shape[0], generator, bridge.device)
+        sampler = EpochSampler(
+            bridge.plates,
+            next(iter(latents.values())).shape[0],
+            generator,
+            bridge.device,
+            replacement=self.minibatches == "independent",
+        )
         reducer = parallel if self.distributed == "data" else None
         stepper = _ChainStepper(self.kernel, bridge, latents, generator, self.chain_method, reducer)
+        stepper.log_posterior_fn.replacement = sampler.replacement  # no finite-population correction then
 
         self._allocate(latents)
         total = self.num_warmup + self.num_samples * self.thin
@@ -213,6 +233,7 @@ class StochasticMCMC(Draws):
                 else:
                     batch = Batch(next(sampler), bridge.args, bridge.kwargs)
                 warming = t < self.num_warmup
+                stepper.burn_in = t < self.num_warmup // 2
                 info = stepper.step(batch, adapt=_power_iterations(t) if warming else 0)
                 diverged = bool(info.diverging.any()) if self.on_divergence == "stop" else False
                 if warming:
@@ -246,7 +267,9 @@ class StochasticMCMC(Draws):
         finally:
             bar.close()
         self._truncate(kept, stepper)
-        self._stats = {k: v for k, v in self._stats.items() if not (v.is_floating_point() and v.isnan().all())}
+        self._stats = {  # statistics of a gradient noise the kernel did not estimate are NaN: leave them out
+            k: v for k, v in self._stats.items() if not (k in _NOISE_STATS and bool(v.isnan().all()))
+        }
         if parallel is not None:
             parallel.gather(self)
         if diverged and kept == 0:
@@ -333,6 +356,7 @@ class _ChainStepper:
         self.bridge = bridge
         self.log_posterior_fn = bridge.log_posterior_fn
         self.adapts = bool(getattr(kernel, "adapts", False))
+        self.burn_in = False  # the first half of warm-up: an adapting kernel's step size need not be calibrated yet
         self.generator = generator
         self.num_chains = next(iter(latents.values())).shape[0]
         self.mode = "vectorized" if method == "vectorized" and self.num_chains > 1 else "sequential"
@@ -347,10 +371,14 @@ class _ChainStepper:
     def _one(self, state: Any, indices: dict, args: tuple, kwargs: dict, adapt: int = 0):
         batch = Batch(indices, args, kwargs)
         if self.adapts:
-            return self.kernel.step(state, batch, self.log_posterior_fn, self.generator, adapt=adapt)
+            return self.kernel.step(
+                state, batch, self.log_posterior_fn, self.generator, adapt=adapt, burn_in=self.burn_in
+            )
         return self.kernel.step(state, batch, self.log_posterior_fn, self.generator)
 
     def _update(self, state: Any, gradient: Any):
+        if self.adapts:
+            return self.kernel.update(state, gradient, self.generator, burn_in=self.burn_in)
         return self.kernel.update(state, gradient, self.generator)
 
     def _vstep(self, adapt: int):
