@@ -7,12 +7,15 @@ files are read on GitHub or in a checkout. MkDocs only resolves links inside ``d
   mkdocs-jupyter then renders the tutorials, which are jupytext "percent" scripts, without running them;
 * expands a glob such as ``tutorials/*.py`` in ``nav`` (so a new tutorial appears with no edit here);
 * rewrites every relative link that leaves the Markdown file's own folder for a repository file the site holds,
-  so that ``mkdocs build --strict`` checks it like any other link (and still fails on a broken one).
+  so that ``mkdocs build --strict`` checks it like any other link (and still fails on a broken one);
+* does the same for the links in the rendered tutorials (HTML from nbconvert, which MkDocs does not check), and
+  logs a warning — a failure under ``--strict`` — for one that points at no file of the site.
 """
 
 from __future__ import annotations
 
 import glob
+import logging
 import os
 import posixpath
 import re
@@ -24,6 +27,8 @@ from mkdocs.structure.files import File, Files
 REPO_GLOBS = ("tutorials/*.py", "tutorials/README.md", "benchmarks/README.md", "benchmarks/results/*.md")
 
 _LINK = re.compile(r"(\]\()(\.\./[^)\s#]+)")
+_HREF = re.compile(r'(href=")([^"]+)(")')
+log = logging.getLogger("mkdocs.hooks.repo_files")  # under "mkdocs": a warning here fails the strict build
 
 
 def _repo_root(config) -> str:
@@ -94,3 +99,26 @@ def on_page_markdown(markdown: str, page, config, files: Files) -> str:
         return match.group(1) + posixpath.relpath(site_path, posixpath.dirname(src) or ".")
 
     return _LINK.sub(rewrite, markdown)
+
+
+def on_page_content(html: str, page, config, files: Files) -> str:
+    """Point the relative links of a rendered tutorial at the site's pages; warn about one that leads nowhere."""
+    src = page.file.src_uri
+    if src not in set(_repo_files(config)) or not src.endswith(".py"):
+        return html
+    prefix = _docs_prefix(config) + "/"
+
+    def rewrite(match: re.Match) -> str:
+        url = match.group(2)
+        if "://" in url or url.startswith(("#", "/", "mailto:", "data:")):
+            return match.group(0)
+        path, _, fragment = url.partition("#")
+        target = posixpath.normpath(posixpath.join(posixpath.dirname(src), path))
+        site_path = target[len(prefix) :] if target.startswith(prefix) else target
+        file = files.get_file_from_path(site_path)
+        if file is None:
+            log.warning(f"Tutorial '{src}' links to '{url}', which is not among the site's files.")
+            return match.group(0)
+        return match.group(1) + file.url_relative_to(page.file) + (f"#{fragment}" if fragment else "") + match.group(3)
+
+    return _HREF.sub(rewrite, html)
