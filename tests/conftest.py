@@ -29,6 +29,7 @@ def pytest_configure(config):
     # errors that would hide the example behind an INTERNALERROR
     config.addinivalue_line("filterwarnings", "ignore:mypy_extensions.TypedDict is deprecated:DeprecationWarning")
 
+
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
 

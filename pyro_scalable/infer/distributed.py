@@ -156,9 +156,7 @@ class DataParallel:
         for v in noise_variance.values():
             finite = finite & torch.isfinite(v).reshape(v.shape[0], -1).all(1)
         diverging = (flags > 0) | ~finite
-        return GradientEstimate(
-            grads, log_posterior, grad_sq.sqrt(), diverging, noise_variance, count, hessian_product
-        )
+        return GradientEstimate(grads, log_posterior, grad_sq.sqrt(), diverging, noise_variance, count, hessian_product)
 
     def gather(self, mcmc: Any) -> None:
         """Nothing to gather: every rank holds every chain."""

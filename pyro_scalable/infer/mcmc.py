@@ -217,8 +217,14 @@ class StochasticMCMC(Draws):
         checkpoint = None
         if self.checkpoint is not None:
             checkpoint = RunCheckpoint(
-                self.checkpoint, self.checkpoint_every, run=self, stepper=stepper, generator=generator,
-                sampler=sampler if batch_iter is None else None, total=total, batches=batches,
+                self.checkpoint,
+                self.checkpoint_every,
+                run=self,
+                stepper=stepper,
+                generator=generator,
+                sampler=sampler if batch_iter is None else None,
+                total=total,
+                batches=batches,
             )
             start, kept, diverged = checkpoint.resume(self.resume)
             for _ in range(start if batch_iter is not None else 0):
@@ -315,7 +321,6 @@ class StochasticMCMC(Draws):
                 "Lower the step size.",
                 stacklevel=3,
             )
-
 
     def _warn_noise(self) -> None:
         uncorrected = self._stats.get("uncorrected")
@@ -432,7 +437,7 @@ class _ChainStepper:
             return info
         infos = []
         for c, chain_state in enumerate(self._chains):
-            self._chains[c], info = self._update(chain_state, tree_map(lambda x: x[c], gradient))
+            self._chains[c], info = self._update(chain_state, tree_map(lambda x, c=c: x[c], gradient))
             infos.append(info)
         return _stack(infos)
 

@@ -60,7 +60,12 @@ def test_corrected_sgld_step_is_the_formula():
     fn, batch, x = Examples(u), torch.tensor([0, 2, 3]), torch.tensor([0.4], dtype=torch.float64)
     eps, temp = 0.01, 0.8
     state, info = sgld.step(
-        sgld.init({"x": x}), batch, fn, step_size=eps, temperature=temp, gradient_noise="correct",
+        sgld.init({"x": x}),
+        batch,
+        fn,
+        step_size=eps,
+        temperature=temp,
+        gradient_noise="correct",
         generator=torch.Generator().manual_seed(5),
     )
     g = -x + 5 * u[batch]  # per-example gradients
@@ -76,7 +81,11 @@ def test_a_step_too_large_for_any_correction_injects_nothing_and_says_so():
     u = torch.tensor([0.5, -1.0, 2.0, 0.25, -0.75], dtype=torch.float64) * 100
     fn, batch, x = Examples(u), torch.tensor([0, 2, 3]), torch.tensor([0.4], dtype=torch.float64)
     state, info = sgld.step(
-        sgld.init({"x": x}), batch, fn, step_size=0.01, gradient_noise="correct",
+        sgld.init({"x": x}),
+        batch,
+        fn,
+        step_size=0.01,
+        gradient_noise="correct",
         generator=torch.Generator().manual_seed(5),
     )
     g = -x + 5 * u[batch]

@@ -6,7 +6,6 @@ import pyro
 import pyro.distributions as dist
 import pytest
 import torch
-from pyro.ops.stats import effective_sample_size
 
 from pyro_scalable.infer import PSGLD, SGLD, StochasticMCMC, psgld
 
@@ -33,7 +32,9 @@ def test_seeded_step_is_the_formula_and_warmup_mode_freezes_the_preconditioner()
     a, b = torch.diag(torch.tensor([3.0, 0.5], dtype=torch.float64)), torch.tensor([1.0, -1.0], dtype=torch.float64)
     fn, x = quadratic(a, b), torch.tensor([0.3, 0.2], dtype=torch.float64)
     state = psgld.init({"x": x})
-    state = state._replace(square_avg={"x": torch.tensor([4.0, 0.25], dtype=torch.float64)}, square_count=state.step_count + 1)
+    state = state._replace(
+        square_avg={"x": torch.tensor([4.0, 0.25], dtype=torch.float64)}, square_count=state.step_count + 1
+    )
     new, info = psgld.step(
         state, None, fn, step_size=0.1, temperature=0.7, damping=1e-5, generator=torch.Generator().manual_seed(3)
     )

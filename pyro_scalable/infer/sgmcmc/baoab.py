@@ -55,7 +55,8 @@ same minibatch gradient. The chain starts at :math:`\tilde p_0` (zero by default
 **Gradient noise.** The two half-kicks bring :math:`\epsilon^2 V` into :math:`p'`, of which :math:`c^2\epsilon^2
 V` survives O (to first order in :math:`\gamma\epsilon`, :math:`\epsilon^2 V`). With ``gradient_noise="correct"``
 O's fresh noise is :math:`(1 - c^2) T m_j - c^2 \epsilon^2 \hat V_j` per coordinate, floored at 0 (diagonal,
-the moving average of the per-minibatch estimates, as SGLD's): the stored momentum's variance is then right; what the approximation
+the moving average of the per-minibatch estimates, as SGLD's): the stored momentum's variance is then right; what
+the approximation
 leaves is the gradient noise's direct effect on :math:`\theta` through the first A, of order
 :math:`\epsilon^4\hat V/m^2`.
 

@@ -207,7 +207,7 @@ def step(
 
 
 class PSGLD:
-    """Preconditioned SGLD (RMSprop metric) for a Pyro model; the maths is in the module docstring.
+    r"""Preconditioned SGLD (RMSprop metric) for a Pyro model; the maths is in the module docstring.
 
     Args:
         model: a Pyro model whose likelihood sits in a subsampled ``pyro.plate``; kept as ``self.model``, a
@@ -215,7 +215,7 @@ class PSGLD:
         step_size: ε, a constant or a schedule; ``None`` (the default) chooses it in warm-up.
         temperature: T; 1 is Bayes, 0 is preconditioned gradient ascent.
         decay: β of the moving average of the squared gradient (RMSprop's ``alpha``).
-        damping: δ added to :math:`\\sqrt{v}` (RMSprop's ``eps``).
+        damping: δ added to :math:`\sqrt{v}` (RMSprop's ``eps``).
         preconditioner: ``"warmup"`` learns v in warm-up and freezes it (the correction term Γ is then exactly
             0), ``"always"`` updates it every step as Li et al. do (Γ left out).
         gradient_noise: ``"correct"``, ``"estimate"`` or ``"ignore"``, as for :class:`~.sgld.SGLD`.

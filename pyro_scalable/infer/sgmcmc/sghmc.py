@@ -68,8 +68,6 @@ __all__ = ["SGHMC", "SGHMCInfo", "SGHMCState", "estimate", "init", "sgd_hyperpar
 
 CURVATURE_BOUND = 0.3  # ε √λ_max chosen in warm-up
 _LEAST_MASS = 1e-3  # a Fisher mass is floored at this share of its mean
-_LEAST_DECAY = 0.5  # warm-up keeps the momentum's per-step decay 1 - ε α / m at or above this
-_DEFAULT_DECAY = 0.9  # warm-up's friction where the gradient noise does not ask for more
 
 Mass = float | Mapping[str, Tensor] | str
 
@@ -168,18 +166,23 @@ def update(
         if mass == "fisher":
             masses = _fisher_mass(adaptation.noise)
         if step_size is None:
-            eps, alpha = _choose(adaptation, masses, friction, temp if not burn_in else torch.zeros_like(temp))
+            eps, alpha = warmup.momentum_step_size(
+                adaptation, friction, temp if not burn_in else torch.zeros_like(temp), masses, CURVATURE_BOUND
+            )
             adaptation = adaptation._replace(step_size=eps)
     eps = adaptation.step_size if step_size is None else resolve(step_size, state.step_count, gradient.log_posterior)
-    gradient_variance = {} if gradient_noise == "ignore" else {
-        name: eps**2 * adaptation.noise[name] for name in gradient.noise_variance
-    }
+    gradient_variance = (
+        {}
+        if gradient_noise == "ignore"
+        else {name: eps**2 * adaptation.noise[name] for name in gradient.noise_variance}
+    )
     variance, noise_ratio, uncorrected = injected_variance(
         2.0 * alpha * eps * temp, gradient_variance, gradient_noise == "correct", state.latents
     )
     noise = gaussian_like(state.latents, generator, temperature)
     momenta = {
-        name: (1.0 - eps * alpha / masses[name]) * m + eps * gradient.grads[name]
+        name: (1.0 - eps * alpha / masses[name]) * m
+        + eps * gradient.grads[name]
         + torch.sqrt(variance[name]) * noise[name]
         for name, m in state.momenta.items()
     }
@@ -199,26 +202,6 @@ def _fisher_mass(noise: Latents) -> Latents:
     mean = flat.mean()
     scale = torch.where(mean > 0, mean, torch.ones_like(mean))
     return {name: torch.clamp(v / scale, min=_LEAST_MASS) for name, v in noise.items()}
-
-
-def _choose(adaptation: warmup.Adaptation, masses: Latents, friction: float | None, temp: Tensor):
-    """Warm-up's step size (and friction, where not given) from the curvature and the gradient noise."""
-    least_mass = torch.stack([m.min() for m in masses.values()]).min()
-    mean_mass = torch.cat([m.reshape(-1) for m in masses.values()]).mean()
-    eps = CURVATURE_BOUND / torch.sqrt(adaptation.curvature)
-    largest_noise = torch.stack([v.max() for v in adaptation.noise.values()]).max()
-    noise_rate = largest_noise / (2.0 * temp * warmup.NOISE_FRACTION)  # α must be at least ε times this
-    noise_rate = torch.where(temp > 0, noise_rate, torch.zeros_like(noise_rate))
-    if friction is None:
-        # α = ε · noise_rate must leave a decay 1 - ε α / m of at least _LEAST_DECAY
-        eps = torch.minimum(eps, torch.sqrt((1.0 - _LEAST_DECAY) * least_mass / noise_rate))
-        alpha = torch.maximum(eps * noise_rate, (1.0 - _DEFAULT_DECAY) * mean_mass / eps)
-        alpha = torch.minimum(alpha, (1.0 - _LEAST_DECAY) * least_mass / eps)
-        return eps, alpha
-    alpha = torch.full_like(eps, float(friction))
-    eps = torch.minimum(eps, alpha / noise_rate)
-    eps = torch.minimum(eps, (1.0 - _LEAST_DECAY) * least_mass / alpha)
-    return eps, alpha
 
 
 def step(
@@ -246,8 +229,15 @@ def step(
         state = state._replace(friction=torch.full_like(state.friction, float(friction)))
     gradient = estimate(state, batch, log_posterior_fn, gradient_noise=gradient_noise, adapt=adapt)
     return update(
-        state, gradient, step_size=step_size, friction=friction, mass=mass, temperature=temperature,
-        gradient_noise=gradient_noise, burn_in=burn_in, generator=generator,
+        state,
+        gradient,
+        step_size=step_size,
+        friction=friction,
+        mass=mass,
+        temperature=temperature,
+        gradient_noise=gradient_noise,
+        burn_in=burn_in,
+        generator=generator,
     )
 
 
@@ -346,7 +336,12 @@ class SGHMC:
         """The gradient (and its noise, and in warm-up the curvature) the next update needs."""
         return estimate(state, batch, log_posterior_fn, gradient_noise=self.gradient_noise, adapt=adapt)
 
-    def update(self, state: SGHMCState, gradient: GradientEstimate, generator: torch.Generator | None = None, burn_in: bool = False
+    def update(
+        self,
+        state: SGHMCState,
+        gradient: GradientEstimate,
+        generator: torch.Generator | None = None,
+        burn_in: bool = False,
     ):
         """One update with this kernel's hyperparameters, given the gradient (``burn_in``: early warm-up)."""
         return update(
@@ -385,7 +380,9 @@ def _check_mass(mass: Mass) -> float:
     """Validate ``mass`` and return its smallest value (1 for a mass warm-up estimates)."""
     if isinstance(mass, str):
         if mass != "fisher":
-            raise ValueError(f"mass must be a positive number, a dict of positive tensors by site, or 'fisher'; got {mass!r}.")
+            raise ValueError(
+                f"mass must be a positive number, a dict of positive tensors by site, or 'fisher'; got {mass!r}."
+            )
         return 1.0
     if isinstance(mass, Mapping):
         least = math.inf

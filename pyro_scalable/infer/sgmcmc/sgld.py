@@ -112,9 +112,11 @@ def update(
             chosen = torch.minimum(chosen, warmup.noise_bound(adaptation.noise, None, 2.0 * temp))
         adaptation = adaptation._replace(step_size=chosen)
     eps = adaptation.step_size if step_size is None else resolve(step_size, state.step_count, gradient.log_posterior)
-    gradient_variance = {} if gradient_noise == "ignore" else {
-        name: eps**2 * adaptation.noise[name] for name in gradient.noise_variance
-    }
+    gradient_variance = (
+        {}
+        if gradient_noise == "ignore"
+        else {name: eps**2 * adaptation.noise[name] for name in gradient.noise_variance}
+    )
     variance, noise_ratio, uncorrected = injected_variance(
         2.0 * eps * temp, gradient_variance, gradient_noise == "correct", state.latents
     )
@@ -145,8 +147,13 @@ def step(
     """Advance one chain by one SGLD step on ``batch`` (:func:`estimate` then :func:`update`)."""
     gradient = estimate(state, batch, log_posterior_fn, gradient_noise=gradient_noise, adapt=adapt)
     return update(
-        state, gradient, step_size=step_size, temperature=temperature, gradient_noise=gradient_noise,
-        burn_in=burn_in, generator=generator,
+        state,
+        gradient,
+        step_size=step_size,
+        temperature=temperature,
+        gradient_noise=gradient_noise,
+        burn_in=burn_in,
+        generator=generator,
     )
 
 
@@ -216,7 +223,12 @@ class SGLD:
         """The gradient (and its noise, and in warm-up the curvature) the next update needs."""
         return estimate(state, batch, log_posterior_fn, gradient_noise=self.gradient_noise, adapt=adapt)
 
-    def update(self, state: SGLDState, gradient: GradientEstimate, generator: torch.Generator | None = None, burn_in: bool = False
+    def update(
+        self,
+        state: SGLDState,
+        gradient: GradientEstimate,
+        generator: torch.Generator | None = None,
+        burn_in: bool = False,
     ):
         """One update with this kernel's hyperparameters, given the gradient (``burn_in``: early warm-up)."""
         return update(

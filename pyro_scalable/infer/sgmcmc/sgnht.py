@@ -22,7 +22,8 @@ is SGHMC's (:mod:`.sghmc`, unit mass) with friction :math:`\xi`.
 :math:`\sqrt{T/d}`; a thermostat for a site of one or two coordinates would fluctuate by :math:`O(\sqrt T)`
 and let that site's friction wander (even negative). The price: a scalar thermostat absorbs the *mean* gradient
 noise, not noise that differs between coordinates — for that, ``gradient_noise="correct"`` subtracts the
-estimated :math:`\epsilon^2 \hat V_j` (moving average, as SGLD's) from the injected :math:`2A\epsilon T` per coordinate, floored at 0, as
+estimated :math:`\epsilon^2 \hat V_j` (moving average, as SGLD's) from the injected :math:`2A\epsilon T` per
+coordinate, floored at 0, as
 SGHMC does. Note that with a large :math:`A` the thermostat is slow: it relaxes at a rate of about
 :math:`T/A` per unit time (:math:`\epsilon` per step), so choose :math:`A` of order :math:`\sqrt{T}` times the
 inverse time scale of interest, not SGHMC's large frictions.
@@ -71,8 +72,6 @@ from pyro_scalable.infer.sgmcmc.base import (
 __all__ = ["SGNHT", "SGNHTInfo", "SGNHTState", "estimate", "init", "step", "update"]
 
 CURVATURE_BOUND = 0.3  # ε √λ_max chosen in warm-up (as SGHMC)
-_LEAST_DECAY = 0.5  # warm-up keeps 1 - ε A at or above this
-_DEFAULT_DECAY = 0.9  # warm-up's friction where the gradient noise does not ask for more
 
 
 class SGNHTState(NamedTuple):
@@ -161,7 +160,9 @@ def update(
     if gradient.hessian_product:
         if step_size is None:
             # burn-in (the first half of warm-up) leaves the noise bound out: T = 0 switches it off
-            eps, alpha = _choose(adaptation, friction, torch.zeros_like(temp) if burn_in else temp)
+            eps, alpha = warmup.momentum_step_size(
+                adaptation, friction, torch.zeros_like(temp) if burn_in else temp, None, CURVATURE_BOUND
+            )
             adaptation = adaptation._replace(step_size=eps)
         xi = alpha + torch.zeros_like(xi)  # warm-up holds the thermostat at A (see the module docstring)
     eps = adaptation.step_size if step_size is None else resolve(step_size, state.step_count, gradient.log_posterior)
@@ -198,22 +199,6 @@ def _refuse_zero_temperature(temperature: ScalarOrSchedule) -> None:
             "SGNHT has no temperature-0 limit: its thermostat only grows at T = 0 and the dynamics diverge. "
             "Use SGHMC or BAOAB (SGD with momentum at T = 0), or a positive temperature."
         )
-
-
-def _choose(adaptation: warmup.Adaptation, friction: float | None, temp: Tensor) -> tuple[Tensor, Tensor]:
-    """Warm-up's step size (and friction A, where not given) from the curvature and the gradient noise."""
-    eps = CURVATURE_BOUND / torch.sqrt(adaptation.curvature)
-    if friction is None:
-        largest_noise = torch.stack([v.max() for v in adaptation.noise.values()]).max()
-        noise_rate = largest_noise / (2.0 * temp * warmup.NOISE_FRACTION)  # A must be at least ε times this
-        noise_rate = torch.where(temp > 0, noise_rate, torch.zeros_like(noise_rate))
-        eps = torch.minimum(eps, torch.sqrt((1.0 - _LEAST_DECAY) / noise_rate))
-        alpha = torch.maximum(eps * noise_rate, (1.0 - _DEFAULT_DECAY) / eps)
-        return eps, torch.minimum(alpha, (1.0 - _LEAST_DECAY) / eps)
-    alpha = torch.full_like(eps, float(friction))
-    bound = warmup.noise_bound(adaptation.noise, None, 2.0 * alpha * temp)
-    eps = torch.where(temp > 0, torch.minimum(eps, bound), eps)
-    return torch.minimum(eps, (1.0 - _LEAST_DECAY) / alpha), alpha
 
 
 def step(

@@ -29,7 +29,15 @@ from torch.func import grad
 
 from pyro_scalable.infer.sgmcmc.base import GradientEstimate, Latents, LogPosteriorFn
 
-__all__ = ["NOISE_FRACTION", "Adaptation", "hessian_product", "init_adaptation", "noise_bound", "observe"]
+__all__ = [
+    "NOISE_FRACTION",
+    "Adaptation",
+    "hessian_product",
+    "init_adaptation",
+    "momentum_step_size",
+    "noise_bound",
+    "observe",
+]
 
 NOISE_FRACTION = 0.5  # ρ: the largest share of the wanted noise that the gradient noise may supply
 _FIRST_ITERATIONS = 8  # power iterations at the first warm-up step
@@ -135,3 +143,35 @@ def noise_bound(noise: Latents, metric: Latents | None, target: Tensor) -> Tenso
     scaled = [(v * metric[name] if metric is not None else v).max() for name, v in noise.items()]
     largest = torch.stack(scaled).max()
     return torch.where(largest > 0, NOISE_FRACTION * target / largest, torch.full_like(largest, math.inf))
+
+
+_LEAST_DECAY = 0.5  # a momentum sampler's per-step decay 1 - ε α / m stays at or above this
+_DEFAULT_DECAY = 0.9  # the friction chosen where the gradient noise does not ask for more (SGD's momentum 0.9)
+
+
+def momentum_step_size(
+    adaptation: Adaptation, friction: float | None, temp: Tensor, masses: Latents | None, curvature_bound: float
+) -> tuple[Tensor, Tensor]:
+    """ε (and the friction α where not given) for a momentum sampler with injected noise 2αεT (SGHMC, SGNHT).
+
+    ε ≤ ``curvature_bound``/√λ; the gradient noise must stay within ρ of 2αεT, i.e. α ≥ ε V̄ₘₐₓ / (2Tρ); with
+    ``friction=None`` α is the larger of that and a per-step decay of 0.9, and ε small enough that α leaves a decay
+    of at least 0.5 in every coordinate; a given friction instead bounds ε. ``masses=None`` is the unit mass.
+    """
+    eps = curvature_bound / torch.sqrt(adaptation.curvature)
+    if masses is None:
+        least_mass = mean_mass = torch.ones_like(eps)
+    else:
+        least_mass = torch.stack([m.min() for m in masses.values()]).min()
+        mean_mass = torch.cat([m.reshape(-1) for m in masses.values()]).mean()
+    largest_noise = torch.stack([v.max() for v in adaptation.noise.values()]).max()
+    noise_rate = largest_noise / (2.0 * temp * NOISE_FRACTION)  # α must be at least ε times this
+    noise_rate = torch.where(temp > 0, noise_rate, torch.zeros_like(noise_rate))
+    if friction is None:
+        eps = torch.minimum(eps, torch.sqrt((1.0 - _LEAST_DECAY) * least_mass / noise_rate))
+        alpha = torch.maximum(eps * noise_rate, (1.0 - _DEFAULT_DECAY) * mean_mass / eps)
+        alpha = torch.minimum(alpha, (1.0 - _LEAST_DECAY) * least_mass / eps)
+        return eps, alpha
+    alpha = torch.full_like(eps, float(friction))
+    eps = torch.minimum(eps, alpha / noise_rate)
+    return torch.minimum(eps, (1.0 - _LEAST_DECAY) * least_mass / alpha), alpha
