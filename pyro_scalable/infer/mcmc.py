@@ -28,7 +28,7 @@ from torch.func import vmap
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from tqdm.auto import tqdm
 
-from pyro_scalable.bridge.checks import ModelError
+from pyro_scalable.bridge.checks import ModelError, check_device, check_flag, check_seed
 from pyro_scalable.bridge.minibatches import EpochSampler
 from pyro_scalable.bridge.model import Batch, Latents, ModelBridge
 from pyro_scalable.infer.checkpoint import RunCheckpoint
@@ -146,11 +146,11 @@ class StochasticMCMC(Draws):
             )
         self.num_chains = operator.index(num_chains)
         self.thin = operator.index(thin)
-        self.seed = seed
+        self.seed = check_seed("seed", seed)
         self.chain_method = chain_method
         self.on_divergence = on_divergence
-        self.draws_device = torch.device(draws_device)
-        self.progress_bar = progress_bar
+        self.draws_device = check_device("draws_device", draws_device)
+        self.progress_bar = check_flag("progress_bar", progress_bar)
         self.distributed = distributed
         if checkpoint is not None and distributed is not None:
             raise ValueError("checkpoint does not work with distributed yet: give one of them.")
@@ -183,9 +183,21 @@ class StochasticMCMC(Draws):
         self._args, self._kwargs = args, kwargs
         batch_iter = None
         if batches is not None:
+            if not isinstance(batches, Iterable) or isinstance(batches, (Tensor, str)):
+                raise TypeError(
+                    f"batches must be an iterable of minibatches (e.g. a DataLoader), got {type(batches).__name__}."
+                )
             batch_iter = _cycle(batches)
             first = next(batch_iter)
-            self.bridge = ModelBridge(model, *first)
+            try:
+                self.bridge = ModelBridge(model, *first)
+            except ModelError:
+                raise
+            except (TypeError, ValueError, IndexError, RuntimeError) as error:
+                raise TypeError(
+                    f"the model failed on the first element of batches ({_first_line(error)}); batches must yield a "
+                    "tuple of the model's positional arguments or a dict of its keyword arguments."
+                ) from error
             self._full_bridge = ModelBridge(model, args, kwargs) if (args or kwargs) else None
             batch_iter = itertools.chain([first], batch_iter)
         else:
@@ -269,6 +281,9 @@ class StochasticMCMC(Draws):
                 checkpoint.write()  # as the last completed step left the run
             self._truncate(kept, stepper)
             warnings.warn(f"interrupted: keeping the {kept} draws per chain taken so far.", stacklevel=2)
+            raise
+        except BaseException:
+            self._truncate(kept, stepper)  # the draws taken stay readable; the buffers beyond them are dropped
             raise
         finally:
             bar.close()

@@ -1,7 +1,7 @@
 """Every public entry point refuses bad arguments with a one-line error that names the argument (issue 6).
 
 Table-driven: each row calls one entry point with one bad value and expects an exception type and a message
-naming the argument. Rows for the SG-MCMC driver and kernels that are not validated yet are strict xfails.
+naming the argument.
 """
 
 from __future__ import annotations
@@ -231,7 +231,6 @@ def test_sample_then_optimize_prior_precision_of_the_wrong_shape_names_it(data):
 # ---------------------------------------------------------------------------------------------------- SG-MCMC driver
 # pyro_scalable/infer/mcmc.py and infer/sgmcmc/* are being rewritten: these rows document what is still missing.
 
-_MISSING = "not validated yet in infer/mcmc.py (being rewritten; issue 6)"
 
 
 def _kernel():
@@ -247,37 +246,31 @@ MCMC = [
         "seed",
         lambda d: StochasticMCMC(_kernel(), 5, seed="zero"),
         TypeError,
-        marks=pytest.mark.xfail(strict=True, reason=_MISSING),
     ),
     pytest.param(
         "seed",
         lambda d: StochasticMCMC(_kernel(), 5, seed=-1),
         ValueError,
-        marks=pytest.mark.xfail(strict=True, reason=_MISSING),
     ),
     pytest.param(
         "draws_device",
         lambda d: StochasticMCMC(_kernel(), 5, draws_device="gpu0"),
         ValueError,
-        marks=pytest.mark.xfail(strict=True, reason=_MISSING),
     ),
     pytest.param(
         "progress_bar",
         lambda d: StochasticMCMC(_kernel(), 5, progress_bar="no"),
         TypeError,
-        marks=pytest.mark.xfail(strict=True, reason=_MISSING),
     ),
     pytest.param(
         "batches",
         lambda d: StochasticMCMC(_kernel(), 5, progress_bar=False).run(*d, batches=5),
         TypeError,
-        marks=pytest.mark.xfail(strict=True, reason=_MISSING),
     ),
     pytest.param(
         "batches",
         lambda d: StochasticMCMC(_kernel(), 5, progress_bar=False).run(batches=[torch.zeros(3)]),
         TypeError,
-        marks=pytest.mark.xfail(strict=True, reason=_MISSING),
     ),
     ("argument 'x'", lambda d: StochasticMCMC(_kernel(), 5, progress_bar=False).run(d[0] * NAN, d[1]), ModelError),
 ]
@@ -303,7 +296,6 @@ class _FailingKernel:
         return self.inner.step(*args, **kwargs)
 
 
-@pytest.mark.xfail(strict=True, reason="infer/mcmc.py keeps draws on KeyboardInterrupt only (issue 6)")
 def test_an_exception_mid_run_keeps_the_draws_already_taken(data):
     run = StochasticMCMC(_FailingKernel(), 10, 2, 1, chain_method="sequential", seed=0, progress_bar=False)
     with pytest.raises(RuntimeError, match="boom"):
