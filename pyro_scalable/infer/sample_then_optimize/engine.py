@@ -57,6 +57,8 @@ from pyro_scalable.infer.laplace.posterior import GLMPredictive
 from pyro_scalable.infer.results import Draws
 from pyro_scalable.infer.sample_then_optimize import core
 from pyro_scalable.infer.sample_then_optimize.checkpoint import SolveCheckpoint
+from pyro_scalable.infer.sample_then_optimize.distributed import DistributedMode, OneProcess
+from pyro_scalable.infer.sample_then_optimize.distributed import setup as setup_parallel
 from pyro_scalable.infer.sample_then_optimize.em import effective_dimension, mackay_update
 from pyro_scalable.infer.sample_then_optimize.problem import Problem, warn_unconverged
 
@@ -106,6 +108,10 @@ class SampleThenOptimize(Draws):
             (:mod:`.checkpoint`); ``run`` resumes from it where it exists and was written with the same settings.
         checkpoint_every: epochs between checkpoints.
         resume: ``False`` starts over even where a checkpoint exists (and overwrites it).
+        distributed: run on every process of torch.distributed's default process group (launched by ``torchrun``;
+            see :mod:`.distributed`). ``"samples"`` splits the K samples across the ranks and gathers the draws
+            on rank 0 (other ranks keep their own block); ``"data"`` splits every minibatch and data pass across
+            the ranks, and every rank ends with every draw.
 
     Example:
         >>> import pyro, pyro.distributions as dist, torch
@@ -149,6 +155,7 @@ class SampleThenOptimize(Draws):
         checkpoint: str | os.PathLike | None = None,
         checkpoint_every: int = 1,
         resume: bool = True,
+        distributed: DistributedMode | None = None,
     ):
         if not callable(model):
             raise TypeError(f"model must be a Pyro model (a callable), got {type(model).__name__}.")
@@ -182,6 +189,10 @@ class SampleThenOptimize(Draws):
         check_seed("seed", seed)
         draws_device = check_device("draws_device", draws_device)
         check_flag("progress_bar", progress_bar)
+        if distributed not in ("samples", "data", None):
+            raise ValueError(f"distributed must be 'samples', 'data' or None, got {distributed!r}.")
+        if checkpoint is not None and distributed is not None:
+            raise ValueError("checkpoint does not work with distributed yet: give one of them.")
         self.kernel = _Kernel(FullDataModel(model))
         self.num_samples = operator.index(num_samples)
         self.num_chains = 1
@@ -205,6 +216,8 @@ class SampleThenOptimize(Draws):
         self.checkpoint = checkpoint
         self.checkpoint_every = operator.index(checkpoint_every)
         self.resume = check_flag("resume", resume)
+        self.distributed = distributed
+        self._num_samples_requested = self.num_samples
         self._reset()
 
     def _reset(self) -> None:
@@ -215,10 +228,12 @@ class SampleThenOptimize(Draws):
         self.net: NetworkFunction | None = None
         self.em_history: dict[str, Any] = {}
         self.trace: dict[str, list[Tensor]] = {}
+        self._parallel = OneProcess(self.num_samples)
 
     # ------------------------------------------------------------------ running
     def run(self, *args: Any, **kwargs: Any) -> None:
         """Linearise (if needed), draw the regulariser centres, solve, and run the EM steps; keep the draws."""
+        self.num_samples = self._num_samples_requested  # a sample-parallel run leaves a rank's share on ranks > 0
         self._reset()
         model = self.kernel.model.model
         self._args, self._kwargs = args, kwargs
@@ -232,6 +247,9 @@ class SampleThenOptimize(Draws):
         if not bridge.sites:
             raise ModelError("the model has no latent site to sample.")
         seed = int(torch.randint(0, 2**62, ())) if self.seed is None else self.seed
+        parallel = setup_parallel(self.distributed, self.num_samples, next(iter(bridge.plates.values()), None))
+        self._parallel = parallel
+        seed = parallel.seed(seed, bridge.device)
         generator = torch.Generator(device=bridge.device).manual_seed(seed)
         latents = self._linearization_point(bridge, site, args, kwargs, generator)
         chosen, heteroscedastic, _, _ = choose_sites(bridge, site, latents, self.sites)
@@ -241,7 +259,7 @@ class SampleThenOptimize(Draws):
         self.net = net = NetworkFunction(
             bridge, site, layout, theta, latents, heteroscedastic=heteroscedastic, chunk_size=self.chunk_size
         )
-        problem = Problem(self, net, theta, generator)
+        problem = Problem(self, net, theta, generator, parallel)
         self._solve_all(problem, generator)
 
     def _linearization_point(self, bridge, site, args, kwargs, generator) -> Latents:
@@ -279,7 +297,8 @@ class SampleThenOptimize(Draws):
         optimizer = torch.optim.Adam(list(latents.values()), lr=1e-2)
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: 1.0 - 0.99 * t / self.map_steps)
         sampler = EpochSampler(bridge.plates, 1, generator, bridge.device)
-        for _ in tqdm(range(self.map_steps), disable=not self.progress_bar, desc="MAP"):
+        quiet = not self.progress_bar or not self._parallel.is_main
+        for _ in tqdm(range(self.map_steps), disable=quiet, desc="MAP"):
             batch = Batch({k: v[0] for k, v in next(sampler).items()}, bridge.args, bridge.kwargs)
             loss = -bridge.log_posterior(latents, batch)
             if not torch.isfinite(loss):
@@ -303,17 +322,19 @@ class SampleThenOptimize(Draws):
             first_em_step, alphas, gammas = saved["em_step"], saved["alphas"], saved["gammas"]
             done = min(first_em_step, 1) * self.num_epochs + max(first_em_step - 1, 0) * self.em_epochs
             done = done * problem.steps_per_epoch + saved["progress"]["t"]
-        bar = tqdm(total=total, initial=done, disable=not self.progress_bar, desc="Solve")
+        parallel = problem.parallel
+        bar = tqdm(total=total, initial=done, disable=not self.progress_bar or not parallel.is_main, desc="Solve")
         try:
             state = None
             for em_step in range(first_em_step, self.em_steps + 1):
                 epochs = self.num_epochs if em_step == 0 else self.em_epochs
                 progress = saved["progress"] if saved is not None and em_step == first_em_step else None
                 on_epoch = None if checkpoint is None else checkpoint.on_epoch(em_step, epochs, alphas, gammas)
-                state = problem.solve(state, epochs, generator, bar, progress, on_epoch)
+                state = parallel.agree(problem.solve(state, epochs, generator, bar, progress, on_epoch))
                 self.state = state
                 mean_offset, samples, ggn = problem.finish(state)
                 raw = effective_dimension(samples, ggn[:-1], problem.groups, num_groups)
+                raw = parallel.mean_over_samples(raw, samples.shape[0])
                 gamma = raw.clamp(min=1e-3).minimum(problem.group_sizes)  # the true value lies in (0, d_g)
                 gammas.append(gamma)
                 if em_step == 0:
@@ -332,6 +353,10 @@ class SampleThenOptimize(Draws):
                     state = state._replace(velocity=torch.zeros_like(state.velocity))
         finally:
             bar.close()
+        state, problem.final_stats, self.trace = parallel.gather(state, problem.final_stats, self.trace)
+        self.state = state
+        if not parallel.is_main:
+            self.num_samples = parallel.num_local
         warn_unconverged(problem.final_stats["relative_grad_norm"])
         self.em_history = {
             "groups": problem.group_names,
@@ -349,7 +374,7 @@ class SampleThenOptimize(Draws):
         self.data_gradient = problem.gradient.detach()
         self._problem_precision = problem.precision.detach()
         latents = {
-            **{k: v.expand((self.num_samples,) + v.shape) for k, v in net.fixed.items()},
+            **{k: v.expand((draws.shape[0],) + v.shape) for k, v in net.fixed.items()},
             **net.layout.unflatten(draws),
         }
         self._draws = {k: v.detach().unsqueeze(0).to(self.draws_device) for k, v in latents.items()}

@@ -18,15 +18,28 @@ from pyro_scalable.bridge.model import Batch
 from pyro_scalable.infer.laplace.layout import ParameterLayout
 from pyro_scalable.infer.laplace.network import NetworkFunction
 from pyro_scalable.infer.sample_then_optimize import core
+from pyro_scalable.infer.sample_then_optimize.distributed import OneProcess, local_batch
 
 
 class Problem:
-    """One run's quadratic: the data pass, the regulariser centres, the solves and the full-data diagnostics."""
+    """One run's quadratic: the data pass, the regulariser centres, the solves and the full-data diagnostics.
 
-    def __init__(self, engine: Any, net: NetworkFunction, theta: Tensor, generator: torch.Generator):
+    ``parallel`` (:mod:`.distributed`) says which sample rows and which share of each batch's points this rank
+    holds; a one-process run holds them all.
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        net: NetworkFunction,
+        theta: Tensor,
+        generator: torch.Generator,
+        parallel: OneProcess | None = None,
+    ):
         self.engine, self.net, self.theta = engine, net, theta
         bridge = net.bridge
         self.num_samples = engine.num_samples
+        self.parallel = parallel = OneProcess(engine.num_samples) if parallel is None else parallel
         precision, self.prior_mean = net.prior(theta)
         if engine.prior_precision is not None:
             check_tensor("prior_precision", engine.prior_precision, positive=True, shape=theta.shape)
@@ -47,7 +60,7 @@ class Problem:
             self.scale = (diagonal / mean[self.groups]).clamp_min(1e-6)
         else:
             self.scale = precision / self.alpha[self.groups]
-        self.anchored = 1 if engine.variance_reduction == "mean" else engine.num_samples + 1
+        self.anchored = 1 if engine.variance_reduction == "mean" else parallel.num_local + 1
         self.plate = next(iter(bridge.plates.values()), None)
         self.steps_per_epoch = 1 if self.plate is None else max(self.plate.size // self.plate.subsample_size, 1)
         self.data_scale = 1.0 if self.plate is None else self.plate.size / self.plate.subsample_size
@@ -73,9 +86,10 @@ class Problem:
     def _prior_noise(self) -> Tensor:
         generator = torch.Generator(device=self.theta.device)
         generator.set_state(self.noise_state)
-        return torch.randn(
+        noise = torch.randn(
             self.prior_noise_shape, generator=generator, dtype=self.theta.dtype, device=self.theta.device
         )
+        return noise[self.parallel.rows]
 
     def targets(self) -> Tensor:
         """Regulariser centres: θⁿ for every sample row, and the mean row's ``A⁻¹b − (θ* − m)``."""
@@ -85,10 +99,23 @@ class Problem:
         return torch.cat([samples, mean.unsqueeze(0)])
 
     # ------------------------------------------------------------------ passes over the data
+    def _local(self, batch: Batch) -> Batch | None:
+        return local_batch(batch, self.plate, self.parallel.share)
+
     def _data_pass(self, generator: torch.Generator) -> tuple[Tensor, Tensor]:
-        net, theta = self.net, self.theta
-        perturbation = torch.zeros(self.num_samples + 1, theta.numel(), dtype=theta.dtype, device=theta.device)
-        for batch in net.batches():
+        net, theta, parallel = self.net, self.theta, self.parallel
+        perturbation = torch.zeros(parallel.num_local + 1, theta.numel(), dtype=theta.dtype, device=theta.device)
+        trailing = ()
+        for chunk in net.batches():
+            # xi is drawn for every row and every point of the chunk, whatever this rank keeps of it, so that the
+            # ranks' draws together are one process's
+            points = chunk.indices[self.plate.name].shape[-1] if self.plate is not None else None
+            batch = self._local(chunk)
+            if batch is None:  # a last chunk with fewer points than ranks (every earlier chunk set `trailing`)
+                torch.randn(
+                    (self.num_samples, points, *trailing), generator=generator, dtype=theta.dtype, device=theta.device
+                )
+                continue
             out = net.outputs(theta, batch)
             self.quadratic = out.likelihood.name == "Normal" and not net.heteroscedastic
             f = out.f.detach()
@@ -96,23 +123,32 @@ class Problem:
             root = out.likelihood.hessian_sqrt(f)
             leaf = f.clone().requires_grad_(True)
             (score,) = torch.autograd.grad(out.likelihood.log_prob(leaf, out.value), leaf)
+            trailing = root.shape[2:]
             xi = torch.randn(
-                (self.num_samples,) + root.shape[:1] + root.shape[2:],
+                (self.num_samples, root.shape[0] if points is None else points) + trailing,
                 generator=generator,
                 dtype=f.dtype,
                 device=f.device,
-            )
+            )[parallel.rows, parallel.share]
             cotangents = torch.cat([torch.einsum("pmr,kpr->kpm", root, xi), score.unsqueeze(0)])
             perturbation += net.vjp(theta, cotangents, batch).detach()
+        perturbation = parallel.sum_over_data(perturbation)
         _check_finite(perturbation, net.site, "Jacobian-vector products")
         return perturbation[:-1], perturbation[-1]
 
     def ggn_vp(self, vectors: Tensor, batch: Batch) -> Tensor:
         """``Σ_i J_iᵀ Λ_i J_i v`` over the minibatch, for every row of ``vectors``: one JVP and one VJP, batched."""
-        return self.net.batch_ggn_vp(self.theta, vectors, batch)
+        local = self._local(batch)
+        product = torch.zeros_like(vectors) if local is None else self.net.batch_ggn_vp(self.theta, vectors, local)
+        return self.parallel.sum_over_data(product)
 
     def full_ggn_vp(self, vectors: Tensor) -> Tensor:
-        return self.net.ggn_vp(self.theta, vectors)
+        out = torch.zeros_like(vectors)
+        for chunk in self.net.batches():
+            batch = self._local(chunk)
+            if batch is not None:
+                out = out + self.net.batch_ggn_vp(self.theta, vectors, batch).detach()
+        return self.parallel.sum_over_data(out)
 
     # ------------------------------------------------------------------ solving
     def _largest_eigenvalue(self, generator: torch.Generator, batches) -> float:
