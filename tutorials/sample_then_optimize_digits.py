@@ -162,7 +162,9 @@ print(
     f"sd of the draws / exact sd: {ratio.min():.3f} … {ratio.max():.3f}, median {ratio.median():.3f}"
     f"   (MC sd of each ratio {(2 * K1) ** -0.5:.3f}; tolerance ±{5 * (2 * K1) ** -0.5:.3f})"
 )
-assert mean_error < K1**-0.5
+# the mean row is solved to the same relative residual as the draws (~1e-3): in the worst of the D weights (a
+# flat, prior-dominated direction) that leaves a fraction of a posterior sd; a quarter is the bound asked for
+assert mean_error < 0.25
 assert z.abs().max() < 5 and (ratio - 1).abs().max() < 5 * (2 * K1) ** -0.5
 
 # %% [markdown]
