@@ -19,12 +19,13 @@ Coordinates with a large gradient (stiff directions) get small steps and flat on
 target with exact gradients, :math:`v_j \approx \lambda_j` at stationarity, so :math:`G_j \approx
 \lambda_j^{-1/2}` and the condition number the sampler sees is the square root of the target's.
 
-**The correction term** :math:`\Gamma`. By default (``preconditioner="warmup"``) :math:`v` is learnt in warm-up
-and then frozen: during sampling :math:`G` is a constant, :math:`\Gamma = 0` exactly, and the chain is SGLD in a
-fixed metric, with the same stationary law :math:`\pi_T` up to discretisation. With ``preconditioner="always"``
-(Li et al.'s algorithm) :math:`v` keeps moving; :math:`G` is then a function of the path, not of
-:math:`\theta`, :math:`\Gamma` is not defined as a function of the state, and, as Li et al. do, it is left out;
-the bias this leaves shrinks with :math:`1 - \beta`.
+**The correction term** :math:`\Gamma`. By default (``preconditioner="warmup"``) :math:`v` is learnt in the
+calibrated part of warm-up (burn-in runs with :math:`G = I`, far-off gradients would make :math:`v` too large;
+:math:`v` starts at the first calibrated step's :math:`\hat g^2`) and then frozen: during sampling :math:`G` is a
+constant, :math:`\Gamma = 0` exactly, and the chain is SGLD in a fixed metric, with the same stationary law
+:math:`\pi_T` up to discretisation. With ``preconditioner="always"`` (Li et al.'s algorithm) :math:`v` keeps moving;
+:math:`G` is then a function of the path, not of :math:`\theta`, :math:`\Gamma` is not defined as a function of the
+state, and, as Li et al. do, it is left out; the bias this leaves shrinks with :math:`1 - \beta`.
 
 **Gradient noise.** The gradient brings :math:`\epsilon^2 G V G` into a step that should carry :math:`2\epsilon T
 G`: ``gradient_noise="correct"`` injects :math:`2\epsilon T G_j - \epsilon^2 G_j^2 \hat V_j`, possible where
@@ -136,16 +137,32 @@ def update(
     """
     temp = resolve(temperature, state.step_count, gradient.log_posterior)
     squares, count = state.square_avg, state.square_count
-    if updates == "always" or gradient.hessian_product:
+    updates_before = state.square_count  # v's updates when this step's estimate ran (its metric)
+    if updates == "always" or (gradient.hessian_product and not burn_in):
         keep = gradient.diverging
+        # "warmup" mode starts v at the first calibrated warm-up step's ĝ², not at 0: a frozen v must not carry
+        # RMSprop's start-up bias ((1 - β^t) v), nor the large gradients of the burn-in far from the mode
+        first = (count == 0) if updates == "warmup" else torch.zeros_like(keep)
         squares = {
-            name: torch.where(keep, v, decay * v + (1.0 - decay) * gradient.grads[name].square())
+            name: torch.where(
+                keep,
+                v,
+                torch.where(
+                    first, gradient.grads[name].square(), decay * v + (1.0 - decay) * gradient.grads[name].square()
+                ),
+            )
             for name, v in squares.items()
         }
         count = count + (~keep).to(count.dtype)
     state = state._replace(square_avg=squares, square_count=count)
     metric = preconditioner(state, damping)
     adaptation = warmup.observe(state.adaptation, gradient)
+    if gradient.hessian_product and not burn_in and updates == "warmup":
+        # the first product measured in the learnt metric (v had one update when this step's estimate ran)
+        # restarts the curvature average: the burn-in's, in the identity metric, would hold the step size down
+        measured = torch.sqrt(sum(v.square().sum() for v in gradient.hessian_product.values()))
+        restart = (updates_before == 1) & torch.isfinite(measured) & ~gradient.diverging
+        adaptation = adaptation._replace(curvature=torch.where(restart, measured, adaptation.curvature))
     if gradient.hessian_product and step_size is None:
         chosen = CURVATURE_BOUND / adaptation.curvature
         if not burn_in:
@@ -166,6 +183,7 @@ def update(
     }
     diverging = gradient.diverging
     latents = keep_where_finite(diverging, proposal, state.checked_latents)
+    latents, _, adaptation = warmup.settle(adaptation, latents, burn_in, bool(gradient.hessian_product))
     previous = keep_where_finite(diverging, state.latents, state.checked_latents)
     info = SGMCMCInfo(gradient.log_posterior, gradient.grad_norm, eps, temp, diverging, noise_ratio, uncorrected)
     return state._replace(

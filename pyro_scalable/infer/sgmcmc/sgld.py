@@ -127,6 +127,7 @@ def update(
     }
     diverging = gradient.diverging
     latents = keep_where_finite(diverging, proposal, state.checked_latents)
+    latents, _, adaptation = warmup.settle(adaptation, latents, burn_in, bool(gradient.hessian_product))
     previous = keep_where_finite(diverging, state.latents, state.checked_latents)
     info = SGMCMCInfo(gradient.log_posterior, gradient.grad_norm, eps, temp, diverging, noise_ratio, uncorrected)
     return SGLDState(latents, previous, state.step_count + 1, adaptation), info

@@ -187,6 +187,8 @@ def update(
     latents = keep_where_finite(diverging, proposal, state.checked_latents)
     previous = keep_where_finite(diverging, state.latents, state.checked_latents)
     momenta = {name: torch.where(diverging, p.new_zeros(()), p) for name, p in momenta.items()}
+    latents, jumped, adaptation = warmup.settle(adaptation, latents, burn_in, bool(gradient.hessian_product))
+    momenta = {name: torch.where(jumped, p.new_zeros(()), p) for name, p in momenta.items()}
     info = SGNHTInfo(
         gradient.log_posterior, gradient.grad_norm, eps, temp, diverging, noise_ratio, uncorrected, thermostat, alpha
     )
