@@ -182,7 +182,8 @@ temperature_ratios[0.25] = posterior_sd(0.25) / reference["w"].std(0)
 
 fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
 ax = axes[0]
-ax.plot(temperatures, [temperature_ratios[t].mean().item() for t in temperatures], "o-", label=f"SGHMC(model), B = {BATCH}")
+sd_ratios = [temperature_ratios[t].mean().item() for t in temperatures]
+ax.plot(temperatures, sd_ratios, "o-", label=f"SGHMC(model), B = {BATCH}")
 ax.plot(temperatures, [t**0.5 for t in temperatures], "k--", lw=0.8, label="√T (exact tempered posterior)")
 ax.set_xlabel("temperature T")
 ax.set_ylabel("posterior sd / NUTS sd (mean over w)")
