@@ -149,11 +149,14 @@ print("sd at T=0 (each chain is SGD; the spread is between chains' end points):"
 assert ((cold / hot) - 0.5**0.5).abs().max() < 0.15
 
 # %% [markdown]
-# At T = 0 the chains are SGD with momentum: no injected noise, so what spread is left between their end points is
-# the minibatch gradient noise alone, well under the T = 1 posterior's.
+# At T = 0 the hand-tuned chains are SGD with momentum: no injected noise, so what spread is left between their end
+# points is the minibatch gradient noise alone. The same hand-tuned sampler at T = 1 carries that noise *plus* the
+# posterior's spread, so its sd must be the larger one (by more than the ~7% Monte-Carlo error of a ratio of sds).
 
 # %%
-assert (frozen / hot).max() < 0.8
+hand_hot = posterior_sd(1.0, calibrated=False)
+print("hand-tuned sd at T=1:", hand_hot.numpy().round(4))
+assert (frozen / hand_hot).max() < 0.9
 
 # %% [markdown]
 # ## Minibatch size: what the noise correction buys
