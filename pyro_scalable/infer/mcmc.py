@@ -24,17 +24,17 @@ from typing import Any, Literal
 
 import torch
 from torch import Tensor
-from torch.func import vmap
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from tqdm.auto import tqdm
 
 from pyro_scalable.bridge.checks import ModelError, check_device, check_flag, check_seed
 from pyro_scalable.bridge.minibatches import EpochSampler
 from pyro_scalable.bridge.model import Batch, Latents, ModelBridge
+from pyro_scalable.infer.chains import ChainStepper, first_line
 from pyro_scalable.infer.checkpoint import RunCheckpoint
-from pyro_scalable.infer.distributed import DistributedMode, broadcast_seed, normalised_per_chain
+from pyro_scalable.infer.distributed import DistributedMode, broadcast_seed
 from pyro_scalable.infer.distributed import setup as setup_parallel
 from pyro_scalable.infer.results import Draws
+from pyro_scalable.infer.sgmcmc.warmup import power_iterations
 
 __all__ = ["StochasticMCMC"]
 
@@ -195,7 +195,7 @@ class StochasticMCMC(Draws):
                 raise
             except (TypeError, ValueError, IndexError, RuntimeError) as error:
                 raise TypeError(
-                    f"the model failed on the first element of batches ({_first_line(error)}); batches must yield a "
+                    f"the model failed on the first element of batches ({first_line(error)}); batches must yield a "
                     "tuple of the model's positional arguments or a dict of its keyword arguments."
                 ) from error
             self._full_bridge = ModelBridge(model, args, kwargs) if (args or kwargs) else None
@@ -219,7 +219,7 @@ class StochasticMCMC(Draws):
             replacement=self.minibatches == "independent",
         )
         reducer = parallel if self.distributed == "data" else None
-        stepper = _ChainStepper(self.kernel, bridge, latents, generator, self.chain_method, reducer)
+        stepper = ChainStepper(self.kernel, bridge, latents, generator, self.chain_method, reducer)
         stepper.log_posterior_fn.replacement = sampler.replacement  # no finite-population correction then
 
         self._allocate(latents)
@@ -252,7 +252,7 @@ class StochasticMCMC(Draws):
                     batch = Batch(next(sampler), bridge.args, bridge.kwargs)
                 warming = t < self.num_warmup
                 stepper.burn_in = t < self.num_warmup // 2
-                info = stepper.step(batch, adapt=_power_iterations(t) if warming else 0)
+                info = stepper.step(batch, adapt=power_iterations(t) if warming else 0)
                 diverged = bool(info.diverging.any()) if self.on_divergence == "stop" else False
                 if warming:
                     self.num_warmup_divergences += int(info.diverging.sum())
@@ -320,7 +320,7 @@ class StochasticMCMC(Draws):
                 )
             self._stats[name][:, index].copy_(value.detach())
 
-    def _truncate(self, kept: int, stepper: _ChainStepper) -> None:
+    def _truncate(self, kept: int, stepper: ChainStepper) -> None:
         self.state = stepper.final_state
         if kept < self.num_samples:
             self._draws = {k: v[:, :kept] for k, v in self._draws.items()}
@@ -349,179 +349,6 @@ class StochasticMCMC(Draws):
                 "wide (sample_stats.noise_ratio > 1). Lower the step size, or raise the minibatch size.",
                 stacklevel=3,
             )
-
-
-def _power_iterations(step: int) -> int:
-    """Hessian-vector products a warm-up step spends on the curvature: a few at the start, then one a step."""
-    return 8 if step == 0 else 1
-
-
-class _ChainStepper:
-    """Steps all chains: vmapped, single-chain, or one after another (the fallback).
-
-    With a ``reducer`` (data-parallel) a step is ``estimate`` on this rank's share, an all-reduce, then ``update``.
-    """
-
-    def __init__(
-        self,
-        kernel: Any,
-        bridge: ModelBridge,
-        latents: Latents,
-        generator: torch.Generator,
-        method: str,
-        reducer: Any = None,
-    ):
-        self.kernel = kernel
-        self.reducer = reducer
-        self.bridge = bridge
-        self.log_posterior_fn = bridge.log_posterior_fn
-        self.adapts = bool(getattr(kernel, "adapts", False))
-        self.burn_in = False  # the first half of warm-up: an adapting kernel's step size need not be calibrated yet
-        self.generator = generator
-        self.num_chains = next(iter(latents.values())).shape[0]
-        self.mode = "vectorized" if method == "vectorized" and self.num_chains > 1 else "sequential"
-        self.state: Any = None
-        self._chains: list = []
-        self._vsteps: dict[int, Any] = {}
-        if self.mode == "vectorized":
-            self.state = vmap(kernel.init)(latents)
-        else:
-            self._chains = [kernel.init({k: v[c] for k, v in latents.items()}) for c in range(self.num_chains)]
-
-    def _one(self, state: Any, indices: dict, args: tuple, kwargs: dict, adapt: int = 0):
-        batch = Batch(indices, args, kwargs)
-        if self.adapts:
-            return self.kernel.step(
-                state, batch, self.log_posterior_fn, self.generator, adapt=adapt, burn_in=self.burn_in
-            )
-        return self.kernel.step(state, batch, self.log_posterior_fn, self.generator)
-
-    def _update(self, state: Any, gradient: Any):
-        if self.adapts:
-            return self.kernel.update(state, gradient, self.generator, burn_in=self.burn_in)
-        return self.kernel.update(state, gradient, self.generator)
-
-    def _vstep(self, adapt: int):
-        if adapt not in self._vsteps:
-
-            def one(state, indices, args, kwargs):
-                return self._one(state, indices, args, kwargs, adapt)
-
-            self._vsteps[adapt] = vmap(one, in_dims=(0, 0, None, None), randomness="different")
-        return self._vsteps[adapt]
-
-    def step(self, batch: Batch, adapt: int = 0):
-        if self.reducer is not None:
-            return self._reduced_step(batch, adapt)
-        if self.mode == "vectorized":
-            try:
-                self.state, info = self._vstep(adapt)(self.state, batch.indices, batch.args, batch.kwargs)
-                return info
-            except (RuntimeError, NotImplementedError, ModelError) as error:
-                self._chains = [tree_map(lambda x, c=c: x[c], self.state) for c in range(self.num_chains)]
-                info = self._sequential(batch, adapt)  # a model error that is not about vmap is raised here
-                self.mode = "sequential"
-                warnings.warn(
-                    "chains run one after another: the model cannot be vectorised with torch.func.vmap "
-                    f"({_first_line(error)}).",
-                    stacklevel=4,
-                )
-                return info
-        return self._sequential(batch, adapt)
-
-    def _sequential(self, batch: Batch, adapt: int = 0):
-        infos = []
-        for c, chain_state in enumerate(self._chains):
-            indices = {k: v[c] for k, v in batch.indices.items()}
-            self._chains[c], info = self._one(chain_state, indices, batch.args, batch.kwargs, adapt)
-            infos.append(info)
-        return type(infos[0])(*(torch.stack(values) for values in zip(*infos)))
-
-    def _reduced_step(self, batch: Batch, adapt: int):
-        local = self.reducer.shard(batch)
-        direction = None  # several power iterations: each Hessian-vector product is all-reduced, then normalised
-        for _ in range(max(adapt, 1)):
-            gradient = self._estimate(local, min(adapt, 1), direction)
-            # the N behind the per-example noise estimate (inf for minibatches drawn with replacement)
-            population = self.log_posterior_fn.examples(local)[2] if gradient.noise_variance else None
-            gradient = self.reducer.reduce(gradient, population)
-            direction = normalised_per_chain(gradient.hessian_product) if gradient.hessian_product else None
-        if self.mode == "vectorized":
-            update = vmap(self._update, randomness="different")
-            self.state, info = update(self.state, gradient)
-            return info
-        infos = []
-        for c, chain_state in enumerate(self._chains):
-            self._chains[c], info = self._update(chain_state, tree_map(lambda x, c=c: x[c], gradient))
-            infos.append(info)
-        return _stack(infos)
-
-    def _estimate(self, batch: Batch, adapt: int, direction: Latents | None):
-        """Every chain's :class:`GradientEstimate` on ``batch``, stacked (``direction``: the power-iteration vector)."""
-
-        def one(state, indices, args, kwargs, direction):
-            if direction is not None:
-                state = state._replace(adaptation=state.adaptation._replace(direction=direction))
-            batch = Batch(indices, args, kwargs)
-            if self.adapts:
-                return self.kernel.estimate(state, batch, self.log_posterior_fn, adapt=adapt)
-            return self.kernel.estimate(state, batch, self.log_posterior_fn)
-
-        if self.mode == "vectorized":
-            try:
-                return vmap(one, in_dims=(0, 0, None, None, None if direction is None else 0))(
-                    self.state, batch.indices, batch.args, batch.kwargs, direction
-                )
-            except (RuntimeError, NotImplementedError, ModelError) as error:
-                self._chains = [tree_map(lambda x, c=c: x[c], self.state) for c in range(self.num_chains)]
-                self.mode = "sequential"
-                try:
-                    estimate = self._estimate(batch, adapt, direction)  # an error not about vmap is raised here
-                except Exception:
-                    self.mode = "vectorized"
-                    raise
-                warnings.warn(
-                    "chains run one after another: the model cannot be vectorised with torch.func.vmap "
-                    f"({_first_line(error)}).",
-                    stacklevel=5,
-                )
-                return estimate
-        estimates = []
-        for c, chain_state in enumerate(self._chains):
-            indices = {k: v[c] for k, v in batch.indices.items()}
-            chain_direction = None if direction is None else {k: v[c] for k, v in direction.items()}
-            estimates.append(one(chain_state, indices, batch.args, batch.kwargs, chain_direction))
-        return _stack(estimates)
-
-    def latents(self) -> Latents:
-        """The draw of each chain: its last point with a finite log density and gradient."""
-        if self.mode == "vectorized":
-            return self.state.checked_latents
-        names = self._chains[0].checked_latents
-        return {name: torch.stack([s.checked_latents[name] for s in self._chains]) for name in names}
-
-    @property
-    def final_state(self) -> Any:
-        return self.state if self.mode == "vectorized" else self._chains
-
-    def restore(self, mode: str, state: Any) -> None:
-        """Go on from a checkpointed ``final_state`` that was taken in ``mode``."""
-        self.mode = mode
-        if mode == "vectorized":
-            self.state = state
-        else:
-            self._chains = state
-
-
-def _stack(records: list) -> Any:
-    """Stack per-chain records (NamedTuples of tensors and dicts of tensors) on a new leading dimension."""
-    leaves = [tree_flatten(record)[0] for record in records]
-    return tree_unflatten([torch.stack(values) for values in zip(*leaves)], tree_flatten(records[0])[1])
-
-
-def _first_line(error: Exception) -> str:
-    text = str(error).strip().splitlines()
-    return text[0] if text else type(error).__name__
 
 
 def _cycle(batches: Iterable) -> Iterator[tuple[tuple, dict]]:

@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from pyro_scalable.infer import SGHMC, SGLD, StochasticMCMC
-from pyro_scalable.infer import mcmc as mcmc_module
+from pyro_scalable.infer.chains import ChainStepper
 from pyro_scalable.infer.checkpoint import CheckpointError, load
 
 from ..conftest import LinearRegression
@@ -40,7 +40,7 @@ def sampler(kernel, path=None, **options):
 
 def stop_at(monkeypatch, call, error=Killed, after=False):
     """Make the ``call``-th step (1-based) raise ``error``, before the step or (``after``) once it has run."""
-    original = mcmc_module._ChainStepper.step
+    original = ChainStepper.step
     calls = []
 
     def step(self, batch, adapt=0):
@@ -52,7 +52,7 @@ def stop_at(monkeypatch, call, error=Killed, after=False):
             raise error
         return info
 
-    monkeypatch.setattr(mcmc_module._ChainStepper, "step", step)
+    monkeypatch.setattr(ChainStepper, "step", step)
 
 
 def assert_same_run(run, reference):

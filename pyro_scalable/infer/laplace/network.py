@@ -17,7 +17,6 @@ Laplace) is held at its MAP value. :class:`NetworkFunction` gives
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -31,19 +30,11 @@ from pyro_scalable.bridge.checks import ModelError
 from pyro_scalable.bridge.minibatches import chunks
 from pyro_scalable.bridge.model import Batch, Latents, ModelBridge
 from pyro_scalable.bridge.outputs import ModelOutputs, model_outputs
+from pyro_scalable.infer.autodiff import jvp
 from pyro_scalable.infer.laplace.layout import ParameterLayout
 from pyro_scalable.infer.laplace.likelihoods import Likelihood, likelihood_of
 
-__all__ = ["NetworkFunction", "Outputs", "choose_sites", "first_batch", "jvp"]
-
-
-def jvp(func, primals, tangents):
-    """``torch.func.jvp``, without torch's one-time notice about its TorchScript decompositions."""
-    # The first forward-mode call in a process makes torch script its jvp decompositions, which warns about
-    # torch.jit.script being deprecated (a torch internal, nothing the user can act on).
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r".*torch\.jit\.script. is deprecated", category=DeprecationWarning)
-        return torch.func.jvp(func, primals, tangents)
+__all__ = ["NetworkFunction", "Outputs", "choose_sites", "first_batch"]
 
 
 @dataclass

@@ -82,6 +82,7 @@ from pyro_scalable.infer.schedules import ScalarOrSchedule, check_positive, reso
 from pyro_scalable.infer.sgmcmc import warmup
 from pyro_scalable.infer.sgmcmc.base import (
     GradientEstimate,
+    Kernel,
     Latents,
     LogPosteriorFn,
     check_gradient_noise,
@@ -297,7 +298,7 @@ def sgd_hyperparameters(lr: float, momentum: float, mass: float = 1.0) -> dict[s
     return {"step_size": step_size, "friction": -math.log(momentum) / step_size}
 
 
-class BAOAB:
+class BAOAB(Kernel):
     """BAOAB for a Pyro model: binds the model and the hyperparameters; the maths is in :func:`step`.
 
     With ``temperature=0`` and a scalar mass the trajectory is that of ``torch.optim.SGD(lr=step_size**2 * (1 + c)
@@ -388,18 +389,6 @@ class BAOAB:
             burn_in=burn_in,
             generator=generator,
         )
-
-    def step(
-        self,
-        state: BAOABState,
-        batch: Any,
-        log_posterior_fn: LogPosteriorFn,
-        generator: torch.Generator | None = None,
-        adapt: int = 0,
-        burn_in: bool = False,
-    ) -> tuple[BAOABState, BAOABInfo]:
-        """One step with this kernel's hyperparameters."""
-        return self.update(state, self.estimate(state, batch, log_posterior_fn, adapt), generator, burn_in)
 
     def __repr__(self) -> str:
         mass = self.mass if isinstance(self.mass, (float, int)) else "{...}"

@@ -33,6 +33,7 @@ from torch.func import grad_and_value, vmap
 __all__ = [
     "GradientEstimate",
     "LogPosteriorFn",
+    "Kernel",
     "SGMCMCInfo",
     "check_gradient_noise",
     "estimate_gradient",
@@ -194,3 +195,23 @@ def check_gradient_noise(gradient_noise: str | None, step_size: Any) -> str:
     if gradient_noise not in GRADIENT_NOISE_CHOICES:
         raise ValueError(f"gradient_noise must be one of {GRADIENT_NOISE_CHOICES} or None, got {gradient_noise!r}.")
     return gradient_noise
+
+
+class Kernel:
+    """What every engine's Pyro-facing class shares: ``step`` is ``update(state, estimate(state, batch, ...))``.
+
+    A subclass defines ``estimate(state, batch, log_posterior_fn, adapt)`` and ``update(state, gradient,
+    generator, burn_in)`` with its hyperparameters bound; the driver calls either ``step`` or the two halves.
+    """
+
+    def step(
+        self,
+        state: Any,
+        batch: Any,
+        log_posterior_fn: LogPosteriorFn,
+        generator: torch.Generator | None = None,
+        adapt: int = 0,
+        burn_in: bool = False,
+    ) -> tuple[Any, Any]:
+        """One step with this kernel's hyperparameters."""
+        return self.update(state, self.estimate(state, batch, log_posterior_fn, adapt), generator, burn_in)

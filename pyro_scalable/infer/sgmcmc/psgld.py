@@ -51,6 +51,7 @@ from pyro_scalable.infer.schedules import ScalarOrSchedule, check_positive, reso
 from pyro_scalable.infer.sgmcmc import warmup
 from pyro_scalable.infer.sgmcmc.base import (
     GradientEstimate,
+    Kernel,
     Latents,
     LogPosteriorFn,
     SGMCMCInfo,
@@ -224,7 +225,7 @@ def step(
     )
 
 
-class PSGLD:
+class PSGLD(Kernel):
     r"""Preconditioned SGLD (RMSprop metric) for a Pyro model; the maths is in the module docstring.
 
     Args:
@@ -324,18 +325,6 @@ class PSGLD:
             burn_in=burn_in,
             generator=generator,
         )
-
-    def step(
-        self,
-        state: PSGLDState,
-        batch: Any,
-        log_posterior_fn: LogPosteriorFn,
-        generator: torch.Generator | None = None,
-        adapt: int = 0,
-        burn_in: bool = False,
-    ) -> tuple[PSGLDState, SGMCMCInfo]:
-        """One step with this kernel's hyperparameters."""
-        return self.update(state, self.estimate(state, batch, log_posterior_fn, adapt), generator, burn_in)
 
     def __repr__(self) -> str:
         return (

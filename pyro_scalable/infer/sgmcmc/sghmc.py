@@ -55,6 +55,7 @@ from pyro_scalable.infer.schedules import ScalarOrSchedule, check_positive, reso
 from pyro_scalable.infer.sgmcmc import warmup
 from pyro_scalable.infer.sgmcmc.base import (
     GradientEstimate,
+    Kernel,
     Latents,
     LogPosteriorFn,
     check_gradient_noise,
@@ -257,7 +258,7 @@ def sgd_hyperparameters(lr: float, momentum: float, mass: float = 1.0) -> dict[s
     return {"step_size": step_size, "friction": round(mass * (1.0 - momentum) / step_size, 15)}
 
 
-class SGHMC:
+class SGHMC(Kernel):
     """SGHMC for a Pyro model: binds the model and the hyperparameters; the maths is in :func:`step`.
 
     With ``temperature=0`` and a scalar mass the trajectory is that of ``torch.optim.SGD(lr=step_size**2 / mass,
@@ -357,18 +358,6 @@ class SGHMC:
             burn_in=burn_in,
             generator=generator,
         )
-
-    def step(
-        self,
-        state: SGHMCState,
-        batch: Any,
-        log_posterior_fn: LogPosteriorFn,
-        generator: torch.Generator | None = None,
-        adapt: int = 0,
-        burn_in: bool = False,
-    ) -> tuple[SGHMCState, SGHMCInfo]:
-        """One step with this kernel's hyperparameters."""
-        return self.update(state, self.estimate(state, batch, log_posterior_fn, adapt), generator, burn_in)
 
     def __repr__(self) -> str:
         mass = self.mass if isinstance(self.mass, (str, float, int)) else "{...}"

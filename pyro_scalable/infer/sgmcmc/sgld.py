@@ -41,6 +41,7 @@ from pyro_scalable.infer.schedules import ScalarOrSchedule, check_positive, reso
 from pyro_scalable.infer.sgmcmc import warmup
 from pyro_scalable.infer.sgmcmc.base import (
     GradientEstimate,
+    Kernel,
     Latents,
     LogPosteriorFn,
     SGMCMCInfo,
@@ -158,7 +159,7 @@ def step(
     )
 
 
-class SGLD:
+class SGLD(Kernel):
     """SGLD for a Pyro model: binds the model and the hyperparameters; the maths is in :func:`step`.
 
     ``model`` is kept as ``self.model``, a :class:`~pyro_scalable.bridge.FullDataModel`: the same model with
@@ -241,18 +242,6 @@ class SGLD:
             burn_in=burn_in,
             generator=generator,
         )
-
-    def step(
-        self,
-        state: SGLDState,
-        batch: Any,
-        log_posterior_fn: LogPosteriorFn,
-        generator: torch.Generator | None = None,
-        adapt: int = 0,
-        burn_in: bool = False,
-    ) -> tuple[SGLDState, SGMCMCInfo]:
-        """One step with this kernel's hyperparameters."""
-        return self.update(state, self.estimate(state, batch, log_posterior_fn, adapt), generator, burn_in)
 
     def __repr__(self) -> str:
         return (

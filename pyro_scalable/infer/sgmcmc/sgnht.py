@@ -60,6 +60,7 @@ from pyro_scalable.infer.schedules import ScalarOrSchedule, check_positive, reso
 from pyro_scalable.infer.sgmcmc import warmup
 from pyro_scalable.infer.sgmcmc.base import (
     GradientEstimate,
+    Kernel,
     Latents,
     LogPosteriorFn,
     check_gradient_noise,
@@ -236,7 +237,7 @@ def step(
     )
 
 
-class SGNHT:
+class SGNHT(Kernel):
     """SGNHT for a Pyro model: binds the model and the hyperparameters; the maths is in :func:`step`.
 
     The thermostat tunes the friction itself (to ``friction`` with exact gradients, higher with noisy ones), so
@@ -334,18 +335,6 @@ class SGNHT:
             burn_in=burn_in,
             generator=generator,
         )
-
-    def step(
-        self,
-        state: SGNHTState,
-        batch: Any,
-        log_posterior_fn: LogPosteriorFn,
-        generator: torch.Generator | None = None,
-        adapt: int = 0,
-        burn_in: bool = False,
-    ) -> tuple[SGNHTState, SGNHTInfo]:
-        """One step with this kernel's hyperparameters."""
-        return self.update(state, self.estimate(state, batch, log_posterior_fn, adapt), generator, burn_in)
 
     def __repr__(self) -> str:
         return (

@@ -27,13 +27,13 @@ would have to shrink instead, which at a small minibatch takes several times lon
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 from torch.func import grad
 
+from pyro_scalable.infer.autodiff import jvp
 from pyro_scalable.infer.sgmcmc.base import GradientEstimate, Latents, LogPosteriorFn
 
 __all__ = [
@@ -45,10 +45,11 @@ __all__ = [
     "settle",
     "noise_bound",
     "observe",
+    "power_iterations",
 ]
 
 NOISE_FRACTION = 0.5  # ρ: the largest share of the wanted noise that the gradient noise may supply
-_FIRST_ITERATIONS = 8  # power iterations at the first warm-up step
+_FIRST_ITERATIONS = 8  # power iterations at the first warm-up step; one per step after it
 _WINDOW = 50  # steps: the moving averages forget older warm-up steps at this rate
 
 
@@ -82,6 +83,11 @@ def _spread(x: Tensor) -> Tensor:
     # (a constant vector can be orthogonal to the top eigenvector of a symmetric problem)
     k = torch.arange(x.numel(), dtype=x.dtype, device=x.device).reshape(x.shape)
     return torch.cos(1.3 * k + 0.7) + 1.5 + 0.0 * x
+
+
+def power_iterations(warmup_step: int) -> int:
+    """Hessian-vector products warm-up step ``warmup_step`` spends on the curvature: a few first, then one."""
+    return _FIRST_ITERATIONS if warmup_step == 0 else 1
 
 
 def hessian_product(
@@ -133,11 +139,7 @@ def _metric_hvp(
 ) -> Latents:
     root = {name: torch.sqrt(m) for name, m in metric.items()} if metric is not None else None
     tangent = {name: v * root[name] for name, v in direction.items()} if root is not None else direction
-    with warnings.catch_warnings():
-        # the first forward-mode call in a process scripts torch's jvp decompositions, and torch warns that
-        # torch.jit.script is deprecated: a torch internal, nothing a user can act on
-        warnings.filterwarnings("ignore", message=r".*torch\.jit\.script. is deprecated", category=DeprecationWarning)
-        _, product = torch.func.jvp(lambda z: grad(log_posterior_fn)(z, batch), (latents,), (tangent,))
+    _, product = jvp(lambda z: grad(log_posterior_fn)(z, batch), (latents,), (tangent,))
     if root is not None:
         product = {name: p * root[name] for name, p in product.items()}
     return product
