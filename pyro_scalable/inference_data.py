@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pyro_scalable.bridge.checks import check_count, check_flag
+from pyro_scalable.arguments import check_count, check_flag
 from pyro_scalable.bridge.likelihood import full_data_log_likelihood
 from pyro_scalable.bridge.model import ModelBridge
 

@@ -26,7 +26,8 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from pyro_scalable.bridge.checks import ModelError, check_device, check_flag, check_seed
+from pyro_scalable.arguments import check_device, check_flag, check_seed
+from pyro_scalable.bridge.checks import ModelError
 from pyro_scalable.bridge.minibatches import EpochSampler
 from pyro_scalable.bridge.model import Batch, Latents, ModelBridge
 from pyro_scalable.infer.chains import ChainStepper, first_line

@@ -15,7 +15,7 @@ from pyro.infer.mcmc.util import diagnostics as pyro_diagnostics
 from pyro.infer.mcmc.util import print_summary
 from torch import Tensor
 
-from pyro_scalable.bridge.checks import check_flag, check_number
+from pyro_scalable.arguments import check_flag, check_number
 from pyro_scalable.bridge.model import ModelBridge
 
 __all__ = ["Draws"]

@@ -18,15 +18,8 @@ import torch
 from pyro.infer.autoguide import AutoLaplaceApproximation
 from pyro.infer.autoguide.initialization import InitMessenger
 
-from pyro_scalable.bridge.checks import (
-    ModelError,
-    check_choice,
-    check_count,
-    check_flag,
-    check_number,
-    check_seed,
-    check_tensor,
-)
+from pyro_scalable.arguments import check_choice, check_count, check_flag, check_number, check_seed, check_tensor
+from pyro_scalable.bridge.checks import ModelError
 from pyro_scalable.bridge.model import Latents, ModelBridge
 from pyro_scalable.infer.laplace.ggn import DataFit, fit_curvature
 from pyro_scalable.infer.laplace.layout import ParameterLayout

@@ -39,15 +39,8 @@ import pyro.distributions as dist
 import torch
 from torch import Tensor
 
-from pyro_scalable.bridge.checks import (
-    ModelError,
-    check_choice,
-    check_count,
-    check_flag,
-    check_number,
-    check_seed,
-    check_tensor,
-)
+from pyro_scalable.arguments import check_choice, check_count, check_flag, check_number, check_seed, check_tensor
+from pyro_scalable.bridge.checks import ModelError
 from pyro_scalable.bridge.model import Batch, ModelBridge
 from pyro_scalable.infer.laplace.curvature import CurvatureError, Precision
 from pyro_scalable.infer.laplace.ggn import DataFit

@@ -38,8 +38,7 @@ from pyro.infer.autoguide.initialization import init_to_median, init_to_uniform
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from pyro_scalable.bridge.checks import (
-    ModelError,
+from pyro_scalable.arguments import (
     check_choice,
     check_count,
     check_device,
@@ -48,6 +47,7 @@ from pyro_scalable.bridge.checks import (
     check_seed,
     check_tensor,
 )
+from pyro_scalable.bridge.checks import ModelError
 from pyro_scalable.bridge.minibatches import EpochSampler
 from pyro_scalable.bridge.model import Batch, FullDataModel, Latents, ModelBridge
 from pyro_scalable.infer.laplace.layout import ParameterLayout

@@ -12,7 +12,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from pyro_scalable.bridge.checks import ModelError, check_tensor
+from pyro_scalable.arguments import check_tensor
+from pyro_scalable.bridge.checks import ModelError
 from pyro_scalable.bridge.minibatches import EpochSampler
 from pyro_scalable.bridge.model import Batch
 from pyro_scalable.infer.laplace.layout import ParameterLayout
