@@ -17,11 +17,9 @@ Pyro traces; everything above it sees ``log_posterior(latents, batch) -> scalar`
 from __future__ import annotations
 
 import contextlib
-import math
 import warnings
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import pyro
 import torch
@@ -34,69 +32,11 @@ from torch.distributions import biject_to
 from torch.distributions.transforms import ComposeTransform, IndependentTransform, Transform
 
 from pyro_scalable.bridge.checks import ModelError, check_inputs, named_tensors
-from pyro_scalable.bridge.plates import full_data, plate_indices
+from pyro_scalable.bridge.log_posterior import LogPosterior
+from pyro_scalable.bridge.plates import FullDataModel, plate_indices
+from pyro_scalable.bridge.records import Batch, DataPlate, Latents, LatentSite
 
 __all__ = ["Batch", "DataPlate", "FullDataModel", "LatentSite", "Latents", "LogPosterior", "ModelBridge"]
-
-Latents = dict[str, Tensor]
-
-
-class Batch(NamedTuple):
-    """One minibatch as the model sees it. Only ``indices`` is ever batched over chains."""
-
-    indices: dict[str, Tensor]  # plate name -> subsample indices drawn by the engine
-    args: tuple
-    kwargs: dict
-
-
-@dataclass(frozen=True)
-class LatentSite:
-    """A latent sample site: its constrained shape and the bijection from unconstrained space."""
-
-    name: str
-    shape: torch.Size  # constrained value shape
-    unconstrained_shape: torch.Size
-    transform: Transform
-    has_jacobian: bool = True  # False for real-valued sites: their log|det J| is 0 and is skipped
-    dtype: torch.dtype = torch.float32  # of the constrained value (the model's)
-
-
-@dataclass(frozen=True)
-class DataPlate:
-    """A plate the engine subsamples: ``size`` N and minibatch size B (``subsample_size``)."""
-
-    name: str
-    size: int
-    subsample_size: int
-    dim: int
-
-
-class FullDataModel:
-    """The user's model with every ``subsample_size`` plate switched to full data (scale 1).
-
-    This is what ``pyro.infer.Predictive`` and ``arviz.from_pyro`` should run: the model on all N points, not on
-    a random minibatch of them. The model as written is ``full_data_model.model``.
-
-    Example:
-        >>> import pyro, pyro.distributions as dist, torch
-        >>> def model(y):
-        ...     with pyro.plate("data", len(y), subsample_size=10) as idx:
-        ...         pyro.sample("obs", dist.Normal(0.0, 1.0), obs=y[idx])
-        >>> trace = pyro.poutine.trace(FullDataModel(model)).get_trace(torch.zeros(100))
-        >>> trace.nodes["obs"]["value"].shape
-        torch.Size([100])
-
-    """
-
-    def __init__(self, model: Callable):
-        self.model = model.model if isinstance(model, FullDataModel) else model
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with full_data():
-            return self.model(*args, **kwargs)
-
-    def __repr__(self) -> str:
-        return f"FullDataModel({getattr(self.model, '__name__', self.model)!r})"
 
 
 @contextlib.contextmanager
@@ -405,50 +345,3 @@ class ModelBridge:
         """The observed values of every observed site, on the full data."""
         trace = self._trace(FullDataModel(self.model), validate=False)
         return {name: trace.nodes[name]["value"] for name in self.observed}
-
-
-class LogPosterior:
-    """A bridge's log posterior as an engine's ``log_posterior_fn``, with the per-example split of a minibatch.
-
-    ``examples(batch)`` turns the subsampled plate's ``B`` indices into ``B`` batches of one index each, stacked on
-    a leading dimension, so that ``torch.func.vmap`` evaluates ``log p(θ) + N log p(y_i | θ)`` for every example at
-    once: the per-example gradients whose spread is the minibatch gradient's noise.
-    """
-
-    def __init__(self, bridge: ModelBridge, *, replacement: bool = False):
-        self.bridge = bridge
-        self.replacement = replacement  # minibatches drawn with replacement: no finite-population correction
-
-    def __call__(self, latents: Latents, batch: Batch) -> Tensor:
-        return self.bridge.log_posterior(latents, batch)
-
-    def examples(self, batch: Batch) -> tuple[Batch, Batch, float] | None:
-        """``(examples, in_dims, N)``: one batch per example of the subsampled plate, for ``torch.func.vmap``.
-
-        ``None`` where no plate is subsampled (the gradient has no noise); N is ``inf`` for minibatches drawn
-        with replacement (no finite-population correction).
-        """
-        plates = list(self.bridge.plates.values())
-        if not plates:
-            return None  # no subsampling: the gradient is exact
-        if len(plates) != 1:
-            names = ", ".join(f"'{p.name}'" for p in plates) or "none"
-            raise ModelError(
-                "estimating the gradient noise needs exactly one subsampled plate (found: "
-                f"{names}); give only the data plate a subsample_size, or switch the noise estimate off."
-            )
-        plate = plates[0]
-        indices = batch.indices.get(plate.name)
-        if indices is None:
-            raise ModelError(
-                f"estimating the gradient noise needs the minibatch indices of plate '{plate.name}', which a "
-                "`batches=` loader does not give; use pyro.plate(..., subsample_size=B) instead of a DataLoader."
-            )
-        if indices.shape[-1] < 2:
-            raise ModelError(
-                f"plate '{plate.name}' has a minibatch of {indices.shape[-1]} point; estimating the gradient noise "
-                "needs subsample_size >= 2."
-            )
-        split = {**batch.indices, plate.name: indices.unsqueeze(-1)}
-        in_dims = Batch({name: 0 if name == plate.name else None for name in split}, None, None)
-        return Batch(split, batch.args, batch.kwargs), in_dims, math.inf if self.replacement else plate.size

@@ -18,7 +18,8 @@ otherwise Pyro's own code runs unchanged. This is the only place in the package 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import torch
 from pyro.poutine.subsample_messenger import SubsampleMessenger
@@ -26,7 +27,7 @@ from torch import Tensor
 
 from pyro_scalable.bridge.checks import ModelError
 
-__all__ = ["full_data", "plate_indices"]
+__all__ = ["FullDataModel", "full_data", "plate_indices"]
 
 _pyro_subsample = SubsampleMessenger._subsample
 # Each entry: (explicit indices by plate name, whether every other subsampled plate runs on full data, the size N
@@ -94,3 +95,31 @@ def plate_indices(indices: Mapping[str, Tensor], *, full_data: bool = False) -> 
 def full_data() -> contextlib.AbstractContextManager[dict[str, int]]:
     """Switch subsampling off: every ``subsample_size`` plate runs on all of its indices (scale 1)."""
     return plate_indices({}, full_data=True)
+
+
+class FullDataModel:
+    """The user's model with every ``subsample_size`` plate switched to full data (scale 1).
+
+    This is what ``pyro.infer.Predictive`` and ``arviz.from_pyro`` should run: the model on all N points, not on
+    a random minibatch of them. The model as written is ``full_data_model.model``.
+
+    Example:
+        >>> import pyro, pyro.distributions as dist, torch
+        >>> def model(y):
+        ...     with pyro.plate("data", len(y), subsample_size=10) as idx:
+        ...         pyro.sample("obs", dist.Normal(0.0, 1.0), obs=y[idx])
+        >>> trace = pyro.poutine.trace(FullDataModel(model)).get_trace(torch.zeros(100))
+        >>> trace.nodes["obs"]["value"].shape
+        torch.Size([100])
+
+    """
+
+    def __init__(self, model: Callable):
+        self.model = model.model if isinstance(model, FullDataModel) else model
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with full_data():
+            return self.model(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"FullDataModel({getattr(self.model, '__name__', self.model)!r})"
