@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-from pyro_scalable.bridge.model import DataPlate
+from pyro_scalable.bridge.records import DataPlate
 
 __all__ = ["EpochSampler", "chunks"]
 

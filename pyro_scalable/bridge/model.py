@@ -33,6 +33,7 @@ from torch.distributions.transforms import ComposeTransform, IndependentTransfor
 
 from pyro_scalable.bridge.checks import ModelError, check_inputs, named_tensors
 from pyro_scalable.bridge.log_posterior import LogPosterior
+from pyro_scalable.bridge.observed import check_observed_values
 from pyro_scalable.bridge.plates import FullDataModel, plate_indices
 from pyro_scalable.bridge.records import Batch, DataPlate, Latents, LatentSite
 
@@ -125,7 +126,8 @@ class ModelBridge:
 
     Building the bridge traces the model once and checks it (see DESIGN.md §6): continuous latents only, no latent
     inside a subsampled plate, at least one observed site, data on one device and finite, and plate sizes that
-    agree with the data. Each failure is a :class:`ModelError` naming the site or argument.
+    agree with the data, observed values inside their likelihood's support (checked over the full data, in
+    chunks). Each failure is a :class:`ModelError` naming the site or argument.
     """
 
     def __init__(self, model: Callable, args: tuple = (), kwargs: Mapping[str, Any] | None = None):
@@ -148,6 +150,7 @@ class ModelBridge:
         if self.device is None:
             self.device = next((v["value"].device for _, v in self._latent_nodes(trace)), torch.device("cpu"))
         self._check_plate_sizes()
+        check_observed_values(self)
 
     # ------------------------------------------------------------------ discovery and checks
     def _trace(self, model: Callable, *, validate: bool, indices: Mapping[str, Tensor] | None = None):
@@ -223,9 +226,11 @@ class ModelBridge:
             for frame in node["cond_indep_stack"]:
                 if frame.name in subsampled:
                     raise ModelError(
-                        f"latent site '{name}' is inside the subsampled plate '{frame.name}'; Pyro would scale "
-                        "its prior by N/B and only a minibatch of it is visited each step. Move it out of the "
-                        "plate (a global latent), or marginalise it out."
+                        f"latent site '{name}' is inside the subsampled plate '{frame.name}'. If it is meant to "
+                        "be observed, its data did not reach it (obs=None): pass the data to run(...), e.g. "
+                        "run(x, y) rather than run(x). If it is a latent, Pyro would scale its prior by N/B and "
+                        "only a minibatch of it is visited each step: move it out of the plate (a global latent), "
+                        "or marginalise it out."
                     )
             value = node["value"]
             if not value.is_floating_point():
@@ -307,6 +312,11 @@ class ModelBridge:
         with _validation(False), plate_indices(batch.indices, full_data=True), evaluate:
             self.model(*batch.args, **batch.kwargs)
         return evaluate.log_likelihood
+
+    def trace_at(self, indices: Mapping[str, Tensor]):
+        """The model's trace (validation off) with plates at ``indices``, every other subsampled plate in full."""
+        with _validation(False), plate_indices(indices, full_data=True):
+            return pyro.poutine.trace(self.model).get_trace(*self.args, **self.kwargs)
 
     def full_batch(self) -> Batch:
         """The batch that is the whole data set (every subsampled plate at all of its indices)."""

@@ -75,6 +75,19 @@ def test_latent_inside_subsample_size_plate_is_named(data):
         ModelBridge(model, data)
 
 
+def test_forgotten_observations_are_named_as_such(data):
+    """run(x) without y leaves obs=None: the error says the data did not reach the site, not only 'move it'."""
+    x, _ = data
+
+    def model(x, y=None):
+        w = pyro.sample("w", dist.Normal(0.0, 1.0))
+        with pyro.plate("data", N, subsample_size=B) as idx:
+            pyro.sample("obs", dist.Normal(w * x[idx], 1.0), obs=None if y is None else y[idx])
+
+    with pytest.raises(ModelError, match=r"'obs' is inside the subsampled plate 'data'.*pass the data to run"):
+        ModelBridge(model, (x,))
+
+
 def test_latent_inside_subsample_idx_plate_is_named(data):
     x, y = data
 

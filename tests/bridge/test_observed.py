@@ -1,0 +1,53 @@
+"""Observed values outside their likelihood's support are refused once, over the full data, naming the index."""
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+
+from pyro_scalable.bridge import ModelBridge, ModelError
+from pyro_scalable.bridge.observed import check_observed_values
+
+N = 300
+
+
+def _glm(likelihood):
+    def model(x, y):
+        w = pyro.sample("w", dist.Normal(torch.zeros(x.shape[1]), 1.0).to_event(1))
+        with pyro.plate("data", N, subsample_size=20) as idx:
+            pyro.sample("obs", likelihood(x[idx] @ w), obs=y[idx])
+
+    return model
+
+
+BERNOULLI = _glm(lambda f: dist.Bernoulli(logits=f))
+POISSON = _glm(lambda f: dist.Poisson(f.exp()))
+CATEGORICAL = _glm(lambda f: dist.Categorical(logits=torch.stack([f, -f, 0 * f], -1)))
+
+
+@pytest.mark.parametrize(
+    "model, values, bad, message",
+    [
+        (BERNOULLI, torch.bernoulli(torch.full((N,), 0.5)), -1.0, "Bernoulli labels must be 0 or 1"),
+        (POISSON, torch.poisson(torch.full((N,), 2.0)), -2.0, "non-negative integers"),
+        (POISSON, torch.poisson(torch.full((N,), 2.0)), 1.5, "non-negative integers"),
+        (CATEGORICAL, torch.randint(0, 3, (N,)).float(), 3.0, "classes 0, ..., K - 1"),
+    ],
+    ids=["bernoulli-minus-one", "poisson-negative", "poisson-fraction", "categorical-out-of-range"],
+)
+def test_a_value_outside_the_support_names_the_site_and_index(model, values, bad, message):
+    torch.manual_seed(0)
+    x = torch.randn(N, 2)
+    assert ModelBridge(model, (x, values)).observed == {"obs": {-1: "data"}}  # the clean data is accepted
+    values = values.clone()
+    values[N - 7] = bad  # in the last chunk, beyond any first minibatch
+    with pytest.raises(ModelError, match=rf"'obs' has the value {bad} at index {N - 7} of plate 'data'.*{message}"):
+        ModelBridge(model, (x, values))
+
+
+def test_checked_in_chunks_across_the_whole_plate():
+    x, y = torch.randn(N, 2), torch.bernoulli(torch.full((N,), 0.5))
+    bridge = ModelBridge(BERNOULLI, (x, y))
+    y[123] = 2.0  # the bridge holds the caller's tensor: a chunk of 50 finds the change in its third chunk
+    with pytest.raises(ModelError, match="index 123 of plate 'data'"):
+        check_observed_values(bridge, chunk_size=50)
