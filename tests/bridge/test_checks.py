@@ -82,7 +82,7 @@ def test_forgotten_observations_are_named_as_such(data):
     def model(x, y=None):
         w = pyro.sample("w", dist.Normal(0.0, 1.0))
         with pyro.plate("data", N, subsample_size=B) as idx:
-            pyro.sample("obs", dist.Normal(w * x[idx], 1.0), obs=None if y is None else y[idx])
+            pyro.sample("obs", dist.Normal(w * x[idx, 0], 1.0), obs=None if y is None else y[idx])
 
     with pytest.raises(ModelError, match=r"'obs' is inside the subsampled plate 'data'.*pass the data to run"):
         ModelBridge(model, (x,))
