@@ -121,6 +121,24 @@ def _explain_latent_in_plate(trace, error: Exception) -> None:
                 ) from error
 
 
+def _explain_mixed_dtypes(trace, tensors: Iterator[tuple[str, Tensor]], error: Exception) -> None:
+    """Raise a ModelError when torch refused to mix float dtypes and a latent's dtype differs from the data's."""
+    if "dtype" not in str(error) and "Double" not in str(error):
+        return
+    data = {label: t.dtype for label, t in tensors if t.is_floating_point()}
+    for name, node in trace.nodes.items():
+        if node["type"] != "sample" or node["is_observed"] or site_is_subsample(node):
+            continue
+        value = node["value"]
+        other = next(((label, dtype) for label, dtype in data.items() if dtype != value.dtype), None)
+        if value.is_floating_point() and other is not None:
+            raise ModelError(
+                f"latent site '{name}' is {value.dtype} but {other[0]} is {other[1]}, and the model failed mixing "
+                f"them ({str(error).strip().splitlines()[0]}). Give the prior's parameters the data's dtype, e.g. "
+                f"dist.Normal(torch.zeros(d, dtype=x.dtype), 1.0), or convert the data."
+            ) from error
+
+
 class ModelBridge:
     """A Pyro model bound to its data: unconstrained latents, log posterior, full-data log-likelihood.
 
@@ -176,6 +194,7 @@ class ModelBridge:
             ) from error
         except (RuntimeError, ValueError) as error:
             _explain_latent_in_plate(tracer.msngr.trace, error)
+            _explain_mixed_dtypes(tracer.msngr.trace, named_tensors(self.model, self.args, self.kwargs), error)
             raise
 
     def _latent_nodes(self, trace) -> Iterator[tuple[LatentSite, dict]]:

@@ -296,3 +296,15 @@ def test_results_before_run():
     mcmc = StochasticMCMC(SGLD(regression, step_size=1e-3), num_samples=10, progress_bar=False)
     with pytest.raises(RuntimeError, match=r"call run\(...\) before"):
         mcmc.get_samples()
+
+
+def test_a_float64_prior_on_float32_data_names_the_dtypes():
+    x = torch.randn(N, 3)
+
+    def model(x, y):
+        w = pyro.sample("w", dist.Normal(torch.zeros(3, dtype=torch.float64), 1.0).to_event(1))
+        with pyro.plate("data", N, subsample_size=B) as idx:
+            pyro.sample("obs", dist.Normal(x[idx] @ w, 1.0), obs=y[idx])
+
+    with pytest.raises(ModelError, match=r"latent site 'w' is torch.float64 but argument 'x' is torch.float32"):
+        ModelBridge(model, (x, x.sum(1)))
