@@ -167,7 +167,7 @@ class ModelBridge:
         self.observed_event_dims = {name: trace.nodes[name]["fn"].event_dim for name in self.observed}
         if self.device is None:
             self.device = next((v["value"].device for _, v in self._latent_nodes(trace)), torch.device("cpu"))
-        self._check_plate_sizes()
+        self._check_plate_sizes(trace)
         check_observed_values(self)
 
     # ------------------------------------------------------------------ discovery and checks
@@ -283,13 +283,24 @@ class ModelBridge:
             )
         return observed
 
-    def _check_plate_sizes(self) -> None:
-        # Rows that no subsampled plate can reach are never visited. With several plates (rows and columns) a
-        # tensor may be indexed by any of them, so only rows beyond the largest plate are an error.
+    def _check_plate_sizes(self, trace) -> None:
+        # Rows that no subsampled plate can reach are never visited. With several plates (rows and columns, a plain
+        # outer plate around a subsampled inner one) a tensor may be indexed by any of them, so only rows beyond
+        # every plate of the model are an error.
         largest = max(self.plates.values(), key=lambda p: p.size, default=None)
+        reach = max(
+            (
+                f.full_size or f.size
+                for node in trace.nodes.values()
+                if node["type"] == "sample"
+                for f in node["cond_indep_stack"]
+                if f.size is not None
+            ),
+            default=0,
+        )
         for label, tensor in named_tensors(self.model, self.args, self.kwargs) if largest is not None else ():
             rows = tensor.shape[0] if tensor.dim() else 0
-            if rows > largest.size:
+            if rows > max(largest.size, reach):
                 raise ModelError(
                     f"{label} has {rows} rows but plate '{largest.name}' has size {largest.size}; rows beyond "
                     f"{largest.size} would never be visited. Pass N = {rows} to pyro.plate('{largest.name}', N, ...)."

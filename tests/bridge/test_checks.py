@@ -308,3 +308,17 @@ def test_a_float64_prior_on_float32_data_names_the_dtypes():
 
     with pytest.raises(ModelError, match=r"latent site 'w' is torch.float64 but argument 'x' is torch.float32"):
         ModelBridge(model, (x, x.sum(1)))
+
+
+def test_a_plain_outer_plate_around_a_subsampled_inner_one_is_accepted():
+    """Rows indexed by a plain plate are not 'rows beyond the subsampled plate' (obs=y[:, j], y of 3 rows)."""
+    y = torch.randn(3, N)
+
+    def model(y):
+        mu = pyro.sample("mu", dist.Normal(torch.zeros(3, 1), 1.0).to_event(2))
+        with pyro.plate("rows", 3, dim=-2), pyro.plate("cols", N, subsample_size=B, dim=-1) as j:
+            pyro.sample("obs", dist.Normal(mu, 1.0), obs=y[:, j])
+
+    bridge = ModelBridge(model, (y,))
+    assert bridge.observed == {"obs": {-2: "rows", -1: "cols"}}
+    assert list(bridge.plates) == ["cols"]
