@@ -1,4 +1,4 @@
-"""Forward-mode differentiation shared by the engines (the Laplace curvature, sample-then-optimise, SG-MCMC warm-up)."""
+"""Products with Jacobians and Hessians shared by the engines (Laplace curvature, sample-then-optimise, warm-up)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import warnings
 
 import torch
 
-__all__ = ["jvp"]
+__all__ = ["hvp", "jvp"]
 
 
 def jvp(func, primals, tangents):
@@ -16,3 +16,15 @@ def jvp(func, primals, tangents):
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r".*torch\.jit\.script. is deprecated", category=DeprecationWarning)
         return torch.func.jvp(func, primals, tangents)
+
+
+def hvp(func, primals, tangents):
+    """The Hessian of the scalar ``func`` at ``primals`` times ``tangents``: the vjp of its gradient.
+
+    Reverse-over-reverse, not the cheaper forward-over-reverse (``jvp`` of ``grad``): in torch 2.x the latter fails
+    on float32 models in which a 0-d latent meets a Python number (a scale ``0.0 + 1.0 * exp(u)``, as
+    ``biject_to(HalfNormal(1.0).support)`` builds it), with "addmv input tensors must have the same dtype". The
+    Hessian is symmetric, so the vjp is the product wanted.
+    """
+    _, pullback = torch.func.vjp(torch.func.grad(func), *primals)
+    return pullback(*tangents)

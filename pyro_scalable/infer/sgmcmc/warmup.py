@@ -31,9 +31,8 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
-from torch.func import grad
 
-from pyro_scalable.infer.autodiff import jvp
+from pyro_scalable.infer.autodiff import hvp
 from pyro_scalable.infer.sgmcmc.base import GradientEstimate, Latents, LogPosteriorFn
 
 __all__ = [
@@ -139,7 +138,7 @@ def _metric_hvp(
 ) -> Latents:
     root = {name: torch.sqrt(m) for name, m in metric.items()} if metric is not None else None
     tangent = {name: v * root[name] for name, v in direction.items()} if root is not None else direction
-    _, product = jvp(lambda z: grad(log_posterior_fn)(z, batch), (latents,), (tangent,))
+    (product,) = hvp(lambda z: log_posterior_fn(z, batch), (latents,), (tangent,))
     if root is not None:
         product = {name: p * root[name] for name, p in product.items()}
     return product
