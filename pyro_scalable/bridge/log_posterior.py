@@ -38,6 +38,14 @@ class LogPosterior:
         with replacement (no finite-population correction).
         """
         plates = list(self.bridge.plates.values())
+        if not plates and self.bridge.given_plates:
+            name = next(iter(self.bridge.given_plates))
+            raise ModelError(
+                f"estimating the gradient noise needs per-example gradients, but plate '{name}' takes its minibatch "
+                "from the model's arguments (`subsample=idx`, a `batches=` loader), which cannot be split into "
+                "single examples. Use pyro.plate(..., subsample_size=B) and pass the full data to run(), or give a "
+                "step_size with gradient_noise='ignore' (uncorrected: the draws come out too wide at small B)."
+            )
         if not plates:
             return None  # no subsampling: the gradient is exact
         if len(plates) != 1:

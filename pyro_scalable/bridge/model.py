@@ -161,6 +161,13 @@ class ModelBridge:
         self.device = check_inputs(self.model, self.args, self.kwargs)
         trace = self._trace(self.model, validate=True)
         self.plates = self._find_plates(trace)
+        # plates whose minibatch indices the caller passes (`subsample=idx`, a DataLoader): N/B scaled by Pyro,
+        # but no engine draws their indices, so no per-example split of them is possible
+        self.given_plates = {
+            name: node["fn"].size
+            for name, node in trace.nodes.items()
+            if site_is_subsample(node) and name not in self.plates and node["value"].shape[0] < node["fn"].size
+        }
         self.sites = self._find_latents(trace)
         self.observed = self._find_observed(trace)
         # the plate dims in ``observed`` count from the right of the batch shape, left of these event dims
