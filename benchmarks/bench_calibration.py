@@ -31,17 +31,14 @@ Prints a markdown report and writes it to ``benchmarks/results/calibration.md`` 
    B = 100), 64 chains (vectorised) and one chain. Time per step is ``(T(K steps) - T(k steps)) / (K - k)``
    (setup cancels); the two modes interleaved, repeated, the ratio of medians of per-repetition ratios reported.
 
-Every run records the CPU other processes used meanwhile (``benchmarks/machine_load.py``). Compare ratios, not times.
+Every run records the CPU other processes used meanwhile (``benchmarks/harness.py``). Compare ratios, not times.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 import warnings
@@ -52,7 +49,15 @@ from pathlib import Path
 import pyro
 import pyro.distributions as dist
 import torch
-from machine_load import ForeignLoad  # benchmarks/ is on sys.path when a script runs
+from harness import (  # benchmarks/ is on sys.path when a script runs
+    ForeignLoad,
+    clean_indices,
+    is_clean,
+    load_average,
+    log,
+    machine,
+    write_report,
+)
 from pyro.nn import PyroModule, PyroSample
 from pyro.ops.stats import effective_sample_size
 from torch import Tensor, nn
@@ -67,10 +72,6 @@ DIM = 2
 # (torch.optim.SGD(lr=2.5e-5, momentum=0.5)).
 HAND_SGLD = {"step_size": 1e-4}
 HAND_SGHMC = {"step_size": 5e-3, "friction": 100.0}
-
-
-def log(*parts: object) -> None:
-    print(*parts, file=sys.stderr, flush=True)
 
 
 # ====================================================================================== part 1: the regression
@@ -539,8 +540,8 @@ def part_cost(cfg: dict, report: list[str]) -> None:
                     f"  {label[:24]} chains {chains:>3} rep {rep}: ignore {times['ignore'][-1] * 1e3:.2f} ms, "
                     f"correct {times['correct'][-1] * 1e3:.2f} ms (others {foreign[-1] or 0:.2f} cores)"
                 )
-            clean = [i for i, f in enumerate(foreign) if f is None or f < 0.3]
-            use = clean if len(clean) >= 2 else list(range(cfg["reps"]))
+            clean = [i for i, f in enumerate(foreign) if is_clean(f)]
+            use = clean_indices(foreign)
             ratio = statistics.median(times["correct"][i] / times["ignore"][i] for i in use)
             ignore = statistics.median(times["ignore"][i] for i in use)
             correct = statistics.median(times["correct"][i] for i in use)
@@ -552,35 +553,6 @@ def part_cost(cfg: dict, report: list[str]) -> None:
 
 
 # ====================================================================================== report
-def machine(threads: int) -> list[str]:
-    import posteriors
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    root = Path(__file__).resolve().parent.parent
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "pyro_scalable"], cwd=root, capture_output=True, text=True, check=True
-        ).stdout.strip()
-        code = f"git {commit}" + (" with uncommitted changes in pyro_scalable/" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        code = "not a git checkout"
-    return [
-        f"- code: {code}; {time.strftime('%Y-%m-%d %H:%M %Z')}",
-        f"- machine: {cpu}, {os.cpu_count()} CPU cores, torch threads {threads}; load average at start "
-        f"{', '.join(f'{v:.2f}' for v in os.getloadavg())}",
-        f"- python {platform.python_version()}, torch {torch.__version__}, pyro-ppl {pyro.__version__}, "
-        f"posteriors {getattr(posteriors, '__version__', '0.1.3')}",
-    ]
-
-
 CONFIGS = {
     "full": {
         "batch_sizes": [10, 30, 100, 1000],
@@ -619,7 +591,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", category=FutureWarning)  # tensordict's notices when posteriors is imported
-    import posteriors  # noqa: F401  (import cost outside the runs)
+    import posteriors  # (import cost outside the runs)
 
     cfg = CONFIGS["quick" if args.quick else "full"]
     out = args.out or RESULTS / ("calibration_quick.md" if args.quick else "calibration.md")
@@ -630,7 +602,7 @@ def main() -> None:
         "",
         f"Command: `{command}`",
         "",
-        *machine(args.threads),
+        *machine(args.threads, f"posteriors {getattr(posteriors, '__version__', '0.1.3')}"),
         "",
     ]
     start = time.perf_counter()
@@ -643,13 +615,9 @@ def main() -> None:
     report.append(
         f"Total wall time {time.perf_counter() - start:.0f} s; other processes used "
         f"{'n/a' if foreign is None else f'{foreign:.2f}'} cores on average meanwhile; load average at the end "
-        f"{', '.join(f'{v:.2f}' for v in os.getloadavg())}."
+        f"{load_average()}."
     )
-    text = "\n".join(report) + "\n"
-    print(text)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
-    log(f"written to {out}")
+    write_report("\n".join(report) + "\n", out)
 
 
 if __name__ == "__main__":

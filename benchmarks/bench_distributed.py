@@ -30,6 +30,7 @@ from pathlib import Path
 import pyro
 import pyro.distributions as dist
 import torch
+from harness import ForeignLoad  # benchmarks/ is on sys.path when a script runs
 
 RESULTS = Path(__file__).resolve().parent / "results" / "distributed.md"
 NUM_DATA, MINIBATCH, DIMS, CHAINS = 4000, 1000, (20, 50), 4
@@ -65,13 +66,15 @@ def worker(steps: tuple[int, int], reps: int, out: Path) -> None:
     times: dict[str, list[float]] = {}
     for noise in ("ignore", "correct"):
         kernel = SGLD(model, step_size=1e-5, gradient_noise=noise)
-        StochasticMCMC(kernel, num_samples=steps[0], num_chains=CHAINS, seed=0, progress_bar=False,
-                       distributed="data").run(x, y)  # first calls (vmap, Pyro's tracing caches) are slower
+        StochasticMCMC(
+            kernel, num_samples=steps[0], num_chains=CHAINS, seed=0, progress_bar=False, distributed="data"
+        ).run(x, y)  # first calls (vmap, Pyro's tracing caches) are slower
         for _ in range(reps):
             per_run = []
             for num in steps:
-                mcmc = StochasticMCMC(kernel, num_samples=num, num_chains=CHAINS, seed=0, progress_bar=False,
-                                      distributed="data")
+                mcmc = StochasticMCMC(
+                    kernel, num_samples=num, num_chains=CHAINS, seed=0, progress_bar=False, distributed="data"
+                )
                 dist_.barrier()
                 start = time.perf_counter()
                 mcmc.run(x, y)
@@ -83,36 +86,25 @@ def worker(steps: tuple[int, int], reps: int, out: Path) -> None:
     dist_.destroy_process_group()
 
 
-class _Load:
-    """CPU used by processes other than this one and its children, in cores, since construction (Linux)."""
-
-    def __init__(self) -> None:
-        self._start = self._read()
-
-    @staticmethod
-    def _read() -> tuple[float, float] | None:
-        try:
-            with open("/proc/stat") as f:
-                fields = [int(v) for v in f.readline().split()[1:]]
-        except (OSError, ValueError):
-            return None
-        own = os.times()
-        busy = (sum(fields[:3]) + sum(fields[5:8])) / os.sysconf("SC_CLK_TCK")
-        return time.perf_counter(), busy - (own.user + own.system + own.children_user + own.children_system)
-
-    def cores(self) -> float | None:
-        end = self._read()
-        if end is None or self._start is None:
-            return None
-        return max(0.0, (end[1] - self._start[1]) / (end[0] - self._start[0]))
-
-
 def launch(ranks: int, steps: tuple[int, int], reps: int) -> tuple[dict[str, list[float]], float | None]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "times.json"
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-                   __file__, "--worker", "--steps", f"{steps[0]},{steps[1]}", "--reps", str(reps), "--out", str(out)]
-        load = _Load()
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={ranks}",
+            __file__,
+            "--worker",
+            "--steps",
+            f"{steps[0]},{steps[1]}",
+            "--reps",
+            str(reps),
+            "--out",
+            str(out),
+        ]
+        load = ForeignLoad(children=True)
         subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True)
         return json.loads(out.read_text()), load.cores()
 

@@ -41,11 +41,7 @@ backends; torch left alone).
 from __future__ import annotations
 
 import argparse
-import gc
 import json
-import os
-import platform
-import re
 import statistics
 import subprocess
 import sys
@@ -55,7 +51,20 @@ import warnings
 from pathlib import Path
 
 import torch
-from machine_load import ForeignLoad  # benchmarks/ is on sys.path when a script runs
+from harness import (  # benchmarks/ is on sys.path when a script runs
+    CLEAN_LIMIT,
+    RESOLUTION_MB,
+    ForeignLoad,
+    load_average,
+    log,
+    machine,
+    peak_mb,
+    release_free_memory,
+    reset_peak,
+    rss_mb,
+    wait_for_quiet,
+    write_report,
+)
 from torch import Tensor, nn
 
 RESULTS = Path(__file__).resolve().parent / "results" / "laplace.md"
@@ -65,10 +74,6 @@ DIGITS = (64, 300, 200, 10)
 PRIOR = 1.0
 CHUNK = 1000  # data points per pass, ours (chunk_size) and laplace-torch (DataLoader batch size)
 PREDICT_CHUNK = 100  # laplace-torch's predictive, per call
-
-
-def log(*parts: object) -> None:
-    print(*parts, file=sys.stderr, flush=True)
 
 
 # ====================================================================================== networks
@@ -165,36 +170,6 @@ def teacher_data(sizes, n: int, num_test: int, seed: int) -> tuple[Tensor, Tenso
 
 
 # ====================================================================================== worker side
-def rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
-def peak_mb() -> float:
-    with open("/proc/self/status") as f:
-        return int(re.search(r"VmHWM:\s+(\d+)", f.read()).group(1)) / 1024
-
-
-def release_free_memory() -> None:
-    """Give glibc's cached free memory back to the system, so that the next call's peak RSS counts its own pages."""
-    gc.collect()
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-def reset_peak() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 class Ours:
     name = "ours"
 
@@ -445,24 +420,6 @@ def _fmt_mb(v: float | None) -> str:
     return "–" if v is None else f"{v:,.0f}"
 
 
-def wait_for_quiet(max_wait: float) -> float:
-    """Sleep (up to ``max_wait`` seconds) until other processes use less than ``CLEAN_LIMIT`` cores."""
-    start = time.perf_counter()
-    while time.perf_counter() < start + max_wait:
-        probe = ForeignLoad()
-        time.sleep(1.0)
-        load = probe.cores()
-        if load is None or load < CLEAN_LIMIT:
-            break
-    waited = time.perf_counter() - start
-    if waited > 1.5:
-        log(f"    (waited {waited:.0f} s for other processes to go quiet)")
-    return waited if waited > 1.5 else 0.0
-
-
-CLEAN_LIMIT = 0.3  # cores used by other processes during a measurement, above which it is set aside
-
-
 def _kept(runs: list[dict]) -> tuple[list[dict], str]:
     ok = [r for r in runs if "error" not in r]
     clean = [r for r in ok if r.get("foreign") is not None and r["foreign"] < CLEAN_LIMIT]
@@ -622,9 +579,6 @@ def part_cost(cfg: dict, threads: int, max_wait: float, report: list[str], summa
     ]
 
 
-RESOLUTION_MB = 16.0  # below this, an allocation may be served from memory the process holds already
-
-
 def _memory_ratio(theirs: float | None, ours: float | None) -> float | None:
     if theirs is None or ours is None or theirs < RESOLUTION_MB:
         return None
@@ -773,40 +727,15 @@ def targets(summary: dict) -> list[str]:
     return lines + [""]
 
 
-def machine(threads: int) -> list[str]:
-    import pyro
-
+def peer_versions() -> str:
     try:
         from importlib.metadata import version
 
         import laplace  # noqa: F401
 
-        peer = f"laplace-torch {version('laplace-torch')} (curvlinops {version('curvlinops-for-pytorch')})"
+        return f"laplace-torch {version('laplace-torch')} (curvlinops {version('curvlinops-for-pytorch')})"
     except Exception:  # noqa: BLE001
-        peer = "laplace-torch not installed"
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    root = Path(__file__).resolve().parent.parent
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "pyro_scalable"], cwd=root, capture_output=True, text=True, check=True
-        ).stdout.strip()
-        code = f"git {commit}" + (" with uncommitted changes in pyro_scalable/" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        code = "not a git checkout"
-    return [
-        f"- code: {code}; {time.strftime('%Y-%m-%d %H:%M %Z')}",
-        f"- machine: {cpu}, {os.cpu_count()} CPU cores, torch threads {threads}; load average at start "
-        f"{', '.join(f'{v:.2f}' for v in os.getloadavg())}",
-        f"- python {platform.python_version()}, torch {torch.__version__}, pyro-ppl {pyro.__version__}, {peer}",
-    ]
+        return "laplace-torch not installed"
 
 
 CONFIGS = {
@@ -888,7 +817,7 @@ def main() -> None:
         "",
         f"Command: `{command}`",
         "",
-        *machine(args.threads),
+        *machine(args.threads, peer_versions()),
         "",
     ]
     summary: dict = {}
@@ -898,15 +827,8 @@ def main() -> None:
     if 2 in parts:
         part_digits(cfg, report, summary)
     report += targets(summary)
-    report.append(
-        f"Total wall time {time.perf_counter() - start:.0f} s; load average at the end "
-        f"{', '.join(f'{v:.2f}' for v in os.getloadavg())}."
-    )
-    text = "\n".join(report) + "\n"
-    print(text)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
-    log(f"written to {args.out}")
+    report.append(f"Total wall time {time.perf_counter() - start:.0f} s; load average at the end {load_average()}.")
+    write_report("\n".join(report) + "\n", args.out)
 
 
 if __name__ == "__main__":

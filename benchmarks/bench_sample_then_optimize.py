@@ -38,7 +38,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import re
 import statistics
 import subprocess
@@ -48,37 +47,29 @@ import warnings
 from pathlib import Path
 
 import torch
-from machine_load import ForeignLoad  # benchmarks/ is on sys.path when a script runs
+from harness import (  # benchmarks/ is on sys.path when a script runs
+    CLEAN_LIMIT,
+    RESOLUTION_MB,
+    ForeignLoad,
+    load_average,
+    log,
+    machine,
+    peak_mb,
+    release_free_memory,
+    reset_peak,
+    rss_mb,
+    wait_for_quiet,
+    write_report,
+)
 
 RESULTS = Path(__file__).resolve().parent / "results" / "sample_then_optimize.md"
 QUICK_RESULTS = RESULTS.with_name("sample_then_optimize_quick.md")
-CLEAN_LIMIT = 0.3  # cores used by other processes during a measurement, above which it is flagged
-RESOLUTION_MB = 16.0  # peak-RSS differences below this are not resolved (memory the process already holds)
 PARTS = ("a", "b", "c")
 TITLES = {
     "a": "(a) Accuracy against the exact posterior: linear-Gaussian model",
     "b": "(b) Cost and memory at d = 10⁴ to 10⁶",
     "c": "(c) EM and calibration on digits",
 }
-
-
-def log(*parts: object) -> None:
-    print(*parts, file=sys.stderr, flush=True)
-
-
-def wait_for_quiet(max_wait: float) -> float:
-    """Sleep (up to ``max_wait`` seconds) until other processes use less than ``CLEAN_LIMIT`` cores."""
-    start = time.perf_counter()
-    while time.perf_counter() < start + max_wait:
-        probe = ForeignLoad()
-        time.sleep(1.0)
-        load = probe.cores()
-        if load is None or load < CLEAN_LIMIT:
-            break
-    waited = time.perf_counter() - start
-    if waited > 1.5:
-        log(f"    (waited {waited:.0f} s for other processes to go quiet)")
-    return waited if waited > 1.5 else 0.0
 
 
 def _load(value: float | None) -> str:
@@ -438,36 +429,6 @@ def hand_step_seconds(weights: dict[str, torch.Tensor], x, y, batch: int, reps: 
         if rep >= 3:
             times.append(seconds)
     return statistics.median(times)
-
-
-def rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
-def peak_mb() -> float:
-    with open("/proc/self/status") as f:
-        return int(re.search(r"VmHWM:\s+(\d+)", f.read()).group(1)) / 1024
-
-
-def release_free_memory() -> None:
-    import ctypes
-    import gc
-
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-def reset_peak() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 class Timers:
@@ -1005,34 +966,6 @@ def targets(summary: dict) -> list[str]:
     return lines
 
 
-def machine(threads: int) -> list[str]:
-    import pyro
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    root = Path(__file__).resolve().parent.parent
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "pyro_scalable"], cwd=root, capture_output=True, text=True, check=True
-        ).stdout.strip()
-        code = f"git {commit}" + (" with uncommitted changes in pyro_scalable/" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        code = "not a git checkout"
-    return [
-        f"- code: {code}; {time.strftime('%Y-%m-%d %H:%M %Z')}",
-        f"- machine: {cpu}, {os.cpu_count()} CPU cores, torch threads {threads}; load average at start "
-        f"{', '.join(f'{v:.2f}' for v in os.getloadavg())}",
-        f"- python {platform.python_version()}, torch {torch.__version__}, pyro-ppl {pyro.__version__}",
-    ]
-
-
 CONFIGS = {
     "full": {
         "a_n": 20_000,
@@ -1161,7 +1094,7 @@ def main() -> None:
             "",
             f"Command: `{command}` ({'quick' if args.quick else 'full'} run, this part "
             f"{time.perf_counter() - start:.0f} s; load average at the end "
-            f"{', '.join(f'{v:.2f}' for v in os.getloadavg())})",
+            f"{load_average()})",
             "",
             *stamp,
             "",
@@ -1178,10 +1111,7 @@ def main() -> None:
     ]
     text = merge(out, title, header, sections)
     text = text + "\n" + targets_section(text)
-    print(text)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
-    log(f"written to {out}")
+    write_report(text, out)
 
 
 if __name__ == "__main__":

@@ -30,10 +30,7 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 import warnings
@@ -45,7 +42,19 @@ import pyro
 import pyro.distributions as dist
 import torch
 import torch.nn.functional as F
-from machine_load import ForeignLoad  # benchmarks/ is on sys.path when a script runs
+from harness import (  # benchmarks/ is on sys.path when a script runs
+    CLEAN_LIMIT,
+    ForeignLoad,
+    clean_note,
+    load_average,
+    log,
+    machine,
+    median_ratio,
+    time_per_step,
+    wait_for_quiet,
+    warm_up_torch,
+    write_report,
+)
 from pyro.infer import MCMC, NUTS
 from pyro.nn import PyroModule, PyroSample
 from torch import Tensor, nn
@@ -57,10 +66,6 @@ MLP_DIMS = (100, 300, 200, 1)
 MLP_NOISE = 0.5
 TOLERANCE_MEAN = 0.1  # |mean - reference mean| / reference sd, every coordinate
 TOLERANCE_SD = 0.1  # |sd / reference sd - 1|, every coordinate
-
-
-def log(*parts: object) -> None:
-    print(*parts, file=sys.stderr, flush=True)
 
 
 # ====================================================================================== problems
@@ -307,90 +312,7 @@ def run_posteriors(problem: Problem, num_steps: int, seed: int, inplace: bool = 
 
 
 # ====================================================================================== timing
-CLEAN_LIMIT = 0.3  # a repetition is "clean" if other processes used less than this many cores meanwhile
 MAX_WAIT = 0.0  # seconds to wait for a quiet machine before each repetition (--max-wait)
-
-
-def wait_for_quiet() -> None:
-    """Sleep (up to ``MAX_WAIT`` seconds) until other processes use less than ``CLEAN_LIMIT`` cores."""
-    start = time.perf_counter()
-    while time.perf_counter() < start + MAX_WAIT:
-        probe = ForeignLoad()
-        time.sleep(1.0)
-        load = probe.cores()
-        if load is None or load < CLEAN_LIMIT:
-            break
-        if time.perf_counter() - start < 1.5:
-            log(f"    (waiting up to {MAX_WAIT:.0f} s: other processes use {load:.1f} cores)")
-    if time.perf_counter() - start > 1.5:
-        log(f"    (waited {time.perf_counter() - start:.0f} s)")
-
-
-@dataclass
-class StepTiming:
-    per_step: list[float]  # seconds, one per repetition
-    setup: list[float]
-    final_lp: list[float]
-    foreign: list[float | None]  # cores used by other processes during the repetition
-
-    def clean(self) -> list[int]:
-        """Indices of the clean repetitions, or of all of them if fewer than two are clean."""
-        good = [i for i, f in enumerate(self.foreign) if f is None or f < CLEAN_LIMIT]
-        return good if len(good) >= 2 else list(range(len(self.per_step)))
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.per_step[i] for i in self.clean())
-
-    @property
-    def median_setup(self) -> float:
-        return statistics.median(self.setup[i] for i in self.clean())
-
-
-def time_per_step(
-    runners: dict[str, tuple[Callable[[int, int], tuple[float, float]], int, int]], reps: int
-) -> dict[str, StepTiming]:
-    """``(T(long) - T(short)) / (long - short)`` per runner ``(fn, short, long)``, ``reps`` times, interleaved."""
-    results = {name: StepTiming([], [], [], []) for name in runners}
-    names = list(runners)
-    for rep in range(reps):
-        wait_for_quiet()
-        for name in names[rep % len(names) :] + names[: rep % len(names)]:
-            run, short, long = runners[name]
-            probe = ForeignLoad()
-            t_short, _ = run(short, rep)
-            t_long, lp = run(long, rep)
-            foreign = probe.cores()
-            per_step = (t_long - t_short) / (long - short)
-            results[name].per_step.append(per_step)
-            results[name].setup.append(t_short - short * per_step)
-            results[name].final_lp.append(lp)
-            results[name].foreign.append(foreign)
-            load = "n/a" if foreign is None else f"{foreign:.2f}"
-            log(
-                f"    rep {rep}: {name:<28} {per_step * 1e3:9.3f} ms/step  (setup {t_short - short * per_step:6.3f} s; "
-                f"other processes {load} cores)"
-            )
-    return results
-
-
-def median_ratio(a: StepTiming, b: StepTiming) -> float:
-    """Median over the repetitions clean for both of ``a``'s time / ``b``'s time (all, if fewer than two)."""
-    both = sorted(set(a.clean()) & set(b.clean()))
-    both = both if len(both) >= 2 else list(range(len(a.per_step)))
-    return statistics.median(a.per_step[i] / b.per_step[i] for i in both)
-
-
-def clean_note(timings: dict[str, StepTiming]) -> str:
-    total = sum(len(t.per_step) for t in timings.values())
-    good = sum(1 for t in timings.values() for f in t.foreign if f is None or f < CLEAN_LIMIT)
-    return f"{good}/{total} clean"
-
-
-def warm_up_torch() -> None:
-    """The first ``torch.func`` gradient in a process imports ``torch._dynamo`` (seconds); pay it before timing."""
-    torch.func.grad_and_value(lambda v: v.square().sum())(torch.ones(3))
-    torch.func.vmap(torch.func.grad(lambda v: v.square().sum()))(torch.ones(2, 3))
 
 
 # ====================================================================================== part 1 and 2
@@ -416,7 +338,7 @@ def part_cost_per_step(problems: dict[str, Problem], cfg: dict, report: list[str
         if key == "b":
             module = PyroModuleMLP(problem.batch_size)
             runners["ours, PyroModule"] = (lambda k, s, p=problem, m=module: run_ours(p, k, s, model=m), short, long)
-        res = time_per_step(runners, cfg["reps"])
+        res = time_per_step(runners, cfg["reps"], MAX_WAIT)
         ours, hand, post = res["ours"], res["hand-written"], res["posteriors"]
         r_hand, r_post = median_ratio(ours, hand), median_ratio(ours, post)
         summary[f"hand_{key}"], summary[f"posteriors_{key}"] = r_hand, r_post
@@ -472,6 +394,7 @@ def part_chains(problems: dict[str, Problem], cfg: dict, report: list[str], summ
                 ),
             },
             cfg["reps2"],
+            MAX_WAIT,
         )
         vec, seq, shared = res["vectorised"], res["sequential"], res["vectorised, shared"]
         ratio = median_ratio(seq, vec)
@@ -541,7 +464,7 @@ def run_nuts(x: Tensor, y: Tensor, warmup: int, num_draws: int, seed: int) -> Nu
         disable_progbar=True,
         hook_fn=lambda kernel, samples, stage, i: stamps.append(time.perf_counter()),
     )
-    wait_for_quiet()
+    wait_for_quiet(MAX_WAIT)
     probe = ForeignLoad()
     start = time.perf_counter()
     mcmc.run(x, y)
@@ -629,7 +552,7 @@ def sghmc_time_to_accuracy(
         mcmc = StochasticMCMC(
             kernel, num_samples, warmup, num_chains=chains, thin=settings["thin"], seed=seed, progress_bar=False
         )
-        wait_for_quiet()
+        wait_for_quiet(MAX_WAIT)
         probe = ForeignLoad()
         start = time.perf_counter()
         mcmc.run(x, y)
@@ -801,35 +724,6 @@ def targets(summary: dict) -> list[str]:
     return [*lines, ""]
 
 
-def machine(threads: int) -> list[str]:
-    import posteriors
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    root = Path(__file__).resolve().parent.parent
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "pyro_scalable"], cwd=root, capture_output=True, text=True, check=True
-        ).stdout.strip()
-        code = f"git {commit}" + (" with uncommitted changes in pyro_scalable/" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        code = "not a git checkout"
-    return [
-        f"- code: {code}; {time.strftime('%Y-%m-%d %H:%M %Z')}",
-        f"- machine: {cpu}, {os.cpu_count()} CPU cores, torch threads {threads}; load average at start "
-        f"{', '.join(f'{v:.2f}' for v in os.getloadavg())}",
-        f"- python {platform.python_version()}, torch {torch.__version__}, pyro-ppl {pyro.__version__}, "
-        f"posteriors {getattr(posteriors, '__version__', '0.1.3')}",
-    ]
-
-
 CONFIGS = {
     "full": {
         "reps": 5,
@@ -891,20 +785,21 @@ def main() -> None:
     if args.reps:
         cfg["reps"] = cfg["reps2"] = args.reps
     parts = {int(p) for p in args.parts.split(",")}
+    import posteriors  # (import cost outside the timings)
+
+    peers = f"posteriors {getattr(posteriors, '__version__', '0.1.3')}"
     command = " ".join(["python benchmarks/bench_sgmcmc.py", *sys.argv[1:]])
     report = [
         f"# SG-MCMC benchmark ({'quick' if args.quick else 'full'} run)",
         "",
         f"Command: `{command}`",
         "",
-        *machine(args.threads),
+        *machine(args.threads, peers),
         "",
     ]
     summary: dict = {}
     start = time.perf_counter()
     warm_up_torch()
-    import posteriors  # noqa: F401  (import cost outside the timings)
-
     if parts & {1, 2}:
         problems = {"a": make_logistic(10**6, 100, 1000, seed=0), "b": make_mlp(10**5, 1000, seed=0)}
     if 1 in parts:
@@ -914,15 +809,8 @@ def main() -> None:
     if 3 in parts:
         part_nuts(cfg, report, summary)
     report += targets(summary)
-    report.append(
-        f"Total wall time {time.perf_counter() - start:.0f} s; load average at the end "
-        f"{', '.join(f'{v:.2f}' for v in os.getloadavg())}."
-    )
-    text = "\n".join(report) + "\n"
-    print(text)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
-    log(f"written to {args.out}")
+    report.append(f"Total wall time {time.perf_counter() - start:.0f} s; load average at the end {load_average()}.")
+    write_report("\n".join(report) + "\n", args.out)
 
 
 if __name__ == "__main__":

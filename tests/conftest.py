@@ -10,8 +10,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-# Property-based tests (tests/hardening): "ci" keeps them fast on a shared 2-core machine; HYPOTHESIS_PROFILE=dev
-# explores many more examples. No deadline: the first example of a test pays for Pyro's and torch's warm-up.
+# Property-based tests (tests/bridge/test_properties.py, tests/test_inference_data_properties.py): "ci" keeps
+# them fast on a shared 2-core machine; HYPOTHESIS_PROFILE=dev explores many more examples. No deadline: the first
+# example of a test pays for Pyro's and torch's warm-up.
 settings.register_profile(
     "ci",
     max_examples=25,

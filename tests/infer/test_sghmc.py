@@ -108,8 +108,14 @@ def test_diagonal_mass_step_is_the_formula():
     x, m = torch.tensor([0.3, 0.2], dtype=torch.float64), torch.tensor([0.1, -0.4], dtype=torch.float64)
     mass = {"x": torch.tensor([0.5, 4.0], dtype=torch.float64)}
     state, _ = sghmc.step(
-        sghmc.init({"x": x}, {"x": m}), None, quadratic(a, b), step_size=0.1, friction=2.0, mass=mass,
-        temperature=0.8, generator=torch.Generator().manual_seed(3),
+        sghmc.init({"x": x}, {"x": m}),
+        None,
+        quadratic(a, b),
+        step_size=0.1,
+        friction=2.0,
+        mass=mass,
+        temperature=0.8,
+        generator=torch.Generator().manual_seed(3),
     )
     xi = torch.randn(2, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     m_new = m + 0.1 * (b - x) - 0.1 * 2.0 / mass["x"] * m + (2 * 2.0 * 0.1 * 0.8) ** 0.5 * xi

@@ -19,7 +19,7 @@ from pyro_scalable import FullDataModel
 from pyro_scalable.bridge import ModelBridge
 from pyro_scalable.infer.results import Draws
 from pyro_scalable.inference_data import draws_to_inference_data, to_inference_data
-from tests.hardening.models import build, specs
+from tests.random_models import build, specs
 
 
 class FakeRun(Draws):
@@ -129,7 +129,7 @@ def test_arviz_reads_a_fake_run_with_from_pyro():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r"\s*ArviZ is undergoing", category=FutureWarning)
         import arviz as az
-    from tests.hardening.models import Spec
+    from tests.random_models import Spec
 
     spec = Spec(("vector", "positive"), torch.float64, "scalar", 6, 2, 1, None, 0)
     model, args = build(spec)

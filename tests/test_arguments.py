@@ -232,7 +232,6 @@ def test_sample_then_optimize_prior_precision_of_the_wrong_shape_names_it(data):
 # pyro_scalable/infer/mcmc.py and infer/sgmcmc/* are being rewritten: these rows document what is still missing.
 
 
-
 def _kernel():
     return SGHMC(model, step_size=0.01, friction=20.0)
 

@@ -20,7 +20,7 @@ from pyro_scalable import FullDataModel, ModelError
 from pyro_scalable.bridge import Batch, ModelBridge
 from pyro_scalable.bridge.likelihood import full_data_log_likelihood
 from pyro_scalable.bridge.minibatches import EpochSampler
-from tests.hardening.models import ELEMENTWISE, F64, build, data_plates, num_minibatches, specs
+from tests.random_models import ELEMENTWISE, F64, build, data_plates, num_minibatches, specs
 
 # ---------------------------------------------------------------------------------------------------- helpers
 
