@@ -315,8 +315,9 @@ class SampleThenOptimize(Draws):
     ) -> None:
         """Run again on the data of the last ``run``, from ``prior_precision`` with ``em_steps`` MacKay updates.
 
-        The settings stay changed (they are the public ``em_steps``, ``em_groups`` and ``prior_precision``); with
-        the same seed the regulariser centres are those of the last run, so the draws differ only by the prior.
+        The settings stay changed (they are the public ``em_steps``, ``em_groups`` and ``prior_precision``); a fixed
+        ``seed`` draws the same noise as the last run. Linearised Laplace's ``"sampled"`` structure tunes its prior
+        with this.
         """
         self._require_net()
         check_count("em_steps", em_steps, 0)
