@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pyro_scalable.infer import AutoLinearizedLaplace
-from pyro_scalable.infer.laplace.structures import STRUCTURES
+from pyro_scalable.infer.laplace.structures import STRUCTURES, structure_class
 from tests.infer.linearized.nets import (
     LIKELIHOODS,
     MLP,
@@ -21,6 +21,18 @@ from tests.infer.linearized.nets import (
 MATRIX_STRUCTURES = [name for name, structure in STRUCTURES.items() if structure.has_evidence]
 # K-FAC approximates G: its factors are tested on their own below
 EXACT_STRUCTURES = [name for name in MATRIX_STRUCTURES if name != "kron"]
+
+
+@pytest.mark.parametrize("name", list(STRUCTURES))
+def test_every_registered_structure_names_itself_and_says_what_it_can_do(name):
+    structure = structure_class(name)
+    assert structure.name == name and callable(structure.fit)
+    for capability in ("exact", "has_evidence", "per_parameter_prior"):
+        assert isinstance(getattr(structure, capability), bool)
+    if not structure.has_evidence:  # the prior is then tuned by the structure itself
+        assert callable(structure.tune_prior)
+    with pytest.raises(ValueError, match="structure must be one of"):
+        structure_class(name + "_unknown")
 
 
 @pytest.mark.parametrize("likelihood", list(LIKELIHOODS))
