@@ -2,6 +2,7 @@
 
 from pyro_scalable.infer.laplace.curvature import CurvatureError
 from pyro_scalable.infer.laplace.guide import AutoLinearizedLaplace
-from pyro_scalable.infer.laplace.posterior import GLMPredictive, LaplacePosterior
+from pyro_scalable.infer.laplace.posterior import LaplacePosterior
+from pyro_scalable.infer.linearized.glm import GLMPredictive
 
 __all__ = ["AutoLinearizedLaplace", "CurvatureError", "GLMPredictive", "LaplacePosterior"]

@@ -21,15 +21,13 @@ from pyro.infer.autoguide.initialization import InitMessenger
 from pyro_scalable.arguments import check_choice, check_count, check_flag, check_number, check_seed, check_tensor
 from pyro_scalable.bridge.checks import ModelError
 from pyro_scalable.bridge.model import Latents, ModelBridge
-from pyro_scalable.infer.laplace.ggn import DataFit, fit_curvature
-from pyro_scalable.infer.laplace.layout import ParameterLayout
-from pyro_scalable.infer.laplace.network import NetworkFunction, choose_sites
+from pyro_scalable.infer.laplace.curvature import FitRequest
 from pyro_scalable.infer.laplace.posterior import LaplacePosterior
-from pyro_scalable.infer.laplace.sampled import SampledCurvature
+from pyro_scalable.infer.laplace.structures import STRUCTURES, StructureName, structure_class
+from pyro_scalable.infer.linearized.layout import ParameterLayout
+from pyro_scalable.infer.linearized.network import NetworkFunction, choose_sites
 
 __all__ = ["AutoLinearizedLaplace"]
-
-_STRUCTURES = ("full", "diag", "kron", "low_rank", "sampled")
 
 
 class AutoLinearizedLaplace(AutoLaplaceApproximation):
@@ -61,7 +59,7 @@ class AutoLinearizedLaplace(AutoLaplaceApproximation):
     def laplace_approximation(
         self,
         *args: Any,
-        structure: Literal["full", "diag", "kron", "low_rank", "sampled"] = "kron",
+        structure: StructureName = "kron",
         sites: Sequence[str] | Literal["last_layer"] | None = None,
         curvature: Literal["ggn", "ef"] = "ggn",
         prior_precision: torch.Tensor | float | None = None,
@@ -94,7 +92,7 @@ class AutoLinearizedLaplace(AutoLaplaceApproximation):
             seed: seeds the random probes of ``"low_rank"``.
 
         """
-        check_choice("structure", structure, _STRUCTURES)
+        check_choice("structure", structure, tuple(STRUCTURES))
         check_choice("curvature", curvature, ("ggn", "ef"))
         if prior_precision is not None:
             check_tensor("prior_precision", prior_precision, nonnegative=True)
@@ -135,14 +133,24 @@ class AutoLinearizedLaplace(AutoLaplaceApproximation):
             precision = torch.broadcast_to(
                 torch.as_tensor(prior_precision, dtype=theta.dtype, device=theta.device), theta.shape
             ).clone()
-        generator = torch.Generator(device=theta.device).manual_seed(seed)
-        if structure == "sampled":
-            if curvature != "ggn":
-                raise ValueError("structure='sampled' samples the GGN posterior; curvature='ef' is not available.")
-            options = {"num_samples": num_samples, "seed": seed, **(sampler_options or {})}
-            fit = _sampled_fit(self.model, args, kwargs, bridge, latents, chosen, precision, options, check_map)
-        else:
-            fit = fit_curvature(net, theta, structure, curvature=curvature, rank=rank, generator=generator)
+        structure_type = structure_class(structure)
+        request = FitRequest(
+            net,
+            theta,
+            precision,
+            curvature=curvature,
+            rank=rank,
+            generator=torch.Generator(device=theta.device).manual_seed(seed),
+            model=_user_model(self.model),
+            args=args,
+            kwargs=kwargs,
+            latents=latents,
+            num_samples=num_samples,
+            sampler_options=dict(sampler_options or {}),
+            seed=seed,
+            check_map=check_map,
+        )
+        fit = structure_type.fit(request)
         if curvature == "ef":
             noise = None
         posterior = LaplacePosterior(
@@ -150,14 +158,14 @@ class AutoLinearizedLaplace(AutoLaplaceApproximation):
             fit,
             precision,
             mean,
-            structure=structure,
+            structure=structure_type,
             noise_scale=noise,
             noise_site=noise_site,
             jitter=jitter,
             curvature=curvature,
         )
         posterior.precision  # noqa: B018  (factorise now: a singular curvature is an error here, not later)
-        if check_map and structure != "sampled":  # the sampler checks it (a Newton step, its mean row)
+        if check_map and structure_type.has_evidence:  # otherwise the sampler checks it (a Newton step, its mean row)
             posterior.check_map()
         return posterior
 
@@ -190,28 +198,3 @@ def _user_model(model):
     while isinstance(model, functools.partial) and len(model.args) == 2 and isinstance(model.args[0], InitMessenger):
         model = model.args[1]
     return model
-
-
-def _sampled_fit(model, args, kwargs, bridge, latents, chosen, precision, options, check_map) -> DataFit:
-    from pyro_scalable.infer.sample_then_optimize import SampleThenOptimize
-
-    engine = SampleThenOptimize(
-        _user_model(model),
-        linearize_at=bridge.constrain(latents),
-        sites=chosen,
-        prior_precision=precision,
-        **{"progress_bar": False, **options},
-    )
-    with warnings.catch_warnings():
-        if not check_map:
-            warnings.filterwarnings("ignore", message="the linearisation point is not a MAP")
-        engine.run(*args, **kwargs)
-    zeros = precision.new_zeros
-    return DataFit(
-        curvature=SampledCurvature(engine, precision),
-        log_likelihood=zeros(()).fill_(float("nan")),
-        gradient=engine.data_gradient,
-        num_points=next(iter(bridge.plates.values())).size if bridge.plates else 1,
-        layers=[],
-        rest=torch.zeros(0, dtype=torch.long, device=precision.device),
-    )

@@ -24,7 +24,8 @@ term grows without bound as :math:`\sigma \to 0`; those structures use the usual
 Normal likelihood with one scalar noise :math:`\sigma` (MAP value :math:`\sigma_0`), :math:`G` and :math:`g` scale
 by :math:`\sigma_0^2/\sigma^2` and :math:`\ell_* = -\frac n2\log 2\pi\sigma^2 - \mathrm{SSR}/2\sigma^2`, so the
 evidence is also exact in :math:`\sigma`. :meth:`LaplacePosterior.optimize_prior_precision` maximises it by
-L-BFGS over :math:`\log P` (scalar, per site or per parameter) and :math:`\log\sigma`.
+L-BFGS over :math:`\log P` (scalar, per site or per parameter) and :math:`\log\sigma`
+(:mod:`~pyro_scalable.infer.laplace.evidence`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
 import pyro
 import pyro.distributions as dist
@@ -42,39 +43,14 @@ from torch import Tensor
 from pyro_scalable.arguments import check_choice, check_count, check_flag, check_number, check_seed, check_tensor
 from pyro_scalable.bridge.checks import ModelError
 from pyro_scalable.bridge.model import Batch, ModelBridge
-from pyro_scalable.infer.laplace.curvature import CurvatureError, Precision
-from pyro_scalable.infer.laplace.ggn import DataFit
-from pyro_scalable.infer.laplace.likelihoods import Likelihood, LinkApprox
-from pyro_scalable.infer.laplace.network import NetworkFunction
-from pyro_scalable.infer.laplace.predictive import functional_covariance
+from pyro_scalable.infer.laplace.curvature import CurvatureError, Precision, Structure
+from pyro_scalable.infer.laplace.evidence import maximize_evidence
+from pyro_scalable.infer.linearized.ggn import DataFit
+from pyro_scalable.infer.linearized.glm import GLMPredictive, Moments, glm_predictive
+from pyro_scalable.infer.linearized.likelihoods import Likelihood, LinkApprox
+from pyro_scalable.infer.linearized.network import NetworkFunction
 
 __all__ = ["GLMPredictive", "LaplacePosterior"]
-
-
-class _GLMPredictiveFields(NamedTuple):
-    mean: Tensor  # (points, outputs)
-    covariance: Tensor  # (points, outputs, outputs)
-    distribution: Any  # a Pyro distribution shaped like the observed site
-
-
-class GLMPredictive(_GLMPredictiveFields):
-    """The linearised predictive at some inputs: the outputs' mean and covariance, and the law of ``y``."""
-
-    __slots__ = ()
-
-    def __new__(cls, mean: Tensor, covariance: Tensor, distribution: Any):
-        if not isinstance(mean, Tensor) or mean.dim() != 2:
-            raise ValueError(f"mean must be a (points, outputs) tensor, got {_describe(mean)}.")
-        if not isinstance(covariance, Tensor) or covariance.shape != mean.shape + mean.shape[-1:]:
-            raise ValueError(
-                f"covariance must be a tensor of shape (points, outputs, outputs) = "
-                f"{tuple(mean.shape + mean.shape[-1:])}, got {_describe(covariance)}."
-            )
-        return super().__new__(cls, mean, covariance, distribution)
-
-
-def _describe(value: Any) -> str:
-    return f"shape {tuple(value.shape)}" if isinstance(value, Tensor) else type(value).__name__
 
 
 class LaplacePosterior:
@@ -111,20 +87,22 @@ class LaplacePosterior:
         prior_precision: Tensor,
         prior_mean: Tensor,
         *,
-        structure: str,
+        structure: type[Structure],
         noise_scale: Tensor | None,
         noise_site: str | None,
         jitter: float = 0.0,
         curvature: str = "ggn",
     ):
-        self.net, self.fit, self.structure = net, fit, structure
+        self.net, self.fit = net, fit
+        self.structure = structure.name
+        self._structure = structure
         self.theta_star = net.theta_star
         self.prior_mean = prior_mean
         self._map_noise = noise_scale
         self._noise_site = noise_site
         self.jitter = jitter
         # the b-term of the evidence and the Newton-moved mean are only sound with the exact GGN (see above)
-        self.recenter = structure == "full" and curvature == "ggn" and fit.sum_squares is not None
+        self.recenter = structure.exact and curvature == "ggn" and fit.sum_squares is not None
         self._prior_precision = prior_precision
         self._observation_noise = noise_scale
         self._cache: dict[str, Any] = {}
@@ -256,73 +234,32 @@ class LaplacePosterior:
         check_flag("observation_noise", observation_noise, optional=True)
         check_count("max_iter", max_iter)
         check_count("em_steps", em_steps, 0)
-        if self.structure == "sampled":
-            return self._sampled_em(method, observation_noise, em_steps)
+        if not self._structure.has_evidence:
+            curvature = self.fit.curvature.tune_prior(method, observation_noise, em_steps, self._prior_precision)
+            self.fit = dataclasses.replace(self.fit, curvature=curvature)
+            self.prior_precision = curvature.prior_precision
+            return self
         theta = self.theta_star
-        if method == "diagonal" and self.structure == "kron":
+        if method == "diagonal" and not self._structure.per_parameter_prior:
             raise ValueError(
                 "structure='kron' keeps a layer's prior precision equal across its outputs; use method='scalar' or "
                 "'site', or structure='diag'/'full' for a per-parameter prior precision."
             )
-        groups = self._groups(method)
-        counts = torch.bincount(groups).to(theta.dtype)
-        start = torch.zeros(counts.shape, dtype=theta.dtype, device=theta.device)
-        start = start.index_add(0, groups, self._prior_precision.log()) / counts
-        log_precision = start.clone().requires_grad_(True)
+        groups, _ = self.net.layout.groups(method, theta.device)
         fit_noise = self._map_noise is not None if observation_noise is None else observation_noise
         if fit_noise and self._map_noise is None:
             raise ModelError("observation_noise=True needs a Normal likelihood with one scalar scale.")
-        variables = [log_precision]
-        log_noise = None
-        if fit_noise:
-            log_noise = self._observation_noise.log().clone().requires_grad_(True)
-            variables.append(log_noise)
-        optimizer = torch.optim.LBFGS(
-            variables, max_iter=max_iter, line_search_fn="strong_wolfe", tolerance_grad=1e-9, tolerance_change=1e-12
+        precision, noise = maximize_evidence(
+            self.log_marginal_likelihood,
+            groups,
+            self._prior_precision,
+            self._observation_noise if fit_noise else None,
+            max_iter=max_iter,
         )
-
-        def closure():
-            optimizer.zero_grad()
-            noise = log_noise.exp() if log_noise is not None else None
-            loss = -self.log_marginal_likelihood(log_precision[groups].exp(), noise)
-            loss.backward()
-            return loss
-
-        optimizer.step(closure)
-        self.prior_precision = log_precision.detach()[groups].exp()
-        if log_noise is not None:
-            self.observation_noise = log_noise.detach().exp()
-        return self
-
-    def _sampled_em(self, method: str, observation_noise: bool | None, em_steps: int) -> LaplacePosterior:
-        if method not in ("scalar", "site"):
-            raise ValueError(
-                f"structure='sampled' tunes the prior by EM with method 'scalar' or 'site', not {method!r}."
-            )
-        if observation_noise:
-            raise ModelError("structure='sampled' keeps the observation noise fixed; pass observation_noise=False.")
-        engine = self.fit.curvature.engine
-        engine.em_steps, engine.em_groups, engine.prior_precision = em_steps, method, self._prior_precision
-        with warnings.catch_warnings():  # reported (or silenced) when the posterior was built
-            warnings.filterwarnings("ignore", message="the linearisation point is not a MAP")
-            engine.run(*engine._args, **engine._kwargs)
-        precision = engine._problem_precision
-        self.fit = dataclasses.replace(self.fit, curvature=type(self.fit.curvature)(engine, precision))
         self.prior_precision = precision
+        if noise is not None:
+            self.observation_noise = noise
         return self
-
-    def _groups(self, method: str) -> Tensor:
-        device = self.theta_star.device
-        if method == "scalar":
-            return torch.zeros(self.num_params, dtype=torch.long, device=device)
-        if method == "diagonal":
-            return torch.arange(self.num_params, device=device)
-        if method == "site":
-            groups = torch.empty(self.num_params, dtype=torch.long, device=device)
-            for k, slot in enumerate(self.net.layout.slots.values()):
-                groups[slot.start : slot.stop] = k
-            return groups
-        raise ValueError(f"method must be 'scalar', 'site' or 'diagonal', not {method!r}.")
 
     # ------------------------------------------------------------------ samples and guide
     def sample(self, num_samples: int, generator: torch.Generator | None = None) -> Tensor:
@@ -385,21 +322,24 @@ class LaplacePosterior:
         check_seed("seed", seed)
         generator = None if seed is None else torch.Generator(self.theta_star.device).manual_seed(seed)
         delta = self.mean - self.theta_star
-        means, covariances, likelihoods = [], [], []
-        for batch in self._batches(args, kwargs):
-            f, covariance, likelihood = functional_covariance(
-                self.net, self.theta_star, self.precision, self.fit.layers, self.fit.rest, batch
+        shifted = bool(delta.abs().max() > 0)
+
+        def moments(batch: Batch) -> Moments:
+            f, covariance, likelihood = self.precision.functional_covariance(
+                self.net, self.theta_star, batch, self.fit.layers, self.fit.rest
             )
-            if bool(delta.abs().max() > 0):
+            if shifted:
                 _, shift = self.net.jvp(self.theta_star, delta.unsqueeze(0), batch)
                 f = f + shift[0].detach()
-            means.append(f)
-            covariances.append(covariance.detach())
-            likelihoods.append(likelihood)
-        mean, covariance = torch.cat(means), torch.cat(covariances)
-        likelihood = self._fitted(Likelihood.concatenate(likelihoods))
-        return GLMPredictive(
-            mean, covariance, likelihood.predictive(mean, covariance, link_approx, num_samples, generator)
+            return f, covariance, likelihood
+
+        return glm_predictive(
+            self._batches(args, kwargs),
+            moments,
+            link_approx=link_approx,
+            num_samples=num_samples,
+            generator=generator,
+            fitted=self._fitted,
         )
 
     def linearized_model(self, *args: Any, **kwargs: Any) -> Tensor:

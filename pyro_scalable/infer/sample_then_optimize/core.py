@@ -26,7 +26,7 @@ with noise :math:`\propto \lVert z - \tilde z\rVert`, which vanishes as the anch
 The optimiser is SGD with Nesterov momentum, per-sample gradient clipping and a linear step-size decay, with all
 :math:`K` samples stepped together: one batched Jacobian-vector and one vector-Jacobian product per minibatch
 (``ggn_vp`` below). The functional core here sees only ``ggn_vp(z, batch)`` — for a Pyro model the bridge's
-:class:`~pyro_scalable.infer.laplace.network.NetworkFunction` provides it — and is testable without Pyro.
+:class:`~pyro_scalable.infer.linearized.network.NetworkFunction` provides it — and is testable without Pyro.
 """
 
 from __future__ import annotations

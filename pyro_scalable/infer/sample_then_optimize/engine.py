@@ -34,9 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from pyro.infer.autoguide.initialization import init_to_median, init_to_uniform
 from torch import Tensor
-from tqdm.auto import tqdm
 
 from pyro_scalable.arguments import (
     check_choice,
@@ -48,19 +46,17 @@ from pyro_scalable.arguments import (
     check_tensor,
 )
 from pyro_scalable.bridge.checks import ModelError
-from pyro_scalable.bridge.minibatches import EpochSampler
-from pyro_scalable.bridge.model import Batch, FullDataModel, Latents, ModelBridge
-from pyro_scalable.infer.laplace.layout import ParameterLayout
-from pyro_scalable.infer.laplace.likelihoods import Likelihood
-from pyro_scalable.infer.laplace.network import NetworkFunction, choose_sites, first_batch
-from pyro_scalable.infer.laplace.posterior import GLMPredictive
+from pyro_scalable.bridge.model import FullDataModel, ModelBridge
+from pyro_scalable.infer.linearized.glm import GLMPredictive, draws_moments, glm_predictive
+from pyro_scalable.infer.linearized.layout import ParameterLayout
+from pyro_scalable.infer.linearized.network import NetworkFunction, choose_sites
 from pyro_scalable.infer.results import Draws
 from pyro_scalable.infer.sample_then_optimize import core
-from pyro_scalable.infer.sample_then_optimize.checkpoint import SolveCheckpoint
 from pyro_scalable.infer.sample_then_optimize.distributed import DistributedMode, OneProcess
 from pyro_scalable.infer.sample_then_optimize.distributed import setup as setup_parallel
-from pyro_scalable.infer.sample_then_optimize.em import effective_dimension, mackay_update
+from pyro_scalable.infer.sample_then_optimize.linearization import is_linear, linearization_point
 from pyro_scalable.infer.sample_then_optimize.problem import Problem, warn_unconverged
+from pyro_scalable.infer.sample_then_optimize.solve import solve_with_em
 
 __all__ = ["SampleThenOptimize"]
 
@@ -112,6 +108,18 @@ class SampleThenOptimize(Draws):
             see :mod:`.distributed`). ``"samples"`` splits the K samples across the ranks and gathers the draws
             on rank 0 (other ranks keep their own block); ``"data"`` splits every minibatch and data pass across
             the ranks, and every rank ends with every draw.
+
+    After ``run``, besides the draws (``get_samples``, ``to_inference_data``, :meth:`predict`):
+
+    Attributes:
+        net: the model as a network function of the flat sampled latents
+            (:class:`~pyro_scalable.infer.linearized.network.NetworkFunction`), linearised at ``net.theta_star``.
+        state: the solver's last :class:`~pyro_scalable.infer.sample_then_optimize.core.SampleState`: one row per
+            sample, then the mean row.
+        mean_unconstrained: the flat posterior mean the draws are centred at.
+        newton_step: the mean row's solution, the Newton step from ``net.theta_star`` (a check that it is a MAP).
+        data_gradient: the full-data gradient of the log-likelihood at ``net.theta_star`` (flat).
+        em_history: the prior precision and effective dimension of every EM step.
 
     Example:
         >>> import pyro, pyro.distributions as dist, torch
@@ -251,108 +259,30 @@ class SampleThenOptimize(Draws):
         self._parallel = parallel
         seed = parallel.seed(seed, bridge.device)
         generator = torch.Generator(device=bridge.device).manual_seed(seed)
-        latents = self._linearization_point(bridge, site, args, kwargs, generator)
+        latents = linearization_point(
+            bridge,
+            site,
+            args,
+            kwargs,
+            generator,
+            linearize_at=self.linearize_at,
+            sites=self.sites,
+            map_steps=self.map_steps,
+            quiet=not self.progress_bar or not parallel.is_main,
+        )
         chosen, heteroscedastic, _, _ = choose_sites(bridge, site, latents, self.sites)
         layout = ParameterLayout({name: bridge.sites[name].unconstrained_shape for name in chosen})
         theta = layout.flatten(latents).detach()
-        self._linear = _is_linear(bridge, site, chosen, latents, generator)
+        self._linear = is_linear(bridge, site, chosen, latents, generator)
         self.net = net = NetworkFunction(
             bridge, site, layout, theta, latents, heteroscedastic=heteroscedastic, chunk_size=self.chunk_size
         )
         problem = Problem(self, net, theta, generator, parallel)
         self._solve_all(problem, generator)
 
-    def _linearization_point(self, bridge, site, args, kwargs, generator) -> Latents:
-        given = self.linearize_at
-        if given is not None:
-            values = given if isinstance(given, dict) else _guide_median(given, args, kwargs)
-            missing = sorted(set(bridge.sites) - set(values))
-            if missing:
-                raise ModelError(
-                    f"linearize_at lacks the latent site(s) {missing}; give a value for every latent site."
-                )
-            latents = {}
-            for name, latent in bridge.sites.items():
-                value = torch.as_tensor(values[name], dtype=latent.dtype).detach()
-                if value.shape != latent.shape:
-                    raise ModelError(
-                        f"linearize_at['{name}'] has shape {tuple(value.shape)}, the site has {tuple(latent.shape)}."
-                    )
-                latents[name] = latent.transform.inv(value.to(bridge.device))
-            return latents
-        start = {k: v[0] for k, v in bridge.init_latents(1, init_to_median, seed=int(generator.initial_seed())).items()}
-        chosen, *_ = choose_sites(bridge, site, start, self.sites)
-        if set(chosen) == set(bridge.sites) and _is_linear(bridge, site, chosen, start, generator):
-            return start
-        return self._find_map(bridge, generator)
-
-    def _find_map(self, bridge: ModelBridge, generator: torch.Generator) -> Latents:
-        if self.map_steps == 0:
-            raise ModelError(
-                "the model's output is not linear in its latents (or it has other latents, e.g. a noise scale), so "
-                "it needs a linearisation point: pass linearize_at={site: value} or a trained guide, or map_steps > 0."
-            )
-        init = bridge.init_latents(1, init_to_uniform(radius=1.0), seed=int(generator.initial_seed()))
-        latents = {k: v[0].clone().requires_grad_(True) for k, v in init.items()}
-        optimizer = torch.optim.Adam(list(latents.values()), lr=1e-2)
-        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: 1.0 - 0.99 * t / self.map_steps)
-        sampler = EpochSampler(bridge.plates, 1, generator, bridge.device)
-        quiet = not self.progress_bar or not self._parallel.is_main
-        for _ in tqdm(range(self.map_steps), disable=quiet, desc="MAP"):
-            batch = Batch({k: v[0] for k, v in next(sampler).items()}, bridge.args, bridge.kwargs)
-            loss = -bridge.log_posterior(latents, batch)
-            if not torch.isfinite(loss):
-                raise ModelError(
-                    "the log joint is not finite while finding the MAP; check the data, or pass linearize_at=..."
-                )
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            schedule.step()
-        return {k: v.detach() for k, v in latents.items()}
-
     def _solve_all(self, problem: Problem, generator: torch.Generator) -> None:
-        num_groups = problem.num_groups
-        alphas, gammas = [problem.alpha.clone()], []
-        total = (self.num_epochs + self.em_steps * self.em_epochs) * problem.steps_per_epoch
-        checkpoint = None if self.checkpoint is None else SolveCheckpoint(self, problem, generator)
-        saved = None if checkpoint is None else checkpoint.resume()
-        first_em_step, done = 0, 0
-        if saved is not None:
-            first_em_step, alphas, gammas = saved["em_step"], saved["alphas"], saved["gammas"]
-            done = min(first_em_step, 1) * self.num_epochs + max(first_em_step - 1, 0) * self.em_epochs
-            done = done * problem.steps_per_epoch + saved["progress"]["t"]
+        state, alphas, gammas = solve_with_em(self, problem, generator)
         parallel = problem.parallel
-        bar = tqdm(total=total, initial=done, disable=not self.progress_bar or not parallel.is_main, desc="Solve")
-        try:
-            state = None
-            for em_step in range(first_em_step, self.em_steps + 1):
-                epochs = self.num_epochs if em_step == 0 else self.em_epochs
-                progress = saved["progress"] if saved is not None and em_step == first_em_step else None
-                on_epoch = None if checkpoint is None else checkpoint.on_epoch(em_step, epochs, alphas, gammas)
-                state = parallel.agree(problem.solve(state, epochs, generator, bar, progress, on_epoch))
-                self.state = state
-                mean_offset, samples, ggn = problem.finish(state)
-                raw = effective_dimension(samples, ggn[:-1], problem.groups, num_groups)
-                raw = parallel.mean_over_samples(raw, samples.shape[0])
-                gamma = raw.clamp(min=1e-3).minimum(problem.group_sizes)  # the true value lies in (0, d_g)
-                gammas.append(gamma)
-                if em_step == 0:
-                    problem.check_map(state)
-                if em_step < self.em_steps:
-                    update = mackay_update(gamma, mean_offset, problem.scale, problem.groups)
-                    # a group whose estimate is <= 0 (pure noise from its coupling to other groups) keeps its
-                    # precision: clipping it would all but flatten its prior, and nothing would bring it back
-                    problem.alpha = torch.where(raw > 0, update, problem.alpha)
-                    if not bool(torch.isfinite(problem.alpha).all() and (problem.alpha > 0).all()):
-                        raise ModelError(
-                            f"the EM update gave a prior precision of {problem.alpha.tolist()} (the posterior mean is "
-                            "at the prior mean in some group); keep em_steps=0 or use em_groups='scalar'."
-                        )
-                    alphas.append(problem.alpha.clone())
-                    state = state._replace(velocity=torch.zeros_like(state.velocity))
-        finally:
-            bar.close()
         state, problem.final_stats, self.trace = parallel.gather(state, problem.final_stats, self.trace)
         self.state = state
         if not parallel.is_main:
@@ -380,12 +310,40 @@ class SampleThenOptimize(Draws):
         self._draws = {k: v.detach().unsqueeze(0).to(self.draws_device) for k, v in latents.items()}
         self._stats = {k: v.unsqueeze(0).to(self.draws_device) for k, v in problem.final_stats.items()}
 
+    def rerun_em(
+        self, em_steps: int, em_groups: Literal["scalar", "site"], prior_precision: float | Tensor | None = None
+    ) -> None:
+        """Run again on the data of the last ``run``, from ``prior_precision`` with ``em_steps`` MacKay updates.
+
+        The settings stay changed (they are the public ``em_steps``, ``em_groups`` and ``prior_precision``); a fixed
+        ``seed`` draws the same noise as the last run. Linearised Laplace's ``"sampled"`` structure tunes its prior
+        with this.
+        """
+        self._require_net()
+        check_count("em_steps", em_steps, 0)
+        check_choice("em_groups", em_groups, ("scalar", "site"))
+        if prior_precision is not None:
+            check_tensor("prior_precision", prior_precision, positive=True)
+        self.em_steps, self.em_groups, self.prior_precision = operator.index(em_steps), em_groups, prior_precision
+        self.run(*self._args, **self._kwargs)
+
     # ------------------------------------------------------------------ results
     @property
     def final_prior_precision(self) -> dict[str, Tensor]:
         """The prior precision of the last solve (after EM) of every sampled site, shaped like its value."""
-        net = self._require_net()
-        return net.layout.unflatten(self._problem_precision)
+        return self._require_net().layout.unflatten(self.solved_prior_precision)
+
+    @property
+    def solved_prior_precision(self) -> Tensor:
+        """The prior precision of the last solve (after EM), flat over the sampled sites (unconstrained)."""
+        self._require_net()
+        return self._problem_precision
+
+    @property
+    def sample_offsets(self) -> Tensor:
+        r"""The zero-mean rows :math:`\zeta_j \sim \mathcal N(0, H^{-1})` of the draws, flat, ``(K, d)``."""
+        self._require_net()
+        return self.state.samples[:-1].detach()
 
     def _require_net(self) -> NetworkFunction:
         if self.net is None:
@@ -411,45 +369,19 @@ class SampleThenOptimize(Draws):
         check_count("num_samples", num_samples)
         check_seed("seed", seed)
         theta = net.theta_star
-        zeta = self.state.samples[:-1].detach()
-        rows = torch.cat([(self.mean_unconstrained - theta).unsqueeze(0), zeta])
         generator = None if seed is None else torch.Generator(theta.device).manual_seed(seed)
         batches = list(net.batches()) if not args and not kwargs else list(net.batches(args, kwargs))
-        means, covariances, likelihoods = [], [], []
+        shift = self.mean_unconstrained - theta
         with torch.no_grad():
-            for batch in batches:
-                f, products = net.jvp(theta, rows, batch)
-                means.append(f + products[0])
-                covariances.append(torch.einsum("kpm,kpn->pmn", products[1:], products[1:]) / zeta.shape[0])
-                likelihoods.append(net.outputs(theta, batch).likelihood)
-        mean, covariance = torch.cat(means), torch.cat(covariances)
-        likelihood = Likelihood.concatenate(likelihoods)
-        return GLMPredictive(
-            mean, covariance, likelihood.predictive(mean, covariance, link_approx, num_samples, generator)
-        )
+            return glm_predictive(
+                batches,
+                lambda batch: draws_moments(net, theta, self.sample_offsets, batch, shift),
+                link_approx=link_approx,
+                num_samples=num_samples,
+                generator=generator,
+            )
 
     def get_mean(self) -> dict[str, Tensor]:
         """The posterior mean of the sampled sites (constrained; the other sites at their fixed values)."""
         net = self._require_net()
         return self.bridge.constrain({**net.fixed, **net.layout.unflatten(self.mean_unconstrained)})
-
-
-def _guide_median(guide: Any, args: tuple, kwargs: dict) -> dict[str, Tensor]:
-    if not hasattr(guide, "median"):
-        raise TypeError(
-            f"linearize_at must be a dict of constrained values by site name or a trained autoguide, got {guide!r}."
-        )
-    return {k: v.detach() for k, v in guide.median(*args, **kwargs).items()}
-
-
-def _is_linear(bridge: ModelBridge, site: str, chosen: list[str], latents: Latents, generator) -> bool:
-    layout = ParameterLayout({name: bridge.sites[name].unconstrained_shape for name in chosen})
-    theta = layout.flatten(latents).detach()
-    net = NetworkFunction(bridge, site, layout, theta, latents)
-    batch = first_batch(bridge)
-    direction = torch.randn(theta.shape, generator=generator, dtype=theta.dtype, device=theta.device)
-    f0, products = net.jvp(theta, direction.unsqueeze(0), batch)
-    f1 = net.f(theta + direction, batch).detach()
-    error = (f1 - f0 - products[0]).abs().max()
-    scale = f0.abs().max() + f1.abs().max() + products.abs().max()
-    return bool(error <= 100 * torch.finfo(theta.dtype).eps * scale)

@@ -16,8 +16,8 @@ from pyro_scalable.arguments import check_tensor
 from pyro_scalable.bridge.checks import ModelError
 from pyro_scalable.bridge.minibatches import EpochSampler
 from pyro_scalable.bridge.model import Batch
-from pyro_scalable.infer.laplace.layout import ParameterLayout
-from pyro_scalable.infer.laplace.network import NetworkFunction
+from pyro_scalable.infer.linearized.ggn import GGNDiagonal, ggn_pass
+from pyro_scalable.infer.linearized.network import NetworkFunction
 from pyro_scalable.infer.sample_then_optimize import core
 from pyro_scalable.infer.sample_then_optimize.distributed import OneProcess, local_batch
 
@@ -47,7 +47,7 @@ class Problem:
             given = torch.as_tensor(engine.prior_precision, dtype=theta.dtype, device=theta.device)
             precision = torch.broadcast_to(given, theta.shape).clone()
         self._check_prior(precision)
-        self.groups, self.group_names = _groups(net.layout, engine.em_groups, theta.device)
+        self.groups, self.group_names = net.layout.groups(engine.em_groups, theta.device)
         self.num_groups = len(self.group_names)
         counts = torch.bincount(self.groups, minlength=self.num_groups).to(theta.dtype)
         self.group_sizes = counts
@@ -295,24 +295,12 @@ class Problem:
                 f"the linearisation point is not a MAP of the model: a Newton step from it gains {decrement:.3g} nats. "
                 "The samples are those of the model linearised there; train the MAP longer for the usual "
                 "linearised-Laplace posterior.",
-                stacklevel=4,
+                stacklevel=5,
             )
 
 
-def _groups(layout: ParameterLayout, how: str, device) -> tuple[Tensor, list[str]]:
-    if how == "scalar":
-        return torch.zeros(layout.num_params, dtype=torch.long, device=device), ["all"]
-    groups = torch.empty(layout.num_params, dtype=torch.long, device=device)
-    for k, slot in enumerate(layout.slots.values()):
-        groups[slot.start : slot.stop] = k
-    return groups, layout.names
-
-
 def _ggn_diagonal(net: NetworkFunction, theta: Tensor) -> Tensor:
-    from pyro_scalable.infer.laplace.ggn import fit_curvature
-
-    fit = fit_curvature(net, theta, "diag")
-    return fit.curvature.diagonal
+    return ggn_pass(net, theta, GGNDiagonal()).curvature
 
 
 def warn_unconverged(relative_grad_norm: Tensor) -> None:

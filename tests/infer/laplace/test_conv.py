@@ -12,6 +12,7 @@ from torch import nn
 from torch.func import jacrev
 
 from pyro_scalable.infer import AutoLinearizedLaplace
+from pyro_scalable.infer.laplace.structures import STRUCTURES
 
 D = torch.float64
 
@@ -96,7 +97,7 @@ def test_conv_kfac_factors_are_the_unfolded_expectations(setup):
     assert torch.allclose(dense, torch.kron(block.output_factor, block.input_factor))
 
 
-@pytest.mark.parametrize("structure", ["full", "diag", "kron", "low_rank"])
+@pytest.mark.parametrize("structure", [name for name, structure in STRUCTURES.items() if structure.has_evidence])
 def test_conv_linearized_predictive_variance(setup, structure):
     model, latents, x, y, _ = setup
     posterior = AutoLinearizedLaplace(model).laplace_approximation(

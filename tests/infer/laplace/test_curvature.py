@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
-from pyro_scalable.infer.laplace.curvature import (
-    CurvatureError,
+from pyro_scalable.infer.laplace.curvature import CurvatureError
+from pyro_scalable.infer.laplace.structures import (
+    STRUCTURES,
     DiagCurvature,
     FullCurvature,
     KronBlock,
@@ -17,6 +18,8 @@ from pyro_scalable.infer.laplace.curvature import (
 )
 
 D = torch.float64
+# every structure with a matrix precision ("sampled" keeps samples of H^-1 instead: test_sampled.py)
+MATRIX_STRUCTURES = [name for name, structure in STRUCTURES.items() if structure.has_evidence]
 
 
 def _spd(n, g, rank=None):
@@ -34,7 +37,9 @@ def _structures(g):
     index = torch.tensor([[0, 2, 4, 6], [1, 3, 5, 7]])
     block = KronBlock(index, _spd(2, g), _spd(4, g))
     kron = KronCurvature([block], torch.tensor([8, 9, 10]), torch.rand(3, generator=g, dtype=D), d)
-    return {"full": full, "diag": diag, "low_rank": low, "kron": kron}
+    structures = {"full": full, "diag": diag, "low_rank": low, "kron": kron}
+    assert set(structures) == set(MATRIX_STRUCTURES)
+    return structures
 
 
 def _dense_kron(kron):
@@ -46,7 +51,7 @@ def _dense_kron(kron):
     return dense
 
 
-@pytest.mark.parametrize("name", ["full", "diag", "low_rank", "kron"])
+@pytest.mark.parametrize("name", MATRIX_STRUCTURES)
 @pytest.mark.parametrize("prior", ["scalar", "per_input"])
 def test_precision_matches_dense(name, prior):
     g = torch.Generator().manual_seed(1)
@@ -69,7 +74,7 @@ def test_precision_matches_dense(name, prior):
     assert torch.allclose(precision.inverse_diagonal(), torch.linalg.inv(dense).diagonal())
 
 
-@pytest.mark.parametrize("name", ["full", "diag", "low_rank", "kron"])
+@pytest.mark.parametrize("name", MATRIX_STRUCTURES)
 def test_samples_have_the_inverse_covariance(name):
     """Sampling is a deterministic map of the noise: its covariance is exactly H^{-1} (checked via the map)."""
     g = torch.Generator().manual_seed(2)

@@ -28,8 +28,7 @@ from torch.nn.utils import parameters_to_vector
 from torch.utils.data import DataLoader, TensorDataset
 
 from pyro_scalable.infer import AutoLinearizedLaplace
-
-from .nets import MLP
+from tests.infer.linearized.nets import MLP
 
 laplace = pytest.importorskip("laplace")
 

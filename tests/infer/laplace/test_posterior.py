@@ -15,8 +15,7 @@ from torch.func import jacrev
 
 from pyro_scalable import FullDataModel, ModelError
 from pyro_scalable.infer import AutoLinearizedLaplace, CurvatureError
-
-from .nets import MLP, brute_force_jacobian, random_latents
+from tests.infer.linearized.nets import MLP, brute_force_jacobian, random_latents
 
 D = torch.float64
 

@@ -8,7 +8,7 @@ import torch
 from pyro.infer import Predictive
 
 from pyro_scalable.infer import AutoLinearizedLaplace, CurvatureError
-from tests.infer.laplace.nets import MLP, random_latents
+from tests.infer.linearized.nets import MLP, random_latents
 
 Z = 4.5
 K = 800
@@ -67,7 +67,7 @@ def test_sampled_has_no_evidence_and_tunes_the_prior_by_em(posteriors):
     sampled.optimize_prior_precision("site", em_steps=2)
     assert engine.em_history["prior_precision"].shape == (3, 4)
     assert not torch.equal(sampled.prior_precision, before)
-    torch.testing.assert_close(sampled.prior_precision, engine._problem_precision)
+    torch.testing.assert_close(sampled.prior_precision, engine.solved_prior_precision)
     with pytest.raises(CurvatureError, match="drawn for one prior precision"):
         sampled.prior_precision = 3.0
         sampled.precision  # noqa: B018

@@ -31,8 +31,8 @@ from pyro_scalable.bridge.minibatches import chunks
 from pyro_scalable.bridge.model import Batch, Latents, ModelBridge
 from pyro_scalable.bridge.outputs import ModelOutputs, model_outputs
 from pyro_scalable.infer.autodiff import jvp
-from pyro_scalable.infer.laplace.layout import ParameterLayout
-from pyro_scalable.infer.laplace.likelihoods import Likelihood, likelihood_of
+from pyro_scalable.infer.linearized.layout import ParameterLayout
+from pyro_scalable.infer.linearized.likelihoods import Likelihood, likelihood_of
 
 __all__ = ["NetworkFunction", "Outputs", "choose_sites", "first_batch"]
 

@@ -1,4 +1,7 @@
-"""A flat parameter vector over some latent sites, and the way back to a dict of unconstrained site values."""
+"""A flat parameter vector over some latent sites, its way back to site values, and its groups of parameters.
+
+The groups are those a prior precision is tied over: one for all, one per site, or one per parameter.
+"""
 
 from __future__ import annotations
 
@@ -50,6 +53,24 @@ class ParameterLayout:
         """Flat indices of site ``name``, shaped like the site."""
         slot = self.slots[name]
         return torch.arange(slot.start, slot.stop, device=device).reshape(slot.shape)
+
+    def groups(self, how: str, device=None) -> tuple[Tensor, list[str]]:
+        """The group of every flat position and the groups' names.
+
+        Args:
+            how: one group for all (``"scalar"``), one per site (``"site"``) or one per parameter (``"diagonal"``).
+
+        """
+        if how == "scalar":
+            return torch.zeros(self.num_params, dtype=torch.long, device=device), ["all"]
+        if how == "diagonal":
+            return torch.arange(self.num_params, device=device), [str(k) for k in range(self.num_params)]
+        if how == "site":
+            groups = torch.empty(self.num_params, dtype=torch.long, device=device)
+            for k, slot in enumerate(self.slots.values()):
+                groups[slot.start : slot.stop] = k
+            return groups, self.names
+        raise ValueError(f"groups must be 'scalar', 'site' or 'diagonal', not {how!r}.")
 
     def site_of(self, position: int) -> str:
         """The site that holds flat position ``position``."""

@@ -1,4 +1,4 @@
-"""Small Pyro models with brute-force references for the Laplace tests (float64)."""
+"""Small Pyro models with brute-force references for the linearised and Laplace tests (float64)."""
 
 from __future__ import annotations
 
@@ -100,3 +100,30 @@ def hessian_lambda(likelihood: str, f, noise=0.3):
 
 
 del functional_call
+
+
+LIKELIHOODS = {"normal": (3, 5, 2), "categorical": (3, 5, 3), "bernoulli": (3, 5, 1), "poisson": (3, 4, 1)}
+
+
+def ggn_data(likelihood, n=40, seed=0):
+    """Inputs and targets for an MLP with the ``likelihood`` head (see ``LIKELIHOODS``)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 3, generator=g, dtype=torch.float64)
+    width = LIKELIHOODS[likelihood][-1]
+    y = {
+        "normal": lambda: torch.randn(n, width, generator=g, dtype=torch.float64),
+        "categorical": lambda: torch.randint(0, width, (n,), generator=g),
+        "bernoulli": lambda: torch.bernoulli(torch.full((n,), 0.5, dtype=torch.float64), generator=g),
+        "poisson": lambda: torch.poisson(torch.full((n,), 2.0, dtype=torch.float64), generator=g),
+    }[likelihood]()
+    return x, y
+
+
+def ggn_setup(likelihood, batch_size=16):
+    """An MLP at random latents, its data, the brute-force Jacobian and GGN."""
+    x, y = ggn_data(likelihood)
+    model = MLP(LIKELIHOODS[likelihood], likelihood, batch_size=batch_size)
+    latents = random_latents(model, x)
+    f, jacobian = brute_force_jacobian(model, latents, x)
+    ggn = torch.einsum("nmd,nmk,nke->de", jacobian, hessian_lambda(likelihood, f), jacobian)
+    return model, latents, x, y, jacobian, ggn

@@ -7,18 +7,26 @@ Laplace posterior then works with their empirical law:
 
 * draws (the guide, ``get_samples``, ``to_inference_data``) are the stored samples, taken without replacement
   while they last (``num_samples`` > K reuses them);
-* the GLM predictive covariance is :math:`\frac1K\sum_j (J\zeta_j)(J\zeta_j)^\top` (rank at most :math:`K`);
+* the GLM predictive covariance is :math:`\frac1K\sum_j (J\zeta_j)(J\zeta_j)^\top` (rank at most :math:`K`;
+  :func:`~pyro_scalable.infer.linearized.glm.draws_moments`);
 * :math:`Hv` is exact (a GGN-vector product); there is no log-determinant and no linear solve, so the evidence is
-  not available — the prior precision is tuned by the sampled EM instead
-  (:meth:`LaplacePosterior.optimize_prior_precision`, which re-runs the engine with MacKay updates).
+  not available — the prior precision is tuned by the sampled EM instead (:meth:`SampledCurvature.tune_prior`,
+  which re-runs the engine with MacKay updates, through the engine's public
+  :meth:`~pyro_scalable.infer.SampleThenOptimize.rerun_em`).
 """
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import Tensor
 
-from pyro_scalable.infer.laplace.curvature import CurvatureError
+from pyro_scalable.bridge.checks import ModelError
+from pyro_scalable.infer.laplace.curvature import CurvatureError, FitRequest
+from pyro_scalable.infer.linearized.ggn import DataFit
+from pyro_scalable.infer.linearized.glm import Moments, draws_moments
+from pyro_scalable.infer.sample_then_optimize import SampleThenOptimize
 
 __all__ = ["SampledCurvature", "SampledPrecision"]
 
@@ -27,15 +35,64 @@ _NO_EVIDENCE = (
     "Laplace evidence is not available. Tune the prior with posterior.optimize_prior_precision('scalar' or "
     "'site'), which runs the sample-based EM (MacKay updates), or use structure='kron'/'diag'/'low_rank'."
 )
+_NOT_A_MAP = "the linearisation point is not a MAP"
 
 
 class SampledCurvature:
     """The data part of :math:`H` seen through a finished :class:`SampleThenOptimize` run at the Laplace MAP."""
 
-    def __init__(self, engine, prior_precision: Tensor):
+    name = "sampled"
+    exact = False
+    has_evidence = False
+    per_parameter_prior = False
+
+    def __init__(self, engine: SampleThenOptimize, prior_precision: Tensor):
         self.engine = engine
         self.prior_precision = prior_precision
         self.num_params = prior_precision.numel()
+
+    @classmethod
+    def fit(cls, request: FitRequest) -> DataFit:
+        """Run sample-then-optimise on the model linearised at the MAP: ``request.num_samples`` draws."""
+        if request.curvature != "ggn":
+            raise ValueError("structure='sampled' samples the GGN posterior; curvature='ef' is not available.")
+        net, precision = request.net, request.prior_precision
+        options = {"num_samples": request.num_samples, "seed": request.seed, **request.sampler_options}
+        engine = SampleThenOptimize(
+            request.model,
+            linearize_at=net.bridge.constrain(request.latents),
+            sites=net.layout.names,
+            prior_precision=precision,
+            **{"progress_bar": False, **options},
+        )
+        with warnings.catch_warnings():
+            if not request.check_map:
+                warnings.filterwarnings("ignore", message=_NOT_A_MAP)
+            engine.run(*request.args, **request.kwargs)
+        plates = net.bridge.plates
+        return DataFit(
+            curvature=cls(engine, precision),
+            log_likelihood=precision.new_zeros(()).fill_(float("nan")),
+            gradient=engine.data_gradient,
+            num_points=next(iter(plates.values())).size if plates else 1,
+            layers=[],
+            rest=torch.zeros(0, dtype=torch.long, device=precision.device),
+        )
+
+    def tune_prior(
+        self, method: str, observation_noise: bool | None, em_steps: int, prior_precision: Tensor
+    ) -> SampledCurvature:
+        """``em_steps`` MacKay updates of the prior (``"scalar"`` or ``"site"``) from ``prior_precision`` on."""
+        if method not in ("scalar", "site"):
+            raise ValueError(
+                f"structure='sampled' tunes the prior by EM with method 'scalar' or 'site', not {method!r}."
+            )
+        if observation_noise:
+            raise ModelError("structure='sampled' keeps the observation noise fixed; pass observation_noise=False.")
+        with warnings.catch_warnings():  # reported (or silenced) when the posterior was built
+            warnings.filterwarnings("ignore", message=_NOT_A_MAP)
+            self.engine.rerun_em(em_steps, method, prior_precision)
+        return type(self)(self.engine, self.engine.solved_prior_precision)
 
     def precision(self, prior_precision: Tensor, scale: Tensor | float = 1.0) -> SampledPrecision:
         same_prior = prior_precision.shape == self.prior_precision.shape and bool(
@@ -60,11 +117,10 @@ class SampledCurvature:
 class SampledPrecision:
     """:math:`H` with :math:`H^{-1}` known through K samples: draws, inverse diagonal, exact products."""
 
-    def __init__(self, engine, prior_precision: Tensor):
+    def __init__(self, engine: SampleThenOptimize, prior_precision: Tensor):
         self.engine = engine
         self.prior_precision = prior_precision
-        state = engine.state
-        self.samples = state.samples[:-1].detach()  # zero-mean rows; the last row of the state is the mean
+        self.samples = engine.sample_offsets  # the zero-mean rows zeta_j, (K, d)
 
     @property
     def num_samples(self) -> int:
@@ -93,8 +149,6 @@ class SampledPrecision:
     def to_dense(self) -> Tensor:
         raise CurvatureError("the 'sampled' structure never forms a d x d matrix; use structure='full' for that.")
 
-    def functional_covariance(self, net, theta: Tensor, batch) -> tuple[Tensor, Tensor]:
+    def functional_covariance(self, net, theta: Tensor, batch, plans, rest: Tensor) -> Moments:
         r"""``f`` and the Monte-Carlo :math:`J H^{-1} J^\top` on ``batch``: ``(points, outputs[, outputs])``."""
-        f, products = net.jvp(theta, self.samples, batch)  # (K, points, outputs)
-        covariance = torch.einsum("kpm,kpn->pmn", products, products) / self.num_samples
-        return f.detach(), covariance.detach()
+        return draws_moments(net, theta.detach(), self.samples, batch)

@@ -1,0 +1,25 @@
+r"""The linearisation floor shared by Laplace and sample-then-optimise (DESIGN.md §2, §4, §5).
+
+A Pyro model as a network :math:`f(x, \theta)` of a flat parameter vector (``network``, ``layout``), its
+likelihood family and curvature :math:`\Lambda` (``likelihoods``), per-example Jacobian rows by layer
+(``jacobians``), the one pass over the data for the GGN (``ggn``), and the GLM predictive (``glm``). Nothing
+here knows about an engine; the engines stand on it and never on each other.
+"""
+
+from pyro_scalable.infer.linearized.ggn import DataFit, GGNDiagonal, ggn_pass
+from pyro_scalable.infer.linearized.glm import GLMPredictive, glm_predictive
+from pyro_scalable.infer.linearized.layout import ParameterLayout
+from pyro_scalable.infer.linearized.likelihoods import Likelihood
+from pyro_scalable.infer.linearized.network import NetworkFunction, choose_sites
+
+__all__ = [
+    "DataFit",
+    "GGNDiagonal",
+    "GLMPredictive",
+    "Likelihood",
+    "NetworkFunction",
+    "ParameterLayout",
+    "choose_sites",
+    "ggn_pass",
+    "glm_predictive",
+]

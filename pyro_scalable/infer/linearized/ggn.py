@@ -1,0 +1,188 @@
+r"""One pass over the full data at the MAP: the log-likelihood, its gradient, and the GGN rows for a curvature.
+
+With :math:`\Lambda_i = L_i L_i^\top` (see ``likelihoods``), :math:`G = \sum_i \sum_c r_{ic} r_{ic}^\top` where
+:math:`r_{ic} = J_i^\top L_i e_c` is the gradient of :math:`L_{i,:c}^\top f(x_i, \theta)`; the empirical Fisher
+uses one column, the score :math:`\partial \log p(y_i\mid f_i)/\partial f_i`. The rows come layer by layer
+(:mod:`~pyro_scalable.infer.linearized.jacobians`): :math:`g_{ic} \otimes \tilde a_i` for a recorded layer.
+
+:func:`ggn_pass` walks the data once in chunks and hands each :class:`Chunk` to an :class:`Accumulator`, which
+keeps what its structure needs of :math:`G` (the Laplace curvature structures of
+:mod:`pyro_scalable.infer.laplace.structures` are accumulators). :class:`GGNDiagonal` is the one the floor itself
+needs (sample-then-optimise's g-prior): :math:`\mathrm{diag}(G) = \sum_{i,c} g_{ic}^2 \otimes \tilde a_i^2`,
+exact, with no per-example Jacobian.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, Literal, Protocol
+
+import torch
+from torch import Tensor
+
+from pyro_scalable.bridge.model import Batch
+from pyro_scalable.infer.linearized.jacobians import (
+    LayerPlan,
+    assemble_rows,
+    layer_grad,
+    layer_inputs,
+    layer_plan,
+    per_example,
+    pullback,
+    rest_jacobian,
+)
+from pyro_scalable.infer.linearized.network import NetworkFunction, Outputs
+
+__all__ = ["Accumulator", "Chunk", "DataFit", "GGNDiagonal", "ggn_pass"]
+
+_REST_WARNING = 2048
+
+
+@dataclass
+class DataFit:
+    r"""What a posterior needs from the data at :math:`\theta_*`: the accumulated curvature and the likelihood."""
+
+    curvature: Any  # what the accumulator finished into
+    log_likelihood: Tensor  # log p(D | theta*)
+    gradient: Tensor  # grad_theta log p(D | theta*), flat
+    num_points: int
+    layers: list[LayerPlan]
+    rest: Tensor  # flat indices outside recorded layers
+    sum_squares: Tensor | None = None  # Normal: sum of squared residuals (observed, unmasked)
+    num_observations: Tensor | None = None  # Normal: number of observed scalars
+
+
+class Chunk:
+    r"""One chunk of the data at :math:`\theta_*`: the outputs, the roots of :math:`\Lambda`, the layer pieces."""
+
+    def __init__(self, net: NetworkFunction, theta: Tensor, batch: Batch, out: Outputs, roots: Tensor, plans, rest):
+        self.net, self.theta, self.batch, self.out = net, theta, batch, out
+        self.roots = roots  # (points, outputs, columns)
+        self.plans: list[LayerPlan] = plans
+        self.rest: Tensor = rest
+
+    @property
+    def f(self) -> Tensor:
+        return self.out.f
+
+    @cached_property
+    def inputs(self) -> list[Tensor]:
+        """Each recorded layer's inputs ã for the chunk's points (bias column appended)."""
+        layers = self.out.raw.layers
+        return [layer_inputs(p.rows(layers[p.position].inputs, self.batch), p) for p in self.plans]
+
+    @cached_property
+    def rest_jacobian(self) -> Tensor | None:
+        if not self.rest.numel():
+            return None
+        return rest_jacobian(self.net, self.theta.detach(), self.rest, self.batch)
+
+    def columns(self):
+        r"""For each column ``c`` of the roots: the layer gradients :math:`g_{\cdot c}` and the ``rest`` rows."""
+        layers = self.out.raw.layers
+        outputs = [layers[p.position].outputs for p in self.plans]
+        rest_jacobian = self.rest_jacobian
+        for c in range(self.roots.shape[-1]):
+            column = self.roots[..., c]
+            grads = pullback(self.f, outputs, column) if outputs else []
+            grads = [layer_grad(p.rows(g, self.batch), p) for g, p in zip(grads, self.plans)]
+            rest_rows = torch.einsum("pm,pmr->pr", column, rest_jacobian) if rest_jacobian is not None else None
+            yield grads, rest_rows
+
+    def rows(self, grads: list[Tensor], rest_rows: Tensor | None) -> Tensor:
+        """The per-example rows ``(points, d)`` of one column."""
+        return assemble_rows(self.f, self.plans, grads, self.inputs, self.rest, rest_rows, self.theta.numel())
+
+
+class Accumulator(Protocol):
+    """What one structure keeps of :math:`G` as the pass goes: ``start``, then ``accumulate`` per chunk."""
+
+    uses_rows: bool  # False for a matrix-free structure (no per-example rows, no warning about slow ones)
+
+    def start(self, net: NetworkFunction, theta: Tensor, plans: list[LayerPlan], rest: Tensor) -> None: ...
+    def accumulate(self, chunk: Chunk) -> None: ...
+    def finish(self, num_points: int) -> Any: ...
+
+
+def ggn_pass(
+    net: NetworkFunction,
+    theta: Tensor,
+    accumulator: Accumulator,
+    *,
+    curvature: Literal["ggn", "ef"] = "ggn",
+    stacklevel: int = 2,
+) -> DataFit:
+    """Walk the full data once: log-likelihood, its gradient and residuals, and ``accumulator``'s curvature."""
+    plans, rest = layer_plan(net, theta)
+    if accumulator.uses_rows and rest.numel() > _REST_WARNING:
+        names = sorted({net.layout.site_of(int(i)) for i in rest[:: max(rest.numel() // 50, 1)]})
+        warnings.warn(
+            f"{rest.numel()} parameters (sites {names}) are not weights of a linear or convolutional layer the "
+            "engine recognises (F.linear / nn.Linear, x @ W [+ b], F.conv1d/2d), so their per-example Jacobian "
+            "takes one forward-mode pass per parameter. Write those layers in one of these forms, or use "
+            "structure='low_rank' (matrix-free).",
+            stacklevel=stacklevel + 1,
+        )
+    accumulator.start(net, theta, plans, rest)
+    log_likelihood, gradient = theta.new_zeros(()), theta.new_zeros(net.layout.num_params)
+    sum_squares, num_observations, num_points = theta.new_zeros(()), theta.new_zeros(()), 0
+    for batch in net.batches():
+        leaf = theta.detach().requires_grad_(True)
+        out = net.outputs(leaf, batch, layers=True)
+        f, likelihood = out.f, out.likelihood
+        num_points += f.shape[0]
+        log_prob = likelihood.log_prob(f, out.value)
+        grad_theta, grad_f = torch.autograd.grad(log_prob, [leaf, f], retain_graph=True)
+        log_likelihood = log_likelihood + log_prob.detach()
+        gradient = gradient + grad_theta
+        if likelihood.name == "Normal" and not likelihood.heteroscedastic:
+            keep = likelihood._mask_outputs(f) if likelihood.mask is not None else torch.ones_like(f)
+            residual = likelihood._flatten(out.value) - f.detach()
+            sum_squares = sum_squares + (keep * residual**2).sum()
+            num_observations = num_observations + keep.sum()
+        roots = likelihood.hessian_sqrt(f.detach()) if curvature == "ggn" else grad_f.detach().unsqueeze(-1)
+        accumulator.accumulate(Chunk(net, leaf, batch, out, roots, plans, rest))
+    normal = sum_squares if num_observations > 0 else None
+    return DataFit(
+        accumulator.finish(num_points),
+        log_likelihood,
+        gradient.detach(),
+        num_points,
+        plans,
+        rest,
+        normal,
+        num_observations if normal is not None else None,
+    )
+
+
+class GGNDiagonal:
+    r""":math:`\mathrm{diag}(G)` (flat, ``d``): squared rows summed, one product per layer and chunk."""
+
+    uses_rows = True
+
+    def start(self, net: NetworkFunction, theta: Tensor, plans: list[LayerPlan], rest: Tensor) -> None:
+        self.plans, self.rest = plans, rest
+        self.diagonal = theta.new_zeros(net.layout.num_params)
+        self.layer_diagonals = [theta.new_zeros(p.index.shape) for p in plans]
+
+    def accumulate(self, chunk: Chunk) -> None:
+        inputs = chunk.inputs
+        squared_grads: list[Tensor | float] = [0.0] * len(self.plans)
+        for grads, rest_rows in chunk.columns():
+            for k, (plan, g, a) in enumerate(zip(self.plans, grads, inputs)):
+                if plan.conv:
+                    self.layer_diagonals[k] += (per_example(g, a, plan) ** 2).sum(0)
+                else:
+                    squared_grads[k] = squared_grads[k] + g**2  # summed over columns, one product per chunk
+            if rest_rows is not None:
+                self.diagonal[self.rest] += (rest_rows**2).sum(0)
+        for k, (plan, a) in enumerate(zip(self.plans, inputs)):
+            if not plan.conv:
+                self.layer_diagonals[k] += squared_grads[k].T @ a**2
+
+    def finish(self, num_points: int) -> Tensor:
+        for plan, values in zip(self.plans, self.layer_diagonals):
+            self.diagonal[plan.index] = values
+        return self.diagonal
