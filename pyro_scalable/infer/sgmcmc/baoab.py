@@ -86,7 +86,6 @@ from pyro_scalable.infer.sgmcmc.base import (
     Latents,
     LogPosteriorFn,
     Mass,
-    average_noise,
     check_gradient_noise,
     check_mass,
     estimate,
@@ -95,6 +94,7 @@ from pyro_scalable.infer.sgmcmc.base import (
     injected_variance,
     keep_where_finite,
     mass_like,
+    noise_in_step,
     noise_start,
     scalar_like,
 )
@@ -145,10 +145,7 @@ def update(
     kick = 0.5 * (torch.where(torch.isnan(owed), step_size_now, owed) + step_size_now)
     decay = torch.exp(-friction * step_size_now)
     wanted = {name: (1.0 - decay**2) * temperature_now * m for name, m in masses.items()}
-    noise_average, gradient_variance = state.noise_average, {}
-    if gradient_noise != "ignore":
-        noise_average = average_noise(state.noise_average, gradient, state.step_count)
-        gradient_variance = {name: (decay * kick) ** 2 * v for name, v in noise_average.items()}
+    noise_average, gradient_variance = noise_in_step(state, gradient, gradient_noise, (decay * kick) ** 2)
     variance, noise_ratio, uncorrected = injected_variance(
         wanted, gradient_variance, gradient_noise == "correct", state.latents
     )

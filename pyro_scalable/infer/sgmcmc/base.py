@@ -29,7 +29,7 @@ minibatch's estimate, whose clipping at 0 would bias the correction.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -56,6 +56,7 @@ __all__ = [
     "injected_variance",
     "keep_where_finite",
     "mass_like",
+    "noise_in_step",
     "noise_start",
     "scalar_like",
 ]
@@ -205,6 +206,22 @@ def average_noise(average: Latents, gradient: GradientEstimate, step_count: Tens
         name: torch.where(gradient.diverging, v, v + weight * (gradient.noise_variance[name] - v))
         for name, v in start.items()
     }
+
+
+def noise_in_step(
+    state: Any, gradient: GradientEstimate, gradient_noise: str, scale: Tensor | Callable[[str], Tensor]
+) -> tuple[Latents, Latents]:
+    """The State's next ``noise_average``, and the variance the gradient noise brings into this step's update.
+
+    ``scale`` maps the noise of the gradient to its variance in the update (SGLD's ε², per site where it differs).
+    Nothing is estimated with ``gradient_noise="ignore"``: the average stays as it is and the variance is ``{}``.
+    """
+    if gradient_noise == "ignore":
+        return state.noise_average, {}
+    average = average_noise(state.noise_average, gradient, state.step_count)
+    if callable(scale):
+        return average, {name: scale(name) * v for name, v in average.items()}
+    return average, {name: scale * v for name, v in average.items()}
 
 
 def injected_variance(

@@ -56,12 +56,12 @@ from pyro_scalable.infer.sgmcmc.base import (
     Latents,
     LogPosteriorFn,
     SGMCMCInfo,
-    average_noise,
     check_gradient_noise,
     estimate,
     gaussian_like,
     injected_variance,
     keep_where_finite,
+    noise_in_step,
     noise_start,
 )
 
@@ -141,10 +141,9 @@ def update(
         state = accumulate(state, gradient, decay)
     metric = preconditioner(state, damping)
     step_size_now = resolve(step_size, state.step_count, gradient.log_posterior)
-    noise_average, gradient_variance = state.noise_average, {}
-    if gradient_noise != "ignore":
-        noise_average = average_noise(state.noise_average, gradient, state.step_count)
-        gradient_variance = {name: step_size_now**2 * metric[name].square() * noise_average[name] for name in metric}
+    noise_average, gradient_variance = noise_in_step(
+        state, gradient, gradient_noise, lambda name: step_size_now**2 * metric[name].square()
+    )
     wanted = {name: 2.0 * step_size_now * temperature_now * g for name, g in metric.items()}
     variance, noise_ratio, uncorrected = injected_variance(
         wanted, gradient_variance, gradient_noise == "correct", state.latents

@@ -60,7 +60,6 @@ from pyro_scalable.infer.sgmcmc.base import (
     Latents,
     LogPosteriorFn,
     Mass,
-    average_noise,
     check_gradient_noise,
     check_mass,
     estimate,
@@ -69,6 +68,7 @@ from pyro_scalable.infer.sgmcmc.base import (
     injected_variance,
     keep_where_finite,
     mass_like,
+    noise_in_step,
     noise_start,
     scalar_like,
 )
@@ -113,10 +113,7 @@ def update(
     step_size_now = resolve(step_size, state.step_count, gradient.log_posterior)
     friction = scalar_like(friction, step_size_now)
     masses = mass_like(mass, state.latents)
-    noise_average, gradient_variance = state.noise_average, {}
-    if gradient_noise != "ignore":
-        noise_average = average_noise(state.noise_average, gradient, state.step_count)
-        gradient_variance = {name: step_size_now**2 * v for name, v in noise_average.items()}
+    noise_average, gradient_variance = noise_in_step(state, gradient, gradient_noise, step_size_now**2)
     variance, noise_ratio, uncorrected = injected_variance(
         2.0 * friction * step_size_now * temperature_now,
         gradient_variance,

@@ -45,12 +45,12 @@ from pyro_scalable.infer.sgmcmc.base import (
     Latents,
     LogPosteriorFn,
     SGMCMCInfo,
-    average_noise,
     check_gradient_noise,
     estimate,
     gaussian_like,
     injected_variance,
     keep_where_finite,
+    noise_in_step,
     noise_start,
 )
 
@@ -85,10 +85,7 @@ def update(
     """Move one chain by one SGLD step with the gradient ``gradient`` (from :func:`estimate`)."""
     temperature_now = resolve(temperature, state.step_count, gradient.log_posterior)
     step_size_now = resolve(step_size, state.step_count, gradient.log_posterior)
-    noise_average, gradient_variance = state.noise_average, {}
-    if gradient_noise != "ignore":
-        noise_average = average_noise(state.noise_average, gradient, state.step_count)
-        gradient_variance = {name: step_size_now**2 * v for name, v in noise_average.items()}
+    noise_average, gradient_variance = noise_in_step(state, gradient, gradient_noise, step_size_now**2)
     variance, noise_ratio, uncorrected = injected_variance(
         2.0 * step_size_now * temperature_now, gradient_variance, gradient_noise == "correct", state.latents
     )

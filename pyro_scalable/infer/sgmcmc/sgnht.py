@@ -63,13 +63,13 @@ from pyro_scalable.infer.sgmcmc.base import (
     Kernel,
     Latents,
     LogPosteriorFn,
-    average_noise,
     check_gradient_noise,
     estimate,
     extended_info,
     gaussian_like,
     injected_variance,
     keep_where_finite,
+    noise_in_step,
     noise_start,
     scalar_like,
 )
@@ -124,10 +124,7 @@ def update(
     step_size_now = resolve(step_size, state.step_count, gradient.log_posterior)
     friction = scalar_like(friction, step_size_now)
     xi = state.thermostat
-    noise_average, gradient_variance = state.noise_average, {}
-    if gradient_noise != "ignore":
-        noise_average = average_noise(state.noise_average, gradient, state.step_count)
-        gradient_variance = {name: step_size_now**2 * v for name, v in noise_average.items()}
+    noise_average, gradient_variance = noise_in_step(state, gradient, gradient_noise, step_size_now**2)
     variance, noise_ratio, uncorrected = injected_variance(
         2.0 * friction * step_size_now * temperature_now,
         gradient_variance,
