@@ -108,15 +108,15 @@ CONFORMANCE = [
 
 @pytest.mark.parametrize("name", CONFORMANCE)
 def test_skeleton_passes_the_conformance_suite(skeleton, name):
-    """The skeleton honours the contract every engine's tests/infer/test_conformance.py checks."""
-    from tests.infer import test_conformance as conformance
+    """The skeleton honours the contract every engine's tests/infer/sgmcmc/test_conformance.py checks."""
+    from tests.infer.sgmcmc import test_conformance as conformance
 
     getattr(conformance, name)(skeleton, skeleton.Skeleton, {"step_size": 0.05})
 
 
 def test_skeleton_schedules_pass_the_conformance_suite(skeleton):
     from pyro_scalable.infer import Cyclical, PolynomialDecay
-    from tests.infer import test_conformance as conformance
+    from tests.infer.sgmcmc import test_conformance as conformance
 
     for schedule in (PolynomialDecay(a=0.05, b=1.0, gamma=0.55), Cyclical(initial=0.05, cycle_length=3)):
         conformance.test_schedules_are_used_and_reported(skeleton, skeleton.Skeleton, {"step_size": 0.05}, schedule)
@@ -127,9 +127,9 @@ def test_skeleton_step_is_sglds(skeleton):
     import torch
 
     from pyro_scalable.infer import sgld
-    from tests.infer.test_conformance import start, target
+    from tests.infer.sgmcmc.test_conformance import start, target
 
-    ours, theirs = skeleton.init(start()), sgld.init(start(), 0.05)
+    ours, theirs = skeleton.init(start()), sgld.init(start())
     g1, g2 = torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)
     for _ in range(3):
         ours, info = skeleton.step(ours, None, target, step_size=0.05, temperature=0.7, generator=g1)

@@ -4,7 +4,9 @@ The update here is plain SGLD, :math:`\theta_{t+1} = \theta_t + \epsilon\,\hat g
 (Welling & Teh, 2011), without SGLD's warm-up and gradient-noise options, so the test can check the skeleton step
 for step against ``pyro_scalable.infer.sgld``. To write an engine: copy this file to
 ``pyro_scalable/infer/sgmcmc/<name>.py``, rename ``Skeleton``, replace the maths in :func:`update` and this
-docstring (the update rule once, with its reference), and keep every signature.
+docstring (the update rule once, with its reference), and keep every signature. Warm-up is not the engine's
+business: a State holds only what ``update`` reads, and where warm-up should choose a hyperparameter the class
+names a rule of :mod:`pyro_scalable.infer.sgmcmc.tuning` (see docs/developer/adding_an_engine.md).
 """
 
 from __future__ import annotations
@@ -18,12 +20,14 @@ from torch import Tensor
 
 from pyro_scalable.bridge.model import FullDataModel
 from pyro_scalable.infer.schedules import ScalarOrSchedule, check_positive, resolve
+from pyro_scalable.infer.sgmcmc import integrators
 from pyro_scalable.infer.sgmcmc.base import (
     GradientEstimate,
+    Kernel,
     Latents,
     LogPosteriorFn,
     SGMCMCInfo,
-    estimate_gradient,
+    estimate,
     gaussian_like,
     injected_variance,
     keep_where_finite,
@@ -47,11 +51,6 @@ def init(latents: Latents) -> SkeletonState:
     return SkeletonState(dict(latents), dict(latents), torch.zeros((), dtype=torch.int64, device=first.device))
 
 
-def estimate(state: SkeletonState, batch: Any, log_posterior_fn: LogPosteriorFn) -> GradientEstimate:
-    """The minibatch gradient at ``state.latents`` (the half of a step a data-parallel run all-reduces)."""
-    return estimate_gradient(log_posterior_fn, state.latents, batch)
-
-
 def update(
     state: SkeletonState,
     gradient: GradientEstimate,
@@ -61,20 +60,25 @@ def update(
     generator: torch.Generator | None = None,
 ) -> tuple[SkeletonState, SGMCMCInfo]:
     """Move one chain by one step, given the gradient from :func:`estimate`."""
-    eps = resolve(step_size, state.step_count, gradient.log_posterior)
-    temp = resolve(temperature, state.step_count, gradient.log_posterior)
+    step_size_now = resolve(step_size, state.step_count, gradient.log_posterior)
+    temperature_now = resolve(temperature, state.step_count, gradient.log_posterior)
     # No gradient-noise estimate here: injected_variance returns the wanted 2εT and NaN statistics.
-    variance, noise_ratio, uncorrected = injected_variance(2.0 * eps * temp, {}, False, state.latents)
+    variance, noise_ratio, uncorrected = injected_variance(
+        2.0 * step_size_now * temperature_now, {}, False, state.latents
+    )
     noise = gaussian_like(state.latents, generator, temperature)
-    proposal = {
-        name: x + eps * gradient.grads[name] + torch.sqrt(variance[name]) * noise[name]
-        for name, x in state.latents.items()
-    }
+    proposal = integrators.langevin(state.latents, gradient.grads, step_size_now, variance, noise)
     # A non-finite density or gradient: reject the step and go back to the last checked point (DESIGN.md §6).
     latents = keep_where_finite(gradient.diverging, proposal, state.checked_latents)
     checked = keep_where_finite(gradient.diverging, state.latents, state.checked_latents)
     info = SGMCMCInfo(
-        gradient.log_posterior, gradient.grad_norm, eps, temp, gradient.diverging, noise_ratio, uncorrected
+        gradient.log_posterior,
+        gradient.grad_norm,
+        step_size_now,
+        temperature_now,
+        gradient.diverging,
+        noise_ratio,
+        uncorrected,
     )
     return SkeletonState(latents, checked, state.step_count + 1), info
 
@@ -93,8 +97,11 @@ def step(
     return update(state, gradient, step_size=step_size, temperature=temperature, generator=generator)
 
 
-class Skeleton:
+class Skeleton(Kernel):
     """The skeleton engine for a Pyro model: binds the model and the hyperparameters; the maths is in :func:`update`.
+
+    :class:`~pyro_scalable.infer.sgmcmc.base.Kernel` gives it the calls the driver makes (``init``, ``estimate``,
+    ``update``, ``step``) from ``init_rule``, ``update_rule`` and :meth:`hyperparameters`.
 
     Args:
         model: a Pyro model whose likelihood sits in ``pyro.plate(name, N, subsample_size=B)``.
@@ -117,7 +124,9 @@ class Skeleton:
 
     """
 
-    adapts = False  # True if warm-up chooses something: the driver then passes adapt= to step
+    init_rule = staticmethod(init)
+    update_rule = staticmethod(update)
+    adapts = False  # True where warm-up chooses something; warmup_rule then names the rule (sgmcmc/tuning.py)
 
     def __init__(
         self,
@@ -134,28 +143,9 @@ class Skeleton:
         self.temperature = temperature
         self.init_strategy = init_strategy
 
-    def init(self, latents: Latents) -> SkeletonState:
-        """Start a chain at unconstrained ``latents``."""
-        return init(latents)
-
-    def estimate(self, state: SkeletonState, batch: Any, log_posterior_fn: LogPosteriorFn, adapt: int = 0):
-        """The gradient the next update needs (``adapt`` is unused: this engine does not adapt)."""
-        return estimate(state, batch, log_posterior_fn)
-
-    def update(self, state: SkeletonState, gradient: GradientEstimate, generator: torch.Generator | None = None):
-        """One update with this kernel's hyperparameters, given the gradient."""
-        return update(state, gradient, step_size=self.step_size, temperature=self.temperature, generator=generator)
-
-    def step(
-        self,
-        state: SkeletonState,
-        batch: Any,
-        log_posterior_fn: LogPosteriorFn,
-        generator: torch.Generator | None = None,
-        adapt: int = 0,
-    ) -> tuple[SkeletonState, SGMCMCInfo]:
-        """One step with this kernel's hyperparameters."""
-        return self.update(state, self.estimate(state, batch, log_posterior_fn, adapt), generator)
+    def hyperparameters(self) -> dict[str, Any]:
+        """The keyword arguments of :func:`update` this class binds."""
+        return {"step_size": self.step_size, "temperature": self.temperature}
 
     def __repr__(self) -> str:
         return f"Skeleton(step_size={self.step_size!r}, temperature={self.temperature!r})"

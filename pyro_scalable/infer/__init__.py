@@ -1,10 +1,21 @@
 """Inference engines for Pyro models, and the driver that runs them."""
 
 from pyro_scalable.infer.laplace import AutoLinearizedLaplace, CurvatureError, GLMPredictive, LaplacePosterior
-from pyro_scalable.infer.mcmc import StochasticMCMC
 from pyro_scalable.infer.sample_then_optimize import SampleThenOptimize
 from pyro_scalable.infer.schedules import Cyclical, PolynomialDecay
-from pyro_scalable.infer.sgmcmc import BAOAB, PSGLD, SGHMC, SGLD, SGNHT, baoab, psgld, sghmc, sgld, sgnht
+from pyro_scalable.infer.sgmcmc import (
+    BAOAB,
+    PSGLD,
+    SGHMC,
+    SGLD,
+    SGNHT,
+    StochasticMCMC,
+    baoab,
+    psgld,
+    sghmc,
+    sgld,
+    sgnht,
+)
 
 __all__ = [
     "BAOAB",

@@ -64,13 +64,13 @@ leaves is the gradient noise's direct effect on :math:`\theta` through the first
 curvature in the mass metric) and, with a given friction, a step small enough that the kicks' noise is at most
 :math:`\rho = 1/2` of O's (using :math:`1 - c^2 \ge 2\gamma\epsilon/(1 + 2\gamma\epsilon)`); where the friction is
 left to warm-up, :math:`\epsilon^2 \bar V_{\max}/m \le 3\rho T` and :math:`c` is the largest value up to 0.9 for
-which the noise bound holds.
+which the noise bound holds (:mod:`.adaptation`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -79,26 +79,29 @@ from torch import Tensor
 
 from pyro_scalable.bridge.model import FullDataModel
 from pyro_scalable.infer.schedules import ScalarOrSchedule, check_positive, resolve
-from pyro_scalable.infer.sgmcmc import warmup
+from pyro_scalable.infer.sgmcmc import integrators
 from pyro_scalable.infer.sgmcmc.base import (
     GradientEstimate,
     Kernel,
     Latents,
     LogPosteriorFn,
+    Mass,
     check_gradient_noise,
-    estimate_gradient,
+    check_mass,
+    estimate,
+    extended_info,
     gaussian_like,
     injected_variance,
     keep_where_finite,
+    mass_like,
+    noise_in_step,
+    noise_start,
+    scalar_like,
 )
 
 __all__ = ["BAOAB", "BAOABInfo", "BAOABState", "estimate", "init", "sgd_hyperparameters", "step", "update"]
 
-CURVATURE_BOUND = 0.5  # ε √λ_max chosen in warm-up (stability needs < 2; θ is exact on a Gaussian below that)
-_LEAST_DECAY = 0.5  # warm-up keeps c = exp(-γ ε) at or above this where it chooses γ
-_DEFAULT_DECAY = 0.9  # warm-up's c where the gradient noise does not ask for less
-
-Mass = float | Mapping[str, Tensor]
+BAOABInfo = extended_info("BAOABInfo", "friction")
 
 
 class BAOABState(NamedTuple):
@@ -106,146 +109,66 @@ class BAOABState(NamedTuple):
 
     latents: Latents  # unconstrained values, keyed by Pyro site name
     momenta: Latents  # after the last O: still owed the closing half-kick at ``latents`` (see the module)
-    checked_latents: (
-        Latents  # last point with finite density and gradient: the draw, and where a diverging step returns
-    )
+    checked_latents: Latents  # last point with finite density and gradient: the draw, and where a divergence returns
     step_count: Tensor  # 0-d int64
-    mass: Latents  # diagonal mass, shaped like the latents
-    friction: Tensor  # 0-d γ (NaN until warm-up chooses it)
     previous_step_size: Tensor  # 0-d ε of the last step, whose closing half-kick is owed (NaN: none, use ε)
-    adaptation: warmup.Adaptation
+    noise_average: Latents  # moving average of the gradient-noise variance ({} where it is not estimated)
 
 
-class BAOABInfo(NamedTuple):
-    """A BAOAB step, for people and ArviZ (the fields of :class:`~.base.SGMCMCInfo`, and the friction)."""
-
-    log_posterior: Tensor
-    grad_norm: Tensor
-    step_size: Tensor
-    temperature: Tensor
-    diverging: Tensor
-    noise_ratio: Tensor
-    uncorrected: Tensor
-    friction: Tensor
-
-
-def init(
-    latents: Latents,
-    momenta: Latents | None = None,
-    *,
-    step_size: ScalarOrSchedule | None = None,
-    friction: float | None = 1.0,
-    mass: Mass = 1.0,
-) -> BAOABState:
+def init(latents: Latents, momenta: Latents | None = None, *, gradient_noise: str = "ignore") -> BAOABState:
     """Start a chain at ``latents``; ``momenta`` (zero by default) are owed their first half-kick."""
     first = next(iter(latents.values()))
     if momenta is None:
         momenta = {name: torch.zeros_like(x) for name, x in latents.items()}
     zero = torch.zeros((), dtype=torch.int64, device=first.device)
-    masses = {name: _mass_of(mass, name, x) for name, x in latents.items()}
-    gamma = torch.full((), math.nan if friction is None else float(friction), dtype=first.dtype, device=first.device)
-    adaptation = warmup.init_adaptation(latents, step_size)
-    return BAOABState(
-        dict(latents), dict(momenta), dict(latents), zero, masses, gamma, torch.full_like(gamma, math.nan), adaptation
-    )
-
-
-def _mass_of(mass: Mass, name: str, x: Tensor) -> Tensor:
-    if isinstance(mass, Mapping):
-        return torch.as_tensor(mass[name], dtype=x.dtype, device=x.device) + torch.zeros_like(x)
-    return torch.full_like(x, float(mass))
-
-
-def estimate(
-    state: BAOABState,
-    batch: Any,
-    log_posterior_fn: LogPosteriorFn,
-    *,
-    gradient_noise: str = "ignore",
-    adapt: int = 0,
-) -> GradientEstimate:
-    """The minibatch gradient, its noise, and in warm-up the curvature in the mass metric."""
-    noise = gradient_noise != "ignore" or adapt > 0
-    result = estimate_gradient(log_posterior_fn, state.latents, batch, noise=noise)
-    if adapt > 0:
-        inverse_mass = {name: 1.0 / m for name, m in state.mass.items()}
-        product = warmup.hessian_product(
-            log_posterior_fn, state.latents, batch, state.adaptation, inverse_mass, iterations=adapt
-        )
-        result = result._replace(hessian_product=product)
-    return result
+    owed = torch.full((), math.nan, dtype=first.dtype, device=first.device)
+    return BAOABState(dict(latents), dict(momenta), dict(latents), zero, owed, noise_start(latents, gradient_noise))
 
 
 def update(
     state: BAOABState,
     gradient: GradientEstimate,
     *,
-    step_size: ScalarOrSchedule | None,
-    friction: float | None = 1.0,
+    step_size: ScalarOrSchedule | Tensor,
+    friction: float | Tensor = 1.0,
+    mass: Mass = 1.0,
     temperature: ScalarOrSchedule = 1.0,
     gradient_noise: str = "ignore",
-    burn_in: bool = False,
     generator: torch.Generator | None = None,
 ) -> tuple[BAOABState, BAOABInfo]:
     """Move one chain by one BAOAB step with the gradient ``gradient`` (from :func:`estimate`)."""
-    temp = resolve(temperature, state.step_count, gradient.log_posterior)
-    masses, gamma, adaptation = state.mass, state.friction, state.adaptation
-    adaptation = warmup.observe(adaptation, gradient)
-    if gradient.hessian_product:
-        if step_size is None:
-            # burn-in (the first half of warm-up) leaves the noise bound out: T = 0 switches it off
-            eps, gamma = _choose(adaptation, masses, friction, torch.zeros_like(temp) if burn_in else temp)
-            adaptation = adaptation._replace(step_size=eps)
-    eps = adaptation.step_size if step_size is None else resolve(step_size, state.step_count, gradient.log_posterior)
-    kick = 0.5 * (torch.where(torch.isnan(state.previous_step_size), eps, state.previous_step_size) + eps)
-    decay = torch.exp(-gamma * eps)
-    wanted = {name: (1.0 - decay**2) * temp * m for name, m in masses.items()}
-    gradient_variance = (  # the moving average of the noise estimates: steadier than one minibatch's
-        {}
-        if gradient_noise == "ignore"
-        else {name: (decay * kick) ** 2 * adaptation.noise[name] for name in gradient.noise_variance}
-    )
+    temperature_now = resolve(temperature, state.step_count, gradient.log_posterior)
+    step_size_now = resolve(step_size, state.step_count, gradient.log_posterior)
+    friction = scalar_like(friction, step_size_now)
+    masses = mass_like(mass, state.latents)
+    owed = state.previous_step_size
+    kick = 0.5 * (torch.where(torch.isnan(owed), step_size_now, owed) + step_size_now)
+    decay = torch.exp(-friction * step_size_now)
+    wanted = {name: (1.0 - decay**2) * temperature_now * m for name, m in masses.items()}
+    noise_average, gradient_variance = noise_in_step(state, gradient, gradient_noise, (decay * kick) ** 2)
     variance, noise_ratio, uncorrected = injected_variance(
         wanted, gradient_variance, gradient_noise == "correct", state.latents
     )
     noise = gaussian_like(state.latents, generator, temperature)
-    kicked = {name: p + kick * gradient.grads[name] for name, p in state.momenta.items()}
-    momenta = {name: decay * p + torch.sqrt(variance[name]) * noise[name] for name, p in kicked.items()}
-    proposal = {
-        name: x + (0.5 * eps / masses[name]) * kicked[name] + (0.5 * eps / masses[name]) * momenta[name]
-        for name, x in state.latents.items()
-    }
+    kicked = integrators.kick(state.momenta, gradient.grads, kick)
+    momenta = integrators.ornstein_uhlenbeck(kicked, decay, variance, noise)
+    proposal = integrators.baoab_position(state.latents, kicked, momenta, step_size_now, masses)
     diverging = gradient.diverging
     latents = keep_where_finite(diverging, proposal, state.checked_latents)
     previous = keep_where_finite(diverging, state.latents, state.checked_latents)
     momenta = {name: torch.where(diverging, p.new_zeros(()), p) for name, p in momenta.items()}
-    latents, jumped, adaptation = warmup.settle(adaptation, latents, burn_in, bool(gradient.hessian_product))
-    momenta = {name: torch.where(jumped, p.new_zeros(()), p) for name, p in momenta.items()}
-    owed = torch.where(diverging, torch.full_like(kick, math.nan), eps + torch.zeros_like(kick))
-    info = BAOABInfo(gradient.log_posterior, gradient.grad_norm, eps, temp, diverging, noise_ratio, uncorrected, gamma)
-    new = BAOABState(latents, momenta, previous, state.step_count + 1, masses, gamma, owed, adaptation)
-    return new, info
-
-
-def _choose(adaptation: warmup.Adaptation, masses: Latents, friction: float | None, temp: Tensor):
-    """Warm-up's step size (and friction, where not given) from the curvature and the gradient noise."""
-    eps = CURVATURE_BOUND / torch.sqrt(adaptation.curvature)
-    # r = max_j V_j / m_j: the kicks' noise in the momentum's own units
-    r = torch.stack([(v / masses[name]).max() for name, v in adaptation.noise.items()]).max()
-    budget = warmup.NOISE_FRACTION * temp  # the kicks' noise may be at most ρ (1 - c²) T m
-    noisy = (r > 0) & (temp > 0)
-    safe_r = torch.where(noisy, r, torch.ones_like(r))
-    if friction is None:
-        # c² ε² r ≤ ρ (1 - c²) T needs, at c = _LEAST_DECAY, ε² r ≤ ρ T (1 - c²) / c²
-        least = _LEAST_DECAY**2
-        eps = torch.where(noisy, torch.minimum(eps, torch.sqrt(budget * (1 - least) / least / safe_r)), eps)
-        decay = torch.sqrt(budget / (budget + eps**2 * safe_r))
-        decay = torch.where(noisy, torch.clamp(decay, max=_DEFAULT_DECAY), torch.full_like(decay, _DEFAULT_DECAY))
-        return eps, -torch.log(decay) / eps
-    gamma = torch.full_like(eps, float(friction))
-    # ε r (1 + 2γε) ≤ 2ργT, sufficient since 1 - c² ≥ 2γε / (1 + 2γε); the positive root, rationalised
-    root = 4.0 * gamma * budget / (safe_r + torch.sqrt(safe_r**2 + 16.0 * gamma**2 * safe_r * budget))
-    return torch.where(noisy, torch.minimum(eps, root), eps), gamma
+    owed = torch.where(diverging, torch.full_like(kick, math.nan), step_size_now + torch.zeros_like(kick))
+    info = BAOABInfo(
+        gradient.log_posterior,
+        gradient.grad_norm,
+        step_size_now,
+        temperature_now,
+        diverging,
+        noise_ratio,
+        uncorrected,
+        friction,
+    )
+    return BAOABState(latents, momenta, previous, state.step_count + 1, owed, noise_average), info
 
 
 def step(
@@ -253,33 +176,23 @@ def step(
     batch: Any,
     log_posterior_fn: LogPosteriorFn,
     *,
-    step_size: ScalarOrSchedule | None,
-    friction: float | None = 1.0,
-    mass: Mass | None = None,
+    step_size: ScalarOrSchedule | Tensor,
+    friction: float | Tensor = 1.0,
+    mass: Mass = 1.0,
     temperature: ScalarOrSchedule = 1.0,
     gradient_noise: str = "ignore",
-    adapt: int = 0,
-    burn_in: bool = False,
     generator: torch.Generator | None = None,
 ) -> tuple[BAOABState, BAOABInfo]:
-    """Advance one chain by one BAOAB step on ``batch`` (:func:`estimate` then :func:`update`).
-
-    A state made by :func:`init` carries its mass and friction; a given ``friction`` or ``mass`` here replaces
-    them (``friction=None``: warm-up chooses it).
-    """
-    if mass is not None:
-        state = state._replace(mass={name: _mass_of(mass, name, x) for name, x in state.latents.items()})
-    if friction is not None:
-        state = state._replace(friction=torch.full_like(state.friction, float(friction)))
-    gradient = estimate(state, batch, log_posterior_fn, gradient_noise=gradient_noise, adapt=adapt)
+    """Advance one chain by one BAOAB step on ``batch`` (:func:`estimate` then :func:`update`)."""
+    gradient = estimate(state, batch, log_posterior_fn, gradient_noise=gradient_noise)
     return update(
         state,
         gradient,
         step_size=step_size,
         friction=friction,
+        mass=mass,
         temperature=temperature,
         gradient_noise=gradient_noise,
-        burn_in=burn_in,
         generator=generator,
     )
 
@@ -332,6 +245,10 @@ class BAOAB(Kernel):
 
     """
 
+    init_rule = staticmethod(init)
+    update_rule = staticmethod(update)
+    warmup_rule = "baoab"
+
     def __init__(
         self,
         model: Callable,
@@ -348,7 +265,7 @@ class BAOAB(Kernel):
             friction = 1.0 if friction is None else friction
         if friction is not None:
             check_positive("friction", friction)
-        _check_mass(mass)
+        check_mass(mass)
         check_positive("temperature", temperature, allow_zero=True)
         self.model = FullDataModel(model)
         self.step_size = step_size
@@ -363,32 +280,15 @@ class BAOAB(Kernel):
         """Whether warm-up chooses something (here: the step size, and the friction if not given)."""
         return self.step_size is None
 
-    def init(self, latents: Latents) -> BAOABState:
-        """Start a chain at unconstrained ``latents`` with zero momenta."""
-        return init(latents, step_size=self.step_size, friction=self.friction, mass=self.mass)
-
-    def estimate(self, state: BAOABState, batch: Any, log_posterior_fn: LogPosteriorFn, adapt: int = 0):
-        """The gradient (and its noise, and in warm-up the curvature) the next update needs."""
-        return estimate(state, batch, log_posterior_fn, gradient_noise=self.gradient_noise, adapt=adapt)
-
-    def update(
-        self,
-        state: BAOABState,
-        gradient: GradientEstimate,
-        generator: torch.Generator | None = None,
-        burn_in: bool = False,
-    ):
-        """One update with this kernel's hyperparameters, given the gradient (``burn_in``: early warm-up)."""
-        return update(
-            state,
-            gradient,
-            step_size=self.step_size,
-            friction=self.friction,
-            temperature=self.temperature,
-            gradient_noise=self.gradient_noise,
-            burn_in=burn_in,
-            generator=generator,
-        )
+    def hyperparameters(self) -> dict[str, Any]:
+        """The keyword arguments of :func:`update` this kernel binds."""
+        return {
+            "step_size": self.step_size,
+            "friction": self.friction,
+            "mass": self.mass,
+            "temperature": self.temperature,
+            "gradient_noise": self.gradient_noise,
+        }
 
     def __repr__(self) -> str:
         mass = self.mass if isinstance(self.mass, (float, int)) else "{...}"
@@ -396,13 +296,3 @@ class BAOAB(Kernel):
             f"BAOAB(step_size={self.step_size!r}, friction={self.friction!r}, mass={mass!r}, "
             f"temperature={self.temperature!r}, gradient_noise={self.gradient_noise!r})"
         )
-
-
-def _check_mass(mass: Mass) -> None:
-    if isinstance(mass, Mapping):
-        for name, value in mass.items():
-            value = torch.as_tensor(value)
-            if not bool(torch.isfinite(value).all()) or not bool((value > 0).all()):
-                raise ValueError(f"mass['{name}'] must be finite and positive everywhere.")
-        return
-    check_positive("mass", mass)

@@ -1,10 +1,12 @@
-r"""What every stochastic-gradient MCMC engine shares: the contract, the Info record, gradients and their noise.
+r"""What every stochastic-gradient MCMC engine shares: the contract, the gradient and its noise, the Info record.
 
-Contract (BlackJAX-style): an engine module has ``init(latents) -> State`` and
-``step(state, batch, log_posterior_fn, *, <hyperparameters>, generator) -> (State, Info)``, with every State
-field a tensor so that ``torch.func.vmap(step, randomness="different")`` runs many chains as one computation.
-``step`` is ``update(state, estimate_gradient(log_posterior_fn, state.latents, batch), ...)``: the driver may call
-the two halves itself, so that a data-parallel run can all-reduce the :class:`GradientEstimate` between them.
+Contract (BlackJAX-style): an engine module has ``init(latents) -> State``, :func:`estimate` (this module's, the
+same for every engine) and ``update(state, gradient, *, <hyperparameters>, generator) -> (State, Info)``, and
+``step = update ∘ estimate``. Every State field is a tensor, so ``torch.func.vmap(step, randomness="different")``
+runs many chains as one computation, and a State holds only what its update rule reads: warm-up
+(:mod:`.adaptation`) wraps a kernel with its own state and hands the hyperparameters it chose to ``update`` as
+arguments. The driver may call the two halves itself, so that a data-parallel run can all-reduce the
+:class:`GradientEstimate` between them.
 
 Every State also carries ``checked_latents``: the last point at which the log density and its gradient were
 found finite. That point, not the untested proposal, is the draw the driver records, so ``Info.log_posterior``
@@ -19,31 +21,49 @@ points drawn without replacement, the minibatch gradient is the mean of the per-
 :math:`V = (1 - B/N)\,\mathrm{Cov}_i(g_i) / B`. :func:`estimate_gradient` with ``noise=True`` evaluates the
 :math:`g_i` with one ``torch.func.vmap`` over single-example batches and returns the diagonal of the unbiased
 estimate :math:`\hat V = (1 - B/N)\, s^2 / B` (sample variance :math:`s^2` over the minibatch) next to their
-mean, which is the usual minibatch gradient.
+mean, which is the usual minibatch gradient. An engine that corrects for (or reports) the noise keeps a moving
+average of :math:`\hat V` over about 50 steps in its State (:func:`average_noise`): steadier than one
+minibatch's estimate, whose clipping at 0 would bias the correction.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import Tensor
 from torch.func import grad_and_value, vmap
 
+from pyro_scalable.infer.schedules import check_positive
+
 __all__ = [
     "GradientEstimate",
-    "LogPosteriorFn",
     "Kernel",
+    "LogPosteriorFn",
+    "Phase",
+    "SAMPLING",
     "SGMCMCInfo",
+    "average_noise",
     "check_gradient_noise",
+    "check_mass",
+    "estimate",
     "estimate_gradient",
     "evaluate",
+    "extended_info",
     "gaussian_like",
     "injected_variance",
     "keep_where_finite",
+    "mass_like",
+    "noise_in_step",
+    "noise_start",
+    "scalar_like",
 ]
 
 Latents = dict[str, Tensor]
+Mass = float | Mapping[str, Tensor] | str
+NOISE_WINDOW = 50  # steps: the moving average of the gradient noise forgets older steps at this rate
 
 
 class LogPosteriorFn(Protocol):
@@ -82,32 +102,30 @@ class SGMCMCInfo(NamedTuple):
     uncorrected: Tensor  # share of coordinates where that ratio passed 1: no correction possible (NaN: not estimated)
 
 
-def injected_variance(
-    wanted: Tensor | Latents, gradient_variance: Latents, correct: bool, latents: Latents
-) -> tuple[Latents, Tensor, Tensor]:
-    """Per-coordinate variance to inject, and the ``noise_ratio`` and ``uncorrected`` statistics of a step.
+def extended_info(name: str, *extra: str) -> type:
+    """An Info record with :class:`SGMCMCInfo`'s fields followed by an engine's ``extra`` 0-d statistics."""
+    fields = [(field, Tensor) for field in (*SGMCMCInfo._fields, *extra)]
+    record = NamedTuple(name, fields)
+    record.__doc__ = f"A step's statistics: those of :class:`~.base.SGMCMCInfo`, then {', '.join(extra)}."
+    return record
 
-    ``wanted`` is the noise variance the sampler needs per step (a scalar or per site); ``gradient_variance`` is
-    what the minibatch gradient already brings into the same update ({} when not estimated). With ``correct`` the
-    injected variance is ``wanted - gradient_variance``, floored at 0 where the gradient noise alone is too large.
+
+class Phase(NamedTuple):
+    """What a step does besides moving the chains: warm-up's share of it (Python values, the same for all chains)."""
+
+    power_iterations: int = 0  # Hessian-vector products the estimate spends on the curvature
+    burn_in: bool = False  # the first half of warm-up: bring the chains to the typical set, uncalibrated
+
+
+SAMPLING = Phase()
+
+
+def estimate(state: Any, batch: Any, log_posterior_fn: LogPosteriorFn, *, gradient_noise: str = "ignore"):
+    """The minibatch gradient at ``state.latents`` (and its noise unless ``gradient_noise="ignore"``).
+
+    The half of a step that a data-parallel run all-reduces; it draws nothing.
     """
-
-    def wanted_for(name: str) -> Tensor:
-        return wanted[name] if isinstance(wanted, dict) else wanted
-
-    first = next(iter(latents.values()))
-    if not gradient_variance:
-        nan = torch.full((), float("nan"), dtype=first.dtype, device=first.device)
-        return {name: wanted_for(name) + torch.zeros_like(x) for name, x in latents.items()}, nan, nan
-    ratios = {}
-    injected = {}
-    for name, x in latents.items():
-        want = wanted_for(name) + torch.zeros_like(x)
-        ratio = torch.where(want > 0, gradient_variance[name] / torch.where(want > 0, want, 1.0), 0.0)
-        ratios[name] = ratio
-        injected[name] = torch.clamp(want - gradient_variance[name], min=0.0) if correct else want
-    flat = torch.cat([r.reshape(-1) for r in ratios.values()])
-    return injected, flat.max(), (flat > 1).to(first.dtype).mean()
+    return estimate_gradient(log_posterior_fn, state.latents, batch, noise=gradient_noise != "ignore")
 
 
 def evaluate(log_posterior_fn: LogPosteriorFn, latents: Latents, batch: Any) -> tuple[Latents, Tensor, Tensor, Tensor]:
@@ -171,6 +189,69 @@ def _under_transform(x: Tensor) -> bool:
     return True if is_wrapped is None else bool(is_wrapped(x))
 
 
+def noise_start(latents: Latents, gradient_noise: str) -> Latents:
+    """A State's ``noise_average`` at the start: zeros where the noise is estimated, ``{}`` where it is not."""
+    return {} if gradient_noise == "ignore" else {name: torch.zeros_like(x) for name, x in latents.items()}
+
+
+def average_noise(average: Latents, gradient: GradientEstimate, step_count: Tensor) -> Latents:
+    """Fold a step's noise estimate into the moving average (weight ``1/(t+1)``, at least ``1/50``).
+
+    An empty ``average`` (a State started without one) starts from zeros; a diverging step leaves it as it was.
+    """
+    first = next(iter(gradient.grads.values()))
+    weight = torch.clamp(1.0 / (step_count + 1).to(first.dtype), min=1.0 / NOISE_WINDOW)
+    start = average or {name: torch.zeros_like(v) for name, v in gradient.noise_variance.items()}
+    return {
+        name: torch.where(gradient.diverging, v, v + weight * (gradient.noise_variance[name] - v))
+        for name, v in start.items()
+    }
+
+
+def noise_in_step(
+    state: Any, gradient: GradientEstimate, gradient_noise: str, scale: Tensor | Callable[[str], Tensor]
+) -> tuple[Latents, Latents]:
+    """The State's next ``noise_average``, and the variance the gradient noise brings into this step's update.
+
+    ``scale`` maps the noise of the gradient to its variance in the update (SGLD's ε², per site where it differs).
+    Nothing is estimated with ``gradient_noise="ignore"``: the average stays as it is and the variance is ``{}``.
+    """
+    if gradient_noise == "ignore":
+        return state.noise_average, {}
+    average = average_noise(state.noise_average, gradient, state.step_count)
+    if callable(scale):
+        return average, {name: scale(name) * v for name, v in average.items()}
+    return average, {name: scale * v for name, v in average.items()}
+
+
+def injected_variance(
+    wanted: Tensor | Latents, gradient_variance: Latents, correct: bool, latents: Latents
+) -> tuple[Latents, Tensor, Tensor]:
+    """Per-coordinate variance to inject, and the ``noise_ratio`` and ``uncorrected`` statistics of a step.
+
+    ``wanted`` is the noise variance the sampler needs per step (a scalar or per site); ``gradient_variance`` is
+    what the minibatch gradient already brings into the same update ({} when not estimated). With ``correct`` the
+    injected variance is ``wanted - gradient_variance``, floored at 0 where the gradient noise alone is too large.
+    """
+
+    def wanted_for(name: str) -> Tensor:
+        return wanted[name] if isinstance(wanted, dict) else wanted
+
+    first = next(iter(latents.values()))
+    if not gradient_variance:
+        nan = torch.full((), float("nan"), dtype=first.dtype, device=first.device)
+        return {name: wanted_for(name) + torch.zeros_like(x) for name, x in latents.items()}, nan, nan
+    ratios = {}
+    injected = {}
+    for name, x in latents.items():
+        want = wanted_for(name) + torch.zeros_like(x)
+        ratio = torch.where(want > 0, gradient_variance[name] / torch.where(want > 0, want, 1.0), 0.0)
+        ratios[name] = ratio
+        injected[name] = torch.clamp(want - gradient_variance[name], min=0.0) if correct else want
+    flat = torch.cat([r.reshape(-1) for r in ratios.values()])
+    return injected, flat.max(), (flat > 1).to(first.dtype).mean()
+
+
 def gaussian_like(latents: Latents, generator: torch.Generator | None, temperature: Any = 1.0) -> Latents:
     """Independent standard normal noise shaped like each latent (zeros, drawing nothing, at a constant T = 0)."""
     if not callable(temperature) and float(temperature) == 0.0:
@@ -185,6 +266,11 @@ def keep_where_finite(diverging: Tensor, new: Latents, old: Latents) -> Latents:
     return {name: torch.where(diverging, old[name], new[name]) for name in new}
 
 
+def scalar_like(value: float | Tensor, like: Tensor) -> Tensor:
+    """``value`` as a 0-d tensor of ``like``'s dtype and device (a tensor, e.g. one chosen in warm-up, as it is)."""
+    return value if isinstance(value, Tensor) else torch.full((), float(value), dtype=like.dtype, device=like.device)
+
+
 GRADIENT_NOISE_CHOICES = ("correct", "estimate", "ignore")
 
 
@@ -197,21 +283,82 @@ def check_gradient_noise(gradient_noise: str | None, step_size: Any) -> str:
     return gradient_noise
 
 
-class Kernel:
-    """What every engine's Pyro-facing class shares: ``step`` is ``update(state, estimate(state, batch, ...))``.
+def mass_like(mass: Mass, latents: Latents) -> Latents:
+    """The diagonal mass shaped like ``latents``: a scalar, a dict by site (broadcast), or a learnt one as it is.
 
-    A subclass defines ``estimate(state, batch, log_posterior_fn, adapt)`` and ``update(state, gradient,
-    generator, burn_in)`` with its hyperparameters bound; the driver calls either ``step`` or the two halves.
+    ``"fisher"`` before warm-up has learnt it is the unit mass.
+    """
+    if isinstance(mass, Mapping):
+        return {
+            name: torch.as_tensor(mass[name], dtype=x.dtype, device=x.device) + torch.zeros_like(x)
+            for name, x in latents.items()
+        }
+    value = 1.0 if isinstance(mass, str) else float(mass)
+    return {name: torch.full_like(x, value) for name, x in latents.items()}
+
+
+def check_mass(mass: Mass, *, learnt: bool = False) -> float:
+    """Validate ``mass`` and return its smallest value (1 for a mass warm-up learns, where ``learnt`` allows it)."""
+    if isinstance(mass, str):
+        if not learnt or mass != "fisher":
+            choices = "a positive number, a dict of positive tensors by site" + (", or 'fisher'" if learnt else "")
+            raise ValueError(f"mass must be {choices}; got {mass!r}.")
+        return 1.0
+    if isinstance(mass, Mapping):
+        least = math.inf
+        for name, value in mass.items():
+            value = torch.as_tensor(value)
+            if not bool(torch.isfinite(value).all()) or not bool((value > 0).all()):
+                raise ValueError(f"mass['{name}'] must be finite and positive everywhere.")
+            least = min(least, float(value.min()))
+        return least
+    check_positive("mass", mass)
+    return float(mass)
+
+
+class Kernel:
+    """What every engine's Pyro-facing class shares: the calls the chain stepper makes, with the bound hyperparameters.
+
+    A subclass sets ``init_rule`` and ``update_rule`` (its module's ``init`` and ``update``) and
+    ``hyperparameters()`` (the keyword arguments ``update_rule`` takes from the class); where warm-up chooses
+    something, ``adapts`` is true and ``warmup_rule`` names the rule (:mod:`.tuning`). The hyperparameters warm-up
+    chose are passed to :meth:`update` as keyword arguments (per-chain tensors) and take the place of the bound ones.
     """
 
-    def step(
-        self,
-        state: Any,
-        batch: Any,
-        log_posterior_fn: LogPosteriorFn,
-        generator: torch.Generator | None = None,
-        adapt: int = 0,
-        burn_in: bool = False,
+    adapts = False
+    gradient_noise = "ignore"
+
+    def hyperparameters(self) -> dict[str, Any]:
+        """The keyword arguments of the module's ``update`` that this class binds."""
+        raise NotImplementedError
+
+    def init(self, latents: Latents) -> Any:
+        """Start a chain at unconstrained ``latents`` (with a noise average where the kernel estimates the noise)."""
+        if self.gradient_noise == "ignore":
+            return type(self).init_rule(latents)
+        return type(self).init_rule(latents, gradient_noise=self.gradient_noise)
+
+    def phase(self, step_index: int) -> Phase:
+        """What step ``step_index`` does besides the update (a bare kernel: nothing)."""
+        return SAMPLING
+
+    def estimate(
+        self, state: Any, batch: Any, log_posterior_fn: LogPosteriorFn, phase: Phase = SAMPLING, direction=None
+    ) -> GradientEstimate:
+        """The gradient (and its noise, where this kernel uses it) the next update needs."""
+        return estimate(state, batch, log_posterior_fn, gradient_noise=self.gradient_noise)
+
+    def update(
+        self, state: Any, gradient: GradientEstimate, generator=None, phase: Phase = SAMPLING, **tuned: Any
     ) -> tuple[Any, Any]:
-        """One step with this kernel's hyperparameters."""
-        return self.update(state, self.estimate(state, batch, log_posterior_fn, adapt), generator, burn_in)
+        """One update with this kernel's hyperparameters (``tuned``: those chosen in warm-up), given the gradient."""
+        return type(self).update_rule(state, gradient, **{**self.hyperparameters(), **tuned}, generator=generator)
+
+    def step(self, state: Any, batch: Any, log_posterior_fn: LogPosteriorFn, generator=None, **tuned: Any):
+        """One step with this kernel's hyperparameters: :meth:`update` after :meth:`estimate`."""
+        return self.update(state, self.estimate(state, batch, log_posterior_fn), generator, **tuned)
+
+    @staticmethod
+    def latents(state: Any) -> Latents:
+        """The chain's draw: its last point with a finite log density and gradient."""
+        return state.checked_latents

@@ -31,7 +31,8 @@ state, and, as Li et al. do, it is left out; the bias this leaves shrinks with :
 G`: ``gradient_noise="correct"`` injects :math:`2\epsilon T G_j - \epsilon^2 G_j^2 \hat V_j`, possible where
 :math:`\epsilon G_j \hat V_j \le 2T`. **Step size**: ``step_size=None`` chooses
 :math:`\epsilon = \min(0.1/\lambda, \rho\,2T/\max_j G_j \bar V_j)` in warm-up, :math:`\lambda` the largest
-curvature of :math:`G^{1/2} H G^{1/2}` (:mod:`.warmup`).
+curvature of :math:`G^{1/2} H G^{1/2}` (:mod:`.adaptation`, which also learns :math:`v` in ``"warmup"`` mode
+with :func:`accumulate`).
 
 T = 0 with ``preconditioner="always"`` is exactly ``torch.optim.RMSprop(lr=step_size, alpha=decay, eps=damping)``
 on the negative log joint (the tests check it); with ``"warmup"`` the preconditioner is frozen after warm-up.
@@ -48,7 +49,7 @@ from torch import Tensor
 
 from pyro_scalable.bridge.model import FullDataModel
 from pyro_scalable.infer.schedules import ScalarOrSchedule, check_positive, resolve
-from pyro_scalable.infer.sgmcmc import warmup
+from pyro_scalable.infer.sgmcmc import integrators
 from pyro_scalable.infer.sgmcmc.base import (
     GradientEstimate,
     Kernel,
@@ -56,15 +57,16 @@ from pyro_scalable.infer.sgmcmc.base import (
     LogPosteriorFn,
     SGMCMCInfo,
     check_gradient_noise,
-    estimate_gradient,
+    estimate,
     gaussian_like,
     injected_variance,
     keep_where_finite,
+    noise_in_step,
+    noise_start,
 )
 
-__all__ = ["PSGLD", "PSGLDState", "estimate", "init", "preconditioner", "step", "update"]
+__all__ = ["PSGLD", "PSGLDState", "accumulate", "estimate", "init", "preconditioner", "step", "update"]
 
-CURVATURE_BOUND = 0.1  # ε λ_max in the preconditioned metric, chosen in warm-up
 Updates = Literal["warmup", "always"]
 
 
@@ -76,16 +78,15 @@ class PSGLDState(NamedTuple):
     square_avg: Latents  # v: moving average of the squared gradient
     square_count: Tensor  # 0-d: updates of v so far (before the first, G is the identity)
     step_count: Tensor  # 0-d int64
-    adaptation: warmup.Adaptation
+    noise_average: Latents  # moving average of the gradient-noise variance ({} where it is not estimated)
 
 
-def init(latents: Latents, step_size: ScalarOrSchedule | None = None) -> PSGLDState:
-    """Start a chain at ``latents`` with no preconditioner learnt yet (``step_size=None``: chosen in warm-up)."""
+def init(latents: Latents, *, gradient_noise: str = "ignore") -> PSGLDState:
+    """Start a chain at ``latents`` with no preconditioner learnt yet."""
     first = next(iter(latents.values()))
     zero = torch.zeros((), dtype=torch.int64, device=first.device)
     squares = {name: torch.zeros_like(x) for name, x in latents.items()}
-    adaptation = warmup.init_adaptation(latents, step_size)
-    return PSGLDState(dict(latents), dict(latents), squares, zero, zero, adaptation)
+    return PSGLDState(dict(latents), dict(latents), squares, zero, zero, noise_start(latents, gradient_noise))
 
 
 def preconditioner(state: PSGLDState, damping: float = 1e-5) -> Latents:
@@ -97,99 +98,68 @@ def preconditioner(state: PSGLDState, damping: float = 1e-5) -> Latents:
     }
 
 
-def estimate(
-    state: PSGLDState,
-    batch: Any,
-    log_posterior_fn: LogPosteriorFn,
-    *,
-    decay: float = 0.99,
-    damping: float = 1e-5,
-    gradient_noise: str = "ignore",
-    adapt: int = 0,
-) -> GradientEstimate:
-    """The minibatch gradient, its noise, and in warm-up the curvature in the current metric."""
-    noise = gradient_noise != "ignore" or adapt > 0
-    result = estimate_gradient(log_posterior_fn, state.latents, batch, noise=noise)
-    if adapt > 0:
-        metric = preconditioner(state, damping)
-        product = warmup.hessian_product(
-            log_posterior_fn, state.latents, batch, state.adaptation, metric, iterations=adapt
+def accumulate(state: PSGLDState, gradient: GradientEstimate, decay: float, *, restart: bool = False) -> PSGLDState:
+    """Fold ``gradient``'s square into v (a diverging step leaves v alone).
+
+    ``restart`` starts v at the first update's ĝ² instead of RMSprop's ``(1 - β) ĝ²``: a v learnt in warm-up and then
+    frozen must not carry RMSprop's start-up bias ``(1 - β^t) v``.
+    """
+    keep = gradient.diverging
+    first = (state.square_count == 0) if restart else torch.zeros_like(keep)
+    squares = {
+        name: torch.where(
+            keep,
+            v,
+            torch.where(
+                first, gradient.grads[name].square(), decay * v + (1.0 - decay) * gradient.grads[name].square()
+            ),
         )
-        result = result._replace(hessian_product=product)
-    return result
+        for name, v in state.square_avg.items()
+    }
+    count = state.square_count + (~keep).to(state.square_count.dtype)
+    return state._replace(square_avg=squares, square_count=count)
 
 
 def update(
     state: PSGLDState,
     gradient: GradientEstimate,
     *,
-    step_size: ScalarOrSchedule | None,
+    step_size: ScalarOrSchedule | Tensor,
     temperature: ScalarOrSchedule = 1.0,
     decay: float = 0.99,
     damping: float = 1e-5,
     updates: Updates = "warmup",
     gradient_noise: str = "ignore",
-    burn_in: bool = False,
     generator: torch.Generator | None = None,
 ) -> tuple[PSGLDState, SGMCMCInfo]:
     """Move one chain by one pSGLD step with the gradient ``gradient`` (from :func:`estimate`).
 
-    ``updates="warmup"`` updates v only on warm-up steps (those whose gradient carries a Hessian product).
+    ``updates="always"`` folds every gradient into v first; with ``"warmup"`` v stays as it is (warm-up learns it).
     """
-    temp = resolve(temperature, state.step_count, gradient.log_posterior)
-    squares, count = state.square_avg, state.square_count
-    updates_before = state.square_count  # v's updates when this step's estimate ran (its metric)
-    if updates == "always" or (gradient.hessian_product and not burn_in):
-        keep = gradient.diverging
-        # "warmup" mode starts v at the first calibrated warm-up step's ĝ², not at 0: a frozen v must not carry
-        # RMSprop's start-up bias ((1 - β^t) v), nor the large gradients of the burn-in far from the mode
-        first = (count == 0) if updates == "warmup" else torch.zeros_like(keep)
-        squares = {
-            name: torch.where(
-                keep,
-                v,
-                torch.where(
-                    first, gradient.grads[name].square(), decay * v + (1.0 - decay) * gradient.grads[name].square()
-                ),
-            )
-            for name, v in squares.items()
-        }
-        count = count + (~keep).to(count.dtype)
-    state = state._replace(square_avg=squares, square_count=count)
+    temperature_now = resolve(temperature, state.step_count, gradient.log_posterior)
+    if updates == "always":
+        state = accumulate(state, gradient, decay)
     metric = preconditioner(state, damping)
-    adaptation = warmup.observe(state.adaptation, gradient)
-    if gradient.hessian_product and not burn_in and updates == "warmup":
-        # the first product measured in the learnt metric (v had one update when this step's estimate ran)
-        # restarts the curvature average: the burn-in's, in the identity metric, would hold the step size down
-        measured = torch.sqrt(sum(v.square().sum() for v in gradient.hessian_product.values()))
-        restart = (updates_before == 1) & torch.isfinite(measured) & ~gradient.diverging
-        adaptation = adaptation._replace(curvature=torch.where(restart, measured, adaptation.curvature))
-    if gradient.hessian_product and step_size is None:
-        chosen = CURVATURE_BOUND / adaptation.curvature
-        if not burn_in:
-            chosen = torch.minimum(chosen, warmup.noise_bound(adaptation.noise, metric, 2.0 * temp))
-        adaptation = adaptation._replace(step_size=chosen)
-    eps = adaptation.step_size if step_size is None else resolve(step_size, state.step_count, gradient.log_posterior)
-    gradient_variance = {}
-    if gradient_noise != "ignore":
-        gradient_variance = {name: eps**2 * metric[name].square() * adaptation.noise[name] for name in metric}
-    wanted = {name: 2.0 * eps * temp * g for name, g in metric.items()}
+    step_size_now = resolve(step_size, state.step_count, gradient.log_posterior)
+    noise_average, gradient_variance = noise_in_step(
+        state, gradient, gradient_noise, lambda name: step_size_now**2 * metric[name].square()
+    )
+    wanted = {name: 2.0 * step_size_now * temperature_now * g for name, g in metric.items()}
     variance, noise_ratio, uncorrected = injected_variance(
         wanted, gradient_variance, gradient_noise == "correct", state.latents
     )
     noise = gaussian_like(state.latents, generator, temperature)
-    proposal = {
-        name: x + eps * metric[name] * gradient.grads[name] + torch.sqrt(variance[name]) * noise[name]
-        for name, x in state.latents.items()
-    }
+    proposal = integrators.langevin(state.latents, gradient.grads, step_size_now, variance, noise, metric)
     diverging = gradient.diverging
     latents = keep_where_finite(diverging, proposal, state.checked_latents)
-    latents, _, adaptation = warmup.settle(adaptation, latents, burn_in, bool(gradient.hessian_product))
     previous = keep_where_finite(diverging, state.latents, state.checked_latents)
-    info = SGMCMCInfo(gradient.log_posterior, gradient.grad_norm, eps, temp, diverging, noise_ratio, uncorrected)
-    return state._replace(
-        latents=latents, checked_latents=previous, step_count=state.step_count + 1, adaptation=adaptation
-    ), info
+    info = SGMCMCInfo(
+        gradient.log_posterior, gradient.grad_norm, step_size_now, temperature_now, diverging, noise_ratio, uncorrected
+    )
+    new = state._replace(
+        latents=latents, checked_latents=previous, step_count=state.step_count + 1, noise_average=noise_average
+    )
+    return new, info
 
 
 def step(
@@ -197,20 +167,16 @@ def step(
     batch: Any,
     log_posterior_fn: LogPosteriorFn,
     *,
-    step_size: ScalarOrSchedule | None,
+    step_size: ScalarOrSchedule | Tensor,
     temperature: ScalarOrSchedule = 1.0,
     decay: float = 0.99,
     damping: float = 1e-5,
     updates: Updates = "warmup",
     gradient_noise: str = "ignore",
-    adapt: int = 0,
-    burn_in: bool = False,
     generator: torch.Generator | None = None,
 ) -> tuple[PSGLDState, SGMCMCInfo]:
     """Advance one chain by one pSGLD step on ``batch`` (:func:`estimate` then :func:`update`)."""
-    gradient = estimate(
-        state, batch, log_posterior_fn, decay=decay, damping=damping, gradient_noise=gradient_noise, adapt=adapt
-    )
+    gradient = estimate(state, batch, log_posterior_fn, gradient_noise=gradient_noise)
     return update(
         state,
         gradient,
@@ -220,7 +186,6 @@ def step(
         damping=damping,
         updates=updates,
         gradient_noise=gradient_noise,
-        burn_in=burn_in,
         generator=generator,
     )
 
@@ -254,6 +219,10 @@ class PSGLD(Kernel):
         torch.Size([200])
 
     """
+
+    init_rule = staticmethod(init)
+    update_rule = staticmethod(update)
+    warmup_rule = "preconditioned"
 
     def __init__(
         self,
@@ -289,42 +258,16 @@ class PSGLD(Kernel):
         """Whether warm-up chooses something: the step size, or the preconditioner it then freezes."""
         return self.step_size is None or self.preconditioner == "warmup"
 
-    def init(self, latents: Latents) -> PSGLDState:
-        """Start a chain at unconstrained ``latents``."""
-        return init(latents, self.step_size)
-
-    def estimate(self, state: PSGLDState, batch: Any, log_posterior_fn: LogPosteriorFn, adapt: int = 0):
-        """The gradient (and its noise, and in warm-up the curvature) the next update needs."""
-        return estimate(
-            state,
-            batch,
-            log_posterior_fn,
-            decay=self.decay,
-            damping=self.damping,
-            gradient_noise=self.gradient_noise,
-            adapt=adapt,
-        )
-
-    def update(
-        self,
-        state: PSGLDState,
-        gradient: GradientEstimate,
-        generator: torch.Generator | None = None,
-        burn_in: bool = False,
-    ):
-        """One update with this kernel's hyperparameters, given the gradient (``burn_in``: early warm-up)."""
-        return update(
-            state,
-            gradient,
-            step_size=self.step_size,
-            temperature=self.temperature,
-            decay=self.decay,
-            damping=self.damping,
-            updates=self.preconditioner,
-            gradient_noise=self.gradient_noise,
-            burn_in=burn_in,
-            generator=generator,
-        )
+    def hyperparameters(self) -> dict[str, Any]:
+        """The keyword arguments of :func:`update` this kernel binds."""
+        return {
+            "step_size": self.step_size,
+            "temperature": self.temperature,
+            "decay": self.decay,
+            "damping": self.damping,
+            "updates": self.preconditioner,
+            "gradient_noise": self.gradient_noise,
+        }
 
     def __repr__(self) -> str:
         return (

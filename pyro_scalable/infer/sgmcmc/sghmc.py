@@ -11,7 +11,8 @@ Momentum :math:`m`, friction :math:`\alpha`, mass :math:`\sigma^2`, step size :m
 
 The continuous-time limit has stationary law :math:`\pi_T(\theta)\,\mathcal{N}(m; 0, T\sigma^2)`. The mass may
 be a diagonal matrix (per coordinate), given or estimated in warm-up as the diagonal Fisher
-(``mass="fisher"``, proportional to the gradient-noise variance, normalised to mean 1, then frozen).
+(``mass="fisher"``, proportional to the gradient-noise variance, normalised to mean 1, then frozen; see
+:mod:`.adaptation`).
 
 **Gradient noise** (Chen et al.'s :math:`\hat B`; the posteriors paper's :math:`\hat\beta`). The minibatch
 gradient adds :math:`\epsilon^2 V` to the momentum's noise. With ``gradient_noise="correct"`` the injected
@@ -43,7 +44,7 @@ bounds :math:`\epsilon \le 2\alpha T\rho / \bar V_{\max}`.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -52,25 +53,29 @@ from torch import Tensor
 
 from pyro_scalable.bridge.model import FullDataModel
 from pyro_scalable.infer.schedules import ScalarOrSchedule, check_positive, resolve
-from pyro_scalable.infer.sgmcmc import warmup
+from pyro_scalable.infer.sgmcmc import integrators
 from pyro_scalable.infer.sgmcmc.base import (
     GradientEstimate,
     Kernel,
     Latents,
     LogPosteriorFn,
+    Mass,
     check_gradient_noise,
-    estimate_gradient,
+    check_mass,
+    estimate,
+    extended_info,
     gaussian_like,
     injected_variance,
     keep_where_finite,
+    mass_like,
+    noise_in_step,
+    noise_start,
+    scalar_like,
 )
 
 __all__ = ["SGHMC", "SGHMCInfo", "SGHMCState", "estimate", "init", "sgd_hyperparameters", "step", "update"]
 
-CURVATURE_BOUND = 0.3  # ε √λ_max chosen in warm-up
-_LEAST_MASS = 1e-3  # a Fisher mass is floored at this share of its mean
-
-Mass = float | Mapping[str, Tensor] | str
+SGHMCInfo = extended_info("SGHMCInfo", "friction")
 
 
 class SGHMCState(NamedTuple):
@@ -78,133 +83,62 @@ class SGHMCState(NamedTuple):
 
     latents: Latents  # unconstrained values, keyed by Pyro site name
     momenta: Latents  # same keys and shapes as latents
-    checked_latents: (
-        Latents  # last point with finite density and gradient: the draw, and where a diverging step returns
-    )
+    checked_latents: Latents  # last point with finite density and gradient: the draw, and where a divergence returns
     step_count: Tensor  # 0-d int64
-    mass: Latents  # diagonal mass, shaped like the latents
-    friction: Tensor  # 0-d α (NaN until warm-up chooses it)
-    adaptation: warmup.Adaptation
+    noise_average: Latents  # moving average of the gradient-noise variance ({} where it is not estimated)
 
 
-class SGHMCInfo(NamedTuple):
-    """An SGHMC step, for people and ArviZ (the fields of :class:`~.base.SGMCMCInfo`, and the friction)."""
-
-    log_posterior: Tensor
-    grad_norm: Tensor
-    step_size: Tensor
-    temperature: Tensor
-    diverging: Tensor
-    noise_ratio: Tensor
-    uncorrected: Tensor
-    friction: Tensor
-
-
-def init(
-    latents: Latents,
-    momenta: Latents | None = None,
-    *,
-    step_size: ScalarOrSchedule | None = None,
-    friction: float | None = 1.0,
-    mass: Mass = 1.0,
-) -> SGHMCState:
-    """Start a chain at ``latents`` with zero momenta (or the given ones); ``None``/"fisher": chosen in warm-up."""
+def init(latents: Latents, momenta: Latents | None = None, *, gradient_noise: str = "ignore") -> SGHMCState:
+    """Start a chain at ``latents`` with zero momenta (or the given ones)."""
     first = next(iter(latents.values()))
     if momenta is None:
         momenta = {name: torch.zeros_like(x) for name, x in latents.items()}
     zero = torch.zeros((), dtype=torch.int64, device=first.device)
-    masses = {name: _mass_of(mass, name, x) for name, x in latents.items()}
-    alpha = torch.full((), math.nan if friction is None else float(friction), dtype=first.dtype, device=first.device)
-    adaptation = warmup.init_adaptation(latents, step_size)
-    return SGHMCState(dict(latents), dict(momenta), dict(latents), zero, masses, alpha, adaptation)
-
-
-def _mass_of(mass: Mass, name: str, x: Tensor) -> Tensor:
-    if isinstance(mass, str):
-        return torch.ones_like(x)
-    if isinstance(mass, Mapping):
-        return torch.as_tensor(mass[name], dtype=x.dtype, device=x.device) + torch.zeros_like(x)
-    return torch.full_like(x, float(mass))
-
-
-def estimate(
-    state: SGHMCState,
-    batch: Any,
-    log_posterior_fn: LogPosteriorFn,
-    *,
-    gradient_noise: str = "ignore",
-    adapt: int = 0,
-) -> GradientEstimate:
-    """The minibatch gradient, its noise, and in warm-up the curvature in the mass metric."""
-    noise = gradient_noise != "ignore" or adapt > 0
-    result = estimate_gradient(log_posterior_fn, state.latents, batch, noise=noise)
-    if adapt > 0:
-        inverse_mass = {name: 1.0 / m for name, m in state.mass.items()}
-        product = warmup.hessian_product(
-            log_posterior_fn, state.latents, batch, state.adaptation, inverse_mass, iterations=adapt
-        )
-        result = result._replace(hessian_product=product)
-    return result
+    return SGHMCState(dict(latents), dict(momenta), dict(latents), zero, noise_start(latents, gradient_noise))
 
 
 def update(
     state: SGHMCState,
     gradient: GradientEstimate,
     *,
-    step_size: ScalarOrSchedule | None,
-    friction: float | None = 1.0,
+    step_size: ScalarOrSchedule | Tensor,
+    friction: float | Tensor = 1.0,
     mass: Mass = 1.0,
     temperature: ScalarOrSchedule = 1.0,
     gradient_noise: str = "ignore",
-    burn_in: bool = False,
     generator: torch.Generator | None = None,
 ) -> tuple[SGHMCState, SGHMCInfo]:
     """Move one chain by one SGHMC step with the gradient ``gradient`` (from :func:`estimate`)."""
-    temp = resolve(temperature, state.step_count, gradient.log_posterior)
-    masses, alpha = state.mass, state.friction
-    adaptation = warmup.observe(state.adaptation, gradient)
-    if gradient.hessian_product:
-        if mass == "fisher":
-            masses = _fisher_mass(adaptation.noise)
-        if step_size is None:
-            eps, alpha = warmup.momentum_step_size(
-                adaptation, friction, temp if not burn_in else torch.zeros_like(temp), masses, CURVATURE_BOUND
-            )
-            adaptation = adaptation._replace(step_size=eps)
-    eps = adaptation.step_size if step_size is None else resolve(step_size, state.step_count, gradient.log_posterior)
-    gradient_variance = (
-        {}
-        if gradient_noise == "ignore"
-        else {name: eps**2 * adaptation.noise[name] for name in gradient.noise_variance}
-    )
+    temperature_now = resolve(temperature, state.step_count, gradient.log_posterior)
+    step_size_now = resolve(step_size, state.step_count, gradient.log_posterior)
+    friction = scalar_like(friction, step_size_now)
+    masses = mass_like(mass, state.latents)
+    noise_average, gradient_variance = noise_in_step(state, gradient, gradient_noise, step_size_now**2)
     variance, noise_ratio, uncorrected = injected_variance(
-        2.0 * alpha * eps * temp, gradient_variance, gradient_noise == "correct", state.latents
+        2.0 * friction * step_size_now * temperature_now,
+        gradient_variance,
+        gradient_noise == "correct",
+        state.latents,
     )
     noise = gaussian_like(state.latents, generator, temperature)
-    momenta = {
-        name: (1.0 - eps * alpha / masses[name]) * m
-        + eps * gradient.grads[name]
-        + torch.sqrt(variance[name]) * noise[name]
-        for name, m in state.momenta.items()
-    }
-    proposal = {name: x + (eps / masses[name]) * momenta[name] for name, x in state.latents.items()}
+    decay = {name: 1.0 - step_size_now * friction / m for name, m in masses.items()}
+    momenta = integrators.momentum(state.momenta, gradient.grads, step_size_now, decay, variance, noise)
+    proposal = integrators.drift(state.latents, momenta, {name: step_size_now / m for name, m in masses.items()})
     diverging = gradient.diverging
     latents = keep_where_finite(diverging, proposal, state.checked_latents)
     previous = keep_where_finite(diverging, state.latents, state.checked_latents)
-    momenta = {name: torch.where(diverging, m.new_zeros(()), m) for name, m in momenta.items()}
-    latents, jumped, adaptation = warmup.settle(adaptation, latents, burn_in, bool(gradient.hessian_product))
-    momenta = {name: torch.where(jumped, p.new_zeros(()), p) for name, p in momenta.items()}
-    info = SGHMCInfo(gradient.log_posterior, gradient.grad_norm, eps, temp, diverging, noise_ratio, uncorrected, alpha)
-    new = SGHMCState(latents, momenta, previous, state.step_count + 1, masses, alpha, adaptation)
-    return new, info
-
-
-def _fisher_mass(noise: Latents) -> Latents:
-    """The diagonal Fisher up to a constant (the gradient-noise variance), normalised to mean 1 and floored."""
-    flat = torch.cat([v.reshape(-1) for v in noise.values()])
-    mean = flat.mean()
-    scale = torch.where(mean > 0, mean, torch.ones_like(mean))
-    return {name: torch.clamp(v / scale, min=_LEAST_MASS) for name, v in noise.items()}
+    momenta = {name: torch.where(diverging, p.new_zeros(()), p) for name, p in momenta.items()}
+    info = SGHMCInfo(
+        gradient.log_posterior,
+        gradient.grad_norm,
+        step_size_now,
+        temperature_now,
+        diverging,
+        noise_ratio,
+        uncorrected,
+        friction,
+    )
+    return SGHMCState(latents, momenta, previous, state.step_count + 1, noise_average), info
 
 
 def step(
@@ -212,25 +146,15 @@ def step(
     batch: Any,
     log_posterior_fn: LogPosteriorFn,
     *,
-    step_size: ScalarOrSchedule | None,
-    friction: float | None = 1.0,
+    step_size: ScalarOrSchedule | Tensor,
+    friction: float | Tensor = 1.0,
     mass: Mass = 1.0,
     temperature: ScalarOrSchedule = 1.0,
     gradient_noise: str = "ignore",
-    adapt: int = 0,
-    burn_in: bool = False,
     generator: torch.Generator | None = None,
 ) -> tuple[SGHMCState, SGHMCInfo]:
-    """Advance one chain by one SGHMC step on ``batch`` (:func:`estimate` then :func:`update`).
-
-    A state made by :func:`init` carries its mass and friction; ``friction`` and ``mass`` here say only whether
-    warm-up chooses them (``None`` / ``"fisher"``), except that a state started with the defaults takes them.
-    """
-    if not isinstance(mass, str):
-        state = state._replace(mass={name: _mass_of(mass, name, x) for name, x in state.latents.items()})
-    if friction is not None:
-        state = state._replace(friction=torch.full_like(state.friction, float(friction)))
-    gradient = estimate(state, batch, log_posterior_fn, gradient_noise=gradient_noise, adapt=adapt)
+    """Advance one chain by one SGHMC step on ``batch`` (:func:`estimate` then :func:`update`)."""
+    gradient = estimate(state, batch, log_posterior_fn, gradient_noise=gradient_noise)
     return update(
         state,
         gradient,
@@ -239,7 +163,6 @@ def step(
         mass=mass,
         temperature=temperature,
         gradient_noise=gradient_noise,
-        burn_in=burn_in,
         generator=generator,
     )
 
@@ -293,6 +216,10 @@ class SGHMC(Kernel):
 
     """
 
+    init_rule = staticmethod(init)
+    update_rule = staticmethod(update)
+    warmup_rule = "momentum"
+
     def __init__(
         self,
         model: Callable,
@@ -309,7 +236,7 @@ class SGHMC(Kernel):
             friction = 1.0 if friction is None else friction
         if friction is not None:
             check_positive("friction", friction)
-        least_mass = _check_mass(mass)
+        least_mass = check_mass(mass, learnt=True)
         check_positive("temperature", temperature, allow_zero=True)
         if step_size is not None:
             largest = float(step_size(torch.zeros(())) if callable(step_size) else step_size)  # schedules start highest
@@ -331,33 +258,15 @@ class SGHMC(Kernel):
         """Whether warm-up chooses something: the step size (and friction) or the Fisher mass."""
         return self.step_size is None or self.mass == "fisher"
 
-    def init(self, latents: Latents) -> SGHMCState:
-        """Start a chain at unconstrained ``latents`` with zero momenta."""
-        return init(latents, step_size=self.step_size, friction=self.friction, mass=self.mass)
-
-    def estimate(self, state: SGHMCState, batch: Any, log_posterior_fn: LogPosteriorFn, adapt: int = 0):
-        """The gradient (and its noise, and in warm-up the curvature) the next update needs."""
-        return estimate(state, batch, log_posterior_fn, gradient_noise=self.gradient_noise, adapt=adapt)
-
-    def update(
-        self,
-        state: SGHMCState,
-        gradient: GradientEstimate,
-        generator: torch.Generator | None = None,
-        burn_in: bool = False,
-    ):
-        """One update with this kernel's hyperparameters, given the gradient (``burn_in``: early warm-up)."""
-        return update(
-            state,
-            gradient,
-            step_size=self.step_size,
-            friction=self.friction,
-            mass=self.mass,
-            temperature=self.temperature,
-            gradient_noise=self.gradient_noise,
-            burn_in=burn_in,
-            generator=generator,
-        )
+    def hyperparameters(self) -> dict[str, Any]:
+        """The keyword arguments of :func:`update` this kernel binds."""
+        return {
+            "step_size": self.step_size,
+            "friction": self.friction,
+            "mass": self.mass,
+            "temperature": self.temperature,
+            "gradient_noise": self.gradient_noise,
+        }
 
     def __repr__(self) -> str:
         mass = self.mass if isinstance(self.mass, (str, float, int)) else "{...}"
@@ -365,23 +274,3 @@ class SGHMC(Kernel):
             f"SGHMC(step_size={self.step_size!r}, friction={self.friction!r}, mass={mass!r}, "
             f"temperature={self.temperature!r}, gradient_noise={self.gradient_noise!r})"
         )
-
-
-def _check_mass(mass: Mass) -> float:
-    """Validate ``mass`` and return its smallest value (1 for a mass warm-up estimates)."""
-    if isinstance(mass, str):
-        if mass != "fisher":
-            raise ValueError(
-                f"mass must be a positive number, a dict of positive tensors by site, or 'fisher'; got {mass!r}."
-            )
-        return 1.0
-    if isinstance(mass, Mapping):
-        least = math.inf
-        for name, value in mass.items():
-            value = torch.as_tensor(value)
-            if not bool(torch.isfinite(value).all()) or not bool((value > 0).all()):
-                raise ValueError(f"mass['{name}'] must be finite and positive everywhere.")
-            least = min(least, float(value.min()))
-        return least
-    check_positive("mass", mass)
-    return float(mass)

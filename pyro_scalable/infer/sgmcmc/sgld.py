@@ -23,8 +23,8 @@ again. That is possible only where :math:`\epsilon\hat V_j \le 2T`; where it is 
 step counts in ``sample_stats.uncorrected``. The off-diagonal part of :math:`V` is left uncorrected.
 
 **Step size.** ``step_size=None`` chooses :math:`\epsilon = \min(0.1/\lambda, \rho\, 2T/\max_j \bar V_j)` in
-warm-up (:mod:`.warmup`): a stationary-variance bias of at most 5% in the stiffest direction, and gradient noise
-of at most :math:`\rho = 1/2` of the wanted noise.
+warm-up (:mod:`.adaptation`): a stationary-variance bias of at most 5% in the stiffest direction, and gradient
+noise of at most :math:`\rho = 1/2` of the wanted noise.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from torch import Tensor
 
 from pyro_scalable.bridge.model import FullDataModel
 from pyro_scalable.infer.schedules import ScalarOrSchedule, check_positive, resolve
-from pyro_scalable.infer.sgmcmc import warmup
+from pyro_scalable.infer.sgmcmc import integrators
 from pyro_scalable.infer.sgmcmc.base import (
     GradientEstimate,
     Kernel,
@@ -46,92 +46,58 @@ from pyro_scalable.infer.sgmcmc.base import (
     LogPosteriorFn,
     SGMCMCInfo,
     check_gradient_noise,
-    estimate_gradient,
+    estimate,
     gaussian_like,
     injected_variance,
     keep_where_finite,
+    noise_in_step,
+    noise_start,
 )
 
 __all__ = ["SGLD", "SGLDState", "estimate", "init", "step", "update"]
-
-CURVATURE_BOUND = 0.1  # ε λ_max chosen in warm-up
 
 
 class SGLDState(NamedTuple):
     """Everything the next SGLD step needs. Every field is a tensor."""
 
     latents: Latents  # unconstrained values, keyed by Pyro site name
-    checked_latents: (
-        Latents  # last point with finite density and gradient: the draw, and where a diverging step returns
-    )
+    checked_latents: Latents  # last point with finite density and gradient: the draw, and where a divergence returns
     step_count: Tensor  # 0-d int64
-    adaptation: warmup.Adaptation  # the step size chosen in warm-up and what it was chosen from
+    noise_average: Latents  # moving average of the gradient-noise variance ({} where it is not estimated)
 
 
-def init(latents: Latents, step_size: ScalarOrSchedule | None = None) -> SGLDState:
-    """Start a chain at unconstrained ``latents`` (``step_size=None``: to be chosen in warm-up)."""
+def init(latents: Latents, *, gradient_noise: str = "ignore") -> SGLDState:
+    """Start a chain at unconstrained ``latents`` (with a noise average unless ``gradient_noise="ignore"``)."""
     first = next(iter(latents.values()))
     zero = torch.zeros((), dtype=torch.int64, device=first.device)
-    return SGLDState(dict(latents), dict(latents), zero, warmup.init_adaptation(latents, step_size))
-
-
-def estimate(
-    state: SGLDState,
-    batch: Any,
-    log_posterior_fn: LogPosteriorFn,
-    *,
-    gradient_noise: str = "ignore",
-    adapt: int = 0,
-) -> GradientEstimate:
-    """The minibatch gradient at ``state.latents``, its noise, and in warm-up (``adapt`` > 0) the curvature."""
-    noise = gradient_noise != "ignore" or adapt > 0
-    result = estimate_gradient(log_posterior_fn, state.latents, batch, noise=noise)
-    if adapt > 0:
-        product = warmup.hessian_product(
-            log_posterior_fn, state.latents, batch, state.adaptation, None, iterations=adapt
-        )
-        result = result._replace(hessian_product=product)
-    return result
+    return SGLDState(dict(latents), dict(latents), zero, noise_start(latents, gradient_noise))
 
 
 def update(
     state: SGLDState,
     gradient: GradientEstimate,
     *,
-    step_size: ScalarOrSchedule | None,
+    step_size: ScalarOrSchedule | Tensor,
     temperature: ScalarOrSchedule = 1.0,
     gradient_noise: str = "ignore",
-    burn_in: bool = False,
     generator: torch.Generator | None = None,
 ) -> tuple[SGLDState, SGMCMCInfo]:
     """Move one chain by one SGLD step with the gradient ``gradient`` (from :func:`estimate`)."""
-    temp = resolve(temperature, state.step_count, gradient.log_posterior)
-    adaptation = warmup.observe(state.adaptation, gradient)
-    if gradient.hessian_product and step_size is None:
-        chosen = CURVATURE_BOUND / adaptation.curvature
-        if not burn_in:
-            chosen = torch.minimum(chosen, warmup.noise_bound(adaptation.noise, None, 2.0 * temp))
-        adaptation = adaptation._replace(step_size=chosen)
-    eps = adaptation.step_size if step_size is None else resolve(step_size, state.step_count, gradient.log_posterior)
-    gradient_variance = (
-        {}
-        if gradient_noise == "ignore"
-        else {name: eps**2 * adaptation.noise[name] for name in gradient.noise_variance}
-    )
+    temperature_now = resolve(temperature, state.step_count, gradient.log_posterior)
+    step_size_now = resolve(step_size, state.step_count, gradient.log_posterior)
+    noise_average, gradient_variance = noise_in_step(state, gradient, gradient_noise, step_size_now**2)
     variance, noise_ratio, uncorrected = injected_variance(
-        2.0 * eps * temp, gradient_variance, gradient_noise == "correct", state.latents
+        2.0 * step_size_now * temperature_now, gradient_variance, gradient_noise == "correct", state.latents
     )
     noise = gaussian_like(state.latents, generator, temperature)
-    proposal = {
-        name: x + eps * gradient.grads[name] + torch.sqrt(variance[name]) * noise[name]
-        for name, x in state.latents.items()
-    }
+    proposal = integrators.langevin(state.latents, gradient.grads, step_size_now, variance, noise)
     diverging = gradient.diverging
     latents = keep_where_finite(diverging, proposal, state.checked_latents)
-    latents, _, adaptation = warmup.settle(adaptation, latents, burn_in, bool(gradient.hessian_product))
     previous = keep_where_finite(diverging, state.latents, state.checked_latents)
-    info = SGMCMCInfo(gradient.log_posterior, gradient.grad_norm, eps, temp, diverging, noise_ratio, uncorrected)
-    return SGLDState(latents, previous, state.step_count + 1, adaptation), info
+    info = SGMCMCInfo(
+        gradient.log_posterior, gradient.grad_norm, step_size_now, temperature_now, diverging, noise_ratio, uncorrected
+    )
+    return SGLDState(latents, previous, state.step_count + 1, noise_average), info
 
 
 def step(
@@ -139,22 +105,19 @@ def step(
     batch: Any,
     log_posterior_fn: LogPosteriorFn,
     *,
-    step_size: ScalarOrSchedule | None,
+    step_size: ScalarOrSchedule | Tensor,
     temperature: ScalarOrSchedule = 1.0,
     gradient_noise: str = "ignore",
-    adapt: int = 0,
-    burn_in: bool = False,
     generator: torch.Generator | None = None,
 ) -> tuple[SGLDState, SGMCMCInfo]:
     """Advance one chain by one SGLD step on ``batch`` (:func:`estimate` then :func:`update`)."""
-    gradient = estimate(state, batch, log_posterior_fn, gradient_noise=gradient_noise, adapt=adapt)
+    gradient = estimate(state, batch, log_posterior_fn, gradient_noise=gradient_noise)
     return update(
         state,
         gradient,
         step_size=step_size,
         temperature=temperature,
         gradient_noise=gradient_noise,
-        burn_in=burn_in,
         generator=generator,
     )
 
@@ -194,6 +157,10 @@ class SGLD(Kernel):
 
     """
 
+    init_rule = staticmethod(init)
+    update_rule = staticmethod(update)
+    warmup_rule = "langevin"
+
     def __init__(
         self,
         model: Callable,
@@ -217,31 +184,9 @@ class SGLD(Kernel):
         """Whether warm-up chooses something (here: the step size)."""
         return self.step_size is None
 
-    def init(self, latents: Latents) -> SGLDState:
-        """Start a chain at unconstrained ``latents``."""
-        return init(latents, self.step_size)
-
-    def estimate(self, state: SGLDState, batch: Any, log_posterior_fn: LogPosteriorFn, adapt: int = 0):
-        """The gradient (and its noise, and in warm-up the curvature) the next update needs."""
-        return estimate(state, batch, log_posterior_fn, gradient_noise=self.gradient_noise, adapt=adapt)
-
-    def update(
-        self,
-        state: SGLDState,
-        gradient: GradientEstimate,
-        generator: torch.Generator | None = None,
-        burn_in: bool = False,
-    ):
-        """One update with this kernel's hyperparameters, given the gradient (``burn_in``: early warm-up)."""
-        return update(
-            state,
-            gradient,
-            step_size=self.step_size,
-            temperature=self.temperature,
-            gradient_noise=self.gradient_noise,
-            burn_in=burn_in,
-            generator=generator,
-        )
+    def hyperparameters(self) -> dict[str, Any]:
+        """The keyword arguments of :func:`update` this kernel binds."""
+        return {"step_size": self.step_size, "temperature": self.temperature, "gradient_noise": self.gradient_noise}
 
     def __repr__(self) -> str:
         return (

@@ -57,22 +57,26 @@ from torch import Tensor
 
 from pyro_scalable.bridge.model import FullDataModel
 from pyro_scalable.infer.schedules import ScalarOrSchedule, check_positive, resolve
-from pyro_scalable.infer.sgmcmc import warmup
+from pyro_scalable.infer.sgmcmc import integrators
 from pyro_scalable.infer.sgmcmc.base import (
     GradientEstimate,
     Kernel,
     Latents,
     LogPosteriorFn,
     check_gradient_noise,
-    estimate_gradient,
+    estimate,
+    extended_info,
     gaussian_like,
     injected_variance,
     keep_where_finite,
+    noise_in_step,
+    noise_start,
+    scalar_like,
 )
 
 __all__ = ["SGNHT", "SGNHTInfo", "SGNHTState", "estimate", "init", "step", "update"]
 
-CURVATURE_BOUND = 0.3  # ε √λ_max chosen in warm-up (as SGHMC)
+SGNHTInfo = extended_info("SGNHTInfo", "thermostat", "friction")  # the thermostat after the step, and A
 
 
 class SGNHTState(NamedTuple):
@@ -80,120 +84,75 @@ class SGNHTState(NamedTuple):
 
     latents: Latents  # unconstrained values, keyed by Pyro site name
     momenta: Latents  # same keys and shapes as latents (unit mass)
-    checked_latents: (
-        Latents  # last point with finite density and gradient: the draw, and where a diverging step returns
-    )
+    checked_latents: Latents  # last point with finite density and gradient: the draw, and where a divergence returns
     step_count: Tensor  # 0-d int64
     thermostat: Tensor  # 0-d ξ, one per chain (NaN until warm-up chooses the friction it starts at)
-    friction: Tensor  # 0-d A, the injected-noise level (NaN until warm-up chooses it)
-    adaptation: warmup.Adaptation
-
-
-class SGNHTInfo(NamedTuple):
-    """An SGNHT step (the fields of :class:`~.base.SGMCMCInfo`, the thermostat after the step and A)."""
-
-    log_posterior: Tensor
-    grad_norm: Tensor
-    step_size: Tensor
-    temperature: Tensor
-    diverging: Tensor
-    noise_ratio: Tensor
-    uncorrected: Tensor
-    thermostat: Tensor
-    friction: Tensor
+    noise_average: Latents  # moving average of the gradient-noise variance ({} where it is not estimated)
 
 
 def init(
     latents: Latents,
     momenta: Latents | None = None,
     *,
-    step_size: ScalarOrSchedule | None = None,
     friction: float | None = 1.0,
     thermostat: float | None = None,
+    gradient_noise: str = "ignore",
 ) -> SGNHTState:
     """Start a chain at ``latents`` with zero momenta (or the given ones) and the thermostat at ``friction``."""
     first = next(iter(latents.values()))
     if momenta is None:
         momenta = {name: torch.zeros_like(x) for name, x in latents.items()}
     zero = torch.zeros((), dtype=torch.int64, device=first.device)
-    a = math.nan if friction is None else float(friction)
-    alpha = torch.full((), a, dtype=first.dtype, device=first.device)
-    xi = alpha.clone() if thermostat is None else torch.full_like(alpha, float(thermostat))
-    adaptation = warmup.init_adaptation(latents, step_size)
-    return SGNHTState(dict(latents), dict(momenta), dict(latents), zero, xi, alpha, adaptation)
-
-
-def estimate(
-    state: SGNHTState,
-    batch: Any,
-    log_posterior_fn: LogPosteriorFn,
-    *,
-    gradient_noise: str = "ignore",
-    adapt: int = 0,
-) -> GradientEstimate:
-    """The minibatch gradient at ``state.latents``, its noise, and in warm-up (``adapt`` > 0) the curvature."""
-    noise = gradient_noise != "ignore" or adapt > 0
-    result = estimate_gradient(log_posterior_fn, state.latents, batch, noise=noise)
-    if adapt > 0:
-        product = warmup.hessian_product(
-            log_posterior_fn, state.latents, batch, state.adaptation, None, iterations=adapt
-        )
-        result = result._replace(hessian_product=product)
-    return result
+    start = thermostat if thermostat is not None else math.nan if friction is None else friction
+    xi = torch.full((), float(start), dtype=first.dtype, device=first.device)
+    return SGNHTState(dict(latents), dict(momenta), dict(latents), zero, xi, noise_start(latents, gradient_noise))
 
 
 def update(
     state: SGNHTState,
     gradient: GradientEstimate,
     *,
-    step_size: ScalarOrSchedule | None,
-    friction: float | None = 1.0,
+    step_size: ScalarOrSchedule | Tensor,
+    friction: float | Tensor = 1.0,
     temperature: ScalarOrSchedule = 1.0,
     gradient_noise: str = "ignore",
-    burn_in: bool = False,
     generator: torch.Generator | None = None,
 ) -> tuple[SGNHTState, SGNHTInfo]:
     """Move one chain by one SGNHT step with the gradient ``gradient`` (from :func:`estimate`)."""
     _refuse_zero_temperature(temperature)
-    temp = resolve(temperature, state.step_count, gradient.log_posterior)
-    alpha, xi, adaptation = state.friction, state.thermostat, state.adaptation
-    adaptation = warmup.observe(adaptation, gradient)
-    if gradient.hessian_product:
-        if step_size is None:
-            # burn-in (the first half of warm-up) leaves the noise bound out: T = 0 switches it off
-            eps, alpha = warmup.momentum_step_size(
-                adaptation, friction, torch.zeros_like(temp) if burn_in else temp, None, CURVATURE_BOUND
-            )
-            adaptation = adaptation._replace(step_size=eps)
-        xi = alpha + torch.zeros_like(xi)  # warm-up holds the thermostat at A (see the module docstring)
-    eps = adaptation.step_size if step_size is None else resolve(step_size, state.step_count, gradient.log_posterior)
-    gradient_variance = (  # the moving average of the noise estimates: steadier than one minibatch's
-        {}
-        if gradient_noise == "ignore"
-        else {name: eps**2 * adaptation.noise[name] for name in gradient.noise_variance}
-    )
+    temperature_now = resolve(temperature, state.step_count, gradient.log_posterior)
+    step_size_now = resolve(step_size, state.step_count, gradient.log_posterior)
+    friction = scalar_like(friction, step_size_now)
+    xi = state.thermostat
+    noise_average, gradient_variance = noise_in_step(state, gradient, gradient_noise, step_size_now**2)
     variance, noise_ratio, uncorrected = injected_variance(
-        2.0 * alpha * eps * temp, gradient_variance, gradient_noise == "correct", state.latents
+        2.0 * friction * step_size_now * temperature_now,
+        gradient_variance,
+        gradient_noise == "correct",
+        state.latents,
     )
     noise = gaussian_like(state.latents, generator, temperature)
-    momenta = {
-        name: (1.0 - eps * xi) * p + eps * gradient.grads[name] + torch.sqrt(variance[name]) * noise[name]
-        for name, p in state.momenta.items()
-    }
-    proposal = {name: x + eps * momenta[name] for name, x in state.latents.items()}
-    dimension = sum(p.numel() for p in momenta.values())
-    kinetic = sum(p.square().sum() for p in momenta.values()) / dimension
+    momenta = integrators.momentum(
+        state.momenta, gradient.grads, step_size_now, 1.0 - step_size_now * xi, variance, noise
+    )
+    proposal = integrators.drift(state.latents, momenta, step_size_now)
     diverging = gradient.diverging
-    thermostat = torch.where(diverging, xi, xi + eps * (kinetic - temp))
+    thermostat = torch.where(diverging, xi, integrators.thermostat(xi, momenta, step_size_now, temperature_now))
     latents = keep_where_finite(diverging, proposal, state.checked_latents)
     previous = keep_where_finite(diverging, state.latents, state.checked_latents)
     momenta = {name: torch.where(diverging, p.new_zeros(()), p) for name, p in momenta.items()}
-    latents, jumped, adaptation = warmup.settle(adaptation, latents, burn_in, bool(gradient.hessian_product))
-    momenta = {name: torch.where(jumped, p.new_zeros(()), p) for name, p in momenta.items()}
     info = SGNHTInfo(
-        gradient.log_posterior, gradient.grad_norm, eps, temp, diverging, noise_ratio, uncorrected, thermostat, alpha
+        gradient.log_posterior,
+        gradient.grad_norm,
+        step_size_now,
+        temperature_now,
+        diverging,
+        noise_ratio,
+        uncorrected,
+        thermostat,
+        friction,
     )
-    return SGNHTState(latents, momenta, previous, state.step_count + 1, thermostat, alpha, adaptation), info
+    return SGNHTState(latents, momenta, previous, state.step_count + 1, thermostat, noise_average), info
 
 
 def _refuse_zero_temperature(temperature: ScalarOrSchedule) -> None:
@@ -209,22 +168,17 @@ def step(
     batch: Any,
     log_posterior_fn: LogPosteriorFn,
     *,
-    step_size: ScalarOrSchedule | None,
-    friction: float | None = 1.0,
+    step_size: ScalarOrSchedule | Tensor,
+    friction: float | Tensor = 1.0,
     temperature: ScalarOrSchedule = 1.0,
     gradient_noise: str = "ignore",
-    adapt: int = 0,
-    burn_in: bool = False,
     generator: torch.Generator | None = None,
 ) -> tuple[SGNHTState, SGNHTInfo]:
     """Advance one chain by one SGNHT step on ``batch`` (:func:`estimate` then :func:`update`).
 
-    A state made by :func:`init` carries its friction A; ``friction`` here says only whether warm-up chooses it
-    (``None``), except that a state started with the default takes a given value (its thermostat stays).
+    The thermostat starts where :func:`init` put it (at its ``friction`` by default), whatever ``friction`` is here.
     """
-    if friction is not None:
-        state = state._replace(friction=torch.full_like(state.friction, float(friction)))
-    gradient = estimate(state, batch, log_posterior_fn, gradient_noise=gradient_noise, adapt=adapt)
+    gradient = estimate(state, batch, log_posterior_fn, gradient_noise=gradient_noise)
     return update(
         state,
         gradient,
@@ -232,7 +186,6 @@ def step(
         friction=friction,
         temperature=temperature,
         gradient_noise=gradient_noise,
-        burn_in=burn_in,
         generator=generator,
     )
 
@@ -273,6 +226,9 @@ class SGNHT(Kernel):
 
     """
 
+    update_rule = staticmethod(update)
+    warmup_rule = "thermostat"
+
     def __init__(
         self,
         model: Callable,
@@ -311,30 +267,16 @@ class SGNHT(Kernel):
 
     def init(self, latents: Latents) -> SGNHTState:
         """Start a chain at unconstrained ``latents`` with zero momenta and the thermostat at the friction."""
-        return init(latents, step_size=self.step_size, friction=self.friction)
+        return init(latents, friction=self.friction, gradient_noise=self.gradient_noise)
 
-    def estimate(self, state: SGNHTState, batch: Any, log_posterior_fn: LogPosteriorFn, adapt: int = 0):
-        """The gradient (and its noise, and in warm-up the curvature) the next update needs."""
-        return estimate(state, batch, log_posterior_fn, gradient_noise=self.gradient_noise, adapt=adapt)
-
-    def update(
-        self,
-        state: SGNHTState,
-        gradient: GradientEstimate,
-        generator: torch.Generator | None = None,
-        burn_in: bool = False,
-    ):
-        """One update with this kernel's hyperparameters, given the gradient (``burn_in``: early warm-up)."""
-        return update(
-            state,
-            gradient,
-            step_size=self.step_size,
-            friction=self.friction,
-            temperature=self.temperature,
-            gradient_noise=self.gradient_noise,
-            burn_in=burn_in,
-            generator=generator,
-        )
+    def hyperparameters(self) -> dict[str, Any]:
+        """The keyword arguments of :func:`update` this kernel binds."""
+        return {
+            "step_size": self.step_size,
+            "friction": self.friction,
+            "temperature": self.temperature,
+            "gradient_noise": self.gradient_noise,
+        }
 
     def __repr__(self) -> str:
         return (

@@ -1,7 +1,7 @@
-"""The runs tests/infer/test_distributed.py compares: launched by torchrun on 2 gloo ranks, or run in one process.
+"""The runs tests/infer/sgmcmc/test_distributed.py compares: launched by torchrun on 2 gloo ranks, or in one process.
 
-``python -m torch.distributed.run --standalone --nproc_per_node=2 tests/infer/distributed_worker.py OUT`` writes
-``OUT/<scenario>.rank<r>.pt`` (draws and sample_stats, unconstrained) for every scenario on every rank.
+``python -m torch.distributed.run --standalone --nproc_per_node=2 tests/infer/sgmcmc/distributed_worker.py OUT``
+writes ``OUT/<scenario>.rank<r>.pt`` (draws and sample_stats, unconstrained) for every scenario on every rank.
 """
 
 from __future__ import annotations

@@ -30,12 +30,13 @@ from pyro_scalable.arguments import check_device, check_flag, check_seed
 from pyro_scalable.bridge.checks import ModelError
 from pyro_scalable.bridge.minibatches import EpochSampler
 from pyro_scalable.bridge.model import Batch, Latents, ModelBridge
-from pyro_scalable.infer.chains import ChainStepper, first_line
-from pyro_scalable.infer.checkpoint import RunCheckpoint
-from pyro_scalable.infer.distributed import DistributedMode, broadcast_seed
-from pyro_scalable.infer.distributed import setup as setup_parallel
+from pyro_scalable.infer.distributed import broadcast_seed
 from pyro_scalable.infer.results import Draws
-from pyro_scalable.infer.sgmcmc.warmup import power_iterations
+from pyro_scalable.infer.sgmcmc.adaptation import Adaptation
+from pyro_scalable.infer.sgmcmc.chains import ChainStepper, first_line
+from pyro_scalable.infer.sgmcmc.checkpoint import RunCheckpoint
+from pyro_scalable.infer.sgmcmc.distributed import DistributedMode
+from pyro_scalable.infer.sgmcmc.distributed import setup as setup_parallel
 
 __all__ = ["StochasticMCMC"]
 
@@ -61,12 +62,12 @@ class StochasticMCMC(Draws):
         draws_device: where draws are stored (default CPU, whatever device the model runs on).
         progress_bar: show a tqdm progress bar.
         distributed: run on every process of torch.distributed's default process group (launched by ``torchrun``;
-            see :mod:`pyro_scalable.infer.distributed`). ``"data"`` splits each minibatch across the ranks and
+            see :mod:`pyro_scalable.infer.sgmcmc.distributed`). ``"data"`` splits each minibatch across the ranks and
             all-reduces the gradient: every rank runs every chain and ends with the same draws as one process on
             the whole minibatch. ``"chains"`` splits the chains across the ranks; rank 0 then holds every chain's
             draws, and every other rank only its own (its ``num_chains`` is its share). ``None``: one process.
         checkpoint: a file to write the run's state to, so that a killed run goes on where it stopped
-            (:mod:`pyro_scalable.infer.checkpoint`). ``run`` resumes from it where it exists and was written with
+            (:mod:`pyro_scalable.infer.sgmcmc.checkpoint`). ``run`` resumes from it where it exists and was written with
             the same settings, and refuses it, naming what differs, where it was not.
         checkpoint_every: steps (warm-up included) between checkpoints; one is also written at the end of
             warm-up, at the end of the run and on ``KeyboardInterrupt``.
@@ -133,9 +134,7 @@ class StochasticMCMC(Draws):
         self.minibatches = minibatches
         if distributed not in ("data", "chains", None):
             raise ValueError(f"distributed must be 'data', 'chains' or None, got {distributed!r}.")
-        if distributed == "data" and not (hasattr(kernel, "estimate") and hasattr(kernel, "update")):
-            raise TypeError(f"distributed='data' needs a kernel with estimate() and update(), got {kernel!r}.")
-        if not (hasattr(kernel, "init") and hasattr(kernel, "step") and hasattr(kernel, "model")):
+        if not all(hasattr(kernel, name) for name in ("init", "estimate", "update", "phase", "latents", "model")):
             raise TypeError(f"kernel must be an engine such as SGLD(model, ...) or SGHMC(model, ...), got {kernel!r}.")
         self.kernel = kernel
         self.num_samples = operator.index(num_samples)
@@ -220,7 +219,9 @@ class StochasticMCMC(Draws):
             replacement=self.minibatches == "independent",
         )
         reducer = parallel if self.distributed == "data" else None
-        stepper = ChainStepper(self.kernel, bridge, latents, generator, self.chain_method, reducer)
+        # warm-up wraps a kernel that adapts; at its end the stepper unwraps it (the chains keep what it chose)
+        program = Adaptation(self.kernel, self.num_warmup) if getattr(self.kernel, "adapts", False) else self.kernel
+        stepper = ChainStepper(program, bridge, latents, generator, self.chain_method, reducer)
         stepper.log_posterior_fn.replacement = sampler.replacement  # no finite-population correction then
 
         self._allocate(latents)
@@ -251,11 +252,11 @@ class StochasticMCMC(Draws):
                     batch = Batch({}, step_args, step_kwargs)
                 else:
                     batch = Batch(next(sampler), bridge.args, bridge.kwargs)
-                warming = t < self.num_warmup
-                stepper.burn_in = t < self.num_warmup // 2
-                info = stepper.step(batch, adapt=power_iterations(t) if warming else 0)
+                info = stepper.step(batch, t)
+                if t + 1 == self.num_warmup:
+                    stepper.end_warmup()
                 diverged = bool(info.diverging.any()) if self.on_divergence == "stop" else False
-                if warming:
+                if t < self.num_warmup:
                     self.num_warmup_divergences += int(info.diverging.sum())
                 elif (t - self.num_warmup + 1) % self.thin == 0:
                     self._record(kept, stepper.latents(), info)

@@ -1,9 +1,12 @@
 """Stepping many chains at once: one ``torch.func.vmap``-ed computation, or one chain after another.
 
-The driver (:mod:`pyro_scalable.infer.mcmc`) hands each step's minibatch to a :class:`ChainStepper`, which runs the
-kernel on every chain: vectorised where the model allows it, sequentially (with a one-line warning) where vmap
-cannot batch it. With a ``reducer`` (data-parallel, :mod:`pyro_scalable.infer.distributed`) a step is the kernel's
-``estimate`` on this rank's share, an all-reduce, then its ``update``.
+The driver (:mod:`.mcmc`) hands each step's minibatch and index to a :class:`ChainStepper`, which runs a *program*
+on every chain: vectorised where the model allows it, sequentially (with a one-line warning) where vmap cannot
+batch it. A program is a kernel (:class:`~.base.Kernel`), warm-up around one (:class:`~.adaptation.Adaptation`)
+or a kernel with the hyperparameters warm-up chose (:class:`~.adaptation.Tuned`); all offer the same calls:
+``init(latents)``, ``phase(step_index)``, ``estimate(state, batch, log_posterior_fn, phase, direction)``,
+``update(state, gradient, generator, phase)`` and ``latents(state)``. With a ``reducer`` (data-parallel,
+:mod:`.distributed`) a step is ``estimate`` on this rank's share, an all-reduce, then ``update``.
 """
 
 from __future__ import annotations
@@ -17,75 +20,80 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from pyro_scalable.bridge.checks import ModelError
 from pyro_scalable.bridge.model import Batch, Latents, ModelBridge
-from pyro_scalable.infer.distributed import normalised_per_chain
+from pyro_scalable.infer.sgmcmc.base import Phase
+from pyro_scalable.infer.sgmcmc.distributed import normalised_per_chain
 
 __all__ = ["ChainStepper", "first_line"]
 
 
 class ChainStepper:
-    """Steps all chains: vmapped, single-chain, or one after another (the fallback).
+    """Steps all chains of one program: vmapped, single-chain, or one after another (the fallback).
 
     With a ``reducer`` (data-parallel) a step is ``estimate`` on this rank's share, an all-reduce, then ``update``.
     """
 
     def __init__(
         self,
-        kernel: Any,
+        program: Any,
         bridge: ModelBridge,
         latents: Latents,
         generator: torch.Generator,
         method: str,
         reducer: Any = None,
     ):
-        self.kernel = kernel
+        self.program = program
         self.reducer = reducer
         self.bridge = bridge
         self.log_posterior_fn = bridge.log_posterior_fn
-        self.adapts = bool(getattr(kernel, "adapts", False))
-        self.burn_in = False  # the first half of warm-up: an adapting kernel's step size need not be calibrated yet
         self.generator = generator
         self.num_chains = next(iter(latents.values())).shape[0]
         self.mode = "vectorized" if method == "vectorized" and self.num_chains > 1 else "sequential"
         self.state: Any = None
         self._chains: list = []
-        self._vsteps: dict[int, Any] = {}
+        self._vsteps: dict[Phase, Any] = {}
         if self.mode == "vectorized":
-            self.state = vmap(kernel.init)(latents)
+            self.state = vmap(program.init)(latents)
         else:
-            self._chains = [kernel.init({k: v[c] for k, v in latents.items()}) for c in range(self.num_chains)]
+            self._chains = [program.init({k: v[c] for k, v in latents.items()}) for c in range(self.num_chains)]
 
-    def _one(self, state: Any, indices: dict, args: tuple, kwargs: dict, adapt: int = 0):
+    def end_warmup(self) -> None:
+        """Unwrap warm-up (where the program is one): each chain goes on with its kernel and chosen hyperparameters."""
+        finish = getattr(self.program, "finish", None)
+        if finish is None:
+            return
+        if self.mode == "vectorized":
+            self.state = finish(self.state)
+        else:
+            self._chains = [finish(chain) for chain in self._chains]
+        self.program = self.program.sampler
+        self._vsteps.clear()
+
+    def _one(self, state: Any, indices: dict, args: tuple, kwargs: dict, phase: Phase):
         batch = Batch(indices, args, kwargs)
-        if self.adapts:
-            return self.kernel.step(
-                state, batch, self.log_posterior_fn, self.generator, adapt=adapt, burn_in=self.burn_in
-            )
-        return self.kernel.step(state, batch, self.log_posterior_fn, self.generator)
+        gradient = self.program.estimate(state, batch, self.log_posterior_fn, phase)
+        return self.program.update(state, gradient, self.generator, phase)
 
-    def _update(self, state: Any, gradient: Any):
-        if self.adapts:
-            return self.kernel.update(state, gradient, self.generator, burn_in=self.burn_in)
-        return self.kernel.update(state, gradient, self.generator)
-
-    def _vstep(self, adapt: int):
-        if adapt not in self._vsteps:
+    def _vstep(self, phase: Phase):
+        if phase not in self._vsteps:
 
             def one(state, indices, args, kwargs):
-                return self._one(state, indices, args, kwargs, adapt)
+                return self._one(state, indices, args, kwargs, phase)
 
-            self._vsteps[adapt] = vmap(one, in_dims=(0, 0, None, None), randomness="different")
-        return self._vsteps[adapt]
+            self._vsteps[phase] = vmap(one, in_dims=(0, 0, None, None), randomness="different")
+        return self._vsteps[phase]
 
-    def step(self, batch: Batch, adapt: int = 0):
+    def step(self, batch: Batch, step_index: int):
+        """Step every chain on ``batch``, the run's step ``step_index``; returns the stacked Info."""
+        phase = self.program.phase(step_index)
         if self.reducer is not None:
-            return self._reduced_step(batch, adapt)
+            return self._reduced_step(batch, phase)
         if self.mode == "vectorized":
             try:
-                self.state, info = self._vstep(adapt)(self.state, batch.indices, batch.args, batch.kwargs)
+                self.state, info = self._vstep(phase)(self.state, batch.indices, batch.args, batch.kwargs)
                 return info
             except (RuntimeError, NotImplementedError, ModelError) as error:
                 self._chains = [tree_map(lambda x, c=c: x[c], self.state) for c in range(self.num_chains)]
-                info = self._sequential(batch, adapt)  # a model error that is not about vmap is raised here
+                info = self._sequential(batch, phase)  # a model error that is not about vmap is raised here
                 self.mode = "sequential"
                 warnings.warn(
                     "chains run one after another: the model cannot be vectorised with torch.func.vmap "
@@ -93,45 +101,45 @@ class ChainStepper:
                     stacklevel=4,
                 )
                 return info
-        return self._sequential(batch, adapt)
+        return self._sequential(batch, phase)
 
-    def _sequential(self, batch: Batch, adapt: int = 0):
+    def _sequential(self, batch: Batch, phase: Phase):
         infos = []
         for c, chain_state in enumerate(self._chains):
             indices = {k: v[c] for k, v in batch.indices.items()}
-            self._chains[c], info = self._one(chain_state, indices, batch.args, batch.kwargs, adapt)
+            self._chains[c], info = self._one(chain_state, indices, batch.args, batch.kwargs, phase)
             infos.append(info)
         return _stack(infos)
 
-    def _reduced_step(self, batch: Batch, adapt: int):
+    def _reduced_step(self, batch: Batch, phase: Phase):
         local = self.reducer.shard(batch)
+        iterations = phase.power_iterations
+        single = phase._replace(power_iterations=min(iterations, 1))
         direction = None  # several power iterations: each Hessian-vector product is all-reduced, then normalised
-        for _ in range(max(adapt, 1)):
-            gradient = self._estimate(local, min(adapt, 1), direction)
+        for _ in range(max(iterations, 1)):
+            gradient = self._estimate(local, single, direction)
             # the N behind the per-example noise estimate (inf for minibatches drawn with replacement)
             population = self.log_posterior_fn.examples(local)[2] if gradient.noise_variance else None
             gradient = self.reducer.reduce(gradient, population)
             direction = normalised_per_chain(gradient.hessian_product) if gradient.hessian_product else None
+
+        def update(state, gradient):
+            return self.program.update(state, gradient, self.generator, phase)
+
         if self.mode == "vectorized":
-            update = vmap(self._update, randomness="different")
-            self.state, info = update(self.state, gradient)
+            self.state, info = vmap(update, randomness="different")(self.state, gradient)
             return info
         infos = []
         for c, chain_state in enumerate(self._chains):
-            self._chains[c], info = self._update(chain_state, tree_map(lambda x, c=c: x[c], gradient))
+            self._chains[c], info = update(chain_state, tree_map(lambda x, c=c: x[c], gradient))
             infos.append(info)
         return _stack(infos)
 
-    def _estimate(self, batch: Batch, adapt: int, direction: Latents | None):
+    def _estimate(self, batch: Batch, phase: Phase, direction: Latents | None):
         """Every chain's :class:`GradientEstimate` on ``batch``, stacked (``direction``: the power-iteration vector)."""
 
         def one(state, indices, args, kwargs, direction):
-            if direction is not None:
-                state = state._replace(adaptation=state.adaptation._replace(direction=direction))
-            batch = Batch(indices, args, kwargs)
-            if self.adapts:
-                return self.kernel.estimate(state, batch, self.log_posterior_fn, adapt=adapt)
-            return self.kernel.estimate(state, batch, self.log_posterior_fn)
+            return self.program.estimate(state, Batch(indices, args, kwargs), self.log_posterior_fn, phase, direction)
 
         if self.mode == "vectorized":
             try:
@@ -142,7 +150,7 @@ class ChainStepper:
                 self._chains = [tree_map(lambda x, c=c: x[c], self.state) for c in range(self.num_chains)]
                 self.mode = "sequential"
                 try:
-                    estimate = self._estimate(batch, adapt, direction)  # an error not about vmap is raised here
+                    estimate = self._estimate(batch, phase, direction)  # an error not about vmap is raised here
                 except Exception:
                     self.mode = "vectorized"
                     raise
@@ -162,9 +170,9 @@ class ChainStepper:
     def latents(self) -> Latents:
         """The draw of each chain: its last point with a finite log density and gradient."""
         if self.mode == "vectorized":
-            return self.state.checked_latents
-        names = self._chains[0].checked_latents
-        return {name: torch.stack([s.checked_latents[name] for s in self._chains]) for name in names}
+            return self.program.latents(self.state)
+        per_chain = [self.program.latents(s) for s in self._chains]
+        return {name: torch.stack([chain[name] for chain in per_chain]) for name in per_chain[0]}
 
     @property
     def final_state(self) -> Any:

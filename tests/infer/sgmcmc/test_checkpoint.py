@@ -17,10 +17,10 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from pyro_scalable.infer import SGHMC, SGLD, StochasticMCMC
-from pyro_scalable.infer.chains import ChainStepper
 from pyro_scalable.infer.checkpoint import CheckpointError, load
+from pyro_scalable.infer.sgmcmc.chains import ChainStepper
 
-from ..conftest import LinearRegression
+from ...conftest import LinearRegression
 from . import killable_run
 
 # SGLD's warm-up computes Hessian-vector products with torch.func.jvp, whose first call in a process has torch
@@ -43,11 +43,11 @@ def stop_at(monkeypatch, call, error=Killed, after=False):
     original = ChainStepper.step
     calls = []
 
-    def step(self, batch, adapt=0):
+    def step(self, batch, step_index):
         calls.append(None)
         if len(calls) == call and not after:
             raise error
-        info = original(self, batch, adapt)
+        info = original(self, batch, step_index)
         if len(calls) == call:
             raise error
         return info
@@ -74,7 +74,7 @@ def test_a_killed_process_resumes_exactly(tmp_path):
         pytest.skip("needs SIGKILL")
     path = tmp_path / "run.pt"
     script = Path(killable_run.__file__)
-    root = str(script.parents[2])  # the repository, so that the script imports this checkout's pyro_scalable
+    root = str(script.parents[3])  # the repository, so that the script imports this checkout's pyro_scalable
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     process = subprocess.Popen(
         [sys.executable, str(script), str(path), "0.05"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pyro_scalable.infer import sghmc
+from pyro_scalable.infer import SGHMC, StochasticMCMC, sghmc
 
+from ...conftest import LinearRegression
 from .test_sgld import quadratic
 
 
@@ -125,17 +126,13 @@ def test_diagonal_mass_step_is_the_formula():
 
 def test_fisher_mass_is_learnt_in_warmup_normalised_and_frozen():
     """Features of scale 1 and 10: the per-example gradient variance, so the Fisher mass, differs by about 100×."""
-    from pyro_scalable.infer import SGHMC, StochasticMCMC
-
-    from ..conftest import LinearRegression
-
     problem = LinearRegression(num_data=500, dim=2, batch_size=20)
     problem.x[:, 1] *= 10.0
     mcmc = StochasticMCMC(
         SGHMC(problem.model, mass="fisher"), num_samples=20, num_warmup=100, num_chains=2, seed=0, progress_bar=False
     )
     mcmc.run(problem.x, problem.y)
-    mass = mcmc.state.mass["w"]
+    mass = mcmc.state.hyperparameters["mass"]["w"]  # chosen in warm-up, per chain
     torch.testing.assert_close(mass.mean(-1), torch.ones(2, dtype=mass.dtype))  # normalised to mean 1 per chain
     assert bool((mass[:, 1] / mass[:, 0] > 30).all()), mass  # ~100 expected; a factor 3 of slack for 100 steps
     with pytest.raises(ValueError, match="mass"):

@@ -19,7 +19,7 @@ from pyro_scalable.bridge.model import Batch, ModelBridge
 from pyro_scalable.infer import PSGLD, SGHMC, SGLD, StochasticMCMC, sgld
 from pyro_scalable.infer.sgmcmc.base import estimate_gradient
 
-from ..conftest import LinearRegression
+from ...conftest import LinearRegression
 
 
 @pytest.mark.parametrize("replacement", [False, True])

@@ -12,7 +12,7 @@ from pyro_scalable.bridge import Batch, ModelBridge
 from pyro_scalable.bridge.minibatches import EpochSampler
 from pyro_scalable.infer import SGHMC, SGLD, StochasticMCMC
 
-from ..conftest import LinearRegression
+from ...conftest import LinearRegression
 
 
 def run(kernel, data, **kwargs):

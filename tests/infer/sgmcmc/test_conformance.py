@@ -7,13 +7,29 @@ import torch
 from torch.func import vmap
 from torch.utils._pytree import tree_leaves
 
-from pyro_scalable.infer import BAOAB, SGHMC, SGLD, SGNHT, baoab, sghmc, sgld, sgnht
+from pyro_scalable.infer import (
+    BAOAB,
+    PSGLD,
+    SGHMC,
+    SGLD,
+    SGNHT,
+    StochasticMCMC,
+    baoab,
+    psgld,
+    sghmc,
+    sgld,
+    sgnht,
+)
 from pyro_scalable.infer.schedules import Cyclical, PolynomialDecay
+from pyro_scalable.infer.sgmcmc.adaptation import TunedState
 from pyro_scalable.infer.sgmcmc.base import SGMCMCInfo
+
+from ...conftest import LinearRegression
 
 ENGINES = [
     pytest.param(sgld, SGLD, {"step_size": 0.05}, id="sgld"),
     pytest.param(sghmc, SGHMC, {"step_size": 0.05, "friction": 2.0}, id="sghmc"),
+    pytest.param(psgld, PSGLD, {"step_size": 0.05}, id="psgld"),
     pytest.param(sgnht, SGNHT, {"step_size": 0.05, "friction": 2.0}, id="sgnht"),
     pytest.param(baoab, BAOAB, {"step_size": 0.05, "friction": 2.0}, id="baoab"),
 ]
@@ -137,3 +153,63 @@ def test_divergent_step_is_rejected_and_flagged(module, cls, hyper):
     assert bool(info.diverging)
     for name in state.latents:
         torch.testing.assert_close(new.latents[name], state.latents[name])
+
+
+# What the update rule of each engine reads: after warm-up a chain holds this and nothing of warm-up's.
+MOVING = ("latents", "checked_latents", "step_count", "noise_average")
+AFTER_WARMUP = [
+    pytest.param(SGLD, {}, MOVING, {"step_size"}, id="sgld"),
+    pytest.param(
+        SGHMC, {"mass": "fisher"}, ("latents", "momenta", *MOVING[1:]), {"step_size", "friction", "mass"}, id="sghmc"
+    ),
+    pytest.param(
+        PSGLD,
+        {},
+        ("latents", "checked_latents", "square_avg", "square_count", "step_count", "noise_average"),
+        {"step_size"},
+        id="psgld",
+    ),
+    pytest.param(
+        SGNHT,
+        {},
+        ("latents", "momenta", *MOVING[1:3], "thermostat", "noise_average"),
+        {"step_size", "friction"},
+        id="sgnht",
+    ),
+    pytest.param(
+        BAOAB,
+        {},
+        ("latents", "momenta", *MOVING[1:3], "previous_step_size", "noise_average"),
+        {"step_size", "friction"},
+        id="baoab",
+    ),
+]
+
+
+@pytest.mark.filterwarnings("ignore:in .* of the coordinates of the kept steps:UserWarning")
+@pytest.mark.parametrize("cls,options,fields,chosen", AFTER_WARMUP)
+@pytest.mark.parametrize("gradient_noise", ["correct", "ignore"])
+def test_after_warmup_a_chain_holds_only_what_its_update_reads(cls, options, fields, chosen, gradient_noise):
+    problem = LinearRegression(num_data=100, dim=2, batch_size=10)
+    mcmc = StochasticMCMC(
+        cls(problem.model, gradient_noise=gradient_noise, **options),
+        num_samples=3,
+        num_warmup=6,
+        num_chains=2,
+        seed=0,
+        progress_bar=False,
+    )
+    mcmc.run(problem.x, problem.y)
+    state = mcmc.state
+    assert isinstance(state, TunedState)
+    assert state.kernel._fields == fields
+    if gradient_noise == "ignore":
+        assert state.kernel.noise_average == {}  # nothing reads it
+    else:
+        assert state.kernel.noise_average["w"].shape == (2, 2)
+    assert set(state.hyperparameters) == chosen  # friction and mass live here, not in the kernel's State
+    for name, value in state.hyperparameters.items():
+        for leaf in tensors(value):
+            assert bool(torch.isfinite(leaf).all()), name
+            assert leaf.shape[0] == 2, name  # one per chain
+    assert all(isinstance(t, torch.Tensor) for t in tensors(state))

@@ -1,4 +1,4 @@
-"""A small run for tests/infer/test_checkpoint.py to kill: ``python killable_run.py CHECKPOINT PAUSE``.
+"""A small run for tests/infer/sgmcmc/test_checkpoint.py to kill: ``python killable_run.py CHECKPOINT PAUSE``.
 
 ``PAUSE`` seconds of sleep in each model call slow the run down enough for a test to kill it mid-way; the pause
 does not change a single number.

@@ -29,7 +29,7 @@ from pyro.ops.stats import effective_sample_size
 
 from pyro_scalable.infer import BAOAB, SGHMC, SGLD, SGNHT, StochasticMCMC
 
-from ..conftest import LinearRegression
+from ...conftest import LinearRegression
 from .test_sghmc import lyapunov
 
 

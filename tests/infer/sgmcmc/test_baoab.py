@@ -23,11 +23,11 @@ def test_zero_temperature_is_sgd_with_momentum(mass):
     fn, x0 = quadratic(a, b), torch.randn(4, generator=g, dtype=torch.float64)
     lr, momentum = 0.01, 0.9
     hyper = baoab.sgd_hyperparameters(lr, momentum, mass=mass)
-    state = baoab.init({"x": x0.clone()}, mass=mass)
+    state = baoab.init({"x": x0.clone()})
     param = x0.clone().requires_grad_()
     opt = torch.optim.SGD([param], lr=lr, momentum=momentum)
     for _ in range(50):
-        state, _ = baoab.step(state, None, fn, **hyper, temperature=0.0)
+        state, _ = baoab.step(state, None, fn, **hyper, mass=mass, temperature=0.0)
         opt.zero_grad()
         (-fn({"x": param}, None)).backward()
         opt.step()
@@ -48,12 +48,14 @@ def test_one_gradient_chain_is_textbook_baoab():
 
     x = torch.tensor([0.7, -1.2], dtype=torch.float64)
     p = torch.zeros(2, dtype=torch.float64)
-    state = baoab.init({"x": x.clone()}, {"x": p.clone()}, mass=mass, friction=gamma)
+    state = baoab.init({"x": x.clone()}, {"x": p.clone()})
     g1, g2 = torch.Generator().manual_seed(2), torch.Generator().manual_seed(2)
     eps0 = float(schedule(torch.tensor(0)))  # as the engine evaluates it, from the int64 step count
     p = p + eps0 / 2 * force(x)  # the chain's p₀: its stored momentum is owed the first closing half-kick
     for t in range(12):
-        state, info = baoab.step(state, None, fn, step_size=schedule, friction=gamma, temperature=temp, generator=g1)
+        state, info = baoab.step(
+            state, None, fn, step_size=schedule, friction=gamma, mass=mass, temperature=temp, generator=g1
+        )
         eps = float(schedule(torch.tensor(t)))
         c = math.exp(-gamma * eps)
         p = p + eps / 2 * force(x)
@@ -72,11 +74,12 @@ def test_seeded_step_is_the_formula(gradient_noise):
     eps, gamma, mass, temp, n = 0.1, 3.0, 2.0, 0.8, 10
     batch = torch.tensor([0.5, -0.2, 1.1, 0.4], dtype=torch.float64)
     state, info = baoab.step(
-        baoab.init({"x": x}, {"x": p}, mass=mass),
+        baoab.init({"x": x}, {"x": p}),
         batch,
         NoisyMean(n),
         step_size=eps,
         friction=gamma,
+        mass=mass,
         temperature=temp,
         gradient_noise=gradient_noise,
         generator=torch.Generator().manual_seed(3),
@@ -99,13 +102,11 @@ def linear_map(fn, hyper, temperature, seed=1):
     cols = []
     for theta, mom in ((1.0, 0.0), (0.0, 1.0)):
         s = baoab.init(
-            {"x": torch.tensor([theta], dtype=torch.float64)},
-            {"x": torch.tensor([mom], dtype=torch.float64)},
-            mass=hyper["mass"],
+            {"x": torch.tensor([theta], dtype=torch.float64)}, {"x": torch.tensor([mom], dtype=torch.float64)}
         )
         s = baoab.step(s, None, fn, **hyper, temperature=0.0)[0]
         cols.append(torch.cat([s.latents["x"], s.momenta["x"]]))
-    zero = baoab.init({"x": torch.zeros(1, dtype=torch.float64)}, mass=hyper["mass"])
+    zero = baoab.init({"x": torch.zeros(1, dtype=torch.float64)})
     s = baoab.step(zero, None, fn, **hyper, temperature=temperature, generator=torch.Generator().manual_seed(seed))[0]
     xi = torch.randn(1, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
     return torch.stack(cols, dim=1), torch.cat([s.latents["x"], s.momenta["x"]]) / xi

@@ -1,0 +1,280 @@
+r"""Warm-up as a wrapper around a kernel: choose the step size (and friction, mass, metric) from curvature and noise.
+
+:class:`Adaptation` wraps a kernel (as BlackJAX's adaptation wraps its kernels) with a state of its own,
+:class:`AdaptationState`: the kernel's State, the hyperparameters chosen so far, and what they are chosen from.
+During warm-up each step also measures, on its own minibatch,
+
+* the **gradient noise** :math:`\hat V` (diagonal, from per-example gradients; see :mod:`.base`), averaged over
+  the warm-up steps with an exponential moving average, and
+* the **curvature** :math:`\lambda = \max|\mathrm{eig}(S^{1/2} H S^{1/2})|` of the minibatch Hessian
+  :math:`H` of the negative log joint in the sampler's metric :math:`S` (the preconditioner or inverse mass;
+  :math:`S = I` for plain SGLD/SGHMC), by power iteration with Hessian-vector products (the vjp of
+  the gradient, :func:`~pyro_scalable.infer.autodiff.hvp`), one iteration per warm-up step after a few at the first.
+
+Each sampler turns the two into a step size with a stability bound (:math:`\epsilon\lambda \le c` for Langevin,
+:math:`\epsilon\sqrt\lambda \le c` for the momentum samplers, which keeps the discretisation bias of the
+stationary variance to a few per cent) and a **noise bound**: the gradient noise a step adds must stay below a
+fraction :math:`\rho = 1/2` of the noise the sampler is meant to inject in every coordinate, so that the
+noise correction is possible and the draws are calibrated (for SGLD :math:`\epsilon S_j \hat V_j \le 2 T \rho`).
+The rules, one per kind of kernel (a kernel class names its own in ``warmup_rule``), are in :mod:`.tuning`.
+
+**Burn-in.** The first half of warm-up only has to bring the chains to the typical set, so it uses the stability
+bound alone: a larger step, with the gradient noise uncorrected and the chains spread too wide around the mode.
+The calibrated rest of warm-up starts each chain at the moving average of its burn-in positions (:func:`settle`;
+momenta zeroed): near the mode and *narrower* than the posterior, which the calibrated sampler widens to the
+posterior at its own relaxation rate — from a cloud many times too wide it would have to shrink instead, which
+at a small minibatch takes several times longer.
+
+**After warm-up** :meth:`Adaptation.finish` unwraps the state into a :class:`TunedState`: the kernel's own State
+(only what its update rule reads) and the chosen per-chain hyperparameters, which :class:`Tuned` hands to the
+kernel's ``update`` at every sampling step. The values chosen are in ``sample_stats``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from pyro_scalable.infer.autodiff import hvp
+from pyro_scalable.infer.schedules import resolve
+from pyro_scalable.infer.sgmcmc import tuning
+from pyro_scalable.infer.sgmcmc.base import (
+    NOISE_WINDOW,
+    SAMPLING,
+    GradientEstimate,
+    Latents,
+    LogPosteriorFn,
+    Phase,
+    estimate_gradient,
+)
+
+__all__ = [
+    "Adaptation",
+    "AdaptationState",
+    "Tuned",
+    "TunedState",
+    "hessian_product",
+    "observe",
+    "power_iterations",
+    "settle",
+]
+
+_FIRST_ITERATIONS = 8  # power iterations at the first warm-up step; one per step after it
+_CENTRE_WINDOW = 20  # steps: the burn-in's position average forgets older positions at this rate
+
+
+class AdaptationState(NamedTuple):
+    """A chain in warm-up: its kernel's State, and what warm-up has learnt so far. Every leaf is a tensor."""
+
+    kernel: Any  # the kernel's own State
+    tuned: dict[str, Any]  # the hyperparameters being chosen (step_size, friction, mass: per chain), by name
+    noise: Latents  # moving average of the diagonal gradient-noise variance
+    curvature: Tensor  # 0-d moving average of the largest |eigenvalue| of the minibatch Hessian in the metric
+    direction: Latents  # the power-iteration vector (unit norm over all sites)
+    count: Tensor  # 0-d: warm-up steps seen
+    centre: Latents  # moving average of the burn-in's positions: where the calibrated half of warm-up starts
+    burning: Tensor  # 0-d bool: the last warm-up step was a burn-in step
+
+
+class TunedState(NamedTuple):
+    """A chain after warm-up: its kernel's State and the hyperparameters warm-up chose for it."""
+
+    kernel: Any
+    hyperparameters: dict[str, Any]
+
+
+def power_iterations(warmup_step: int) -> int:
+    """Hessian-vector products warm-up step ``warmup_step`` spends on the curvature: a few first, then one."""
+    return _FIRST_ITERATIONS if warmup_step == 0 else 1
+
+
+class Adaptation:
+    """Warm-up around ``kernel`` for its first ``num_warmup`` steps; the chain stepper steps it as it would a kernel.
+
+    Its calls are the kernel's (``init``, ``phase``, ``estimate``, ``update``, ``latents``) on an
+    :class:`AdaptationState`; ``finish`` turns that into the :class:`TunedState` that :attr:`sampler` steps after.
+    """
+
+    def __init__(self, kernel: Any, num_warmup: int):
+        self.kernel = kernel
+        self.num_warmup = num_warmup
+        self.rule = tuning.RULES[kernel.warmup_rule]
+        self.chooses_step_size = kernel.step_size is None
+        self.sampler = Tuned(kernel)
+
+    def init(self, latents: Latents) -> AdaptationState:
+        """Start a chain at ``latents``, with nothing learnt yet (a chosen step size and friction start as NaN)."""
+        first = next(iter(latents.values()))
+        zero = torch.zeros((), dtype=first.dtype, device=first.device)
+        direction = _normalised({name: _spread(x) for name, x in latents.items()})
+        return AdaptationState(
+            self.kernel.init(latents),
+            self.rule.start(self.kernel, latents),
+            {name: torch.zeros_like(x) for name, x in latents.items()},
+            zero,
+            direction,
+            zero.to(torch.int64),
+            {name: x.clone() for name, x in latents.items()},
+            zero.to(torch.bool),
+        )
+
+    def phase(self, step_index: int) -> Phase:
+        """Warm-up step ``step_index``: its power iterations (none where the step size is given) and burn-in."""
+        iterations = power_iterations(step_index) if self.chooses_step_size else 0
+        return Phase(iterations, step_index < self.num_warmup // 2)
+
+    def estimate(
+        self,
+        state: AdaptationState,
+        batch: Any,
+        log_posterior_fn: LogPosteriorFn,
+        phase: Phase = SAMPLING,
+        direction: Latents | None = None,
+    ) -> GradientEstimate:
+        """The gradient with its noise and, for a step size to choose, the curvature product in the metric.
+
+        ``direction``: the power-iteration vector to start from (a data-parallel run all-reduces each product).
+        """
+        latents = state.kernel.latents
+        result = estimate_gradient(log_posterior_fn, latents, batch, noise=True)
+        if phase.power_iterations:
+            metric = self.rule.metric(self.kernel, state.kernel, state.tuned)
+            start = state.direction if direction is None else direction
+            product = hessian_product(
+                log_posterior_fn, latents, batch, start, metric, iterations=phase.power_iterations
+            )
+            result = result._replace(hessian_product=product)
+        return result
+
+    def update(
+        self, state: AdaptationState, gradient: GradientEstimate, generator=None, phase: Phase = SAMPLING
+    ) -> tuple[AdaptationState, Any]:
+        """Learn from ``gradient``, choose the hyperparameters, let the kernel step with them, settle after burn-in."""
+        temperature = resolve(self.kernel.temperature, state.kernel.step_count, gradient.log_posterior)
+        state = observe(state, gradient)
+        kernel_state, tuned, state = self.rule.tune(self.kernel, state, gradient, temperature, phase.burn_in)
+        kernel_state, info = self.kernel.update(kernel_state, gradient, generator, **tuned)
+        return settle(state._replace(kernel=kernel_state, tuned=tuned), phase.burn_in), info
+
+    @staticmethod
+    def latents(state: AdaptationState) -> Latents:
+        """The chain's draw: its last point with a finite log density and gradient."""
+        return state.kernel.checked_latents
+
+    @staticmethod
+    def finish(state: AdaptationState) -> TunedState:
+        """The end of warm-up: keep the kernel's State and the chosen hyperparameters, drop the rest."""
+        return TunedState(state.kernel, state.tuned)
+
+
+class Tuned:
+    """``kernel`` with the per-chain hyperparameters warm-up chose: steps a :class:`TunedState`."""
+
+    def __init__(self, kernel: Any):
+        self.kernel = kernel
+
+    def init(self, latents: Latents) -> TunedState:
+        """A chain at ``latents`` with nothing chosen (the kernel's own hyperparameters)."""
+        return TunedState(self.kernel.init(latents), {})
+
+    def phase(self, step_index: int) -> Phase:
+        """A sampling step: nothing besides the update."""
+        return SAMPLING
+
+    def estimate(
+        self, state: TunedState, batch: Any, log_posterior_fn: LogPosteriorFn, phase: Phase = SAMPLING, direction=None
+    ) -> GradientEstimate:
+        """The kernel's gradient estimate."""
+        return self.kernel.estimate(state.kernel, batch, log_posterior_fn)
+
+    def update(self, state: TunedState, gradient: GradientEstimate, generator=None, phase: Phase = SAMPLING):
+        """The kernel's update with the chosen hyperparameters."""
+        kernel_state, info = self.kernel.update(state.kernel, gradient, generator, **state.hyperparameters)
+        return TunedState(kernel_state, state.hyperparameters), info
+
+    @staticmethod
+    def latents(state: TunedState) -> Latents:
+        """The chain's draw: its last point with a finite log density and gradient."""
+        return state.kernel.checked_latents
+
+
+def hessian_product(
+    log_posterior_fn: LogPosteriorFn,
+    latents: Latents,
+    batch: Any,
+    direction: Latents,
+    metric: Latents | None,
+    *,
+    iterations: int,
+) -> Latents:
+    """:math:`S^{1/2} H S^{1/2} v` on ``batch`` after ``iterations - 1`` power iterations from ``direction``."""
+    for k in range(iterations):
+        product = _metric_hvp(log_posterior_fn, latents, batch, direction, metric)
+        if k + 1 < iterations:
+            direction = _normalised(product)
+    return product
+
+
+def observe(state: AdaptationState, estimate: GradientEstimate) -> AdaptationState:
+    """Fold a step's noise estimate and Hessian-vector product (where there is one) into the moving averages."""
+    count = state.count + 1
+    weight = torch.clamp(1.0 / count.to(state.curvature.dtype), min=1.0 / NOISE_WINDOW)
+    keep = estimate.diverging
+    noise = {
+        name: torch.where(keep, v, v + weight * (estimate.noise_variance[name] - v)) for name, v in state.noise.items()
+    }
+    curvature, direction = state.curvature, state.direction
+    if estimate.hessian_product:
+        curvature_now = torch.sqrt(sum(p.square().sum() for p in estimate.hessian_product.values()))
+        finite = torch.isfinite(curvature_now) & (curvature_now > 0) & ~keep
+        curvature = torch.where(finite, curvature + weight * (curvature_now - curvature), curvature)
+        turned = _normalised(estimate.hessian_product)
+        direction = {name: torch.where(finite, turned[name], d) for name, d in direction.items()}
+    return state._replace(noise=noise, curvature=curvature, direction=direction, count=count)
+
+
+def settle(state: AdaptationState, burn_in: bool) -> AdaptationState:
+    """Average the burn-in's positions; at the first calibrated step, move the chain to that average.
+
+    A chain that moves has its momenta (where its kernel has any) zeroed.
+    """
+    kernel = state.kernel
+    if burn_in:
+        weight = torch.clamp(1.0 / state.count.to(state.curvature.dtype), min=1.0 / _CENTRE_WINDOW)
+        centre = {name: c + weight * (kernel.latents[name] - c) for name, c in state.centre.items()}
+        return state._replace(centre=centre, burning=torch.ones_like(state.burning))
+    jump = state.burning
+    moved = kernel._replace(
+        latents={name: torch.where(jump, state.centre[name], x) for name, x in kernel.latents.items()}
+    )
+    if hasattr(moved, "momenta"):
+        moved = moved._replace(
+            momenta={name: torch.where(jump, p.new_zeros(()), p) for name, p in moved.momenta.items()}
+        )
+    return state._replace(kernel=moved, burning=torch.zeros_like(state.burning))
+
+
+def _spread(x: Tensor) -> Tensor:
+    # a fixed, irregular start for the power iteration: neither random (no generator needed) nor special
+    # (a constant vector can be orthogonal to the top eigenvector of a symmetric problem)
+    k = torch.arange(x.numel(), dtype=x.dtype, device=x.device).reshape(x.shape)
+    return torch.cos(1.3 * k + 0.7) + 1.5 + 0.0 * x
+
+
+def _metric_hvp(
+    log_posterior_fn: LogPosteriorFn, latents: Latents, batch: Any, direction: Latents, metric: Latents | None
+) -> Latents:
+    root = {name: torch.sqrt(m) for name, m in metric.items()} if metric is not None else None
+    tangent = {name: v * root[name] for name, v in direction.items()} if root is not None else direction
+    (product,) = hvp(lambda z: log_posterior_fn(z, batch), (latents,), (tangent,))
+    if root is not None:
+        product = {name: p * root[name] for name, p in product.items()}
+    return product
+
+
+def _normalised(vector: Latents) -> Latents:
+    norm = torch.sqrt(sum(p.square().sum() for p in vector.values()))
+    safe = torch.where(norm > 0, norm, torch.ones_like(norm))
+    return {name: p / safe for name, p in vector.items()}

@@ -1,0 +1,181 @@
+"""Checkpoint and resume of ``StochasticMCMC``: a run's whole state in one file (written by :mod:`..checkpoint`).
+
+A sampling run is a deterministic function of its seed: every random number the driver and the kernels use
+(minibatch permutations, injected noise) comes from one ``torch.Generator``. A checkpoint therefore holds
+everything the next step reads — the kernel state of every chain (stacked along a leading chain dimension,
+whether the chains ran vectorised or one after another), the chain stepper's mode, the generator's state, the
+minibatch sampler's permutations and positions — with what the run has produced so far (draws and
+``sample_stats``, the step index, the number of draws kept, the warm-up divergences) and a fingerprint of the
+configuration. A run resumed from it goes on bitwise as the uninterrupted run would have.
+
+Within warm-up the kernel state is the adaptation wrapper's (:class:`~.adaptation.AdaptationState`), after it the
+tuned chain's (:class:`~.adaptation.TunedState`): resuming a checkpoint written after warm-up ends warm-up first.
+Files are written atomically (:func:`pyro_scalable.infer.checkpoint.save`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from pyro_scalable.infer.checkpoint import CheckpointError, check_fingerprint, describe, load, save, stable_repr
+
+__all__ = ["FORMAT", "RunCheckpoint", "run_fingerprint"]
+
+FORMAT = 2  # bumped when the layout of a run checkpoint changes (2: warm-up's state apart from the kernel's)
+
+
+def stack_chains(state: Any) -> list[Tensor]:
+    """The leaves of a kernel state, each ``(num_chains, ...)`` on the CPU: a vmapped state, or a list of chains."""
+    if isinstance(state, list):
+        per_chain = [tree_flatten(chain)[0] for chain in state]
+        return [torch.stack(leaves).cpu() for leaves in zip(*per_chain)]
+    return [leaf.detach().cpu().clone() for leaf in tree_flatten(state)[0]]
+
+
+def unstack_chains(leaves: list[Tensor], template: Any, mode: str) -> Any:
+    """Undo :func:`stack_chains` in ``mode``, onto the structure, devices and dtypes of a fresh ``template``."""
+    chain = template[0] if isinstance(template, list) else template
+    like, spec = tree_flatten(chain)
+    num_chains = len(template) if isinstance(template, list) else like[0].shape[0]
+    expected = [(num_chains, *x.shape) if isinstance(template, list) else tuple(x.shape) for x in like]
+    if [tuple(x.shape) for x in leaves] != expected:
+        raise CheckpointError("the kernel state in the checkpoint does not fit this kernel and model.")
+    leaves = [saved.to(device=x.device, dtype=x.dtype) for saved, x in zip(leaves, like)]
+    if mode == "vectorized":
+        return tree_unflatten(leaves, spec)
+    return [tree_unflatten([leaf[c].clone() for leaf in leaves], spec) for c in range(num_chains)]
+
+
+def run_fingerprint(run: Any, batches: Any = None) -> dict[str, str]:
+    """What a driver run's draws depend on: a checkpoint resumes only a run whose fingerprint is the same.
+
+    The data enter by dtype and shape (the first minibatch where ``batches`` feeds the steps), not by value.
+    """
+    model = getattr(run.kernel.model, "model", run.kernel.model)  # the model as written, not FullDataModel
+    bridge = run.bridge
+    fields = {
+        "kernel": run.kernel,
+        "model": getattr(model, "__qualname__", type(model).__name__),
+        "num_samples": run._num_samples_requested,
+        "num_warmup": run.num_warmup,
+        "num_chains": run.num_chains,
+        "thin": run.thin,
+        "seed": run.seed,
+        "chain_method": run.chain_method,
+        "on_divergence": run.on_divergence,
+        "device": bridge.device.type,
+        "batches": None if batches is None else type(batches).__name__,
+    }
+    return {
+        **{name: stable_repr(value) for name, value in fields.items()},
+        "data": describe((bridge.args, bridge.kwargs)),
+    }
+
+
+class RunCheckpoint:
+    """The driver's side: put a run back from its checkpoint, remember where each step left it, write when due.
+
+    A checkpoint is written every ``every`` steps (warm-up included), at the end of warm-up, at the end of the run,
+    when the run stops at a divergence, and on ``KeyboardInterrupt``. What is written is the run as the last
+    completed step left it, so an interrupt in the middle of a step loses nothing and adds nothing.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        every: int,
+        *,
+        run: Any,
+        stepper: Any,
+        generator: torch.Generator,
+        sampler: Any,
+        total: int,
+        batches: Any = None,
+    ):
+        self.path = path
+        self.every = every
+        self.fingerprint = run_fingerprint(run, batches)
+        self.run = run  # the driver: its draw buffers and warm-up divergence count
+        self.stepper = stepper
+        self.generator = generator
+        self.sampler = sampler  # an EpochSampler, or None where a DataLoader feeds the steps
+        self.total = total
+        self._last: dict[str, Any] = {}
+
+    def resume(self, existing: bool = True) -> tuple[int, int, bool]:
+        """Put the run back as the checkpoint left it, if there is one and ``existing``.
+
+        Returns:
+            The step to go on from, the number of draws kept, and whether the run had stopped at a divergence.
+
+        """
+        saved = load(self.path) if existing else None
+        if saved is None:
+            self.remember(0, 0)
+            return 0, 0, False
+        check_fingerprint(
+            {"format": str(saved.get("format")), **saved["fingerprint"]},
+            {"format": str(FORMAT), **self.fingerprint},
+            self.path,
+        )
+        if saved["step"] >= self.run.num_warmup:
+            self.stepper.end_warmup()  # the saved state is the tuned chains', not warm-up's
+        self.stepper.restore(saved["mode"], unstack_chains(saved["state"], self.stepper.final_state, saved["mode"]))
+        self.generator.set_state(saved["generator"])
+        if self.sampler is not None:
+            self.sampler.load_state_dict(saved["sampler"])
+        run, kept = self.run, saved["kept"]
+        for name, value in saved["draws"].items():
+            run._draws[name][:, :kept].copy_(value)
+        for name, value in saved["stats"].items():
+            run._stats[name] = torch.empty(
+                (value.shape[0], run.num_samples), dtype=value.dtype, device=run.draws_device
+            )
+            run._stats[name][:, :kept].copy_(value)
+        run.num_warmup_divergences = saved["warmup_divergences"]
+        self.remember(saved["step"], kept, stopped=saved["stopped"])
+        return saved["step"], kept, saved["stopped"]
+
+    def remember(self, step: int, kept: int, *, stopped: bool = False) -> None:
+        """Note the run as it stands after ``step`` steps (references and small copies only: cheap every step)."""
+        state = self.stepper.final_state
+        self._last = {
+            "step": step,
+            "kept": kept,
+            "stopped": stopped,
+            "mode": self.stepper.mode,
+            "state": list(state) if isinstance(state, list) else state,
+            "generator": self.generator.get_state(),
+            "sampler": self.sampler.state_dict() if self.sampler is not None else None,
+            "warmup_divergences": self.run.num_warmup_divergences,
+        }
+
+    def step_done(self, step: int, kept: int, *, stopped: bool = False) -> None:
+        """Remember the run after ``step`` steps and write a checkpoint if one is due."""
+        self.remember(step, kept, stopped=stopped)
+        if stopped or step % self.every == 0 or step == self.run.num_warmup or step == self.total:
+            self.write()
+
+    def write(self) -> None:
+        """Write the run as last remembered."""
+        last, kept = self._last, self._last["kept"]
+        sampler = last["sampler"]
+        if sampler is not None:
+            sampler = {"orders": {k: v.cpu() for k, v in sampler["orders"].items()}, "position": sampler["position"]}
+        save(
+            self.path,
+            {
+                **last,
+                "format": FORMAT,
+                "fingerprint": self.fingerprint,
+                "state": stack_chains(last["state"]),
+                "sampler": sampler,
+                "draws": {k: v[:, :kept].detach().cpu().clone() for k, v in self.run._draws.items()},
+                "stats": {k: v[:, :kept].detach().cpu().clone() for k, v in self.run._stats.items()},
+            },
+        )
