@@ -24,6 +24,7 @@ import torch
 from pyro_scalable.arguments import check_count, check_flag
 from pyro_scalable.bridge.likelihood import full_data_log_likelihood
 from pyro_scalable.bridge.model import ModelBridge
+from pyro_scalable.infer.results import Draws
 
 with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message=r"\s*ArviZ is undergoing a major refactor", category=FutureWarning)
@@ -54,12 +55,12 @@ def to_inference_data(
         dims: as in ``arviz.from_dict``; plate dimensions are named after their plates by default.
 
     """
-    if not (hasattr(mcmc, "get_samples") and hasattr(mcmc, "sample_stats") and hasattr(mcmc, "_full_bridge")):
+    if not isinstance(mcmc, Draws):
         raise TypeError(f"mcmc must be a finished run (StochasticMCMC, SampleThenOptimize), got {type(mcmc).__name__}.")
     _check_options(log_likelihood, data_chunk_size, draws_chunk_size, coords, dims)
     posterior = _numpy(mcmc.get_samples(group_by_chain=True))
     stats = _numpy(mcmc.sample_stats)
-    bridge: ModelBridge | None = mcmc._full_bridge
+    bridge: ModelBridge | None = mcmc.results.full_bridge
     groups: dict[str, dict[str, np.ndarray]] = {"posterior": posterior, "sample_stats": stats}
     all_dims = {}
     if bridge is None:

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from pyro_scalable import FullDataModel
 from pyro_scalable.bridge import ModelBridge
-from pyro_scalable.infer.results import Draws
+from pyro_scalable.infer.results import Draws, RunRecord
 from pyro_scalable.inference_data import draws_to_inference_data, to_inference_data
 from tests.random_models import build, specs
 
@@ -26,12 +26,11 @@ class FakeRun(Draws):
     """What an engine leaves behind: unconstrained draws ``(chains, draws, *shape)`` and per-draw statistics."""
 
     def __init__(self, bridge: ModelBridge, num_chains: int, num_samples: int, seed: int):
-        self.bridge = self._full_bridge = bridge
         self.kernel = SimpleNamespace(model=FullDataModel(bridge.model))
         self.num_chains, self.num_samples = num_chains, num_samples
         self.draws_device = torch.device("cpu")
         g = torch.Generator().manual_seed(seed)
-        self._draws = {
+        draws = {
             name: torch.rand((num_chains, num_samples, *site.unconstrained_shape), generator=g).to(
                 next(iter(bridge.args)).dtype
             )
@@ -39,11 +38,12 @@ class FakeRun(Draws):
             - 2
             for name, site in bridge.sites.items()
         }
-        self._stats = {
+        stats = {
             "lp": torch.randn(num_chains, num_samples, generator=g),
             "diverging": torch.rand(num_chains, num_samples, generator=g) < 0.1,
             "step_size": torch.full((num_chains, num_samples), 0.01),
         }
+        self.results = RunRecord(bridge, bridge, bridge.args, bridge.kwargs, draws, stats)
 
 
 def _plate_dims(spec):
@@ -134,6 +134,6 @@ def test_arviz_reads_a_fake_run_with_from_pyro():
     spec = Spec(("vector", "positive"), torch.float64, "scalar", 6, 2, 1, None, 0)
     model, args = build(spec)
     run = FakeRun(ModelBridge(model, args), 2, 3, 0)
-    run._args, run._kwargs = args, {}
+    assert run._args == args and run._kwargs == {}  # what from_pyro reads, from the record
     result = az.from_pyro(run, log_likelihood=False)
     assert result.posterior["vector"].shape == (2, 3, 3)

@@ -1,13 +1,14 @@
 """The result surface every engine shares: ``pyro.infer.MCMC``'s, so that ArviZ and Pyro users read it as usual.
 
-An engine that subclasses :class:`Draws` fills ``_draws`` (unconstrained values, ``(chains, draws, *shape)``),
-``_stats`` (``(chains, draws)``), ``bridge``/``_full_bridge``, ``_args``/``_kwargs`` and ``kernel.model`` (the model
-on the full data); it then offers ``get_samples``, ``diagnostics``, ``summary``, ``to_inference_data`` and works
-with ``arviz.from_pyro``.
+A run fills one :class:`RunRecord` (the draws, their statistics, the model as the steps saw it and on the full
+data, the model's arguments) and sets it as ``results``. An engine that subclasses :class:`Draws` and has a
+``kernel.model`` (the model on the full data) then offers ``get_samples``, ``diagnostics``, ``summary``,
+``to_inference_data`` and works with ``arviz.from_pyro``; the ArviZ adapter reads the record, nothing private.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -18,7 +19,25 @@ from torch import Tensor
 from pyro_scalable.arguments import check_flag, check_number
 from pyro_scalable.bridge.model import ModelBridge
 
-__all__ = ["Draws"]
+__all__ = ["Draws", "RunRecord"]
+
+
+@dataclass
+class RunRecord:
+    """What a run leaves behind: its draws and their statistics, the model they belong to, and its data.
+
+    ``draws`` are unconstrained, ``(chains, draws, *site shape)``; ``stats`` are ``(chains, draws)``. ``bridge`` is
+    the model as the steps saw it (it maps the draws to constrained values); ``full_bridge`` the model on all the
+    data, for the full-data log-likelihood and observed data (``None`` where a DataLoader run was given no full
+    data). ``args``/``kwargs`` are the model's arguments on the full data.
+    """
+
+    bridge: ModelBridge
+    full_bridge: ModelBridge | None
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+    draws: dict[str, Tensor] = field(default_factory=dict)
+    stats: dict[str, Tensor] = field(default_factory=dict)
 
 
 class Draws:
@@ -28,24 +47,36 @@ class Draws:
     num_chains: int
     num_samples: int
     draws_device: torch.device
-    bridge: ModelBridge | None = None
-    _full_bridge: ModelBridge | None = None
-    _draws: dict[str, Tensor]
-    _stats: dict[str, Tensor]
+    results: RunRecord | None = None
 
-    def _require_run(self) -> ModelBridge:
-        if self.bridge is None:
+    @property
+    def bridge(self) -> ModelBridge | None:
+        """The model as the steps saw it (``None`` before ``run``)."""
+        return None if self.results is None else self.results.bridge
+
+    @property
+    def _args(self) -> tuple:
+        # read by arviz.from_pyro, as pyro.infer.MCMC's
+        return () if self.results is None else self.results.args
+
+    @property
+    def _kwargs(self) -> dict:
+        return {} if self.results is None else self.results.kwargs
+
+    def _require_run(self) -> RunRecord:
+        if self.results is None:
             raise RuntimeError("call run(...) before asking for results.")
-        return self.bridge
+        return self.results
 
     def get_samples(self, group_by_chain: bool = False) -> dict[str, Tensor]:
         """Constrained draws, ``(num_chains, num_samples, *shape)``, or ``(num_chains * num_samples, *shape)``.
 
         Draws are stored unconstrained and mapped through each site's ``biject_to`` transform on request.
         """
-        bridge = self._require_run()
+        results = self._require_run()
         check_flag("group_by_chain", group_by_chain)
-        samples = bridge.constrain({k: v.to(bridge.device) for k, v in self._draws.items()})
+        bridge = results.bridge
+        samples = bridge.constrain({k: v.to(bridge.device) for k, v in results.draws.items()})
         samples = {k: v.detach().to(self.draws_device) for k, v in samples.items()}
         if group_by_chain:
             return samples
@@ -53,17 +84,16 @@ class Draws:
 
     def get_unconstrained_samples(self, group_by_chain: bool = False) -> dict[str, Tensor]:
         """Draws in the unconstrained space the engine works in."""
-        self._require_run()
+        draws = self._require_run().draws
         check_flag("group_by_chain", group_by_chain)
         if group_by_chain:
-            return dict(self._draws)
-        return {k: v.reshape((-1,) + v.shape[2:]) for k, v in self._draws.items()}
+            return dict(draws)
+        return {k: v.reshape((-1,) + v.shape[2:]) for k, v in draws.items()}
 
     @property
     def sample_stats(self) -> dict[str, Tensor]:
         """Per-draw statistics, each ``(num_chains, num_samples)`` (the engine's: e.g. lp, grad_norm, diverging)."""
-        self._require_run()
-        return dict(self._stats)
+        return dict(self._require_run().stats)
 
     def diagnostics(self) -> dict[str, Any]:
         """Pyro's per-site ``n_eff``/``r_hat`` plus ``divergences``: ``{"chain i": [draw indices]}``.
@@ -80,7 +110,9 @@ class Draws:
                 for name, value in samples.items()
             }
         width = len(str(self.num_chains - 1))
-        diverging = self._stats.get("diverging", torch.zeros(self.num_chains, self.num_samples, dtype=torch.bool))
+        diverging = self._require_run().stats.get(
+            "diverging", torch.zeros(self.num_chains, self.num_samples, dtype=torch.bool)
+        )
         # zero-padded so that the lexical sort arviz.from_pyro applies keeps chain order past 10 chains
         result["divergences"] = {
             f"chain {c:0{width}d}": diverging[c].nonzero().flatten().tolist() for c in range(self.num_chains)

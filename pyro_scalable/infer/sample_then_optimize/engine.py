@@ -50,7 +50,7 @@ from pyro_scalable.bridge.model import FullDataModel, ModelBridge
 from pyro_scalable.infer.linearized.glm import GLMPredictive, draws_moments, glm_predictive
 from pyro_scalable.infer.linearized.layout import ParameterLayout
 from pyro_scalable.infer.linearized.network import NetworkFunction, choose_sites
-from pyro_scalable.infer.results import Draws
+from pyro_scalable.infer.results import Draws, RunRecord
 from pyro_scalable.infer.sample_then_optimize import core
 from pyro_scalable.infer.sample_then_optimize.distributed import DistributedMode, OneProcess
 from pyro_scalable.infer.sample_then_optimize.distributed import setup as setup_parallel
@@ -229,9 +229,7 @@ class SampleThenOptimize(Draws):
         self._reset()
 
     def _reset(self) -> None:
-        self.bridge = self._full_bridge = None
-        self._draws, self._stats = {}, {}
-        self._args, self._kwargs = (), {}
+        self.results: RunRecord | None = None
         self.state: core.SampleState | None = None
         self.net: NetworkFunction | None = None
         self.em_history: dict[str, Any] = {}
@@ -244,9 +242,8 @@ class SampleThenOptimize(Draws):
         self.num_samples = self._num_samples_requested  # a sample-parallel run leaves a rank's share on ranks > 0
         self._reset()
         model = self.kernel.model.model
-        self._args, self._kwargs = args, kwargs
         bridge = ModelBridge(model, args, kwargs)
-        self.bridge = self._full_bridge = bridge
+        self.results = RunRecord(bridge, bridge, args, kwargs)
         if len(bridge.observed) != 1:
             raise ModelError(
                 f"sample-then-optimise needs exactly one observed site; the model has {sorted(bridge.observed)}."
@@ -307,8 +304,8 @@ class SampleThenOptimize(Draws):
             **{k: v.expand((draws.shape[0],) + v.shape) for k, v in net.fixed.items()},
             **net.layout.unflatten(draws),
         }
-        self._draws = {k: v.detach().unsqueeze(0).to(self.draws_device) for k, v in latents.items()}
-        self._stats = {k: v.unsqueeze(0).to(self.draws_device) for k, v in problem.final_stats.items()}
+        self.results.draws = {k: v.detach().unsqueeze(0).to(self.draws_device) for k, v in latents.items()}
+        self.results.stats = {k: v.unsqueeze(0).to(self.draws_device) for k, v in problem.final_stats.items()}
 
     def rerun_em(
         self, em_steps: int, em_groups: Literal["scalar", "site"], prior_precision: float | Tensor | None = None
@@ -325,7 +322,7 @@ class SampleThenOptimize(Draws):
         if prior_precision is not None:
             check_tensor("prior_precision", prior_precision, positive=True)
         self.em_steps, self.em_groups, self.prior_precision = operator.index(em_steps), em_groups, prior_precision
-        self.run(*self._args, **self._kwargs)
+        self.run(*self.results.args, **self.results.kwargs)
 
     # ------------------------------------------------------------------ results
     @property

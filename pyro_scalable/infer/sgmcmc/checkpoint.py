@@ -131,12 +131,12 @@ class RunCheckpoint:
             self.sampler.load_state_dict(saved["sampler"])
         run, kept = self.run, saved["kept"]
         for name, value in saved["draws"].items():
-            run._draws[name][:, :kept].copy_(value)
+            run.results.draws[name][:, :kept].copy_(value)
         for name, value in saved["stats"].items():
-            run._stats[name] = torch.empty(
+            run.results.stats[name] = torch.empty(
                 (value.shape[0], run.num_samples), dtype=value.dtype, device=run.draws_device
             )
-            run._stats[name][:, :kept].copy_(value)
+            run.results.stats[name][:, :kept].copy_(value)
         run.num_warmup_divergences = saved["warmup_divergences"]
         self.remember(saved["step"], kept, stopped=saved["stopped"])
         return saved["step"], kept, saved["stopped"]
@@ -175,7 +175,7 @@ class RunCheckpoint:
                 "fingerprint": self.fingerprint,
                 "state": stack_chains(last["state"]),
                 "sampler": sampler,
-                "draws": {k: v[:, :kept].detach().cpu().clone() for k, v in self.run._draws.items()},
-                "stats": {k: v[:, :kept].detach().cpu().clone() for k, v in self.run._stats.items()},
+                "draws": {k: v[:, :kept].detach().cpu().clone() for k, v in self.run.results.draws.items()},
+                "stats": {k: v[:, :kept].detach().cpu().clone() for k, v in self.run.results.stats.items()},
             },
         )

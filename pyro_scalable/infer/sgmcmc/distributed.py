@@ -190,14 +190,16 @@ class ChainParallel:
         A rank stopped early by a divergence has fewer draws: every rank's are cut to the shortest.
         """
         parts = [None] * self.world_size if self.is_main else None
-        dist.gather_object((mcmc._draws, mcmc._stats), parts, dst=0)
+        dist.gather_object((mcmc.results.draws, mcmc.results.stats), parts, dst=0)
         if not self.is_main:
             mcmc.num_chains = self.stop - self.start
             return
         kept = min(next(iter(d.values())).shape[1] for d, _ in parts)
         names = set.intersection(*(set(s) for _, s in parts))
-        mcmc._draws = {k: torch.cat([d[k][:, :kept] for d, _ in parts]) for k in mcmc._draws}
-        mcmc._stats = {k: torch.cat([s[k][:, :kept] for _, s in parts]) for k in mcmc._stats if k in names}
+        mcmc.results.draws = {k: torch.cat([d[k][:, :kept] for d, _ in parts]) for k in mcmc.results.draws}
+        mcmc.results.stats = {
+            k: torch.cat([s[k][:, :kept] for _, s in parts]) for k in mcmc.results.stats if k in names
+        }
         mcmc.num_samples = kept
 
 

@@ -31,7 +31,7 @@ from pyro_scalable.bridge.checks import ModelError
 from pyro_scalable.bridge.minibatches import EpochSampler
 from pyro_scalable.bridge.model import Batch, Latents, ModelBridge
 from pyro_scalable.infer.distributed import broadcast_seed
-from pyro_scalable.infer.results import Draws
+from pyro_scalable.infer.results import Draws, RunRecord
 from pyro_scalable.infer.sgmcmc.adaptation import Adaptation
 from pyro_scalable.infer.sgmcmc.chains import ChainStepper, first_line
 from pyro_scalable.infer.sgmcmc.checkpoint import RunCheckpoint
@@ -159,13 +159,8 @@ class StochasticMCMC(Draws):
         self.resume = bool(resume)
         self._num_samples_requested = self.num_samples
         self._num_chains_requested = self.num_chains
-        self.bridge: ModelBridge | None = None
-        self._full_bridge: ModelBridge | None = None  # the full data, where a DataLoader fed the steps
+        self.results: RunRecord | None = None
         self.state: Any = None
-        self._args: tuple = ()
-        self._kwargs: dict = {}
-        self._draws: dict[str, Tensor] = {}
-        self._stats: dict[str, Tensor] = {}
         self.num_warmup_divergences = 0
 
     # ------------------------------------------------------------------ running
@@ -176,34 +171,11 @@ class StochasticMCMC(Draws):
         tuple of positional arguments or a dict of keyword arguments, whose plate uses ``subsample=idx`` — and
         ``args``/``kwargs`` (if given) are the full data for the log-likelihood and ``arviz.from_pyro``.
         """
-        model = self.kernel.model
         self.num_samples = self._num_samples_requested  # a stopped earlier run may have kept fewer
         self.num_chains = self._num_chains_requested  # a chain-parallel run leaves a rank's share on ranks > 0
         seed = int(torch.randint(0, 2**62, ())) if self.seed is None else self.seed
-        self._args, self._kwargs = args, kwargs
-        batch_iter = None
-        if batches is not None:
-            if not isinstance(batches, Iterable) or isinstance(batches, (Tensor, str)):
-                raise TypeError(
-                    f"batches must be an iterable of minibatches (e.g. a DataLoader), got {type(batches).__name__}."
-                )
-            batch_iter = _cycle(batches)
-            first = next(batch_iter)
-            try:
-                self.bridge = ModelBridge(model, *first)
-            except ModelError:
-                raise
-            except (TypeError, ValueError, IndexError, RuntimeError) as error:
-                raise TypeError(
-                    f"the model failed on the first element of batches ({first_line(error)}); batches must yield a "
-                    "tuple of the model's positional arguments or a dict of its keyword arguments."
-                ) from error
-            self._full_bridge = ModelBridge(model, args, kwargs) if (args or kwargs) else None
-            batch_iter = itertools.chain([first], batch_iter)
-        else:
-            self.bridge = ModelBridge(model, args, kwargs)
-            self._full_bridge = self.bridge
-        bridge = self.bridge
+        self.results, batch_iter = self._bind(args, kwargs, batches)
+        bridge = self.results.bridge
         parallel = setup_parallel(self.distributed, bridge.plates, self.num_chains, sharded=batch_iter is None)
         if parallel is not None:
             seed = broadcast_seed(seed, bridge.device)
@@ -290,8 +262,8 @@ class StochasticMCMC(Draws):
         finally:
             bar.close()
         self._truncate(kept, stepper)
-        self._stats = {  # statistics of a gradient noise the kernel did not estimate are NaN: leave them out
-            k: v for k, v in self._stats.items() if not (k in _NOISE_STATS and bool(v.isnan().all()))
+        self.results.stats = {  # statistics of a gradient noise the kernel did not estimate are NaN: leave them out
+            k: v for k, v in self.results.stats.items() if not (k in _NOISE_STATS and bool(v.isnan().all()))
         }
         if parallel is not None:
             parallel.gather(self)
@@ -303,34 +275,60 @@ class StochasticMCMC(Draws):
         self._warn_divergences()
         self._warn_noise()
 
+    def _bind(self, args: tuple, kwargs: dict, batches: Iterable | None) -> tuple[RunRecord, Iterator | None]:
+        """The run's record (the model on the steps' data and on the full data) and the DataLoader's iterator."""
+        model = self.kernel.model
+        if batches is None:
+            bridge = ModelBridge(model, args, kwargs)
+            return RunRecord(bridge, bridge, args, kwargs), None
+        if not isinstance(batches, Iterable) or isinstance(batches, (Tensor, str)):
+            raise TypeError(
+                f"batches must be an iterable of minibatches (e.g. a DataLoader), got {type(batches).__name__}."
+            )
+        batch_iter = _cycle(batches)
+        first = next(batch_iter)
+        try:
+            bridge = ModelBridge(model, *first)
+        except ModelError:
+            raise
+        except (TypeError, ValueError, IndexError, RuntimeError) as error:
+            raise TypeError(
+                f"the model failed on the first element of batches ({first_line(error)}); batches must yield a "
+                "tuple of the model's positional arguments or a dict of its keyword arguments."
+            ) from error
+        full = ModelBridge(model, args, kwargs) if (args or kwargs) else None
+        return RunRecord(bridge, full, args, kwargs), itertools.chain([first], batch_iter)
+
     def _allocate(self, latents: Latents) -> None:
         shape = (next(iter(latents.values())).shape[0], self.num_samples)  # this rank's chains
-        self._draws = {
+        self.results.draws = {
             name: torch.empty(shape + x.shape[1:], dtype=x.dtype, device=self.draws_device)
             for name, x in latents.items()
         }
-        self._stats = {}
+        self.results.stats = {}
 
     def _record(self, index: int, latents: Latents, info: Any) -> None:
+        draws, stats = self.results.draws, self.results.stats
         for name, x in latents.items():
-            self._draws[name][:, index].copy_(x.detach())
+            draws[name][:, index].copy_(x.detach())
         for field, value in info._asdict().items():
             name = _STAT_NAMES.get(field, field)
-            if name not in self._stats:
-                self._stats[name] = torch.empty(
+            if name not in stats:
+                stats[name] = torch.empty(
                     (value.shape[0], self.num_samples), dtype=value.dtype, device=self.draws_device
                 )
-            self._stats[name][:, index].copy_(value.detach())
+            stats[name][:, index].copy_(value.detach())
 
     def _truncate(self, kept: int, stepper: ChainStepper) -> None:
         self.state = stepper.final_state
         if kept < self.num_samples:
-            self._draws = {k: v[:, :kept] for k, v in self._draws.items()}
-            self._stats = {k: v[:, :kept] for k, v in self._stats.items()}
+            self.results.draws = {k: v[:, :kept] for k, v in self.results.draws.items()}
+            self.results.stats = {k: v[:, :kept] for k, v in self.results.stats.items()}
             self.num_samples = kept
 
     def _warn_divergences(self) -> None:
-        sampled = int(self._stats["diverging"].sum()) if "diverging" in self._stats else 0
+        stats = self.results.stats
+        sampled = int(stats["diverging"].sum()) if "diverging" in stats else 0
         if sampled or self.num_warmup_divergences:
             warnings.warn(
                 f"{sampled} kept draws and {self.num_warmup_divergences} warmup steps diverged (non-finite log "
@@ -340,7 +338,7 @@ class StochasticMCMC(Draws):
             )
 
     def _warn_noise(self) -> None:
-        uncorrected = self._stats.get("uncorrected")
+        uncorrected = self.results.stats.get("uncorrected")
         if uncorrected is None or self.num_samples == 0:
             return
         share = float(uncorrected.float().mean())
