@@ -93,7 +93,7 @@ def power_iterations(warmup_step: int) -> int:
 class Adaptation:
     """Warm-up around ``kernel`` for its first ``num_warmup`` steps; the chain stepper steps it as it would a kernel.
 
-    Its calls are the kernel's (``init``, ``phase``, ``estimate``, ``update``, ``latents``) on an
+    Its calls are the kernel's (``init``, ``phase``, ``step``, ``estimate``, ``update``, ``latents``) on an
     :class:`AdaptationState`; ``finish`` turns that into the :class:`TunedState` that :attr:`sampler` steps after.
     """
 
@@ -158,6 +158,12 @@ class Adaptation:
         kernel_state, info = self.kernel.update(kernel_state, gradient, generator, **tuned)
         return settle(state._replace(kernel=kernel_state, tuned=tuned), phase.burn_in), info
 
+    def step(
+        self, state: AdaptationState, batch: Any, log_posterior_fn: LogPosteriorFn, generator=None, phase=SAMPLING
+    ):
+        """One warm-up step: :meth:`update` after :meth:`estimate`."""
+        return self.update(state, self.estimate(state, batch, log_posterior_fn, phase), generator, phase)
+
     @staticmethod
     def latents(state: AdaptationState) -> Latents:
         """The chain's draw: its last point with a finite log density and gradient."""
@@ -193,6 +199,10 @@ class Tuned:
         """The kernel's update with the chosen hyperparameters."""
         kernel_state, info = self.kernel.update(state.kernel, gradient, generator, **state.hyperparameters)
         return TunedState(kernel_state, state.hyperparameters), info
+
+    def step(self, state: TunedState, batch: Any, log_posterior_fn: LogPosteriorFn, generator=None, phase=SAMPLING):
+        """One sampling step: :meth:`update` after :meth:`estimate`."""
+        return self.update(state, self.estimate(state, batch, log_posterior_fn), generator)
 
     @staticmethod
     def latents(state: TunedState) -> Latents:

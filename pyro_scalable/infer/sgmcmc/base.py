@@ -354,7 +354,15 @@ class Kernel:
         """One update with this kernel's hyperparameters (``tuned``: those chosen in warm-up), given the gradient."""
         return type(self).update_rule(state, gradient, **{**self.hyperparameters(), **tuned}, generator=generator)
 
-    def step(self, state: Any, batch: Any, log_posterior_fn: LogPosteriorFn, generator=None, **tuned: Any):
+    def step(
+        self,
+        state: Any,
+        batch: Any,
+        log_posterior_fn: LogPosteriorFn,
+        generator=None,
+        phase: Phase = SAMPLING,
+        **tuned: Any,
+    ):
         """One step with this kernel's hyperparameters: :meth:`update` after :meth:`estimate`."""
         return self.update(state, self.estimate(state, batch, log_posterior_fn), generator, **tuned)
 

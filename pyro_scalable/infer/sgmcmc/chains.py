@@ -4,9 +4,11 @@ The driver (:mod:`.mcmc`) hands each step's minibatch and index to a :class:`Cha
 on every chain: vectorised where the model allows it, sequentially (with a one-line warning) where vmap cannot
 batch it. A program is a kernel (:class:`~.base.Kernel`), warm-up around one (:class:`~.adaptation.Adaptation`)
 or a kernel with the hyperparameters warm-up chose (:class:`~.adaptation.Tuned`); all offer the same calls:
-``init(latents)``, ``phase(step_index)``, ``estimate(state, batch, log_posterior_fn, phase, direction)``,
-``update(state, gradient, generator, phase)`` and ``latents(state)``. With a ``reducer`` (data-parallel,
-:mod:`.distributed`) a step is ``estimate`` on this rank's share, an all-reduce, then ``update``.
+``init(latents)``, ``phase(step_index)``, ``step(state, batch, log_posterior_fn, generator, phase)`` and
+``latents(state)`` (a program without ``phase`` or ``latents``: every step samples, the draw is
+``state.checked_latents``). With a ``reducer`` (data-parallel, :mod:`.distributed`) a step is
+``estimate(state, batch, log_posterior_fn, phase, direction)`` on this rank's share, an all-reduce, then
+``update(state, gradient, generator, phase)``.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from pyro_scalable.bridge.checks import ModelError
 from pyro_scalable.bridge.model import Batch, Latents, ModelBridge
-from pyro_scalable.infer.sgmcmc.base import Phase
+from pyro_scalable.infer.sgmcmc.base import SAMPLING, Phase
 from pyro_scalable.infer.sgmcmc.distributed import normalised_per_chain
 
 __all__ = ["ChainStepper", "first_line"]
@@ -69,9 +71,7 @@ class ChainStepper:
         self._vsteps.clear()
 
     def _one(self, state: Any, indices: dict, args: tuple, kwargs: dict, phase: Phase):
-        batch = Batch(indices, args, kwargs)
-        gradient = self.program.estimate(state, batch, self.log_posterior_fn, phase)
-        return self.program.update(state, gradient, self.generator, phase)
+        return self.program.step(state, Batch(indices, args, kwargs), self.log_posterior_fn, self.generator, phase)
 
     def _vstep(self, phase: Phase):
         if phase not in self._vsteps:
@@ -84,7 +84,7 @@ class ChainStepper:
 
     def step(self, batch: Batch, step_index: int):
         """Step every chain on ``batch``, the run's step ``step_index``; returns the stacked Info."""
-        phase = self.program.phase(step_index)
+        phase = self.program.phase(step_index) if hasattr(self.program, "phase") else SAMPLING
         if self.reducer is not None:
             return self._reduced_step(batch, phase)
         if self.mode == "vectorized":
@@ -169,9 +169,10 @@ class ChainStepper:
 
     def latents(self) -> Latents:
         """The draw of each chain: its last point with a finite log density and gradient."""
+        draw = getattr(self.program, "latents", _checked_latents)
         if self.mode == "vectorized":
-            return self.program.latents(self.state)
-        per_chain = [self.program.latents(s) for s in self._chains]
+            return draw(self.state)
+        per_chain = [draw(s) for s in self._chains]
         return {name: torch.stack([chain[name] for chain in per_chain]) for name in per_chain[0]}
 
     @property
@@ -185,6 +186,10 @@ class ChainStepper:
             self.state = state
         else:
             self._chains = state
+
+
+def _checked_latents(state: Any) -> Latents:
+    return state.checked_latents
 
 
 def _stack(records: list) -> Any:

@@ -134,7 +134,9 @@ class StochasticMCMC(Draws):
         self.minibatches = minibatches
         if distributed not in ("data", "chains", None):
             raise ValueError(f"distributed must be 'data', 'chains' or None, got {distributed!r}.")
-        if not all(hasattr(kernel, name) for name in ("init", "estimate", "update", "phase", "latents", "model")):
+        if distributed == "data" and not (hasattr(kernel, "estimate") and hasattr(kernel, "update")):
+            raise TypeError(f"distributed='data' needs a kernel with estimate() and update(), got {kernel!r}.")
+        if not (hasattr(kernel, "init") and hasattr(kernel, "step") and hasattr(kernel, "model")):
             raise TypeError(f"kernel must be an engine such as SGLD(model, ...) or SGHMC(model, ...), got {kernel!r}.")
         self.kernel = kernel
         self.num_samples = operator.index(num_samples)
