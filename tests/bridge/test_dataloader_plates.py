@@ -109,7 +109,7 @@ def test_loader_log_posterior_is_scaled_by_the_plate(data):
     mcmc = StochasticMCMC(_sgld(), num_samples=1, progress_bar=False, seed=0)
     mcmc.run(x, y, batches=_loader(x, y))
     latents = {k: v[0, 0] for k, v in mcmc.get_unconstrained_samples(group_by_chain=True).items()}
-    full = mcmc._full_bridge.log_posterior(latents, mcmc._full_bridge.full_batch())
+    full = mcmc.results.full_bridge.log_posterior(latents, mcmc.results.full_bridge.full_batch())
     total = 0.0
     for x_b, y_b, idx_b in _loader(x, y, seed=3):
         total = total + len(idx_b) / N * mcmc.bridge.log_posterior(latents, Batch({}, (x_b, y_b, idx_b), {}))

@@ -291,9 +291,10 @@ class StochasticMCMC(Draws):
         first = next(batch_iter)
         try:
             bridge = ModelBridge(model, *first)
-        except ModelError:
-            raise
         except (TypeError, ValueError, IndexError, RuntimeError) as error:
+            # a ModelError is the data's fault, unless torch failed inside the model on this element (its cause)
+            if isinstance(error, ModelError) and not isinstance(error.__cause__, RuntimeError):
+                raise
             raise TypeError(
                 f"the model failed on the first element of batches ({first_line(error)}); batches must yield a "
                 "tuple of the model's positional arguments or a dict of its keyword arguments."
