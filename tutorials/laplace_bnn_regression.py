@@ -250,10 +250,13 @@ assert FAST or abs(evidence_full - evidence_low_rank) < 1.0
 
 # %%
 last = structures["full, last layer"]
-last_draws = Predictive(FullDataModel(model), guide=last, num_samples=num_samples)(grid)["f"].reshape(num_samples, -1)
+# The sd of S Gaussian draws is known to a relative 1/√(2S) (7% at S = 100: too coarse to check 5%), so this check
+# takes 4,000 draws of the cheap last-layer guide and allows 4 such errors (4.5%).
+check_draws = 4_000
+last_draws = Predictive(FullDataModel(model), guide=last, num_samples=check_draws)(grid)["f"].reshape(check_draws, -1)
 ratio = last_draws.std(0) / sds["full, last layer"]
 print(f"last layer, nn sd / linearised sd: {ratio.mean():.3f} on average")
-assert (ratio.mean() - 1).abs() < 0.05
+assert (ratio.mean() - 1).abs() < 4 / (2 * check_draws) ** 0.5
 
 # %%
 import matplotlib  # noqa: E402
