@@ -5,4 +5,13 @@ from pyro_scalable.bridge import FullDataModel, ModelError
 
 __version__ = "0.1.0"
 
-__all__ = ["FullDataModel", "ModelError", "__version__", "infer"]
+__all__ = ["FullDataModel", "ModelError", "__version__", "infer", "to_inference_data"]
+
+
+def __getattr__(name: str):
+    # ArviZ takes seconds to import: the converter is loaded on first use, not with the package.
+    if name == "to_inference_data":
+        from pyro_scalable.inference_data import to_inference_data
+
+        return to_inference_data
+    raise AttributeError(f"module 'pyro_scalable' has no attribute {name!r}")

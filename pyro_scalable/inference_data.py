@@ -1,84 +1,129 @@
-"""The ArviZ adapter: the one module that imports ArviZ.
+"""The ArviZ adapter: the one module that imports ArviZ, and the one converter from Pyro results to ArviZ.
 
-Groups written, each with dimensions ``(chain, draw, *site_shape)`` where a draw dimension applies:
+:func:`to_inference_data` takes any result :mod:`pyro_scalable.sources` reads — our engines' runs and posteriors,
+Pyro's ``MCMC``, a trained guide, a dict of draws — and writes, each with dimensions ``(chain, draw, *site_shape)``:
 
-* ``posterior``: constrained draws of every latent site;
-* ``sample_stats``: ``lp`` (minibatch log-joint estimate), ``diverging``, ``step_size``, ``temperature``,
-  ``grad_norm`` — ArviZ's names where it has one;
+* ``posterior``: constrained draws of every latent site (and a dict's extra deterministic sites);
+* ``sample_stats``: the engine's per-draw statistics — ``lp`` (minibatch log-joint estimate), ``diverging``,
+  ``step_size``, ``temperature``, ``grad_norm``, … (ArviZ's names where it has one); ``diverging`` for Pyro MCMC;
 * ``log_likelihood``: pointwise ``log p(y_i | θ)`` on the **full** data, computed in chunks (never a minibatch),
   so that ``az.loo``/``az.waic`` are unbiased;
-* ``observed_data``: the full observed values.
+* ``observed_data``: the full observed values;
+* on request, ``posterior_predictive`` (one draw of every observed site per posterior draw, on the full data),
+  ``prior`` and ``prior_predictive``.
 
-Observed dimensions that belong to a plate are named after it (``"data"``), so ``az.loo`` finds its pointwise
-dimension. Works with ArviZ 0.x (``InferenceData``) and 1.x (``xarray.DataTree`` via ``arviz_base``).
+Dimensions that belong to a plate are named after it (``"data"``), so ``az.loo`` finds its pointwise dimension.
+ArviZ 0.x returns ``arviz.InferenceData``, ArviZ 1.x an ``xarray.DataTree`` (via ``arviz_base.from_dict``); the
+groups, variables and dimensions are the same on both.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
+import pyro
 import torch
+from torch import Tensor
 
-from pyro_scalable.arguments import check_count, check_flag
+from pyro_scalable.arguments import check_count, check_flag, check_seed
+from pyro_scalable.bridge import FullDataModel
 from pyro_scalable.bridge.likelihood import full_data_log_likelihood
 from pyro_scalable.bridge.model import ModelBridge
-from pyro_scalable.infer.results import Draws
+from pyro_scalable.infer.results import RunRecord
+from pyro_scalable.sources import run_record
 
 with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message=r"\s*ArviZ is undergoing a major refactor", category=FutureWarning)
     import arviz as az
 
-__all__ = ["draws_to_inference_data", "to_inference_data"]
+__all__ = ["ARVIZ_MAJOR", "draws_to_inference_data", "to_inference_data"]
 
-_ARVIZ_1 = int(az.__version__.split(".")[0]) >= 1
+#: The installed ArviZ's major version: 0 (``InferenceData``) or 1 (``xarray.DataTree``).
+ARVIZ_MAJOR = int(az.__version__.split(".")[0])
 
 
 def to_inference_data(
-    mcmc: Any,
+    source: Any,
+    model: Callable | None = None,
     *,
+    args: tuple = (),
+    kwargs: Mapping[str, Any] | None = None,
+    num_samples: int = 1000,
+    seed: int | None = None,
     log_likelihood: bool = True,
+    posterior_predictive: bool | Mapping[str, Any] = False,
+    prior: int | None = None,
     data_chunk_size: int | None = None,
     draws_chunk_size: int = 64,
     coords: dict | None = None,
     dims: dict | None = None,
 ):
-    """Convert a finished :class:`~pyro_scalable.infer.StochasticMCMC` run to ArviZ.
+    """Convert a Pyro result to ArviZ, with the full-data pointwise log-likelihood.
+
+    Example:
+        >>> import pyro, pyro.distributions as dist, torch
+        >>> from pyro_scalable import to_inference_data
+        >>> def model(y):
+        ...     mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
+        ...     with pyro.plate("data", len(y)):
+        ...         pyro.sample("obs", dist.Normal(mu, 1.0), obs=y)
+        >>> draws = {"mu": torch.randn(100)}           # e.g. mcmc.get_samples() or Predictive's output
+        >>> idata = to_inference_data(draws, model, args=(torch.zeros(20),))
+        >>> tuple(idata["log_likelihood"]["obs"].dims)
+        ('chain', 'draw', 'data')
 
     Args:
-        mcmc: the run.
-        log_likelihood: compute the full-data ``log_likelihood`` group (one pass over the data per 64 draws).
+        source: a finished :class:`~pyro_scalable.infer.StochasticMCMC` or
+            :class:`~pyro_scalable.infer.SampleThenOptimize`, a :class:`~pyro_scalable.infer.LaplacePosterior`, a
+            finished ``pyro.infer.MCMC`` (NUTS, HMC), a Pyro guide (an ``AutoGuide`` after SVI, or any callable
+            guide with ``model``), or a dict of draws ``{site: (num_draws, ...)}`` with ``model`` (for example
+            ``pyro.infer.Predictive``'s output; its observed sites become ``posterior_predictive``).
+        model: the Pyro model, for a guide that does not know it or a dict of draws. It is run with subsampling
+            switched off.
+        args: the model's positional arguments on the full data (``x, y``). Our runs and Pyro's MCMC know them;
+            given for a DataLoader run, they supply the full data the run was not given.
+        kwargs: the model's keyword arguments on the full data.
+        num_samples: draws to take from a Laplace posterior or a guide.
+        seed: seeds those draws and the predictive ones (``None``: the global RNG).
+        log_likelihood: compute the full-data ``log_likelihood`` group (one pass over the data per
+            ``draws_chunk_size`` draws).
+        posterior_predictive: ``True`` to draw every observed site once per posterior draw on the full data, or
+            a dict ``{site: (chains, draws, ...)}`` of draws you made.
+        prior: the number of draws from the prior (``prior`` and ``prior_predictive`` groups); ``None`` for none.
         data_chunk_size: data points per chunk for the log-likelihood (default: max(B, 1024)).
         draws_chunk_size: draws vectorised together for the log-likelihood.
         coords: as in ``arviz.from_dict``.
         dims: as in ``arviz.from_dict``; plate dimensions are named after their plates by default.
 
+    Returns:
+        ``arviz.InferenceData`` on ArviZ 0.x, ``xarray.DataTree`` on ArviZ 1.x.
+
     """
-    if not isinstance(mcmc, Draws):
-        raise TypeError(f"mcmc must be a finished run (StochasticMCMC, SampleThenOptimize), got {type(mcmc).__name__}.")
     _check_options(log_likelihood, data_chunk_size, draws_chunk_size, coords, dims)
-    posterior = _numpy(mcmc.get_samples(group_by_chain=True))
-    stats = _numpy(mcmc.sample_stats)
-    bridge: ModelBridge | None = mcmc.results.full_bridge
-    groups: dict[str, dict[str, np.ndarray]] = {"posterior": posterior, "sample_stats": stats}
-    all_dims = {}
-    if bridge is None:
-        warnings.warn(
-            "no full data was passed to run() (only batches): log_likelihood and observed_data are left out.",
-            stacklevel=3,
+    check_count("prior", prior, optional=True)
+    if not isinstance(posterior_predictive, (bool, Mapping)):
+        raise TypeError(
+            f"posterior_predictive must be True/False or a dict of draws, got {type(posterior_predictive).__name__}."
         )
-    else:
-        observed = bridge.observed_data()
-        groups["observed_data"] = _numpy(observed)
-        all_dims = {name: _plate_dims(bridge, name, value.dim()) for name, value in observed.items()}
-        if log_likelihood:
-            draws = mcmc.get_unconstrained_samples(group_by_chain=False)
-            values = full_data_log_likelihood(
-                bridge, draws, data_chunk_size=data_chunk_size, draws_chunk_size=draws_chunk_size
-            )
-            shape = (mcmc.num_chains, mcmc.num_samples)
-            groups["log_likelihood"] = {k: v.reshape(shape + v.shape[1:]).numpy() for k, v in values.items()}
+    record, extra = run_record(source, model, args, kwargs, num_samples=num_samples, seed=seed)
+    bridge = record.full_bridge
+    observed_extra = {k: v for k, v in extra.items() if bridge is not None and k in bridge.observed}
+    groups, all_dims = _groups(record, log_likelihood, data_chunk_size, draws_chunk_size)
+    groups["posterior"].update(_numpy({k: v for k, v in extra.items() if k not in observed_extra}))
+    if observed_extra and posterior_predictive is False:
+        groups["posterior_predictive"] = _numpy(observed_extra)
+    if posterior_predictive is not False or prior is not None:
+        if bridge is None:
+            raise ValueError("posterior_predictive and prior need the full data: pass args=(...) to this call.")
+        if isinstance(posterior_predictive, Mapping):
+            groups["posterior_predictive"] = _numpy(posterior_predictive)
+        elif posterior_predictive:
+            groups["posterior_predictive"] = _posterior_predictive(record, seed)
+        if prior is not None:
+            groups["prior"], groups["prior_predictive"] = _prior(bridge, prior, seed)
     all_dims.update(dims or {})
     return _from_dict(groups, coords, all_dims)
 
@@ -94,26 +139,78 @@ def draws_to_inference_data(
     coords: dict | None = None,
     dims: dict | None = None,
 ):
-    """Convert unconstrained draws ``{site: (chains * draws, *shape)}`` of a model (e.g. a Laplace posterior's)."""
+    """Convert unconstrained draws ``{site: (chains * draws, *shape)}`` of the model bound in ``bridge``."""
     if not isinstance(bridge, ModelBridge):
         raise TypeError(f"bridge must be a ModelBridge, got {type(bridge).__name__}.")
     check_count("num_chains", num_chains)
     _check_options(log_likelihood, data_chunk_size, draws_chunk_size, coords, dims)
     _check_draws(bridge, latents, num_chains)
-    num_draws = next(iter(latents.values())).shape[0] // num_chains
-    shape = (num_chains, num_draws)
-    constrained = bridge.constrain(latents)
-    groups = {"posterior": {k: v.reshape(shape + v.shape[1:]).detach().cpu().numpy() for k, v in constrained.items()}}
-    observed = bridge.observed_data()
-    groups["observed_data"] = _numpy(observed)
-    all_dims = {name: _plate_dims(bridge, name, value.dim()) for name, value in observed.items()}
-    if log_likelihood:
-        values = full_data_log_likelihood(
-            bridge, latents, data_chunk_size=data_chunk_size, draws_chunk_size=draws_chunk_size
-        )
-        groups["log_likelihood"] = {k: v.reshape(shape + v.shape[1:]).numpy() for k, v in values.items()}
+    draws = {k: v.reshape((num_chains, -1) + v.shape[1:]) for k, v in latents.items()}
+    record = RunRecord(bridge, bridge, bridge.args, bridge.kwargs, draws)
+    groups, all_dims = _groups(record, log_likelihood, data_chunk_size, draws_chunk_size)
     all_dims.update(dims or {})
     return _from_dict(groups, coords, all_dims)
+
+
+def _groups(record: RunRecord, log_likelihood: bool, data_chunk_size, draws_chunk_size) -> tuple[dict, dict]:
+    """``posterior``, ``sample_stats``, ``observed_data`` and ``log_likelihood`` of a record, and their dims."""
+    shape = next(iter(record.draws.values())).shape[:2]
+    constrained = record.bridge.constrain({k: v.reshape((-1,) + v.shape[2:]) for k, v in record.draws.items()})
+    groups: dict[str, dict[str, np.ndarray]] = {
+        "posterior": {k: v.reshape(shape + v.shape[1:]).detach().cpu().numpy() for k, v in constrained.items()}
+    }
+    if record.stats:
+        groups["sample_stats"] = _numpy(record.stats)
+    all_dims = {name: _latent_dims(site) for name, site in record.bridge.sites.items() if any(site.plates)}
+    bridge = record.full_bridge
+    if bridge is None:
+        warnings.warn(
+            "no full data was passed to run() (only batches): log_likelihood and observed_data are left out. "
+            "Pass the full data as to_inference_data(..., args=(x, y)) to have them.",
+            stacklevel=3,
+        )
+        return groups, all_dims
+    observed = bridge.observed_data()
+    groups["observed_data"] = _numpy(observed)
+    all_dims.update({name: _observed_dims(bridge, name, value.dim()) for name, value in observed.items()})
+    if log_likelihood:
+        draws = {k: v.reshape((-1,) + v.shape[2:]) for k, v in record.draws.items()}
+        values = full_data_log_likelihood(
+            bridge, draws, data_chunk_size=data_chunk_size, draws_chunk_size=draws_chunk_size
+        )
+        groups["log_likelihood"] = {k: v.reshape(shape + v.shape[1:]).numpy() for k, v in values.items()}
+    return groups, all_dims
+
+
+def _posterior_predictive(record: RunRecord, seed: int | None) -> dict[str, np.ndarray]:
+    bridge = record.full_bridge
+    shape = next(iter(record.draws.values())).shape[:2]
+    draws = bridge.constrain({k: v.reshape((-1,) + v.shape[2:]).to(bridge.device) for k, v in record.draws.items()})
+    values = _sample_observed(bridge, draws, shape[0] * shape[1], seed)
+    return {k: v.reshape(shape + v.shape[1:]) for k, v in values.items()}
+
+
+def _prior(bridge: ModelBridge, num_draws: int, seed: int | None) -> tuple[dict, dict]:
+    values = _sample_observed(bridge, {}, num_draws, seed, sites=list(bridge.sites) + list(bridge.observed))
+    prior = {k: v[None] for k, v in values.items() if k in bridge.sites}
+    return prior, {k: v[None] for k, v in values.items() if k in bridge.observed}
+
+
+def _sample_observed(
+    bridge: ModelBridge, draws: dict, num_draws: int, seed: int | None, sites: list | None = None
+) -> dict[str, np.ndarray]:
+    """One draw of each observed site (and ``sites``) per draw of the latents, the observed values unconditioned."""
+    check_seed("seed", seed)
+    model = pyro.poutine.uncondition(FullDataModel(bridge.model))
+    sites = sites or list(bridge.observed)
+    predictive = pyro.infer.Predictive(model, posterior_samples=draws or None, num_samples=num_draws, return_sites=sites)
+    devices = [bridge.device] if bridge.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        if seed is not None:
+            torch.manual_seed(seed)
+        values = predictive(*bridge.args, **bridge.kwargs)
+    shapes = {**{k: s.shape for k, s in bridge.sites.items()}, **{k: v.shape for k, v in bridge.observed_data().items()}}
+    return {k: v.reshape((num_draws,) + shapes[k]).detach().cpu().numpy() for k, v in values.items()}
 
 
 def _check_options(log_likelihood, data_chunk_size, draws_chunk_size, coords, dims) -> None:
@@ -137,8 +234,8 @@ def _check_draws(bridge: ModelBridge, latents: Any, num_chains: int) -> None:
     counts = set()
     for name, site in bridge.sites.items():
         value = latents[name]
-        if not isinstance(value, torch.Tensor) or tuple(value.shape[1:]) != tuple(site.unconstrained_shape):
-            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        if not isinstance(value, Tensor) or tuple(value.shape[1:]) != tuple(site.unconstrained_shape):
+            shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
             raise ValueError(
                 f"latents[{name!r}] must be a tensor of shape (draws, *{tuple(site.unconstrained_shape)}), got {shape}."
             )
@@ -151,22 +248,28 @@ def _check_draws(bridge: ModelBridge, latents: Any, num_chains: int) -> None:
 
 
 def _from_dict(groups: dict, coords: dict | None, dims: dict):
-    if _ARVIZ_1:
-        from arviz_base import from_dict
-
-        return from_dict(groups, coords=coords, dims=dims)
+    attrs = {"inference_library": "pyro", "inference_library_version": pyro.__version__}
+    # Arrays are (chain, draw, ...) by construction; ArviZ warns where there are more chains than draws, which is
+    # parallel SG-MCMC (one draw per chain: a deep ensemble at T = 0), so that one warning is silenced on both majors.
     with warnings.catch_warnings():
-        # ArviZ guesses that arrays with more chains than draws are mis-shaped; ours are (chain, draw, ...) by
-        # construction, and many chains of one draw each is parallel SG-MCMC (a deep ensemble at T = 0).
         warnings.filterwarnings("ignore", message=r"More chains \(\d+\) than draws", category=UserWarning)
-        return az.from_dict(**groups, coords=coords, dims=dims)
+        warnings.filterwarnings("ignore", message="Found chain dimension to be longer than draw", category=UserWarning)
+        if ARVIZ_MAJOR >= 1:
+            from arviz_base import from_dict
+
+            return from_dict(groups, coords=coords, dims=dims, attrs={group: attrs for group in groups})
+        return az.from_dict(**groups, coords=coords, dims=dims, attrs=attrs)
 
 
-def _numpy(tensors: dict) -> dict[str, np.ndarray]:
-    return {k: v.detach().cpu().numpy() for k, v in tensors.items()}
+def _numpy(tensors: Mapping) -> dict[str, np.ndarray]:
+    return {k: v.detach().cpu().numpy() if isinstance(v, Tensor) else np.asarray(v) for k, v in tensors.items()}
 
 
-def _plate_dims(bridge: ModelBridge, site: str, ndim: int) -> list[str]:
+def _latent_dims(site) -> list[str]:
+    return [plate or f"{site.name}_dim_{i}" for i, plate in enumerate(site.plates)]
+
+
+def _observed_dims(bridge: ModelBridge, site: str, ndim: int) -> list[str]:
     # Plate dims count from the right of the batch shape; the observed value also has the event dims on its right.
     frames = bridge.observed[site]
     event_dim = bridge.observed_event_dims[site]

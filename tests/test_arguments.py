@@ -87,7 +87,17 @@ def test_model_bridge(argument, call, error, data):
 # ---------------------------------------------------------------------------------------------------- ArviZ adapter
 
 ADAPTER = [
-    ("mcmc", lambda m: to_inference_data(object()), TypeError),
+    ("cannot convert object", lambda m: to_inference_data(object()), TypeError),
+    ("model=", lambda m: to_inference_data(m, model), TypeError),
+    ("model=", lambda m: to_inference_data({"w": torch.zeros(6, 2)}), TypeError),
+    ("args=", lambda m: to_inference_data({"w": torch.zeros(6, 2)}, model), TypeError),
+    ("args", lambda m: to_inference_data(m, args=torch.zeros(3)), TypeError),
+    ("site 'w'", lambda m: to_inference_data({"w": torch.zeros(6, 3)}, model, args=m._args), ValueError),
+    ("['w']", lambda m: to_inference_data({"v": torch.zeros(6, 2)}, model, args=m._args), ValueError),
+    ("posterior_predictive", lambda m: to_inference_data(m, posterior_predictive="yes"), TypeError),
+    ("prior", lambda m: to_inference_data(m, prior=0), ValueError),
+    ("num_samples", lambda m: to_inference_data(m, num_samples=0), ValueError),
+    ("seed", lambda m: to_inference_data(m, seed=-1), ValueError),
     ("log_likelihood", lambda m: to_inference_data(m, log_likelihood="yes"), TypeError),
     ("data_chunk_size", lambda m: to_inference_data(m, data_chunk_size=0), ValueError),
     ("data_chunk_size", lambda m: to_inference_data(m, data_chunk_size=-5), ValueError),

@@ -19,6 +19,7 @@ from pyro_scalable import FullDataModel
 from pyro_scalable.bridge import ModelBridge
 from pyro_scalable.infer.results import Draws, RunRecord
 from pyro_scalable.inference_data import draws_to_inference_data, to_inference_data
+from tests.arviz_compat import group_names, needs_from_pyro
 from tests.random_models import build, specs
 
 
@@ -61,7 +62,7 @@ def test_draws_to_inference_data_shapes_dims_dtypes_and_values(spec, num_chains,
     model, args = build(spec)
     run = FakeRun(ModelBridge(model, args), num_chains, num_samples, spec.seed)
     idata = to_inference_data(run, data_chunk_size=data_chunk, draws_chunk_size=2)
-    assert set(idata.groups()) == {"posterior", "sample_stats", "log_likelihood", "observed_data"}
+    assert group_names(idata) == {"posterior", "sample_stats", "log_likelihood", "observed_data"}
     numpy_dtype = np.float32 if spec.dtype == torch.float32 else np.float64
     samples = run.get_samples(group_by_chain=True)
     for name, site in run.bridge.sites.items():
@@ -105,7 +106,7 @@ def test_coords_and_dims_name_the_plate_dimension(spec, num_chains, num_samples)
         extra = {first: [f"{first}_axis_{k}" for k in range(len(site_shape))]}
     idata = run.to_inference_data(log_likelihood=False, coords={"data": labels}, dims=extra)
     assert list(idata.observed_data["data"].values) == labels
-    assert "log_likelihood" not in idata.groups()
+    assert "log_likelihood" not in group_names(idata)
     assert idata.posterior[first].dims == ("chain", "draw", *extra.get(first, []))
 
 
@@ -125,6 +126,7 @@ def test_laplace_style_draws_to_inference_data(spec, num_chains, num_draws):
     assert idata.log_likelihood["obs"].shape[:2] == (num_chains, num_draws)
 
 
+@needs_from_pyro
 def test_arviz_reads_a_fake_run_with_from_pyro():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r"\s*ArviZ is undergoing", category=FutureWarning)

@@ -270,8 +270,11 @@ class ModelBridge:
                     "diag(positive scales) @ LKJCholesky, a covariance matrix from that factor."
                 ) from None
             unconstrained = transform.inv(value)
+            batch_dims = value.dim() - fn.event_dim
+            plates = {batch_dims + f.dim: f.name for f in node["cond_indep_stack"] if batch_dims + f.dim >= 0}
             sites[name] = LatentSite(
-                name, value.shape, unconstrained.shape, transform, not _is_identity(transform), value.dtype
+                name, value.shape, unconstrained.shape, transform, not _is_identity(transform), value.dtype,
+                tuple(plates.get(d) for d in range(value.dim())),
             )
         return sites
 

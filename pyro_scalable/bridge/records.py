@@ -32,6 +32,7 @@ class LatentSite:
     transform: Transform
     has_jacobian: bool = True  # False for real-valued sites: their log|det J| is 0 and is skipped
     dtype: torch.dtype = torch.float32  # of the constrained value (the model's)
+    plates: tuple[str | None, ...] = ()  # per dim of the constrained value: the plate it belongs to, or None
 
 
 @dataclass(frozen=True)

@@ -365,14 +365,13 @@ class LaplacePosterior:
 
     # ------------------------------------------------------------------ ArviZ
     def to_inference_data(self, num_samples: int = 1000, seed: int | None = None, **kwargs: Any):
-        """Posterior draws (chain=1, draw=S) with the full-data log-likelihood, via the package's ArviZ adapter."""
-        from pyro_scalable.inference_data import draws_to_inference_data
+        """``num_samples`` posterior draws (chain=1) with the full-data log-likelihood, as ArviZ data.
 
-        check_count("num_samples", num_samples)
-        check_seed("seed", seed)
-        generator = None if seed is None else torch.Generator(self.theta_star.device).manual_seed(seed)
-        unconstrained = self._all_latents(self.sample(num_samples, generator))
-        return draws_to_inference_data(self.bridge, unconstrained, num_chains=1, **kwargs)
+        Keyword arguments go to :func:`pyro_scalable.to_inference_data` (e.g. ``posterior_predictive=True``).
+        """
+        from pyro_scalable.inference_data import to_inference_data
+
+        return to_inference_data(self, num_samples=num_samples, seed=seed, **kwargs)
 
     def check_map(self, threshold: float = 1.0) -> None:
         r"""Warn when :math:`\theta_*` is not a MAP: half the Newton decrement :math:`b^\top H^{-1} b/2` in nats."""
