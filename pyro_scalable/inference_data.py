@@ -203,13 +203,18 @@ def _sample_observed(
     check_seed("seed", seed)
     model = pyro.poutine.uncondition(FullDataModel(bridge.model))
     sites = sites or list(bridge.observed)
-    predictive = pyro.infer.Predictive(model, posterior_samples=draws or None, num_samples=num_draws, return_sites=sites)
+    predictive = pyro.infer.Predictive(
+        model, posterior_samples=draws or None, num_samples=num_draws, return_sites=sites
+    )
     devices = [bridge.device] if bridge.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         if seed is not None:
             torch.manual_seed(seed)
         values = predictive(*bridge.args, **bridge.kwargs)
-    shapes = {**{k: s.shape for k, s in bridge.sites.items()}, **{k: v.shape for k, v in bridge.observed_data().items()}}
+    shapes = {
+        **{k: s.shape for k, s in bridge.sites.items()},
+        **{k: v.shape for k, v in bridge.observed_data().items()},
+    }
     return {k: v.reshape((num_draws,) + shapes[k]).detach().cpu().numpy() for k, v in values.items()}
 
 

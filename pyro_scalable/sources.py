@@ -18,8 +18,8 @@ record always describes all N data points.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
 import warnings
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import pyro

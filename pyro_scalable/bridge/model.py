@@ -273,7 +273,12 @@ class ModelBridge:
             batch_dims = value.dim() - fn.event_dim
             plates = {batch_dims + f.dim: f.name for f in node["cond_indep_stack"] if batch_dims + f.dim >= 0}
             sites[name] = LatentSite(
-                name, value.shape, unconstrained.shape, transform, not _is_identity(transform), value.dtype,
+                name,
+                value.shape,
+                unconstrained.shape,
+                transform,
+                not _is_identity(transform),
+                value.dtype,
                 tuple(plates.get(d) for d in range(value.dim())),
             )
         return sites
