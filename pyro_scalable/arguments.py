@@ -6,10 +6,11 @@ these at construction, so that a wrong value fails at once with a message, not d
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 import operator
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ __all__ = [
     "check_number",
     "check_seed",
     "check_tensor",
+    "fork_rng",
 ]
 
 
@@ -113,3 +115,18 @@ def check_tensor(
 
 def _short(tensor: Tensor) -> str:
     return repr(tensor.item()) if tensor.numel() == 1 else f"a tensor of shape {tuple(tensor.shape)}"
+
+
+@contextlib.contextmanager
+def fork_rng(seed: int | None) -> Iterator[None]:
+    """Seed torch's RNGs (CPU and every initialised CUDA device) for a block and restore them after it.
+
+    ``seed=None`` leaves the RNGs alone: the block draws from, and advances, the global state.
+    """
+    if seed is None:
+        yield
+        return
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield

@@ -25,10 +25,9 @@ from typing import Any
 
 import numpy as np
 import pyro
-import torch
 from torch import Tensor
 
-from pyro_scalable.arguments import check_count, check_flag, check_seed
+from pyro_scalable.arguments import check_count, check_flag, check_seed, fork_rng
 from pyro_scalable.bridge import FullDataModel
 from pyro_scalable.bridge.likelihood import full_data_log_likelihood
 from pyro_scalable.bridge.model import ModelBridge
@@ -108,6 +107,39 @@ def to_inference_data(
         raise TypeError(
             f"posterior_predictive must be True/False or a dict of draws, got {type(posterior_predictive).__name__}."
         )
+    with fork_rng(seed):  # a seeded conversion leaves the global RNG as it found it
+        return _convert(
+            source,
+            model,
+            args,
+            kwargs,
+            num_samples,
+            seed,
+            log_likelihood,
+            posterior_predictive,
+            prior,
+            data_chunk_size,
+            draws_chunk_size,
+            coords,
+            dims,
+        )
+
+
+def _convert(
+    source,
+    model,
+    args,
+    kwargs,
+    num_samples,
+    seed,
+    log_likelihood,
+    posterior_predictive,
+    prior,
+    data_chunk_size,
+    draws_chunk_size,
+    coords,
+    dims,
+):
     record, extra = run_record(source, model, args, kwargs, num_samples=num_samples, seed=seed)
     bridge = record.full_bridge
     observed_extra = {k: v for k, v in extra.items() if bridge is not None and k in bridge.observed}
@@ -206,10 +238,7 @@ def _sample_observed(
     predictive = pyro.infer.Predictive(
         model, posterior_samples=draws or None, num_samples=num_draws, return_sites=sites
     )
-    devices = [bridge.device] if bridge.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        if seed is not None:
-            torch.manual_seed(seed)
+    with fork_rng(seed):
         values = predictive(*bridge.args, **bridge.kwargs)
     shapes = {
         **{k: s.shape for k, s in bridge.sites.items()},

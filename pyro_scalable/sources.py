@@ -29,6 +29,7 @@ from torch import Tensor
 
 from pyro_scalable.arguments import check_count, check_seed
 from pyro_scalable.bridge import FullDataModel, ModelBridge
+from pyro_scalable.bridge.guides import guide_draws
 from pyro_scalable.infer.laplace import LaplacePosterior
 from pyro_scalable.infer.results import Draws, RunRecord
 
@@ -170,17 +171,5 @@ def _from_dict(bridge: ModelBridge, samples: Mapping[str, Any]) -> tuple[RunReco
 
 
 def _from_guide(bridge: ModelBridge, guide: Callable, num_samples: int, seed: int | None) -> RunRecord:
-    draws: dict[str, list[Tensor]] = {name: [] for name in bridge.sites}
-    devices = [bridge.device] if bridge.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices), torch.no_grad():
-        if seed is not None:
-            torch.manual_seed(seed)
-        for _ in range(num_samples):
-            trace = pyro.poutine.trace(guide).get_trace(*bridge.args, **bridge.kwargs)
-            for name in bridge.sites:
-                if name not in trace.nodes:
-                    raise ValueError(
-                        f"the guide has no site '{name}' (a latent site of the model); it does not belong to it."
-                    )
-                draws[name].append(trace.nodes[name]["value"])
-    return _record(bridge, {k: torch.stack(v).unsqueeze(0) for k, v in draws.items()})
+    draws = guide_draws(bridge, guide, num_samples, seed)
+    return _record(bridge, {k: v.unsqueeze(0) for k, v in draws.items()})

@@ -18,3 +18,14 @@ def group_names(idata) -> set[str]:
 def elpd_loo(loo) -> float:
     """The PSIS-LOO estimate: ``elpd_loo`` on 0.x, ``elpd`` on 1.x."""
     return float(loo.elpd if ARVIZ_MAJOR >= 1 else loo.elpd_loo)
+
+
+def loo_estimate(idata) -> float:
+    """``az.loo``'s elpd, without its Pareto-k notice (about the model and the draws, not about the conversion)."""
+    import warnings
+
+    import arviz as az
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Estimated shape parameter of Pareto", category=UserWarning)
+        return elpd_loo(az.loo(idata))

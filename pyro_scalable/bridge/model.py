@@ -272,15 +272,9 @@ class ModelBridge:
             unconstrained = transform.inv(value)
             batch_dims = value.dim() - fn.event_dim
             plates = {batch_dims + f.dim: f.name for f in node["cond_indep_stack"] if batch_dims + f.dim >= 0}
-            sites[name] = LatentSite(
-                name,
-                value.shape,
-                unconstrained.shape,
-                transform,
-                not _is_identity(transform),
-                value.dtype,
-                tuple(plates.get(d) for d in range(value.dim())),
-            )
+            plates = tuple(plates.get(d) for d in range(value.dim()))
+            bijective = not _is_identity(transform)
+            sites[name] = LatentSite(name, value.shape, unconstrained.shape, transform, bijective, value.dtype, plates)
         return sites
 
     def _find_observed(self, trace) -> dict[str, dict[int, str]]:
