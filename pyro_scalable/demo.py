@@ -84,7 +84,8 @@ def main(argv: list[str] | None = None) -> None:
     import matplotlib.pyplot as plt
 
     args.out.mkdir(parents=True, exist_ok=True)
-    az.plot_trace(idata, var_names=["bias", "weight"], compact=True)
+    # ArviZ 0.x draws traces and densities with plot_trace; 1.x (arviz_plots) with plot_trace_dist
+    getattr(az, "plot_trace_dist", az.plot_trace)(idata, var_names=["bias", "weight"])
     path = args.out / "demo_trace.png"
     plt.tight_layout()
     # written next to the target and renamed: an interrupted save never leaves a half-written PNG behind

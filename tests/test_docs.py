@@ -79,6 +79,7 @@ def test_rst_roles_become_markdown():
     assert rst.rst_to_markdown("    Example:\n        >>> 1") == "    Examples:\n        >>> 1"
 
 
+@pytest.mark.arviz
 def test_first_model_runs():
     """docs/getting_started.md shows docs/snippets/first_model.py; its own assertions check the posterior."""
     pytest.importorskip("arviz")

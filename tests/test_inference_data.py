@@ -15,6 +15,8 @@ from pyro_scalable.infer import SGHMC, StochasticMCMC
 from pyro_scalable.inference_data import ARVIZ_MAJOR
 from tests.arviz_compat import elpd_loo, group_names, needs_from_pyro
 
+pytestmark = pytest.mark.arviz  # run against both ArviZ majors by scripts/test.sh
+
 with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message=r"\s*ArviZ is undergoing a major refactor", category=FutureWarning)
     import arviz as az

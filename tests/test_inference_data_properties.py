@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pyro
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -21,6 +22,8 @@ from pyro_scalable.infer.results import Draws, RunRecord
 from pyro_scalable.inference_data import draws_to_inference_data, to_inference_data
 from tests.arviz_compat import group_names, needs_from_pyro
 from tests.random_models import build, specs
+
+pytestmark = pytest.mark.arviz  # run against both ArviZ majors by scripts/test.sh
 
 
 class FakeRun(Draws):

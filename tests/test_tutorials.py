@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.arviz  # run against both ArviZ majors by scripts/test.sh
+
 TUTORIALS = sorted((Path(__file__).parent.parent / "tutorials").glob("*.py"))
 
 

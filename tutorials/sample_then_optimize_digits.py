@@ -358,7 +358,8 @@ print("minibatch objective of draw 0 at the end of each solve:", objective_trace
 # %%
 idata = sto.to_inference_data()
 print(az.summary(idata, var_names=["layers.1.bias"], kind="stats").head(4))
-print("groups:", list(idata.groups()), " sample_stats:", list(idata.sample_stats.data_vars))
+print("groups:", [g for g in ("posterior", "log_likelihood", "sample_stats") if g in idata])
+print("sample_stats:", list(idata["sample_stats"].data_vars))
 
 # %% [markdown]
 # ### A cross-check against the dense posterior

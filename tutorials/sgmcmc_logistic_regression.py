@@ -83,7 +83,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 os.makedirs(IMAGES, exist_ok=True)
-az.plot_trace(idata, var_names=["w", "b"], compact=True)
+# ArviZ 0.x draws traces and densities with plot_trace, ArviZ 1.x with plot_trace_dist
+getattr(az, "plot_trace_dist", az.plot_trace)(idata, var_names=["w", "b"])
 plt.tight_layout()
 plt.savefig(os.path.join(IMAGES, "sgmcmc_trace.png"), dpi=72)
 az.plot_rank(idata, var_names=["w", "b"])

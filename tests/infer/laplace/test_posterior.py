@@ -41,6 +41,7 @@ def _trained(model, *args, steps=600):
     return guide
 
 
+@pytest.mark.arviz
 def test_svi_trained_map_then_predictive_and_arviz():
     x, y = _classification()
     pyro.set_rng_seed(0)

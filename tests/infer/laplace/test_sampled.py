@@ -47,6 +47,7 @@ def test_sampled_predictive_covariance_matches_full(posteriors):
     assert sampled.predict(x[:20]).distribution.probs.shape == (20, 3)
 
 
+@pytest.mark.arviz
 def test_sampled_draws_guide_and_arviz(posteriors):
     model, x, _, _, sampled = posteriors
     draws = sampled.get_samples(10, seed=0)
