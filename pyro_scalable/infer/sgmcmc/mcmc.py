@@ -31,6 +31,7 @@ from pyro_scalable.bridge.checks import ModelError
 from pyro_scalable.bridge.minibatches import EpochSampler
 from pyro_scalable.bridge.model import Batch, Latents, ModelBridge
 from pyro_scalable.infer.distributed import broadcast_seed
+from pyro_scalable.infer.health import repeated_draws, warn_unhealthy
 from pyro_scalable.infer.results import Draws, RunRecord
 from pyro_scalable.infer.sgmcmc.adaptation import Adaptation
 from pyro_scalable.infer.sgmcmc.chains import ChainStepper, first_line
@@ -274,7 +275,9 @@ class StochasticMCMC(Draws):
                 "a chain diverged during warmup and on_divergence='stop'; no draw was kept. "
                 "Lower the step size, or use on_divergence='continue'."
             )
-        self._warn_divergences()
+        if self.num_samples > 0:
+            self.results.stats["repeated"] = repeated_draws(self.results.draws)
+        warn_unhealthy(self.results.draws, self.results.stats, self.num_warmup_divergences)
         self._warn_noise()
 
     def _bind(self, args: tuple, kwargs: dict, batches: Iterable | None) -> tuple[RunRecord, Iterator | None]:
@@ -328,17 +331,6 @@ class StochasticMCMC(Draws):
             self.results.draws = {k: v[:, :kept] for k, v in self.results.draws.items()}
             self.results.stats = {k: v[:, :kept] for k, v in self.results.stats.items()}
             self.num_samples = kept
-
-    def _warn_divergences(self) -> None:
-        stats = self.results.stats
-        sampled = int(stats["diverging"].sum()) if "diverging" in stats else 0
-        if sampled or self.num_warmup_divergences:
-            warnings.warn(
-                f"{sampled} kept draws and {self.num_warmup_divergences} warmup steps diverged (non-finite log "
-                "density or gradient; those steps were rejected and are marked in sample_stats.diverging). "
-                "Lower the step size.",
-                stacklevel=3,
-            )
 
     def _warn_noise(self) -> None:
         uncorrected = self.results.stats.get("uncorrected")
