@@ -1,7 +1,8 @@
-"""Posterior predictive draws of a Pyro model: the model on full data, conditioned on each posterior draw.
+r"""Posterior predictive draws of a Pyro model: the model on full data, conditioned on each posterior draw.
 
-For draws :math:`\\theta_s` of the latents, one draw :math:`y_s \\sim p(y \\mid \\theta_s, x)` per posterior draw is
-a draw of the posterior predictive :math:`p(y \\mid x, D) = \\int p(y \\mid \\theta, x)\\, p(\\theta \\mid D)\\,d\\theta`.
+For draws :math:`\theta_s` of the latents, one draw :math:`y_s \sim p(y \mid \theta_s, x)` per posterior draw is
+a draw of the posterior predictive
+:math:`p(y \mid x, D) = \int p(y \mid \theta, x)\, p(\theta \mid D)\,d\theta`.
 This is what ``pyro.infer.Predictive(FullDataModel(model), posterior_samples=samples)(*args)`` computes, with
 three differences: observed sites are always sampled (``poutine.uncondition``: passing ``y`` gives a draw of ``y``,
 never ``y`` itself), every site comes back as ``(S, *site shape)`` (no singleton plate dims), and the draws are
@@ -131,9 +132,7 @@ def _explain_plate_size(model: Callable, trace, args: tuple, kwargs: Mapping[str
 
 def _return_sites(trace, samples: Mapping[str, Tensor], return_sites) -> list[str]:
     nodes = {
-        name: node
-        for name, node in trace.nodes.items()
-        if node["type"] == "sample" and not site_is_subsample(node)
+        name: node for name, node in trace.nodes.items() if node["type"] == "sample" and not site_is_subsample(node)
     }
     if return_sites is None:
         return [name for name in nodes if name not in samples]

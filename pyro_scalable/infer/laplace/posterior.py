@@ -352,7 +352,7 @@ class LaplacePosterior:
         return_sites: list[str] | None = None,
         **kwargs: Any,
     ) -> dict[str, Tensor]:
-        """``num_samples`` draws of the observed site, on the training data or at new inputs ``args``.
+        r"""``num_samples`` draws of the observed site, on the training data or at new inputs ``args``.
 
         Each draw takes weights from this posterior and ``y`` from the likelihood at the network's output there.
         With ``linearized=True`` (the default) the output is the linearised network
@@ -379,7 +379,9 @@ class LaplacePosterior:
         generator = None if seed is None else torch.Generator(self.theta_star.device).manual_seed(seed)
         theta = self.sample(num_samples, generator)
         samples = self.bridge.constrain(self._all_latents(theta))
-        draws_seed = None if generator is None else int(torch.randint(0, 2**62, (), generator=generator, device=generator.device))
+        draws_seed = None
+        if generator is not None:
+            draws_seed = int(torch.randint(0, 2**62, (), generator=generator, device=generator.device))
         if not linearized:
             return sample_posterior_predictive(
                 self.bridge.model, samples, *args, seed=draws_seed, return_sites=return_sites, **kwargs

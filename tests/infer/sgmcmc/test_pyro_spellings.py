@@ -32,7 +32,9 @@ def model(y):
     ],
 )
 def test_pyro_spelling_names_ours(spelling, value, ours):
-    with pytest.raises(TypeError, match=rf"^StochasticMCMC has no argument {spelling}= \(pyro.infer.MCMC's\): .*{ours}"):
+    with pytest.raises(
+        TypeError, match=rf"^StochasticMCMC has no argument {spelling}= \(pyro.infer.MCMC's\): .*{ours}"
+    ):
         StochasticMCMC(SGLD(model, step_size=0.1), num_samples=10, **{spelling: value})
 
 
