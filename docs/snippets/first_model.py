@@ -10,6 +10,7 @@ import arviz as az
 import pyro
 import pyro.distributions as dist
 import torch
+from pyro.infer import Predictive
 
 from pyro_scalable.infer import SGHMC, StochasticMCMC
 
@@ -60,8 +61,6 @@ print("observed vs replicated share of ones:", float(y.mean()), float(y_rep.mean
 # --8<-- [end:predict]
 
 # --8<-- [start:predictive]
-from pyro.infer import Predictive
-
 samples = mcmc.get_samples()  # {"weight": (4 * STEPS, 3), "bias": (4 * STEPS,)}
 obs = Predictive(mcmc.kernel.model, posterior_samples=samples)(x_new)["obs"]  # (4 * STEPS, 2), as above
 probs = torch.sigmoid(x_new @ samples["weight"].T + samples["bias"])  # P(y = 1 | draw): (2 points, draws)

@@ -3,7 +3,8 @@
 A run fills one :class:`RunRecord` (the draws, their statistics, the model as the steps saw it and on the full
 data, the model's arguments) and sets it as ``results``. An engine that subclasses :class:`Draws` and has a
 ``kernel.model`` (the model on the full data) then offers ``get_samples``, ``diagnostics``, ``summary``,
-``to_inference_data`` and works with ``arviz.from_pyro``; the ArviZ adapter reads the record, nothing private.
+``posterior_predictive``, ``to_inference_data`` and works with ``arviz.from_pyro``; the ArviZ adapter reads the
+record, nothing private.
 """
 
 from __future__ import annotations

@@ -57,8 +57,10 @@ __all__ = ["GLMPredictive", "LaplacePosterior"]
 class LaplacePosterior:
     """A Gaussian posterior over the Laplace sites; every other latent site held at its MAP value.
 
-    Calling it like the model (``posterior(*args)``) samples every latent site — it is a Pyro guide, so
-    ``Predictive(model, guide=posterior, num_samples=S)`` gives the sampled-weights predictive and
+    :meth:`posterior_predictive` draws ``y`` at new inputs (linearised by default). Calling it like the model
+    (``posterior(*args)``) samples every latent site — it is a Pyro guide, so
+    ``Predictive(FullDataModel(model), guide=posterior, num_samples=S)`` gives the sampled-weights predictive (the
+    model as written would predict a random minibatch) and
     ``Predictive(posterior.linearized_model, guide=posterior, num_samples=S)`` the linearised one.
     Build it with :meth:`AutoLinearizedLaplace.laplace_approximation`.
 
