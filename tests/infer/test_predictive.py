@@ -15,6 +15,7 @@ from pyro_scalable.infer import SGLD, AutoLinearizedLaplace, SampleThenOptimize,
 from pyro_scalable.infer.predictive import sample_posterior_predictive
 
 from ..conftest import LinearRegression
+from .linearized.nets import MLP, random_latents
 
 Z = 4.5  # Monte-Carlo standard errors allowed (a 1e-5 chance per comparison for a Gaussian estimate)
 F64 = torch.float64
@@ -251,3 +252,32 @@ def test_laplace_guide_through_pyro_predictive(laplace, regression):
     )["obs"].shape == (12, 70)
     with pytest.raises(ModelError, match=r"subsampled plate 'data'.*FullDataModel"):
         Predictive(regression.model, guide=laplace, num_samples=12)(x_new, None)
+
+
+@pytest.mark.parametrize("likelihood", ["categorical", "normal"])
+def test_laplace_linearized_draws_follow_the_glm_predictive_of_a_network(likelihood):
+    """Draws through the linearised network against ``predict`` (Monte Carlo link for classes): within MC error."""
+    pyro.clear_param_store()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(60, 3, generator=g, dtype=F64)
+    y = torch.randint(0, 3, (60,), generator=g) if likelihood == "categorical" else torch.randn(60, 3, dtype=F64)
+    model = MLP((3, 4, 3), likelihood, batch_size=20)
+    posterior = AutoLinearizedLaplace(model).laplace_approximation(
+        x, y, structure="kron", map_latents=random_latents(model, x), check_map=False
+    )
+    x_test = torch.randn(25, 3, generator=g, dtype=F64)
+    num_samples = 4000
+    draws = posterior.posterior_predictive(x_test, num_samples=num_samples, seed=0)["y"]
+    assert draws.shape == (num_samples, 25, *y.shape[1:])
+    if likelihood == "categorical":
+        probs = posterior.predict(x_test, link_approx="mc", num_samples=20000, seed=1).distribution.probs
+        frequencies = torch.nn.functional.one_hot(draws, 3).to(F64).mean(0)
+        # binomial standard error of each class frequency, plus that of predict's own Monte-Carlo link (a softmax
+        # output in [0, 1] with mean p has variance at most p (1 - p))
+        error = (probs * (1 - probs) * (1 / num_samples + 1 / 20000)).sqrt()
+        assert ((frequencies - probs) / error).abs().max() < Z
+        nn_draws = posterior.posterior_predictive(x_test, num_samples=10, seed=0, linearized=False)["y"]
+        assert nn_draws.shape == (10, 25) and nn_draws.dtype == draws.dtype
+    else:
+        exact = posterior.predict(x_test).distribution
+        _check_moments(draws, exact.mean, exact.variance)
