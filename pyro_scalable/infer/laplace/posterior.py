@@ -46,7 +46,7 @@ from pyro_scalable.bridge.model import Batch, ModelBridge
 from pyro_scalable.infer.laplace.curvature import CurvatureError, Precision, Structure
 from pyro_scalable.infer.laplace.evidence import maximize_evidence
 from pyro_scalable.infer.linearized.ggn import DataFit
-from pyro_scalable.infer.linearized.glm import GLMPredictive, Moments, glm_predictive
+from pyro_scalable.infer.linearized.glm import GLMPredictive, Moments, glm_predictive, linearized_draws
 from pyro_scalable.infer.linearized.likelihoods import Likelihood, LinkApprox
 from pyro_scalable.infer.linearized.network import NetworkFunction
 from pyro_scalable.infer.predictive import sample_posterior_predictive
@@ -394,24 +394,10 @@ class LaplacePosterior:
             raise ValueError(f"return_sites {unknown} are neither the observed site '{self.net.site}' nor latent.")
         out = {name: samples[name] for name in sites if name != self.net.site}
         if self.net.site in sites:
-            out[self.net.site] = self._linearized_draws(theta, args, kwargs, draws_seed)
+            generator = None if draws_seed is None else torch.Generator(theta.device).manual_seed(draws_seed)
+            batches = self._batches(args, kwargs)
+            out[self.net.site] = linearized_draws(self.net, theta, batches, fitted=self._fitted, generator=generator)
         return out
-
-    def _linearized_draws(self, theta: Tensor, args: tuple, kwargs: dict, seed: int | None) -> Tensor:
-        generator = None if seed is None else torch.Generator(self.theta_star.device).manual_seed(seed)
-        chunks = []
-        # draws per JVP: vmap over tangents keeps one copy of the network's activations per draw
-        step = 64
-        for batch in self._batches(args, kwargs):
-            with torch.no_grad():
-                likelihood = self._fitted(self.net.outputs(self.theta_star, batch).likelihood)
-                parts = []
-                for start in range(0, theta.shape[0], step):
-                    f, tangent = self.net.jvp(self.theta_star, theta[start : start + step] - self.theta_star, batch)
-                    fn = likelihood.distribution(f + tangent)
-                    parts.append(_sample(fn, generator))
-            chunks.append(torch.cat(parts))
-        return torch.cat(chunks, dim=1)
 
     def linearized_model(self, *args: Any, **kwargs: Any) -> Tensor:
         """The linearised model as a Pyro model: ``f = f(x, θ*) + J(x)(θ - θ*)``, then ``y`` from the likelihood.
@@ -458,16 +444,6 @@ class LaplacePosterior:
                 + ("; the posterior mean is moved by that Newton step." if self.recenter else "."),
                 stacklevel=3,
             )
-
-
-def _sample(fn: Any, generator: torch.Generator | None) -> Tensor:
-    if generator is None:
-        return fn.sample()
-    # torch.distributions take no generator: draw under a fork of the global one, seeded from ours
-    device = generator.device
-    with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
-        torch.manual_seed(int(torch.randint(0, 2**62, (), generator=generator, device=device)))
-        return fn.sample()
 
 
 def _traced(value: Any) -> bool:
