@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pyro
 import pyro.distributions as dist
 import pytest
@@ -202,11 +204,22 @@ def test_pyro_predictive_with_the_kernel_model_and_refused_with_the_subsampled_m
     assert Predictive(regression.model, num_samples=4)(x_new, None)["obs"].shape == (4, 20)
 
 
-def test_sample_then_optimize_predicts(regression):
-    engine = SampleThenOptimize(regression.model, num_samples=16, num_epochs=20, seed=0, progress_bar=False)
-    engine.run(regression.x, regression.y)
-    assert engine.posterior_predictive(torch.randn(11, 2, dtype=F64), None)["obs"].shape == (16, 11)
-    assert engine.posterior_predictive(group_by_chain=True)["obs"].shape == (1, 16, 120)
+@pytest.mark.parametrize("linearized", [True, False])
+def test_sample_then_optimize_predicts_at_its_own_draws(linearized):
+    """With σ = 1e-3 each draw of y is x w_j for the engine's own draw w_j (either path; the model is linear)."""
+    problem = LinearRegression(num_data=120, batch_size=20, noise_scale=1e-3)
+    engine = SampleThenOptimize(problem.model, num_samples=16, num_epochs=2, seed=0, progress_bar=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # unconverged after 2 epochs: beside the point here
+        engine.run(problem.x, problem.y)
+    x_new = torch.randn(11, 2, dtype=F64)
+    draws = engine.posterior_predictive(x_new, None, seed=0, linearized=linearized, return_sites=["w", "obs"])
+    w = engine.get_samples()["w"]
+    torch.testing.assert_close(draws["w"], w)
+    torch.testing.assert_close(draws["obs"], w @ x_new.T, atol=5e-3, rtol=0)
+    again = engine.posterior_predictive(x_new, None, seed=0, linearized=linearized)["obs"]
+    assert torch.equal(again, draws["obs"])
+    assert engine.posterior_predictive(group_by_chain=True, linearized=linearized)["obs"].shape == (1, 16, 120)
 
 
 # ---------------------------------------------------------------------------- Laplace

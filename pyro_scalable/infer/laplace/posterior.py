@@ -46,7 +46,7 @@ from pyro_scalable.bridge.model import Batch, ModelBridge
 from pyro_scalable.infer.laplace.curvature import CurvatureError, Precision, Structure
 from pyro_scalable.infer.laplace.evidence import maximize_evidence
 from pyro_scalable.infer.linearized.ggn import DataFit
-from pyro_scalable.infer.linearized.glm import GLMPredictive, Moments, glm_predictive, linearized_draws
+from pyro_scalable.infer.linearized.glm import GLMPredictive, Moments, glm_predictive, linearized_posterior_predictive
 from pyro_scalable.infer.linearized.likelihoods import Likelihood, LinkApprox
 from pyro_scalable.infer.linearized.network import NetworkFunction
 from pyro_scalable.infer.predictive import sample_posterior_predictive
@@ -388,16 +388,15 @@ class LaplacePosterior:
             return sample_posterior_predictive(
                 self.bridge.model, samples, *args, seed=draws_seed, return_sites=return_sites, **kwargs
             )
-        sites = [self.net.site] if return_sites is None else list(return_sites)
-        unknown = [name for name in sites if name != self.net.site and name not in samples]
-        if unknown:
-            raise ValueError(f"return_sites {unknown} are neither the observed site '{self.net.site}' nor latent.")
-        out = {name: samples[name] for name in sites if name != self.net.site}
-        if self.net.site in sites:
-            generator = None if draws_seed is None else torch.Generator(theta.device).manual_seed(draws_seed)
-            batches = self._batches(args, kwargs)
-            out[self.net.site] = linearized_draws(self.net, theta, batches, fitted=self._fitted, generator=generator)
-        return out
+        return linearized_posterior_predictive(
+            self.net,
+            theta,
+            samples,
+            self._batches(args, kwargs),
+            return_sites=return_sites,
+            fitted=self._fitted,
+            generator=generator,
+        )
 
     def linearized_model(self, *args: Any, **kwargs: Any) -> Tensor:
         """The linearised model as a Pyro model: ``f = f(x, θ*) + J(x)(θ - θ*)``, then ``y`` from the likelihood.

@@ -18,7 +18,7 @@ likelihood (probit or Monte Carlo for classification; a Normal adds its noise). 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -35,6 +35,7 @@ __all__ = [
     "draws_moments",
     "glm_predictive",
     "linearized_draws",
+    "linearized_posterior_predictive",
 ]
 
 # draws per batched JVP: vmap over tangents keeps one copy of the network's activations per draw
@@ -137,6 +138,32 @@ def linearized_draws(
                 parts.append(_sample(likelihood.distribution(f + tangent), generator))
             chunks.append(torch.cat(parts))
     return torch.cat(chunks, dim=1)
+
+
+def linearized_posterior_predictive(
+    net: NetworkFunction,
+    theta: Tensor,
+    samples: dict[str, Tensor],
+    batches: Iterable[Batch],
+    *,
+    return_sites: Sequence[str] | None = None,
+    fitted: Callable[[Likelihood], Likelihood] | None = None,
+    generator: torch.Generator | None = None,
+) -> dict[str, Tensor]:
+    """``return_sites`` (default: the observed site) from flat draws ``theta`` and their constrained ``samples``.
+
+    The observed site is drawn by :func:`linearized_draws`; a latent site gives its posterior draws.
+    """
+    sites = [net.site] if return_sites is None else list(return_sites)
+    if isinstance(return_sites, str) or not all(isinstance(name, str) for name in sites):
+        raise TypeError(f"return_sites must be a list of site names or None, got {return_sites!r}.")
+    unknown = [name for name in sites if name != net.site and name not in samples]
+    if unknown:
+        raise ValueError(f"return_sites {unknown} are neither the observed site '{net.site}' nor latent.")
+    out = {name: samples[name] for name in sites if name != net.site}
+    if net.site in sites:
+        out[net.site] = linearized_draws(net, theta, batches, fitted=fitted, generator=generator)
+    return out
 
 
 def _sample(fn: Any, generator: torch.Generator | None) -> Tensor:
