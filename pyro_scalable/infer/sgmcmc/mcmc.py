@@ -113,7 +113,9 @@ class StochasticMCMC(Draws):
         checkpoint_every: int = 1000,
         resume: bool = True,
         minibatches: Literal["epoch", "independent"] | None = None,
+        **unknown: Any,
     ):
+        _refuse_pyro_spellings(unknown)
         for name, value, least in (
             ("num_samples", num_samples, 1),
             ("num_warmup", num_warmup, 0),
@@ -123,6 +125,11 @@ class StochasticMCMC(Draws):
         ):
             if isinstance(value, bool) or not hasattr(value, "__index__") or operator.index(value) < least:
                 raise ValueError(f"{name} must be an int >= {least}, got {value!r}.")
+        if chain_method == "parallel":
+            raise ValueError(
+                "chain_method='parallel' (NumPyro's: one process per chain) is not supported: chains run together in "
+                "one process with 'vectorized'; use distributed='chains' to spread them over torchrun processes."
+            )
         if chain_method not in ("vectorized", "sequential"):
             raise ValueError(f"chain_method must be 'vectorized' or 'sequential', got {chain_method!r}.")
         if on_divergence not in ("continue", "stop"):
@@ -344,6 +351,34 @@ class StochasticMCMC(Draws):
                 "wide (sample_stats.noise_ratio > 1). Lower the step size, or raise the minibatch size.",
                 stacklevel=3,
             )
+
+
+# pyro.infer.MCMC's (and NumPyro's) arguments: what to pass instead, or why there is no such thing here
+_PYRO_SPELLINGS = {
+    "warmup_steps": "use num_warmup= (steps per chain before the first kept draw)",
+    "disable_progbar": "use progress_bar=False",
+    "thinning": "use thin=",
+    "initial_params": "initial points come from the kernel's init_strategy: pass e.g. "
+    "SGHMC(model, init_strategy=pyro.infer.autoguide.init_to_value(values={...}))",
+    "hook_fn": "there is no per-step hook; read the draws and sample_stats after run(), or use checkpoint= "
+    "to save the state as it goes",
+    "mp_context": "chains run together in one process (torch.func.vmap); use chain_method= to choose how, or "
+    "distributed='chains' to spread them over torchrun processes",
+    "disable_validation": "the model and data are checked once when the run starts, then stepped without "
+    "validation; use pyro.enable_validation(False) to switch Pyro's checks off there too",
+    "transforms": "each latent site is sampled in the unconstrained space of torch.distributions.biject_to of its "
+    "support; reparametrise the model to change it",
+    "save_params": "every latent site's draws are kept; select with get_samples()[site]",
+    "jit_model_args": "models are not JIT-compiled",
+}
+
+
+def _refuse_pyro_spellings(unknown: dict[str, Any]) -> None:
+    for name in unknown:
+        if name in _PYRO_SPELLINGS:
+            raise TypeError(f"StochasticMCMC has no argument {name}= (pyro.infer.MCMC's): {_PYRO_SPELLINGS[name]}.")
+    if unknown:
+        raise TypeError(f"StochasticMCMC got an unexpected keyword argument {next(iter(unknown))!r}.")
 
 
 def _cycle(batches: Iterable) -> Iterator[tuple[tuple, dict]]:
