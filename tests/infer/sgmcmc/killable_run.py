@@ -1,5 +1,8 @@
 """A small run for tests/infer/sgmcmc/test_checkpoint.py to kill: ``python killable_run.py CHECKPOINT PAUSE``.
 
+``python killable_run.py CHECKPOINT PAUSE NTH MOMENT`` kills itself with SIGKILL during its ``NTH`` checkpoint write
+(:func:`tests.infer.killing.arm`).
+
 ``PAUSE`` seconds of sleep before each step slow the run down enough for a test to kill it mid-way; the pause
 does not change a single number, and lives outside the model (whose code is part of the checkpoint's fingerprint).
 """
@@ -15,6 +18,7 @@ import torch
 
 from pyro_scalable.infer import SGHMC, StochasticMCMC
 from pyro_scalable.infer.sgmcmc.chains import ChainStepper
+from tests.infer import killing
 
 NUM_WARMUP, NUM_SAMPLES = 10, 30
 
@@ -58,4 +62,6 @@ def slow_down(pause: float) -> None:
 
 if __name__ == "__main__":
     slow_down(float(sys.argv[2]))
+    if len(sys.argv) > 3:
+        killing.arm(int(sys.argv[3]), sys.argv[4])
     sampler(sys.argv[1]).run(*data())
