@@ -29,7 +29,7 @@ def model(x, y):
         pyro.sample("obs", dist.Normal(x[idx] @ w, 1.0), obs=y[idx])
 
 
-def engine(checkpoint=None) -> SampleThenOptimize:
+def engine(checkpoint=None, model=model) -> SampleThenOptimize:
     return SampleThenOptimize(
         model, num_samples=4, num_epochs=3, em_steps=2, em_epochs=2, seed=1, progress_bar=False, checkpoint=checkpoint
     )
