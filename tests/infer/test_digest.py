@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import functools
+import os
+import subprocess
+import sys
 import textwrap
+from pathlib import Path
 
 import pyro.distributions as dist
 import pytest
@@ -130,3 +134,27 @@ def test_the_device_sketch_sees_every_value_and_ignores_the_chunking(monkeypatch
     assert torch.equal(digests._device_sketch(data.view(torch.uint8)), sketch)
     odd = torch.arange(7, dtype=torch.uint8)  # a byte count that is not a multiple of 4
     assert not torch.equal(digests._device_sketch(odd), digests._device_sketch(odd.flip(0)))
+
+
+def test_a_digest_does_not_depend_on_the_process(tmp_path):
+    # sets (a constant of `x in {...}`) iterate in an order that changes with PYTHONHASHSEED
+    script = tmp_path / "user_model.py"
+    script.write_text(
+        "import torch\n"
+        "from pyro_scalable.infer.digest import digest\n"
+        "def model(x, kind):\n"
+        "    return x if kind in {'alpha', 'beta', 'gamma', 'delta'} else -x\n"
+        "print(digest((model, {'x': torch.arange(3.0), 'tags': {'a', 'b', 'c'}})))\n"
+    )
+    root = str(Path(__file__).parents[2])
+    outputs = {
+        subprocess.run(
+            [sys.executable, str(script)],
+            env={**os.environ, "PYTHONPATH": root, "PYTHONHASHSEED": seed},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        for seed in ("1", "2")
+    }
+    assert len(outputs) == 1, outputs

@@ -119,8 +119,12 @@ def run_fingerprint(run: Any, batches: Any = None) -> dict[str, str]:
 def _loader(batches: Any) -> Any:
     """What can be said of a DataLoader's data without iterating it: its size, batch size and dataset's tensors."""
     dataset = getattr(batches, "dataset", None)
+    try:
+        length = len(batches)
+    except TypeError:  # a generator, or a DataLoader over an IterableDataset
+        length = None
     return {
-        "length": len(batches) if hasattr(batches, "__len__") else None,
+        "length": length,
         "batch_size": getattr(batches, "batch_size", None),
         "dataset": type(dataset).__name__,
         "tensors": getattr(dataset, "tensors", None),

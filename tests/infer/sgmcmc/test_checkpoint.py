@@ -261,6 +261,11 @@ def test_a_loader_run_resumes_by_skipping_the_consumed_minibatches(tmp_path, mon
     resumed = sampler(kernel, path)
     resumed.run(batches=loader())
     assert_same_run(resumed, reference)
+    y = data.y[:num_data].clone()
+    y[0] += 1e-9  # the loader's dataset is all the data a loader run has: its tensors enter the fingerprint
+    changed = DataLoader(TensorDataset(data.x[:num_data], y, torch.arange(num_data)), batch_size=10)
+    with pytest.raises(CheckpointError, match="the data's values changed"):
+        sampler(kernel, path).run(batches=changed)
 
 
 def test_resume_on_the_data_device(tmp_path, monkeypatch, device):
