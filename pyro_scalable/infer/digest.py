@@ -88,6 +88,7 @@ class _Hasher:
     def __init__(self):
         self.hash = hashlib.sha256()
         self.seen: dict[int, Any] = {}  # id -> object, kept alive so that an id cannot be reused meanwhile
+        self.classes: set[type] = set()  # classes whose code is in already
 
     def add(self, *parts: Any) -> None:
         for part in parts:
@@ -182,8 +183,9 @@ class _Hasher:
     def cls(self, cls: type) -> None:
         self.add("class", _name(cls))
         for klass in cls.__mro__:
-            if klass.__module__.split(".")[0] in _LIBRARIES or not self.first_time(klass):
+            if klass.__module__.split(".")[0] in _LIBRARIES or klass in self.classes:
                 continue
+            self.classes.add(klass)
             for name, attribute in sorted(vars(klass).items()):
                 if isinstance(attribute, (types.FunctionType, staticmethod, classmethod, property, *_ATOMS)):
                     self.add(name)

@@ -23,10 +23,14 @@ SCALE = 1.0
 def helper(x):
     return x * 2.0
 
+class Scaler:
+    def scale(self, v):
+        return v * 4.0
+
 def model(x, noise=1.0):
     def inner(v):
         return v + 1.0
-    return inner(helper(x)) * SCALE * noise
+    return Scaler().scale(inner(helper(x))) * SCALE * noise
 """
 
 
@@ -54,14 +58,15 @@ def test_the_same_code_and_values_give_the_same_digest():
 @pytest.mark.parametrize(
     "edit",
     [
-        ("return inner(helper(x)) * SCALE * noise", "return inner(helper(x)) * SCALE * noise * 1.5"),  # body
+        ("* SCALE * noise", "* SCALE * noise * 1.5"),  # body
         ("return v + 1.0", "return v + 2.0"),  # a nested function
         ("return x * 2.0", "return x * 3.0"),  # a helper in the same module
+        ("return v * 4.0", "return v * 5.0"),  # a method of a class in the same module
         ("SCALE = 1.0", "SCALE = 1.1"),  # a global it reads
         ("noise=1.0", "noise=2.0"),  # a default
         ("model", "model"),  # no edit: the control
     ],
-    ids=["body", "nested", "helper", "global", "default", "control"],
+    ids=["body", "nested", "helper", "class", "global", "default", "control"],
 )
 def test_any_edit_changes_the_digest(edit):
     edited = SOURCE.replace(*edit)
