@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import pickle
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -189,19 +190,19 @@ def test_a_crash_while_writing_leaves_the_previous_checkpoint(tmp_path, monkeypa
     reference = sampler(kernel)
     reference.run(data.x, data.y)
     path = tmp_path / "run.pt"
-    save = torch.save
+    fsync = os.fsync
     writes = []
 
-    def failing_save(payload, file):
-        writes.append(None)
-        if len(writes) < 3:
-            return save(payload, file)
-        save(payload, file)
-        file.truncate(file.tell() // 2)  # half of the file is on disk when the machine goes down
-        raise OSError("no space left on device")
+    def failing_fsync(fd):
+        if stat.S_ISREG(os.fstat(fd).st_mode):  # the temporary file, not the folder
+            writes.append(None)
+            if len(writes) == 3:
+                os.ftruncate(fd, os.fstat(fd).st_size // 2)  # half of the file reached the disk
+                raise OSError("no space left on device")
+        fsync(fd)
 
     with monkeypatch.context() as patch:
-        patch.setattr(torch, "save", failing_save)
+        patch.setattr(os, "fsync", failing_fsync)
         with pytest.raises(OSError, match="no space"):
             sampler(kernel, path).run(data.x, data.y)
     assert load(path)["step"] == 6  # the second checkpoint (steps 4 and 6, the end of warm-up), whole
