@@ -44,6 +44,7 @@ FORMAT = 2  # the file's layout (2: a header with the payload's length and SHA-2
 _HEADER = re.compile(rb"pyro_scalable checkpoint (\d+) sha256=([0-9a-f]{64}) size=(\d+)")
 _START_OVER = "Delete it or pass another checkpoint path (or resume=False) to start over."
 _LABELS = {"model_code": "the model's code", "data_values": "the data's values"}
+_WHAT = {"model_code": " (its code, closure, defaults, globals, or a module's parameters and buffers)"}
 
 
 class CheckpointError(ValueError):
@@ -200,7 +201,9 @@ def check_fingerprint(saved: Mapping[str, Any], current: Mapping[str, Any], path
         if before == now:
             continue
         if str(before).startswith("sha256:") and str(now).startswith("sha256:"):
-            differences.append(f"{_LABELS.get(name, name)} changed since the checkpoint was written")
+            differences.append(
+                f"{_LABELS.get(name, name)} changed since the checkpoint was written{_WHAT.get(name, '')}"
+            )
         else:
             differences.append(f"{name} is {before} there and {now} here")
     if differences:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pyro_scalable.infer import SampleThenOptimize
-from pyro_scalable.infer.checkpoint import CheckpointError, load
+from pyro_scalable.infer.checkpoint import CheckpointError, load, save
 from pyro_scalable.infer.sample_then_optimize import core
 from tests.conftest import LinearRegression
 from tests.infer import killing
@@ -125,3 +125,22 @@ def test_an_edited_model_or_changed_data_is_refused(tmp_path):
     y[7] += 1e-9
     with pytest.raises(CheckpointError, match="the data's values changed since the checkpoint was written"):
         killable_run.engine(path).run(x, y)
+
+
+@pytest.mark.parametrize(
+    "payload, message",
+    [
+        ({"a": 1}, r"is not a pyro_scalable checkpoint \(a torch file holding a dict\)"),
+        ({"kind": "StochasticMCMC", "format": 3}, "was written by StochasticMCMC, not by SampleThenOptimize"),
+        ({"kind": "SampleThenOptimize", "format": 1}, "checkpoint format 1 .*this version reads format 2"),
+    ],
+    ids=["foreign", "another-engine", "old-format"],
+)
+def test_a_foreign_file_is_a_checkpoint_error(tmp_path, payload, message):
+    path = tmp_path / "run.pt"
+    if "kind" in payload:
+        save(path, payload)
+    else:
+        torch.save(payload, path)
+    with pytest.raises(CheckpointError, match=message):
+        killable_run.engine(path).run(*killable_run.data())
