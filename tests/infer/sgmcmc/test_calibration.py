@@ -110,30 +110,40 @@ def sd_ratio(kernel, problem, num_chains, num_warmup, num_samples):
     return torch.tensor(ratios), torch.tensor(errors), mcmc
 
 
-KERNELS = {
-    "sgld": (SGLD, {}),
-    "sghmc": (SGHMC, {}),
-    "psgld": (PSGLD, {}),
-    "sgnht": (SGNHT, {}),
-}
+KERNELS = {"sgld": SGLD, "sghmc": SGHMC, "psgld": PSGLD, "sgnht": SGNHT}
+SIZES = (512, 300, 600)  # chains, warm-up, draws: ESS ~ 1,400 per coordinate, a 4-MCSE band of about 7.5%
 
 
 @pytest.mark.filterwarnings("ignore:in .* of the coordinates")
-@pytest.mark.parametrize("cls,options", KERNELS.values(), ids=KERNELS.keys())
-def test_minibatch_of_10_in_1000_corrected_is_calibrated_uncorrected_is_too_wide(cls, options):
-    """The user picks the minibatch size and nothing else (step size from warm-up, noise corrected)."""
+@pytest.mark.parametrize("cls", KERNELS.values(), ids=KERNELS.keys())
+def test_minibatch_of_10_in_1000_corrected_is_calibrated(cls):
+    """The user picks the minibatch size and nothing else (step size from warm-up, noise corrected, Pyro's start)."""
     problem = LinearRegression(num_data=1000, dim=2, batch_size=10)
-    sizes = (512, 300, 600)  # ESS ~ 1,400 per coordinate: a 4-MCSE band of about 7.5%
-    corrected, error, mcmc = sd_ratio(cls(problem.model, **options), problem, *sizes)
+    corrected, error, mcmc = sd_ratio(cls(problem.model), problem, *SIZES)
     assert bool((4 * error < 0.08).all()), f"too few effective draws to resolve 10%: MCSE {error}"
     assert bool(((corrected - 1).abs() < 0.10).all()), f"corrected sd / exact sd = {corrected}"
     assert bool(((corrected - 1).abs() < 4 * error + 0.03).all()), corrected  # 3%: the warm-up's step-size bias
     stats = mcmc.sample_stats
     assert {"noise_ratio", "uncorrected", "step_size"} <= set(stats)
     assert float(stats["uncorrected"].float().mean()) < 0.01
-    # the same sampler, same step size rule, without the correction: the gradient noise adds ε²V per step on top
-    # of the wanted 2εT, up to half as much again at the chosen step size, so the sd is up to √1.5 ≈ 1.22× too wide
-    uncorrected, error, _ = sd_ratio(cls(problem.model, **options, gradient_noise="estimate"), problem, *sizes)
+    print(f"corrected {corrected.tolist()}, MCSE {error.tolist()}")
+
+
+UNCORRECTED = {
+    "sgld": SGLD,
+    **{name: pytest.param(cls, marks=pytest.mark.slow) for name, cls in KERNELS.items() if name != "sgld"},
+}
+
+
+@pytest.mark.filterwarnings("ignore:in .* of the coordinates")
+@pytest.mark.parametrize("cls", UNCORRECTED.values(), ids=UNCORRECTED.keys())
+def test_minibatch_of_10_in_1000_uncorrected_is_too_wide(cls):
+    """The same sampler and step-size rule without the correction: too wide, so the correction is what calibrates.
+
+    The gradient noise adds ε²V per step on top of the wanted 2εT, up to half as much again at the chosen step size,
+    so the sd comes out up to √1.5 ≈ 1.22× too wide (1.21 measured for all four kernels).
+    """
+    problem = LinearRegression(num_data=1000, dim=2, batch_size=10)
+    uncorrected, error, _ = sd_ratio(cls(problem.model, gradient_noise="estimate"), problem, *SIZES)
     assert bool((uncorrected - 1 > 4 * error).all()), f"uncorrected sd / exact sd = {uncorrected} ± {error}"
-    assert bool((uncorrected > corrected).all())
-    print(f"corrected {corrected.tolist()}, uncorrected {uncorrected.tolist()}, MCSE {error.tolist()}")
+    print(f"uncorrected {uncorrected.tolist()}, MCSE {error.tolist()}")
