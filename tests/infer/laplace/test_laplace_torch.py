@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 
 import pytest
 import torch
@@ -33,7 +34,10 @@ from pyro_scalable.infer import AutoLinearizedLaplace
 from tests.infer.linearized.nets import MLP
 
 try:
-    import laplace
+    with warnings.catch_warnings():  # laplace-torch's backends warn about their own internals at import
+        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.simplefilter("ignore", FutureWarning)
+        import laplace
 except ImportError as error:  # the evidence for four README rows: never skipped without being asked to
     if os.environ.get("PYRO_SCALABLE_NO_PEERS") == "1":
         pytest.skip(
