@@ -42,6 +42,7 @@ def source_hash(path: Path) -> str:
 
 
 def rendered_path(path: Path) -> Path:
+    """Where the site reads the rendered notebook of ``path``."""
     return RENDERED / f"{path.stem}.ipynb"
 
 

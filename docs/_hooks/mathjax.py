@@ -1,4 +1,4 @@
-"""MkDocs hook: serve MathJax 3 with the site, so that formulas render offline and without a CDN.
+r"""MkDocs hook: serve MathJax 3 with the site, so that formulas render offline and without a CDN.
 
 MathJax is not committed here: the ``docs`` extra installs ``django-static-mathjax`` (MathJax 3.2.2 as the
 upstream ``es5`` build, Apache-2.0, no dependencies -- Django is needed only to use it as a Django app, not to
