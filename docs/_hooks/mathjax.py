@@ -7,7 +7,7 @@ install it or read its files), and this hook adds the files the pages need to th
 
 * ``tex-mml-chtml.js``, the combined TeX input and CommonHTML output that ``mkdocs.yml`` loads;
 * ``output/chtml/fonts/woff-v2/``, the fonts it fetches relative to its own address;
-* ``input/tex/extensions/``, the TeX packages it autoloads on first use (``\\boldsymbol``, ``\\cancel``, ...);
+* ``input/tex/extensions/``, the TeX packages it autoloads on first use (``\boldsymbol``, ``\cancel``, ...);
 * MathJax's ``LICENSE``.
 
 About 2.3 MB in the built site. Without the package the build fails with a message that names it.
