@@ -24,7 +24,8 @@ def missing_extra_message(names: list[str], purpose: str) -> str:
     install = " ".join(f'pip install "pyro-scalable[{extra}]"' for extra in extras)
     hint = " (from a checkout: bash scripts/demo.sh)" if extras == ["demo"] else ""
     verb = "is" if len(names) == 1 else "are"
-    return f"{purpose} needs {packages}, which {verb} not installed. Install the {', '.join(extras)} extra: {install}{hint}"
+    extra = ", ".join(extras)
+    return f"{purpose} needs {packages}, which {verb} not installed. Install the {extra} extra: {install}{hint}"
 
 
 def import_optional(name: str, purpose: str) -> ModuleType:
