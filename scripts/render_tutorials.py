@@ -64,9 +64,9 @@ def _note(fast: bool, seconds: float) -> str:
     source = "the script `tutorials/{name}.py`"
     if fast:
         return (
-            f"> **Rendered in fast mode** (`PYRO_SCALABLE_FAST=1`: less data and fewer steps, so the numbers and "
-            f"figures are noisier than a full run's), from {source}, in {minutes} on a CPU. Run the script itself "
-            f"for the full version."
+            f"> **Rendered in the quick mode** the tests run (less data and fewer steps, so the numbers and figures "
+            f"are rougher than a full run's), from {source}, in {minutes} on a CPU: a full run took too long for "
+            f"the machine that rendered it. `python tutorials/{{name}}.py` runs it in full."
         )
     return f"> Rendered from {source} (full run, {minutes} on a CPU) by `python scripts/render_tutorials.py`."
 
