@@ -29,6 +29,9 @@ REPO_GLOBS = ("tutorials/README.md", "benchmarks/README.md", "benchmarks/results
 
 _LINK = re.compile(r"(\]\()(\.\./[^)\s#]+)")
 _HREF = re.compile(r'(href=")([^"]+)(")')
+# nbconvert's own MathJax loader and its MathJax 2 configuration, which every rendered notebook carries: the site
+# already loads MathJax 3 on every page (mkdocs.yml, docs/_hooks/mathjax.py), and a second copy would fight it.
+_NBCONVERT_MATHJAX = re.compile(r"<!-- Load mathjax -->.*?<!-- End of mathjax configuration -->", flags=re.S)
 log = logging.getLogger("mkdocs.hooks.repo_files")  # under "mkdocs": a warning here fails the strict build
 
 
@@ -121,10 +124,14 @@ def on_page_markdown(markdown: str, page, config, files: Files) -> str:
 
 
 def on_page_content(html: str, page, config, files: Files) -> str:
-    """Point the relative links of a rendered tutorial at the site's pages; warn about one that leads nowhere."""
+    """Point a rendered tutorial's relative links at the site's pages, and drop nbconvert's MathJax loader.
+
+    A link that leads to no file of the site is logged as a warning (a failure of the strict build).
+    """
     src = page.file.src_uri
     if not _is_tutorial_page(src):
         return html
+    html = _NBCONVERT_MATHJAX.sub("", html)
     prefix = _docs_prefix(config) + "/"
 
     def rewrite(match: re.Match) -> str:
