@@ -55,6 +55,21 @@ def is_current(path: Path) -> bool:
     return meta.get("source_sha256") == source_hash(path)
 
 
+def _is_environment_noise(output) -> bool:
+    """A warning about the rendering kernel, not the tutorial (tqdm.auto without ipywidgets in a notebook)."""
+    return output.get("output_type") == "stream" and output.get("name") == "stderr" and "TqdmWarning" in output["text"]
+
+
+def tidy(notebook) -> None:
+    """Drop the rendering environment's noise from the outputs; give cells stable ids and no run-specific metadata."""
+    for index, cell in enumerate(notebook.cells):
+        cell.id = f"cell-{index}"  # stable ids: a re-render changes only what the run changed
+        cell.metadata.pop("lines_to_next_cell", None)
+        cell.metadata.pop("execution", None)
+        if cell.cell_type == "code":
+            cell.outputs = [output for output in cell.outputs if not _is_environment_noise(output)]
+
+
 def _pngs(folder: Path) -> dict[Path, int]:
     return {p: p.stat().st_mtime_ns for p in folder.glob("*.png")} if folder.is_dir() else {}
 
@@ -121,10 +136,7 @@ def render(path: Path, fast: bool) -> float:
     title_at = next((i for i, c in enumerate(notebook.cells) if c.cell_type == "markdown"), -1)
     note = nbformat.v4.new_markdown_cell(_note(fast, seconds).format(name=path.stem))
     notebook.cells.insert(title_at + 1, note)
-    for index, cell in enumerate(notebook.cells):
-        cell.id = f"cell-{index}"  # stable ids: a re-render changes only what the run changed
-        cell.metadata.pop("lines_to_next_cell", None)
-        cell.metadata.pop("execution", None)
+    tidy(notebook)
     notebook.metadata[METADATA_KEY] = {
         "source": f"tutorials/{path.name}",
         "source_sha256": digest,
