@@ -163,9 +163,10 @@ def check_positive(values: Tensor, what: str, index: Tensor | None = None, *, de
     if bool(bad.any()):
         where = torch.nonzero(bad).flatten()
         where = where if index is None else index[where]
+        counted = "non-positive value(s)" if floor == 0.0 else f"value(s) at or below {floor:.3g} (zero to rounding)"
         raise CurvatureError(
-            f"the posterior precision is singular: {what} has {int(bad.sum())} non-positive value(s) "
-            f"(smallest {float(values.min()):.3g}). Give those parameters a proper prior, raise the prior "
-            "precision, or pass jitter=... to laplace_approximation.",
+            f"the posterior precision is singular: {what} has {int(bad.sum())} {counted}, the smallest "
+            f"{float(values.min()):.3g}. Give those parameters a proper prior, raise the prior precision, or pass "
+            "jitter=... to laplace_approximation.",
             where,
         )

@@ -56,6 +56,11 @@ class AutoLinearizedLaplace(AutoLaplaceApproximation):
             raise TypeError(f"model must be a Pyro model (a callable), got {type(model).__name__}.")
         super().__init__(model, *args, **kwargs)
 
+    def _loc_scale(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        # the guide is a point mass at its MAP (Pyro's AutoLaplaceApproximation trains a Delta): ``median()``, and
+        # so ``SampleThenOptimize(model, linearize_at=guide)``, read the MAP (the zero scale is never used by it)
+        return self.loc, torch.zeros_like(self.loc)
+
     def laplace_approximation(
         self,
         *args: Any,

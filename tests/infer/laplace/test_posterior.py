@@ -14,7 +14,7 @@ from pyro.infer import SVI, Predictive, Trace_ELBO
 from torch.func import jacrev
 
 from pyro_scalable import FullDataModel, ModelError
-from pyro_scalable.infer import AutoLinearizedLaplace, CurvatureError
+from pyro_scalable.infer import AutoLinearizedLaplace, CurvatureError, SampleThenOptimize
 from tests.infer.linearized.nets import MLP, brute_force_jacobian, random_latents
 
 D = torch.float64
@@ -60,6 +60,21 @@ def test_svi_trained_map_then_predictive_and_arviz():
     assert idata.posterior["w"].shape == (1, 40, 2)
     assert idata.log_likelihood["y"].shape == (1, 40, 200)
     assert "data" in idata.log_likelihood["y"].dims
+
+
+def test_guide_median_is_its_map_and_linearizes_sample_then_optimize():
+    # the README's line SampleThenOptimize(model, linearize_at=guide) raised a bare NotImplementedError: the guide's
+    # median() (which it reads) was Pyro's AutoContinuous one, with no location to read
+    x, y = _classification()
+    pyro.set_rng_seed(0)
+    guide = _trained(logistic, x, y)
+    median = guide.median(x, y)
+    torch.testing.assert_close(median["w"], guide(x, y)["w"])  # the guide is a point mass at its MAP
+    engine = SampleThenOptimize(logistic, num_samples=4, num_epochs=1, linearize_at=guide, seed=0, progress_bar=False)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="the samples have not converged")  # one epoch, on purpose
+        engine.run(x, y)
+    torch.testing.assert_close(engine.net.theta_star, median["w"])
 
 
 def test_linearized_model_draws_match_the_closed_form_predictive():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pyro
+import pyro.distributions as dist
 import pytest
 import torch
 
@@ -93,3 +95,54 @@ def test_linearized_predictive_variance_is_j_hinv_jt(likelihood, structure):
     assert torch.allclose(predictive.covariance, covariance, atol=1e-12, rtol=1e-9)
     shift = j_test @ (posterior.mean - posterior.theta_star)
     assert torch.allclose(predictive.mean, f_test + shift)
+
+
+# ---------------------------------------------------------------------------------------------------- float32
+
+
+def _tanh_net(dtype, noise):
+    """A 10-50-1 tanh network with a Normal(0, 1) prior on every weight and a small observation noise."""
+    from pyro.nn import PyroModule, PyroSample
+    from torch import nn
+
+    class Net(PyroModule):
+        def __init__(self):
+            super().__init__()
+            self.l1 = PyroModule[nn.Linear](10, 50).to(dtype)
+            self.l2 = PyroModule[nn.Linear](50, 1).to(dtype)
+            for layer in (self.l1, self.l2):
+                for name, value in (("weight", layer.weight), ("bias", layer.bias)):
+                    prior = dist.Normal(torch.zeros((), dtype=dtype), 1.0).expand(value.shape).to_event(value.dim())
+                    setattr(layer, name, PyroSample(prior))
+
+        def forward(self, x, y=None):
+            f = self.l2(torch.tanh(self.l1(x))).squeeze(-1)
+            with pyro.plate("data", len(x), subsample_size=256) as i:
+                pyro.sample("y", dist.Normal(f[i], noise), obs=None if y is None else y[i])
+
+    return Net()
+
+
+def test_full_structure_in_float32_matches_float64():
+    # N / sigma^2 = 5e7: in float32 the GGN's rounding (~ its top eigenvalue x d x 2^-24) swamped the prior precision
+    # of 1 and the full structure refused a proper posterior as "singular" (jitter did not help); it is accumulated
+    # and factored in float64 now, so float32 data give the float64 answer to float32 rounding.
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5000, 10, generator=g, dtype=torch.float64)
+    y = torch.sin(x[:, 0]) + 0.01 * torch.randn(5000, generator=g, dtype=torch.float64)
+    variances = {}
+    for dtype in (torch.float32, torch.float64):
+        model = _tanh_net(dtype, 0.01)
+        trace = pyro.poutine.trace(model).get_trace(x.to(dtype))
+        latents = {
+            name: 0.3 * torch.randn(site["value"].shape, generator=g.manual_seed(1), dtype=torch.float64).to(dtype)
+            for name, site in trace.nodes.items()
+            if site["type"] == "sample" and not site["is_observed"] and not name.startswith("data")
+        }
+        posterior = AutoLinearizedLaplace(model).laplace_approximation(
+            x.to(dtype), y.to(dtype), structure="full", map_latents=latents, check_map=False
+        )
+        variances[dtype] = posterior.precision.inverse_diagonal()
+        assert variances[dtype].dtype == dtype
+        assert posterior.get_samples(4, seed=0)["l1.weight"].dtype == dtype
+    torch.testing.assert_close(variances[torch.float32].double(), variances[torch.float64], rtol=1e-3, atol=0)
