@@ -16,11 +16,21 @@ import pyro
 import pyro.distributions as dist
 import pytest
 import torch
+from pyro.infer import SVI, Trace_ELBO
 from pyro.nn import PyroModule, PyroSample
 from torch.utils.data import DataLoader, TensorDataset
 
 from pyro_scalable import ModelError
-from pyro_scalable.infer import BAOAB, PSGLD, SGHMC, SGLD, SGNHT, StochasticMCMC
+from pyro_scalable.infer import (
+    BAOAB,
+    PSGLD,
+    SGHMC,
+    SGLD,
+    SGNHT,
+    AutoLinearizedLaplace,
+    SampleThenOptimize,
+    StochasticMCMC,
+)
 
 N, B, D, G = 120, 12, 3, 4
 KERNELS = {"SGLD": SGLD, "SGHMC": SGHMC, "PSGLD": PSGLD, "SGNHT": SGNHT, "BAOAB": BAOAB}
@@ -207,3 +217,62 @@ def test_default_kernel_runs_or_names_the_site(kernel_name, dtype, model_name):
     for name, value in samples.items():
         assert bool(torch.isfinite(value).all()), f"site '{name}' has non-finite draws"
     assert not math.isnan(float(mcmc.sample_stats["step_size"].mean()))
+
+
+# ---------------------------------------------------------------------------------------------------- Laplace, STO
+
+
+def _map_guide(model, args):
+    """The MAP as a user finds it: Pyro's SVI on the model's own minibatches, here briefly."""
+    guide = AutoLinearizedLaplace(model)
+    svi = SVI(model, guide, pyro.optim.Adam({"lr": 0.05}), Trace_ELBO())
+    for _ in range(50):
+        svi.step(*args)
+    return guide
+
+
+def _zoo_args(model_name, dtype):
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    model, likelihood = ZOO[model_name]
+    x, y, group = _data(dtype, likelihood)
+    model = _Net(dtype) if model is None else model
+    return model, ((x, y) if model is loader_style else (x, y, group))
+
+
+def _laplace(model_name, dtype):
+    model, args = _zoo_args(model_name, dtype)
+    posterior = _map_guide(model, args).laplace_approximation(*args, check_map=False)  # the default structure
+    return posterior.get_samples(8, seed=0)
+
+
+def _sample_then_optimize(model_name, dtype):
+    model, args = _zoo_args(model_name, dtype)
+    engine = SampleThenOptimize(model, num_samples=4, num_epochs=2, map_steps=50, seed=0, progress_bar=False)
+    engine.run(*args)
+    return engine.get_samples()
+
+
+ENGINES = {"Laplace": _laplace, "SampleThenOptimize": _sample_then_optimize}
+ENGINE_CASES = [
+    pytest.param(
+        engine, dtype, marks=[pytest.mark.slow] if dtype == torch.float64 else [], id=f"{engine}-{str(dtype)[6:]}"
+    )
+    for engine in ENGINES
+    for dtype in (torch.float32, torch.float64)
+]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("model_name", list(ZOO))
+@pytest.mark.parametrize("engine, dtype", ENGINE_CASES)
+def test_linearised_engines_run_or_name_the_site(engine, dtype, model_name):
+    try:
+        samples = ENGINES[engine](model_name, dtype)
+    except ModelError as error:  # e.g. a likelihood with no GGN (a mixture), or a site the engine cannot linearise
+        assert "site '" in str(error) or "plate '" in str(error), str(error)
+        return
+    assert samples, "no draws"
+    for name, value in samples.items():
+        assert value.dtype == dtype or not value.is_floating_point(), f"site '{name}' came back in {value.dtype}"
+        assert bool(torch.isfinite(value).all()), f"site '{name}' has non-finite draws"

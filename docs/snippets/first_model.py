@@ -10,6 +10,7 @@ import arviz as az
 import pyro
 import pyro.distributions as dist
 import torch
+from pyro.infer import Predictive
 
 from pyro_scalable.infer import SGHMC, StochasticMCMC
 
@@ -55,12 +56,22 @@ print(az.loo(idata))  # PSIS-LOO from the full-data pointwise log-likelihood
 
 # --8<-- [start:predict]
 x_new = torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]])
-samples = mcmc.get_samples()  # {"weight": (4 * STEPS, 3), "bias": (4 * STEPS,)}
-probs = torch.sigmoid(x_new @ samples["weight"].T + samples["bias"])  # (2 points, draws)
-print("P(y = 1):", probs.mean(1), "+/-", probs.std(1))
+y_new = mcmc.posterior_predictive(x_new, seed=0)["obs"]  # one draw of y per posterior draw: (4 * STEPS, 2)
+print("P(y = 1):", y_new.mean(0))
+y_rep = mcmc.posterior_predictive(seed=1)["obs"]  # replicated data on all 5,000 training points: (4 * STEPS, 5000)
+print("observed vs replicated share of ones:", float(y.mean()), float(y_rep.mean()))
 # --8<-- [end:predict]
 
+# --8<-- [start:predictive]
+samples = mcmc.get_samples()  # {"weight": (4 * STEPS, 3), "bias": (4 * STEPS,)}
+obs = Predictive(mcmc.kernel.model, posterior_samples=samples)(x_new)["obs"]  # (4 * STEPS, 2), as above
+probs = torch.sigmoid(x_new @ samples["weight"].T + samples["bias"])  # P(y = 1 | draw): (2 points, draws)
+print("P(y = 1):", probs.mean(1), "+/-", probs.std(1))
+# --8<-- [end:predictive]
+
 # The checks the test relies on: the chains found the weights the data were made with.
+assert y_new.shape == obs.shape == (4 * STEPS, 2) and y_rep.shape == (4 * STEPS, num_data)
+assert torch.allclose(y_new.mean(0), probs.mean(1), atol=0.05), (y_new.mean(0), probs.mean(1))
 assert summary["r_hat"].max() < 1.1, summary
 assert torch.allclose(samples["weight"].mean(0), true_weight, atol=0.3), samples["weight"].mean(0)
 # The exact posterior sd is 0.04-0.06 here (a Laplace fit in float64 agrees); minibatch noise must not inflate it.

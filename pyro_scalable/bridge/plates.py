@@ -12,16 +12,21 @@ of the full-data log joint. The engines need three things the plate cannot give 
 Pyro checks ``len(subsample) == subsample_size`` inside ``SubsampleMessenger._subsample``, so a handler that
 rewrites the plate's subsample message can only ever supply B indices. This module therefore wraps that one
 static method: while an override is active for a plate name, the plate takes its indices from the override;
-otherwise Pyro's own code runs unchanged. This is the only place in the package that patches Pyro.
+otherwise Pyro's own code runs unchanged, with one exception: a plate that would draw a random minibatch while
+``pyro.infer.Predictive`` runs the model on posterior draws raises a ``ModelError`` saying to pass the full-data
+model, since the predictions would silently be of a random minibatch only. This is the only place in the package
+that patches Pyro.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
+from pyro.infer import predictive as pyro_predictive
 from pyro.poutine.subsample_messenger import SubsampleMessenger
 from torch import Tensor
 
@@ -58,6 +63,8 @@ def _controlled_subsample(
             return size, size, torch.arange(size, device=device)
     if _OVERRIDES:  # Pyro draws the subsample itself: its errors name neither the plate nor the fix
         _check_plate(name, size, subsample_size, subsample)
+    elif subsample is None and subsample_size is not None and size is not None and subsample_size != size:
+        _refuse_in_predictive(name, size, subsample_size)
     return _pyro_subsample(name, size, subsample_size, subsample, use_cuda, device)
 
 
@@ -75,6 +82,23 @@ def _check_plate(name: str, size: int | None, subsample_size: int | None, subsam
             f"plate '{name}' has subsample_size {subsample_size}, more than its size {size}; "
             f"use subsample_size <= {size} (or leave it out to use all the data)."
         )
+
+
+_PREDICTIVE_CODE = pyro_predictive._predictive.__code__
+
+
+def _refuse_in_predictive(name: str, size: int, subsample_size: int) -> None:
+    # Predictive runs the guide with no posterior samples and the model with them: only the model's plate is refused
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code is _PREDICTIVE_CODE and frame.f_locals.get("posterior_samples"):
+            raise ModelError(
+                f"pyro.infer.Predictive ran the model with its subsampled plate '{name}' (size {size}, "
+                f"subsample_size={subsample_size}), so it would predict a random minibatch of the points only. Give "
+                "Predictive the model on full data: Predictive(FullDataModel(model), ...) or "
+                "Predictive(mcmc.kernel.model, ...); or call result.posterior_predictive(*inputs)."
+            )
+        frame = frame.f_back
 
 
 @contextlib.contextmanager

@@ -1,6 +1,7 @@
 """Inference engines for Pyro models, and the driver that runs them."""
 
 from pyro_scalable.infer.laplace import AutoLinearizedLaplace, CurvatureError, GLMPredictive, LaplacePosterior
+from pyro_scalable.infer.predictive import sample_posterior_predictive
 from pyro_scalable.infer.sample_then_optimize import SampleThenOptimize
 from pyro_scalable.infer.schedules import Cyclical, PolynomialDecay
 from pyro_scalable.infer.sgmcmc import (
@@ -34,6 +35,7 @@ __all__ = [
     "baoab",
     "sghmc",
     "psgld",
+    "sample_posterior_predictive",
     "sgld",
     "sgnht",
 ]

@@ -3,7 +3,8 @@
 A run fills one :class:`RunRecord` (the draws, their statistics, the model as the steps saw it and on the full
 data, the model's arguments) and sets it as ``results``. An engine that subclasses :class:`Draws` and has a
 ``kernel.model`` (the model on the full data) then offers ``get_samples``, ``diagnostics``, ``summary``,
-``to_inference_data`` and works with ``arviz.from_pyro``; the ArviZ adapter reads the record, nothing private.
+``posterior_predictive``, ``to_inference_data`` and works with ``arviz.from_pyro``; the ArviZ adapter reads the
+record, nothing private.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch import Tensor
 
 from pyro_scalable.arguments import check_flag, check_number
 from pyro_scalable.bridge.model import ModelBridge
+from pyro_scalable.infer.predictive import sample_posterior_predictive
 
 __all__ = ["Draws", "RunRecord"]
 
@@ -132,6 +134,40 @@ class Draws:
         print_summary(self.get_samples(group_by_chain=True), prob=prob)
         divergences = sum(len(v) for v in self.diagnostics()["divergences"].values())
         print(f"Number of divergences: {divergences}")
+
+    def posterior_predictive(
+        self,
+        *args: Any,
+        group_by_chain: bool = False,
+        seed: int | None = None,
+        return_sites: list[str] | None = None,
+        **kwargs: Any,
+    ) -> dict[str, Tensor]:
+        """One draw of the observed sites per posterior draw: on the run's full data, or at new inputs ``args``.
+
+        With no arguments the model runs on the data given to ``run`` (its observed values are replaced by draws);
+        otherwise on ``args``/``kwargs``, the model's own arguments without ``y`` (new inputs may have any length).
+        Each site comes back as ``(num_chains * num_samples, *site shape)``, or ``(num_chains, num_samples, *site
+        shape)`` with ``group_by_chain``. See :func:`pyro_scalable.infer.predictive.sample_posterior_predictive`.
+        """
+        results = self._require_run()
+        check_flag("group_by_chain", group_by_chain)
+        if not args and not kwargs:
+            if results.full_bridge is None:
+                raise ValueError(
+                    "this run was given no full data (run(batches=...) without the data), so there is nothing to "
+                    "predict at: pass the inputs, e.g. posterior_predictive(x, idx=torch.arange(len(x)))."
+                )
+            args, kwargs = results.args, results.kwargs
+        device = results.bridge.device
+        samples = {k: v.to(device) for k, v in self.get_samples().items()}
+        draws = sample_posterior_predictive(
+            results.bridge.model, samples, *args, seed=seed, return_sites=return_sites, **kwargs
+        )
+        draws = {k: v.to(self.draws_device) for k, v in draws.items()}
+        if not group_by_chain:
+            return draws
+        return {k: v.reshape((self.num_chains, -1) + v.shape[1:]) for k, v in draws.items()}
 
     def to_inference_data(self, **kwargs: Any):
         """An ``arviz.InferenceData`` with posterior, sample_stats, full-data log_likelihood and observed_data.

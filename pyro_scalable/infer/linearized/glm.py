@@ -12,12 +12,13 @@ Jacobian :math:`J` at the test points is never formed over all weights except wh
   (:class:`~pyro_scalable.infer.linearized.jacobians.OutputJacobian`) with its own factors.
 
 :func:`glm_predictive` walks the test points in chunks and turns the moments into the law of ``y`` with the
-likelihood (probit or Monte Carlo for classification; a Normal adds its noise).
+likelihood (probit or Monte Carlo for classification; a Normal adds its noise). :func:`linearized_draws` samples
+``y`` instead: one draw per posterior draw :math:`\theta_j`, at :math:`f_* + J(\theta_j - \theta_*)`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -27,7 +28,18 @@ from pyro_scalable.bridge.model import Batch
 from pyro_scalable.infer.linearized.likelihoods import Likelihood, LinkApprox
 from pyro_scalable.infer.linearized.network import NetworkFunction
 
-__all__ = ["GLMPredictive", "covariance_from_draws", "covariance_from_products", "draws_moments", "glm_predictive"]
+__all__ = [
+    "GLMPredictive",
+    "covariance_from_draws",
+    "covariance_from_products",
+    "draws_moments",
+    "glm_predictive",
+    "linearized_draws",
+    "linearized_posterior_predictive",
+]
+
+# draws per batched JVP: vmap over tangents keeps one copy of the network's activations per draw
+_DRAWS_PER_JVP = 64
 
 Moments = tuple[Tensor, Tensor, Likelihood]  # mean (points, outputs), covariance (.., outputs), likelihood
 
@@ -100,3 +112,65 @@ def glm_predictive(
     if fitted is not None:
         likelihood = fitted(likelihood)
     return GLMPredictive(mean, covariance, likelihood.predictive(mean, covariance, link_approx, num_samples, generator))
+
+
+def linearized_draws(
+    net: NetworkFunction,
+    theta: Tensor,
+    batches: Iterable[Batch],
+    *,
+    fitted: Callable[[Likelihood], Likelihood] | None = None,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    r"""One draw of the observed site per row of ``theta`` (flat draws, ``(S, d)``) through the linearised network.
+
+    Returns ``(S, *site shape)`` over the points of ``batches`` (chunks along the site's first dim), each draw at
+    :math:`f(x, \theta_*) + J(x)(\theta_j - \theta_*)`, the likelihood ``fitted`` (e.g. a Normal's tuned noise).
+    """
+    chunks = []
+    with torch.no_grad():
+        for batch in batches:
+            likelihood = net.outputs(net.theta_star, batch).likelihood
+            likelihood = fitted(likelihood) if fitted is not None else likelihood
+            parts = []
+            for start in range(0, theta.shape[0], _DRAWS_PER_JVP):
+                f, tangent = net.jvp(net.theta_star, theta[start : start + _DRAWS_PER_JVP] - net.theta_star, batch)
+                parts.append(_sample(likelihood.distribution(f + tangent), generator))
+            chunks.append(torch.cat(parts))
+    return torch.cat(chunks, dim=1)
+
+
+def linearized_posterior_predictive(
+    net: NetworkFunction,
+    theta: Tensor,
+    samples: dict[str, Tensor],
+    batches: Iterable[Batch],
+    *,
+    return_sites: Sequence[str] | None = None,
+    fitted: Callable[[Likelihood], Likelihood] | None = None,
+    generator: torch.Generator | None = None,
+) -> dict[str, Tensor]:
+    """``return_sites`` (default: the observed site) from flat draws ``theta`` and their constrained ``samples``.
+
+    The observed site is drawn by :func:`linearized_draws`; a latent site gives its posterior draws.
+    """
+    sites = [net.site] if return_sites is None else list(return_sites)
+    if isinstance(return_sites, str) or not all(isinstance(name, str) for name in sites):
+        raise TypeError(f"return_sites must be a list of site names or None, got {return_sites!r}.")
+    unknown = [name for name in sites if name != net.site and name not in samples]
+    if unknown:
+        raise ValueError(f"return_sites {unknown} are neither the observed site '{net.site}' nor latent.")
+    out = {name: samples[name] for name in sites if name != net.site}
+    if net.site in sites:
+        out[net.site] = linearized_draws(net, theta, batches, fitted=fitted, generator=generator)
+    return out
+
+
+def _sample(fn: Any, generator: torch.Generator | None) -> Tensor:
+    if generator is None:
+        return fn.sample()
+    # torch.distributions take no generator: draw under a fork of the global one, seeded from ours
+    device = generator.device
+    with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
+        torch.manual_seed(int(torch.randint(0, 2**62, (), generator=generator, device=device)))
+        return fn.sample()

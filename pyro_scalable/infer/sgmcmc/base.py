@@ -366,6 +366,14 @@ class Kernel:
         """One step with this kernel's hyperparameters: :meth:`update` after :meth:`estimate`."""
         return self.update(state, self.estimate(state, batch, log_posterior_fn), generator, **tuned)
 
+    def setup(self, *args: Any, **kwargs: Any) -> None:
+        """Refuse ``pyro.infer.MCMC``, which calls this first: these kernels need a minibatch driver."""
+        raise TypeError(
+            f"{type(self).__name__} is a stochastic-gradient kernel, which pyro.infer.MCMC cannot run (it has no "
+            f"accept step and needs minibatches); use pyro_scalable.infer.StochasticMCMC({type(self).__name__}(...), "
+            "num_samples=..., num_warmup=...) and call .run(*args) as with MCMC."
+        )
+
     @staticmethod
     def latents(state: Any) -> Latents:
         """The chain's draw: its last point with a finite log density and gradient."""

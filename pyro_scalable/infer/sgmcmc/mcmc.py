@@ -31,6 +31,7 @@ from pyro_scalable.bridge.checks import ModelError
 from pyro_scalable.bridge.minibatches import EpochSampler
 from pyro_scalable.bridge.model import Batch, Latents, ModelBridge
 from pyro_scalable.infer.distributed import broadcast_seed
+from pyro_scalable.infer.health import repeated_draws, warn_unhealthy
 from pyro_scalable.infer.results import Draws, RunRecord
 from pyro_scalable.infer.sgmcmc.adaptation import Adaptation
 from pyro_scalable.infer.sgmcmc.chains import ChainStepper, first_line
@@ -112,7 +113,9 @@ class StochasticMCMC(Draws):
         checkpoint_every: int = 1000,
         resume: bool = True,
         minibatches: Literal["epoch", "independent"] | None = None,
+        **unknown: Any,
     ):
+        _refuse_pyro_spellings(unknown)
         for name, value, least in (
             ("num_samples", num_samples, 1),
             ("num_warmup", num_warmup, 0),
@@ -122,6 +125,11 @@ class StochasticMCMC(Draws):
         ):
             if isinstance(value, bool) or not hasattr(value, "__index__") or operator.index(value) < least:
                 raise ValueError(f"{name} must be an int >= {least}, got {value!r}.")
+        if chain_method == "parallel":
+            raise ValueError(
+                "chain_method='parallel' (NumPyro's: one process per chain) is not supported: chains run together in "
+                "one process with 'vectorized'; use distributed='chains' to spread them over torchrun processes."
+            )
         if chain_method not in ("vectorized", "sequential"):
             raise ValueError(f"chain_method must be 'vectorized' or 'sequential', got {chain_method!r}.")
         if on_divergence not in ("continue", "stop"):
@@ -274,7 +282,9 @@ class StochasticMCMC(Draws):
                 "a chain diverged during warmup and on_divergence='stop'; no draw was kept. "
                 "Lower the step size, or use on_divergence='continue'."
             )
-        self._warn_divergences()
+        if self.num_samples > 0:
+            self.results.stats["repeated"] = repeated_draws(self.results.draws)
+        warn_unhealthy(self.results.draws, self.results.stats, self.num_warmup_divergences)
         self._warn_noise()
 
     def _bind(self, args: tuple, kwargs: dict, batches: Iterable | None) -> tuple[RunRecord, Iterator | None]:
@@ -329,17 +339,6 @@ class StochasticMCMC(Draws):
             self.results.stats = {k: v[:, :kept] for k, v in self.results.stats.items()}
             self.num_samples = kept
 
-    def _warn_divergences(self) -> None:
-        stats = self.results.stats
-        sampled = int(stats["diverging"].sum()) if "diverging" in stats else 0
-        if sampled or self.num_warmup_divergences:
-            warnings.warn(
-                f"{sampled} kept draws and {self.num_warmup_divergences} warmup steps diverged (non-finite log "
-                "density or gradient; those steps were rejected and are marked in sample_stats.diverging). "
-                "Lower the step size.",
-                stacklevel=3,
-            )
-
     def _warn_noise(self) -> None:
         uncorrected = self.results.stats.get("uncorrected")
         if uncorrected is None or self.num_samples == 0:
@@ -352,6 +351,34 @@ class StochasticMCMC(Draws):
                 "wide (sample_stats.noise_ratio > 1). Lower the step size, or raise the minibatch size.",
                 stacklevel=3,
             )
+
+
+# pyro.infer.MCMC's (and NumPyro's) arguments: what to pass instead, or why there is no such thing here
+_PYRO_SPELLINGS = {
+    "warmup_steps": "use num_warmup= (steps per chain before the first kept draw)",
+    "disable_progbar": "use progress_bar=False",
+    "thinning": "use thin=",
+    "initial_params": "initial points come from the kernel's init_strategy: pass e.g. "
+    "SGHMC(model, init_strategy=pyro.infer.autoguide.init_to_value(values={...}))",
+    "hook_fn": "there is no per-step hook; read the draws and sample_stats after run(), or use checkpoint= "
+    "to save the state as it goes",
+    "mp_context": "chains run together in one process (torch.func.vmap); use chain_method= to choose how, or "
+    "distributed='chains' to spread them over torchrun processes",
+    "disable_validation": "the model and data are checked once when the run starts, then stepped without "
+    "validation; use pyro.enable_validation(False) to switch Pyro's checks off there too",
+    "transforms": "each latent site is sampled in the unconstrained space of torch.distributions.biject_to of its "
+    "support; reparametrise the model to change it",
+    "save_params": "every latent site's draws are kept; select with get_samples()[site]",
+    "jit_model_args": "models are not JIT-compiled",
+}
+
+
+def _refuse_pyro_spellings(unknown: dict[str, Any]) -> None:
+    for name in unknown:
+        if name in _PYRO_SPELLINGS:
+            raise TypeError(f"StochasticMCMC has no argument {name}= (pyro.infer.MCMC's): {_PYRO_SPELLINGS[name]}.")
+    if unknown:
+        raise TypeError(f"StochasticMCMC got an unexpected keyword argument {next(iter(unknown))!r}.")
 
 
 def _cycle(batches: Iterable) -> Iterator[tuple[tuple, dict]]:

@@ -7,6 +7,7 @@ import pytest
 import torch
 from pyro.infer import Predictive
 
+from pyro_scalable import FullDataModel
 from pyro_scalable.infer import AutoLinearizedLaplace, CurvatureError
 from tests.infer.linearized.nets import MLP, random_latents
 
@@ -54,8 +55,8 @@ def test_sampled_draws_guide_and_arviz(posteriors):
     assert draws["layers.0.weight"].shape == (10, 4, 3)
     distinct = sampled.get_samples(K, seed=1)["layers.0.weight"].flatten(1)
     assert torch.unique(distinct, dim=0).shape[0] == K  # without replacement while the samples last
-    predictive = Predictive(model, guide=sampled, num_samples=5)(x)
-    assert predictive["y"].shape[0] == 5
+    predictive = Predictive(FullDataModel(model), guide=sampled, num_samples=5)(x)
+    assert predictive["y"].shape == (5, 120)
     assert sampled.to_inference_data(num_samples=20).posterior["layers.1.bias"].shape == (1, 20, 3)
 
 

@@ -1,0 +1,112 @@
+r"""The health of a finished set of chains, told in one warning.
+
+After a run, three things can make the draws unusable while every number in them is finite:
+
+* **not converged**: the chains disagree. Split :math:`\hat R` above 1.01 (with 4 or more chains, the threshold
+  of Vehtari et al. 2021, "Rank-normalization, folding, and localization") names the site;
+* **too few independent draws**: an effective sample size under 100 per chain (same source) makes the Monte-Carlo
+  error of a mean larger than a tenth of a posterior sd and r_hat itself unreliable;
+* **stuck**: a chain that repeats its draw. A rejected (diverging) step keeps the state; so does an update that
+  underflows against the state (an overflowing likelihood, a step far too small). ``sample_stats["repeated"]``
+  marks every kept draw equal, at every site, to the one before it in its chain, whatever the cause.
+
+:math:`\hat R` and the ESS are Pyro's (:func:`pyro.ops.stats.split_gelman_rubin`,
+:func:`pyro.ops.stats.effective_sample_size`, as ``Draws.diagnostics`` reports them), computed on the unconstrained
+draws in chunks of coordinates so that a network's worth of weights never needs more than a bounded FFT buffer.
+Convergence is not judged at temperature 0 (optimisation) or with fewer than 4 draws per chain.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from pyro.ops.stats import effective_sample_size, split_gelman_rubin
+from torch import Tensor
+
+__all__ = ["HealthWarning", "repeated_draws", "warn_unhealthy"]
+
+R_HAT_LIMIT = 1.01
+ESS_PER_CHAIN = 100
+_CHUNK = 1024  # coordinates per FFT
+
+
+class HealthWarning(UserWarning):
+    """The chains have not converged, have too few independent draws, repeat their draws, or diverged."""
+
+
+def repeated_draws(draws: dict[str, Tensor]) -> Tensor:
+    """``(chains, draws)`` bool: the draw equals the chain's previous draw at every site (the first never does)."""
+    same = None
+    for value in draws.values():
+        equal = (value[:, 1:] == value[:, :-1]).reshape(value.shape[0], value.shape[1] - 1, -1).all(-1)
+        same = equal if same is None else same & equal
+    first = torch.zeros_like(same[:, :1])
+    return torch.cat([first, same], dim=1)
+
+
+def _worst(value: Tensor, statistic, reduce) -> float:
+    """``statistic`` over every coordinate of a ``(chains, draws, *shape)`` site, reduced (max or min)."""
+    flat = value.reshape(value.shape[0], value.shape[1], -1).double()
+    results = [
+        reduce(statistic(flat[..., i : i + _CHUNK], chain_dim=0, sample_dim=1))
+        for i in range(0, flat.shape[-1], _CHUNK)
+    ]
+    return float(reduce(torch.stack(results)))
+
+
+def warn_unhealthy(
+    draws: dict[str, Tensor], stats: dict[str, Tensor], warmup_divergences: int = 0, *, stacklevel: int = 3
+) -> None:
+    """One :class:`HealthWarning` saying what is wrong with the chains ``{site: (chains, draws, ...)}``, if anything."""
+    problems = []
+    num_chains, num_draws = next(iter(draws.values())).shape[:2]
+    sampling = "temperature" not in stats or bool((stats["temperature"] > 0).any())
+    if sampling and num_draws >= 4:
+        with torch.no_grad():
+            r_hat = {k: _worst(v, split_gelman_rubin, torch.max) for k, v in draws.items()} if num_chains >= 4 else {}
+            ess = {k: _worst(v, effective_sample_size, torch.min) for k, v in draws.items()}
+        high = [f"'{k}' ({v:.3g})" for k, v in r_hat.items() if not v <= R_HAT_LIMIT]
+        if high:
+            problems.append(f"r_hat above {R_HAT_LIMIT} at {', '.join(high)}")
+        low = [f"'{k}' ({v:.0f})" for k, v in ess.items() if not v >= ESS_PER_CHAIN * num_chains]
+        if low:
+            problems.append(
+                f"an effective sample size under {ESS_PER_CHAIN} per chain ({ESS_PER_CHAIN * num_chains} in all) at "
+                f"{', '.join(low)}"
+            )
+    repeated = stats.get("repeated")
+    if repeated is not None and bool(repeated.any()):
+        runs = _longest_runs(repeated)
+        chain = int(runs.argmax())
+        problems.append(
+            f"{int(repeated.sum())} of {repeated.numel()} kept draws repeat the draw before them (chain {chain} "
+            f"for {int(runs[chain])} draws in a row: stuck, see sample_stats.repeated)"
+        )
+    diverging = int(stats["diverging"].sum()) if "diverging" in stats else 0
+    if diverging or warmup_divergences:
+        problems.append(
+            f"{diverging} kept draws and {warmup_divergences} warmup steps diverged (non-finite log density or "
+            "gradient; those steps were rejected and are marked in sample_stats.diverging)"
+        )
+    if problems:
+        warnings.warn(
+            "the chains are not healthy: "
+            + "; ".join(problems)
+            + ". Lower the step size, run longer (num_warmup, num_samples), or reparametrise the model (e.g. a "
+            "non-centred hierarchy); the diagnostics are in summary() and to_inference_data().",
+            HealthWarning,
+            stacklevel=stacklevel,
+        )
+
+
+def _longest_runs(repeated: Tensor) -> Tensor:
+    """Per chain, the longest stretch of consecutive repeated draws."""
+    longest = torch.zeros(repeated.shape[0], dtype=torch.long)
+    for chain, row in enumerate(repeated.cpu()):
+        run = best = 0
+        for flag in row.tolist():
+            run = run + 1 if flag else 0
+            best = max(best, run)
+        longest[chain] = best
+    return longest
