@@ -27,10 +27,11 @@ import numpy as np
 import pyro
 from torch import Tensor
 
-from pyro_scalable.arguments import check_count, check_flag, check_seed, fork_rng
+from pyro_scalable.arguments import check_count, check_flag, fork_rng
 from pyro_scalable.bridge import FullDataModel
 from pyro_scalable.bridge.likelihood import full_data_log_likelihood
 from pyro_scalable.bridge.model import ModelBridge
+from pyro_scalable.infer.predictive import sample_posterior_predictive
 from pyro_scalable.infer.results import RunRecord
 from pyro_scalable.sources import run_record
 
@@ -215,36 +216,27 @@ def _groups(record: RunRecord, log_likelihood: bool, data_chunk_size, draws_chun
 
 
 def _posterior_predictive(record: RunRecord, seed: int | None) -> dict[str, np.ndarray]:
+    """One draw of every observed site per posterior draw, on the full data (the model, not a linearisation)."""
     bridge = record.full_bridge
     shape = next(iter(record.draws.values())).shape[:2]
     draws = bridge.constrain({k: v.reshape((-1,) + v.shape[2:]).to(bridge.device) for k, v in record.draws.items()})
-    values = _sample_observed(bridge, draws, shape[0] * shape[1], seed)
-    return {k: v.reshape(shape + v.shape[1:]) for k, v in values.items()}
+    values = sample_posterior_predictive(
+        bridge.model, draws, *bridge.args, seed=seed, return_sites=list(bridge.observed), **bridge.kwargs
+    )
+    return {k: v.reshape(shape + v.shape[1:]).detach().cpu().numpy() for k, v in values.items()}
 
 
 def _prior(bridge: ModelBridge, num_draws: int, seed: int | None) -> tuple[dict, dict]:
-    values = _sample_observed(bridge, {}, num_draws, seed, sites=list(bridge.sites) + list(bridge.observed))
-    prior = {k: v[None] for k, v in values.items() if k in bridge.sites}
-    return prior, {k: v[None] for k, v in values.items() if k in bridge.observed}
-
-
-def _sample_observed(
-    bridge: ModelBridge, draws: dict, num_draws: int, seed: int | None, sites: list | None = None
-) -> dict[str, np.ndarray]:
-    """One draw of each observed site (and ``sites``) per draw of the latents, the observed values unconditioned."""
-    check_seed("seed", seed)
+    """``num_draws`` draws of the latents from their prior, and of the observed sites given them (full data)."""
     model = pyro.poutine.uncondition(FullDataModel(bridge.model))
-    sites = sites or list(bridge.observed)
-    predictive = pyro.infer.Predictive(
-        model, posterior_samples=draws or None, num_samples=num_draws, return_sites=sites
-    )
+    sites = list(bridge.sites) + list(bridge.observed)
     with fork_rng(seed):
-        values = predictive(*bridge.args, **bridge.kwargs)
-    shapes = {
-        **{k: s.shape for k, s in bridge.sites.items()},
-        **{k: v.shape for k, v in bridge.observed_data().items()},
-    }
-    return {k: v.reshape((num_draws,) + shapes[k]).detach().cpu().numpy() for k, v in values.items()}
+        values = pyro.infer.Predictive(model, num_samples=num_draws, return_sites=sites)(*bridge.args, **bridge.kwargs)
+    shapes = {name: site.shape for name, site in bridge.sites.items()}
+    shapes.update({name: value.shape for name, value in bridge.observed_data().items()})
+    values = {k: v.reshape((1, num_draws) + shapes[k]).detach().cpu().numpy() for k, v in values.items()}
+    prior = {k: v for k, v in values.items() if k in bridge.sites}
+    return prior, {k: v for k, v in values.items() if k in bridge.observed}
 
 
 def _check_options(log_likelihood, data_chunk_size, draws_chunk_size, coords, dims) -> None:

@@ -11,7 +11,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 bash scripts/install.sh test,docs,demo
-# laplace-torch and posteriors for the comparison tests (torch left alone; skipped if they cannot be installed)
+# laplace-torch and posteriors for the comparison tests (torch left alone; fails with the reason if they cannot be
+# installed, unless PYRO_SCALABLE_NO_PEERS=1)
 bash scripts/install_peers.sh
 "$PYTHON" -m pytest "$@"
 

@@ -84,12 +84,13 @@ def _check_plate(name: str, size: int | None, subsample_size: int | None, subsam
         )
 
 
-_PREDICTIVE_CODE = pyro_predictive._predictive.__code__
+# Pyro's private sequential/vectorised driver; should a later Pyro rename it, the guard is off, nothing breaks
+_PREDICTIVE_CODE = getattr(getattr(pyro_predictive, "_predictive", None), "__code__", None)
 
 
 def _refuse_in_predictive(name: str, size: int, subsample_size: int) -> None:
     # Predictive runs the guide with no posterior samples and the model with them: only the model's plate is refused
-    frame = sys._getframe(2)
+    frame = sys._getframe(2) if _PREDICTIVE_CODE is not None else None
     while frame is not None:
         if frame.f_code is _PREDICTIVE_CODE and frame.f_locals.get("posterior_samples"):
             raise ModelError(

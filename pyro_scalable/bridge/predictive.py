@@ -11,9 +11,8 @@ vectorised in chunks of draws (one ``pyro.plate`` over them) where the model all
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import pyro
@@ -22,6 +21,7 @@ from pyro import poutine
 from pyro.poutine.util import site_is_subsample
 from torch import Tensor
 
+from pyro_scalable.arguments import fork_rng
 from pyro_scalable.bridge.checks import ModelError, named_tensors
 from pyro_scalable.bridge.plates import FullDataModel
 
@@ -30,17 +30,6 @@ __all__ = ["predictive_draws"]
 _DRAWS_PLATE = "_num_predictive_samples"
 # elements of the returned sites per chunk of draws (float64: 128 MiB)
 _CHUNK_ELEMENTS = 2**24
-
-
-@contextlib.contextmanager
-def _seeded(seed: int | None, device: torch.device | None) -> Iterator[None]:
-    if seed is None:
-        yield
-        return
-    devices = [device.index or 0] if device is not None and device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
-        yield
 
 
 def _device(samples: Mapping[str, Tensor], args: tuple, kwargs: Mapping[str, Any]) -> torch.device | None:
@@ -76,7 +65,7 @@ def predictive_draws(
     num_draws = next(iter(sizes.values()))
     full = poutine.uncondition(FullDataModel(model))
     device = _device(samples, args, kwargs)
-    with _seeded(seed, device), torch.no_grad():
+    with fork_rng(seed), torch.no_grad():
         probe = _probe(model, full, {k: v[0] for k, v in samples.items()}, args, kwargs)
         sites = _return_sites(probe, samples, return_sites)
         shapes = {name: probe.nodes[name]["value"].shape for name in sites}

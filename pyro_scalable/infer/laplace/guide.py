@@ -25,7 +25,7 @@ from pyro_scalable.infer.laplace.curvature import FitRequest
 from pyro_scalable.infer.laplace.posterior import LaplacePosterior
 from pyro_scalable.infer.laplace.structures import STRUCTURES, StructureName, structure_class
 from pyro_scalable.infer.linearized.layout import ParameterLayout
-from pyro_scalable.infer.linearized.network import NetworkFunction, choose_sites
+from pyro_scalable.infer.linearized.network import NetworkFunction, choose_sites, observed_site
 
 __all__ = ["AutoLinearizedLaplace"]
 
@@ -114,11 +114,7 @@ class AutoLinearizedLaplace(AutoLaplaceApproximation):
         check_flag("check_map", check_map)
         check_seed("seed", seed)
         bridge = ModelBridge(_user_model(self.model), args, kwargs)
-        if len(bridge.observed) != 1:
-            raise ModelError(
-                f"linearised Laplace needs exactly one observed site; the model has {sorted(bridge.observed)}."
-            )
-        site = next(iter(bridge.observed))
+        site = observed_site(bridge, "linearised Laplace")
         if chunk_size is not None and not bridge.plates:
             warnings.warn(
                 f"chunk_size={chunk_size} is ignored: the model has no plate with subsample_size, so the data is "

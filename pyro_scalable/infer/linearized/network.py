@@ -34,7 +34,7 @@ from pyro_scalable.infer.autodiff import jvp
 from pyro_scalable.infer.linearized.layout import ParameterLayout
 from pyro_scalable.infer.linearized.likelihoods import Likelihood, likelihood_of
 
-__all__ = ["NetworkFunction", "Outputs", "choose_sites", "first_batch"]
+__all__ = ["NetworkFunction", "Outputs", "choose_sites", "first_batch", "observed_site"]
 
 
 @dataclass
@@ -206,6 +206,26 @@ class NetworkFunction:
                 "pass prior_precision=... to laplace_approximation, or give the site a Normal prior."
             )
         return precision, point.flatten() + gradient.flatten() / precision
+
+
+def observed_site(bridge: ModelBridge, engine: str) -> str:
+    """The one observed site a linearised engine reads, whose outermost batch dimension is the data plate.
+
+    The network function is ``points x outputs``: one row per data point, the data plate's. A model with another
+    plate outside it (``obs`` of shape ``(features, points)``) would need a transpose the engines do not guess.
+    """
+    if len(bridge.observed) != 1:
+        raise ModelError(f"{engine} needs exactly one observed site; the model has {sorted(bridge.observed)}.")
+    site = next(iter(bridge.observed))
+    plate = next(iter(bridge.plates.values()), None)
+    frames = bridge.observed[site]  # plate dim -> plate name
+    if plate is not None and frames and frames[min(frames)] != plate.name:
+        raise ModelError(
+            f"observed site '{site}' has the plate '{frames[min(frames)]}' outside the data plate '{plate.name}'; "
+            f"{engine} reads one row of outputs per data point, so the data plate must be the outermost "
+            f"(leftmost) batch dimension. Declare pyro.plate('{plate.name}', ...) first, with the lowest dim."
+        )
+    return site
 
 
 def choose_sites(bridge: ModelBridge, site: str, latents: Latents, sites) -> tuple[list[str], bool, str | None, Any]:

@@ -54,7 +54,7 @@ from pyro_scalable.infer.linearized.glm import (
     linearized_posterior_predictive,
 )
 from pyro_scalable.infer.linearized.layout import ParameterLayout
-from pyro_scalable.infer.linearized.network import NetworkFunction, choose_sites
+from pyro_scalable.infer.linearized.network import NetworkFunction, choose_sites, observed_site
 from pyro_scalable.infer.results import Draws, RunRecord
 from pyro_scalable.infer.sample_then_optimize import core
 from pyro_scalable.infer.sample_then_optimize.distributed import DistributedMode, OneProcess
@@ -249,11 +249,7 @@ class SampleThenOptimize(Draws):
         model = self.kernel.model.model
         bridge = ModelBridge(model, args, kwargs)
         self.results = RunRecord(bridge, bridge, args, kwargs)
-        if len(bridge.observed) != 1:
-            raise ModelError(
-                f"sample-then-optimise needs exactly one observed site; the model has {sorted(bridge.observed)}."
-            )
-        site = next(iter(bridge.observed))
+        site = observed_site(bridge, "sample-then-optimise")
         if not bridge.sites:
             raise ModelError("the model has no latent site to sample.")
         seed = int(torch.randint(0, 2**62, ())) if self.seed is None else self.seed
