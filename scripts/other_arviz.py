@@ -57,6 +57,7 @@ def _install(specs: list[str], folder: Path) -> None:
 
 
 def main() -> None:
+    """Install into the folder named on the command line and print its path."""
     folder = Path(sys.argv[1] if len(sys.argv) > 1 else ".arviz-other").resolve()
     folder.mkdir(parents=True, exist_ok=True)
     major = int(md.version("arviz").split(".")[0])

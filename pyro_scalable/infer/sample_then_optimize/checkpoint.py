@@ -4,8 +4,9 @@ Everything before the first solve — the MAP search, the linearisation, the pri
 is a deterministic function of the seed, so a resumed run redoes it and then puts back what the solves had reached:
 the EM step, the prior precision and the EM history, and within the solve the step count, the optimiser state of
 every row, the step size, the minibatch sampler and the generator. The rest of the run is then bitwise that of an
-uninterrupted one. The file is written atomically and checked against a fingerprint of the configuration, as the
-driver's checkpoints are (:mod:`pyro_scalable.infer.checkpoint`).
+uninterrupted one. The file is written atomically, checksummed and checked against a fingerprint of the run — the
+settings, the model's code, the data's values, ``linearize_at`` and ``prior_precision`` by content — as the
+driver's checkpoints are (:mod:`pyro_scalable.infer.checkpoint`, :mod:`pyro_scalable.infer.digest`).
 """
 
 from __future__ import annotations
@@ -15,10 +16,15 @@ from typing import Any
 
 import torch
 
-from pyro_scalable.infer.checkpoint import FORMAT, check_fingerprint, describe, load, save, stable_repr
+from pyro_scalable.infer.checkpoint import check_fingerprint, describe, load, remove_partial_write, save, stable_repr
+from pyro_scalable.infer.digest import digest
 from pyro_scalable.infer.sample_then_optimize import core
 
-__all__ = ["SolveCheckpoint"]
+__all__ = ["FORMAT", "SolveCheckpoint"]
+
+FORMAT = 2  # bumped when the layout changes (2: the kind, the model's code and the data's values in the fingerprint)
+KIND = "SampleThenOptimize"
+_KEYS = ("fingerprint", "em_step", "progress", "generator", "alpha", "alphas", "gammas", "trace")
 
 _SETTINGS = (
     "num_samples",
@@ -39,15 +45,17 @@ _SETTINGS = (
 
 
 def fingerprint(engine: Any) -> dict[str, str]:
-    """What a run's draws depend on: the settings, the model's name, the device and the data's dtypes and shapes."""
+    """What a run's draws depend on: the settings, the model's name and code, the device and the data's values."""
     model = engine.kernel.model.model
     bridge = engine.bridge
     fields = {name: stable_repr(getattr(engine, name)) for name in _SETTINGS}
     fields["model"] = stable_repr(getattr(model, "__qualname__", type(model).__name__))
     fields["device"] = stable_repr(bridge.device.type)
-    fields["linearize_at"] = describe(engine.linearize_at)
-    fields["prior_precision"] = describe(engine.prior_precision)
+    fields["model_code"] = digest(model)
+    fields["linearize_at"] = digest(engine.linearize_at)
+    fields["prior_precision"] = digest(engine.prior_precision)
     fields["data"] = describe((bridge.args, bridge.kwargs))
+    fields["data_values"] = digest((bridge.args, bridge.kwargs))
     return fields
 
 
@@ -61,14 +69,11 @@ class SolveCheckpoint:
 
     def resume(self) -> dict[str, Any] | None:
         """The saved run (the EM step, the solve's progress, the EM history), its prior precision put back."""
-        saved = load(self.path) if self.engine.resume else None
+        remove_partial_write(self.path)
+        saved = load(self.path, kind=KIND, version=FORMAT, keys=_KEYS) if self.engine.resume else None
         if saved is None:
             return None
-        check_fingerprint(
-            {"format": str(saved.get("format")), **saved["fingerprint"]},
-            {"format": str(FORMAT), **self.fingerprint},
-            self.path,
-        )
+        check_fingerprint(saved["fingerprint"], self.fingerprint, self.path)
         device = self.problem.theta.device
         progress = saved["progress"]
         progress["state"] = core.SampleState(**{k: v.to(device) for k, v in progress["state"].items()})
@@ -92,6 +97,7 @@ class SolveCheckpoint:
             save(
                 self.path,
                 {
+                    "kind": KIND,
                     "format": FORMAT,
                     "fingerprint": self.fingerprint,
                     "em_step": em_step,

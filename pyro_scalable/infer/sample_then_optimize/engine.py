@@ -106,7 +106,8 @@ class SampleThenOptimize(Draws):
         progress_bar: show a tqdm progress bar.
         checkpoint: a file to write the run's progress to every ``checkpoint_every`` epochs (and at the end of
             each solve), so that a killed run goes on where it stopped, with the same draws
-            (:mod:`.checkpoint`); ``run`` resumes from it where it exists and was written with the same settings.
+            (:mod:`.checkpoint`); ``run`` resumes from it where it exists and was written with the same settings,
+            model code and data values, and raises a ``CheckpointError`` otherwise.
         checkpoint_every: epochs between checkpoints.
         resume: ``False`` starts over even where a checkpoint exists (and overwrites it).
         distributed: run on every process of torch.distributed's default process group (launched by ``torchrun``;

@@ -6,11 +6,13 @@ everything the next step reads — the kernel state of every chain (stacked alon
 whether the chains ran vectorised or one after another), the chain stepper's mode, the generator's state, the
 minibatch sampler's permutations and positions — with what the run has produced so far (draws and
 ``sample_stats``, the step index, the number of draws kept, the warm-up divergences) and a fingerprint of the
-configuration. A run resumed from it goes on bitwise as the uninterrupted run would have.
+run (:func:`run_fingerprint`: the settings, the model's code and the data's values). A run resumed from it goes
+on bitwise as the uninterrupted run would have.
 
 Within warm-up the kernel state is the adaptation wrapper's (:class:`~.adaptation.AdaptationState`), after it the
 tuned chain's (:class:`~.adaptation.TunedState`): resuming a checkpoint written after warm-up ends warm-up first.
-Files are written atomically (:func:`pyro_scalable.infer.checkpoint.save`).
+Files are written atomically and checksummed (:func:`pyro_scalable.infer.checkpoint.save`); a ``.tmp`` left by a
+killed write is removed when the run resumes.
 """
 
 from __future__ import annotations
@@ -22,11 +24,37 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from pyro_scalable.infer.checkpoint import CheckpointError, check_fingerprint, describe, load, save, stable_repr
+from pyro_scalable.bridge.plates import FullDataModel
+from pyro_scalable.infer.checkpoint import (
+    CheckpointError,
+    check_fingerprint,
+    describe,
+    load,
+    remove_partial_write,
+    save,
+    stable_repr,
+)
+from pyro_scalable.infer.digest import digest
 
 __all__ = ["FORMAT", "RunCheckpoint", "run_fingerprint"]
 
-FORMAT = 2  # bumped when the layout of a run checkpoint changes (2: warm-up's state apart from the kernel's)
+# bumped when the layout of a run checkpoint changes (2: warm-up's state apart from the kernel's; 3: the kind, the
+# model's code and the data's values in the fingerprint)
+FORMAT = 3
+KIND = "StochasticMCMC"
+_KEYS = (
+    "fingerprint",
+    "step",
+    "kept",
+    "stopped",
+    "mode",
+    "state",
+    "generator",
+    "sampler",
+    "draws",
+    "stats",
+    "warmup_divergences",
+)
 
 
 def stack_chains(state: Any) -> list[Tensor]:
@@ -54,9 +82,14 @@ def unstack_chains(leaves: list[Tensor], template: Any, mode: str) -> Any:
 def run_fingerprint(run: Any, batches: Any = None) -> dict[str, str]:
     """What a driver run's draws depend on: a checkpoint resumes only a run whose fingerprint is the same.
 
-    The data enter by dtype and shape (the first minibatch where ``batches`` feeds the steps), not by value.
+    The model enters by name and by its code (:func:`pyro_scalable.infer.digest.digest`: its bytecode, closure,
+    defaults and globals; a module's class code, parameters and buffers), the data by dtype, shape and content.
+    Where ``batches`` (a DataLoader) feeds the steps there is no full data to hash: the fingerprint then holds the
+    first minibatch's dtypes and shapes, the loader's type, length and batch size, the content of its dataset
+    where it is a ``TensorDataset`` (any dataset with ``tensors``), and the full data given to ``run``, if any.
     """
-    model = getattr(run.kernel.model, "model", run.kernel.model)  # the model as written, not FullDataModel
+    model = run.kernel.model
+    model = model.model if isinstance(model, FullDataModel) else model  # the model as written
     bridge = run.bridge
     fields = {
         "kernel": run.kernel,
@@ -73,7 +106,28 @@ def run_fingerprint(run: Any, batches: Any = None) -> dict[str, str]:
     }
     return {
         **{name: stable_repr(value) for name, value in fields.items()},
+        "model_code": digest(model),
         "data": describe((bridge.args, bridge.kwargs)),
+        "data_values": digest(
+            (bridge.args, bridge.kwargs)
+            if batches is None
+            else (run.results.args, run.results.kwargs, _loader(batches))
+        ),
+    }
+
+
+def _loader(batches: Any) -> Any:
+    """What can be said of a DataLoader's data without iterating it: its size, batch size and dataset's tensors."""
+    dataset = getattr(batches, "dataset", None)
+    try:
+        length = len(batches)
+    except TypeError:  # a generator, or a DataLoader over an IterableDataset
+        length = None
+    return {
+        "length": length,
+        "batch_size": getattr(batches, "batch_size", None),
+        "dataset": type(dataset).__name__,
+        "tensors": getattr(dataset, "tensors", None),
     }
 
 
@@ -114,15 +168,12 @@ class RunCheckpoint:
             The step to go on from, the number of draws kept, and whether the run had stopped at a divergence.
 
         """
-        saved = load(self.path) if existing else None
+        remove_partial_write(self.path)
+        saved = load(self.path, kind=KIND, version=FORMAT, keys=_KEYS) if existing else None
         if saved is None:
             self.remember(0, 0)
             return 0, 0, False
-        check_fingerprint(
-            {"format": str(saved.get("format")), **saved["fingerprint"]},
-            {"format": str(FORMAT), **self.fingerprint},
-            self.path,
-        )
+        check_fingerprint(saved["fingerprint"], self.fingerprint, self.path)
         if saved["step"] >= self.run.num_warmup:
             self.stepper.end_warmup()  # the saved state is the tuned chains', not warm-up's
         self.stepper.restore(saved["mode"], unstack_chains(saved["state"], self.stepper.final_state, saved["mode"]))
@@ -171,6 +222,7 @@ class RunCheckpoint:
             self.path,
             {
                 **last,
+                "kind": KIND,
                 "format": FORMAT,
                 "fingerprint": self.fingerprint,
                 "state": stack_chains(last["state"]),

@@ -68,8 +68,9 @@ class StochasticMCMC(Draws):
             the whole minibatch. ``"chains"`` splits the chains across the ranks; rank 0 then holds every chain's
             draws, and every other rank only its own (its ``num_chains`` is its share). ``None``: one process.
         checkpoint: a file to write the run's state to, so that a killed run goes on where it stopped
-            (:mod:`pyro_scalable.infer.sgmcmc.checkpoint`). ``run`` resumes from it where it exists and was written with
-            the same settings, and refuses it, naming what differs, where it was not.
+            (:mod:`pyro_scalable.infer.sgmcmc.checkpoint`). ``run`` resumes from it where it exists and was written by
+            the same run — the same settings, the same model code and the same data values — and refuses it with a
+            ``CheckpointError``, naming what differs, where it was not, or where the file is damaged or foreign.
         checkpoint_every: steps (warm-up included) between checkpoints; one is also written at the end of
             warm-up, at the end of the run and on ``KeyboardInterrupt``.
         resume: ``False`` starts over even where a checkpoint exists (and overwrites it).

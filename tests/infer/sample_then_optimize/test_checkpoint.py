@@ -2,17 +2,28 @@
 
 from __future__ import annotations
 
+import os
+import signal
+from pathlib import Path
+
+import pyro
+import pyro.distributions as dist
 import pytest
 import torch
 
 from pyro_scalable.infer import SampleThenOptimize
-from pyro_scalable.infer.checkpoint import CheckpointError, load
+from pyro_scalable.infer.checkpoint import CheckpointError, load, save
 from pyro_scalable.infer.sample_then_optimize import core
 from tests.conftest import LinearRegression
+from tests.infer import killing
+from tests.infer.sample_then_optimize import killable_run
 
 
 class Killed(Exception):
-    """Stands for SIGKILL: the run stops between two optimiser steps and writes nothing more."""
+    """Stands for SIGKILL in this process: the run stops between two optimiser steps and writes nothing more.
+
+    ``test_a_sigkill_during_a_checkpoint_write_resumes_exactly`` kills a child process with a real SIGKILL.
+    """
 
 
 def engine(problem, path=None, **options):
@@ -75,3 +86,61 @@ def test_a_different_configuration_is_refused(tmp_path):
         engine(problem, path, num_epochs=4).run(problem.x, problem.y)
     engine(problem, path, num_epochs=4, resume=False).run(problem.x, problem.y)
     assert load(path)["fingerprint"]["num_epochs"] == "4"
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs SIGKILL")
+@pytest.mark.parametrize("moment", killing.MOMENTS)
+def test_a_sigkill_during_a_checkpoint_write_resumes_exactly(tmp_path, moment):
+    path = tmp_path / "run.pt"
+    # one checkpoint per epoch (3 + 2 + 2 epochs): a real SIGKILL inside the 4th write, in the second solve
+    killing.run_until_killed(Path(killable_run.__file__), str(path), "4", moment)
+    renamed = moment == "after-rename"
+    assert load(path)["em_step"] == (1 if renamed else 0)  # the old checkpoint whole, or the new one whole
+    assert (tmp_path / "run.pt.tmp").exists() != renamed
+    resumed = killable_run.engine(path)
+    resumed.run(*killable_run.data())
+    reference = killable_run.engine()
+    reference.run(*killable_run.data())
+    assert_same_run(resumed, reference)
+    assert os.listdir(tmp_path) == ["run.pt"]
+
+
+def noisier_model(x, y):
+    w = pyro.sample("w", dist.Normal(x.new_zeros(3), 1.0).to_event(1))
+    with pyro.plate("data", len(y), subsample_size=50) as idx:
+        pyro.sample("obs", dist.Normal(x[idx] @ w, 2.0), obs=y[idx])
+
+
+noisier_model.__qualname__ = noisier_model.__name__ = "model"  # the same name: only the code tells them apart
+
+
+@pytest.mark.filterwarnings("ignore:the samples have not converged:UserWarning")
+def test_an_edited_model_or_changed_data_is_refused(tmp_path):
+    path = tmp_path / "run.pt"
+    x, y = killable_run.data()
+    killable_run.engine(path).run(x, y)
+    with pytest.raises(CheckpointError, match="the model's code changed since the checkpoint was written"):
+        killable_run.engine(path, noisier_model).run(x, y)
+    y = y.clone()
+    y[7] += 1e-9
+    with pytest.raises(CheckpointError, match="the data's values changed since the checkpoint was written"):
+        killable_run.engine(path).run(x, y)
+
+
+@pytest.mark.parametrize(
+    "payload, message",
+    [
+        ({"a": 1}, r"is not a pyro_scalable checkpoint \(a torch file holding a dict\)"),
+        ({"kind": "StochasticMCMC", "format": 3}, "was written by StochasticMCMC, not by SampleThenOptimize"),
+        ({"kind": "SampleThenOptimize", "format": 1}, "checkpoint format 1 .*this version reads format 2"),
+    ],
+    ids=["foreign", "another-engine", "old-format"],
+)
+def test_a_foreign_file_is_a_checkpoint_error(tmp_path, payload, message):
+    path = tmp_path / "run.pt"
+    if "kind" in payload:
+        save(path, payload)
+    else:
+        torch.save(payload, path)
+    with pytest.raises(CheckpointError, match=message):
+        killable_run.engine(path).run(*killable_run.data())

@@ -1,7 +1,10 @@
 """A small run for tests/infer/sgmcmc/test_checkpoint.py to kill: ``python killable_run.py CHECKPOINT PAUSE``.
 
-``PAUSE`` seconds of sleep in each model call slow the run down enough for a test to kill it mid-way; the pause
-does not change a single number.
+``python killable_run.py CHECKPOINT PAUSE NTH MOMENT`` kills itself with SIGKILL during its ``NTH`` checkpoint write
+(:func:`tests.infer.killing.arm`).
+
+``PAUSE`` seconds of sleep before each step slow the run down enough for a test to kill it mid-way; the pause
+does not change a single number, and lives outside the model (whose code is part of the checkpoint's fingerprint).
 """
 
 from __future__ import annotations
@@ -14,9 +17,10 @@ import pyro.distributions as dist
 import torch
 
 from pyro_scalable.infer import SGHMC, StochasticMCMC
+from pyro_scalable.infer.sgmcmc.chains import ChainStepper
+from tests.infer import killing
 
 NUM_WARMUP, NUM_SAMPLES = 10, 30
-PAUSE = 0.0
 
 
 def data() -> tuple[torch.Tensor, torch.Tensor]:
@@ -27,8 +31,6 @@ def data() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def model(x, y):
-    if PAUSE:
-        time.sleep(PAUSE)
     w = pyro.sample("w", dist.Normal(x.new_zeros(2), 1.0).to_event(1))
     with pyro.plate("data", len(y), subsample_size=10) as idx:
         pyro.sample("obs", dist.Normal(x[idx] @ w, 1.0), obs=y[idx])
@@ -47,6 +49,19 @@ def sampler(checkpoint=None) -> StochasticMCMC:
     )
 
 
+def slow_down(pause: float) -> None:
+    """Sleep ``pause`` seconds before each step."""
+    step = ChainStepper.step
+
+    def slow_step(self, batch, step_index):
+        time.sleep(pause)
+        return step(self, batch, step_index)
+
+    ChainStepper.step = slow_step
+
+
 if __name__ == "__main__":
-    PAUSE = float(sys.argv[2])
+    slow_down(float(sys.argv[2]))
+    if len(sys.argv) > 3:
+        killing.arm(int(sys.argv[3]), sys.argv[4])
     sampler(sys.argv[1]).run(*data())

@@ -16,7 +16,7 @@ import torch
 from pyro.ops.stats import effective_sample_size
 
 from pyro_scalable.bridge.model import Batch, ModelBridge
-from pyro_scalable.infer import PSGLD, SGHMC, SGLD, StochasticMCMC, sgld
+from pyro_scalable.infer import PSGLD, SGHMC, SGLD, SGNHT, StochasticMCMC, sgld
 from pyro_scalable.infer.sgmcmc.base import estimate_gradient
 
 from ...conftest import LinearRegression
@@ -112,8 +112,9 @@ def sd_ratio(kernel, problem, num_chains, num_warmup, num_samples):
 
 KERNELS = {
     "sgld": (SGLD, {}),
-    "sghmc": pytest.param(SGHMC, {}, marks=pytest.mark.slow),
-    "psgld": pytest.param(PSGLD, {}, marks=pytest.mark.slow),
+    "sghmc": (SGHMC, {}),
+    "psgld": (PSGLD, {}),
+    "sgnht": (SGNHT, {}),
 }
 
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import pickle
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -17,10 +19,11 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from pyro_scalable.infer import SGHMC, SGLD, StochasticMCMC
-from pyro_scalable.infer.checkpoint import CheckpointError, load
+from pyro_scalable.infer.checkpoint import CheckpointError, load, save
 from pyro_scalable.infer.sgmcmc.chains import ChainStepper
 
 from ...conftest import LinearRegression
+from .. import killing
 from . import killable_run
 
 # SGLD's warm-up computes Hessian-vector products with torch.func.jvp, whose first call in a process has torch
@@ -187,19 +190,19 @@ def test_a_crash_while_writing_leaves_the_previous_checkpoint(tmp_path, monkeypa
     reference = sampler(kernel)
     reference.run(data.x, data.y)
     path = tmp_path / "run.pt"
-    save = torch.save
+    fsync = os.fsync
     writes = []
 
-    def failing_save(payload, file):
-        writes.append(None)
-        if len(writes) < 3:
-            return save(payload, file)
-        save(payload, file)
-        file.truncate(file.tell() // 2)  # half of the file is on disk when the machine goes down
-        raise OSError("no space left on device")
+    def failing_fsync(fd):
+        if stat.S_ISREG(os.fstat(fd).st_mode):  # the temporary file, not the folder
+            writes.append(None)
+            if len(writes) == 3:
+                os.ftruncate(fd, os.fstat(fd).st_size // 2)  # half of the file reached the disk
+                raise OSError("no space left on device")
+        fsync(fd)
 
     with monkeypatch.context() as patch:
-        patch.setattr(torch, "save", failing_save)
+        patch.setattr(os, "fsync", failing_fsync)
         with pytest.raises(OSError, match="no space"):
             sampler(kernel, path).run(data.x, data.y)
     assert load(path)["step"] == 6  # the second checkpoint (steps 4 and 6, the end of warm-up), whole
@@ -259,6 +262,11 @@ def test_a_loader_run_resumes_by_skipping_the_consumed_minibatches(tmp_path, mon
     resumed = sampler(kernel, path)
     resumed.run(batches=loader())
     assert_same_run(resumed, reference)
+    y = data.y[:num_data].clone()
+    y[0] += 1e-9  # the loader's dataset is all the data a loader run has: its tensors enter the fingerprint
+    changed = DataLoader(TensorDataset(data.x[:num_data], y, torch.arange(num_data)), batch_size=10)
+    with pytest.raises(CheckpointError, match="the data's values changed"):
+        sampler(kernel, path).run(batches=changed)
 
 
 def test_resume_on_the_data_device(tmp_path, monkeypatch, device):
@@ -275,3 +283,153 @@ def test_resume_on_the_data_device(tmp_path, monkeypatch, device):
     resumed = sampler(kernel, path)
     resumed.run(data.x, data.y)
     assert_same_run(resumed, reference)
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs SIGKILL")
+@pytest.mark.parametrize("moment", killing.MOMENTS)
+def test_a_sigkill_during_a_checkpoint_write_resumes_exactly(tmp_path, moment):
+    path = tmp_path / "run.pt"
+    # checkpoints at steps 5, 10, 15, ...: the child kills itself with a real SIGKILL inside the third write
+    killing.run_until_killed(Path(killable_run.__file__), str(path), "0", "3", moment)
+    renamed = moment == "after-rename"
+    assert load(path)["step"] == (15 if renamed else 10)  # the old checkpoint whole, or the new one whole
+    assert (tmp_path / "run.pt.tmp").exists() != renamed
+    resumed = killable_run.sampler(path)
+    resumed.run(*killable_run.data())
+    reference = killable_run.sampler()
+    reference.run(*killable_run.data())
+    assert_same_run(resumed, reference)
+    assert os.listdir(tmp_path) == ["run.pt"]
+
+
+def edited(kind: str, scale: float = 1.0):
+    """A regression model, or the same one edited in one way, always under the same name."""
+    if kind == "body":
+
+        def model(x, y):
+            w = pyro.sample("w", dist.Normal(x.new_zeros(2), 1.0).to_event(1))
+            with pyro.plate("data", len(y), subsample_size=10) as idx:
+                pyro.sample("obs", dist.Normal(x[idx] @ w, 2.0), obs=y[idx])  # 2.0 where the others have 1.0
+
+        return model
+    if kind == "default":
+
+        def model(x, y, noise=scale):
+            w = pyro.sample("w", dist.Normal(x.new_zeros(2), 1.0).to_event(1))
+            with pyro.plate("data", len(y), subsample_size=10) as idx:
+                pyro.sample("obs", dist.Normal(x[idx] @ w, noise), obs=y[idx])
+
+        return model
+    if kind == "module":
+
+        class Regression(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.register_buffer("noise", torch.tensor(scale, dtype=torch.float64))
+
+            def forward(self, x, y):
+                w = pyro.sample("w", dist.Normal(x.new_zeros(2), 1.0).to_event(1))
+                with pyro.plate("data", len(y), subsample_size=10) as idx:
+                    pyro.sample("obs", dist.Normal(x[idx] @ w, self.noise), obs=y[idx])
+
+        return Regression()
+    noise = torch.tensor(scale, dtype=torch.float64)
+
+    def model(x, y):
+        w = pyro.sample("w", dist.Normal(x.new_zeros(2), 1.0).to_event(1))
+        with pyro.plate("data", len(y), subsample_size=10) as idx:
+            pyro.sample("obs", dist.Normal(x[idx] @ w, noise), obs=y[idx])
+
+    return model
+
+
+@pytest.mark.parametrize(
+    "before, after",
+    [(("closure", 1.0), ("body", 1.0)), (("closure", 1.0), ("closure", 2.0)), (("default", 1.0), ("default", 2.0))]
+    + [(("module", 1.0), ("module", 2.0))],
+    ids=["body", "closure", "default", "module-buffer"],
+)
+def test_an_edited_model_is_refused(tmp_path, before, after):
+    data = small()
+    path = tmp_path / "run.pt"
+    sampler(SGHMC(edited(*before), step_size=1e-3), path).run(data.x, data.y)
+    same = sampler(SGHMC(edited(*before), step_size=1e-3), path)  # the same code and values, built again
+    same.run(data.x, data.y)
+    assert same.num_samples == 12
+    with pytest.raises(CheckpointError, match="the model's code changed since the checkpoint was written") as error:
+        sampler(SGHMC(edited(*after), step_size=1e-3), path).run(data.x, data.y)
+    assert "pass a new checkpoint path" in str(error.value) and str(path) in str(error.value)
+
+
+def test_changed_data_values_are_refused(tmp_path):
+    data = small()
+    path = tmp_path / "run.pt"
+    sampler(SGHMC(data.model, step_size=1e-3), path).run(data.x, data.y)
+    y = data.y.clone()
+    y[3] += 1e-9
+    with pytest.raises(CheckpointError, match="the data's values changed since the checkpoint was written"):
+        sampler(SGHMC(data.model, step_size=1e-3), path).run(data.x, y)
+
+
+def damage(path: Path, how: str) -> None:
+    """Spoil the checkpoint at ``path`` in one way."""
+    data = path.read_bytes()
+    if how == "flipped-byte":
+        spoiled = bytearray(data)
+        spoiled[len(data) * 3 // 4] ^= 0x40  # inside the draws
+        path.write_bytes(bytes(spoiled))
+    elif how == "truncated":
+        path.write_bytes(data[: len(data) // 2])
+    elif how == "empty":
+        path.write_bytes(b"")
+    elif how == "foreign-torch":
+        torch.save({"a": 1}, path)
+    elif how == "foreign-pickle":
+        with open(path, "wb") as file:
+            pickle.dump(["not", "a", "checkpoint"], file)
+    elif how == "old-format":
+        torch.save({"format": 2, "fingerprint": {}, "step": 0}, path)  # as pyro_scalable wrote them before
+    else:
+        saved = load(path)
+        if how == "another-engine":
+            saved["kind"] = "SampleThenOptimize"
+        else:
+            del saved["draws"]
+        save(path, saved)
+
+
+@pytest.mark.parametrize(
+    "how, message",
+    [
+        ("flipped-byte", "is damaged: its contents do not match the checksum"),
+        ("truncated", "is truncated"),
+        ("empty", "is not a pyro_scalable checkpoint"),
+        ("foreign-torch", r"is not a pyro_scalable checkpoint \(a torch file holding a dict\)"),
+        ("foreign-pickle", "is not a pyro_scalable checkpoint"),
+        ("old-format", "was written by an older pyro_scalable"),
+        ("another-engine", "was written by SampleThenOptimize, not by StochasticMCMC"),
+        ("missing-key", "lacks 'draws'"),
+    ],
+)
+def test_a_damaged_or_foreign_file_is_a_checkpoint_error(tmp_path, how, message):
+    data = small()
+    path = tmp_path / "run.pt"
+    sampler(SGHMC(data.model, step_size=1e-3), path).run(data.x, data.y)
+    damage(path, how)
+    with pytest.raises(CheckpointError, match=message) as error:
+        sampler(SGHMC(data.model, step_size=1e-3), path).run(data.x, data.y)
+    assert "\n" not in str(error.value)
+    assert "Delete it or pass another checkpoint path (or resume=False)" in str(error.value)
+
+
+def test_a_stray_temporary_is_removed(tmp_path, monkeypatch):
+    data = small()
+    path = tmp_path / "run.pt"
+    first = sampler(SGHMC(data.model, step_size=1e-3), path)
+    first.run(data.x, data.y)
+    (tmp_path / "run.pt.tmp").write_bytes(b"half a checkpoint")  # as a write killed before its rename leaves it
+    again = sampler(SGHMC(data.model, step_size=1e-3), path)
+    stop_at(monkeypatch, 1)  # a finished run: read back without a step, and without a write
+    again.run(data.x, data.y)
+    assert_same_run(again, first)
+    assert os.listdir(tmp_path) == ["run.pt"]
