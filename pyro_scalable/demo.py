@@ -18,6 +18,7 @@ import pyro
 import pyro.distributions as dist
 import torch
 
+from pyro_scalable._optional import import_optional, missing, missing_extra_message
 from pyro_scalable.infer import SGHMC, StochasticMCMC
 
 # Five of the 30 features. Radius, perimeter, area and the concavity measures are nearly collinear, and a posterior
@@ -28,9 +29,8 @@ BATCH_SIZE = 128
 
 def load_data(dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
     """Standardised features, 0/1 labels (1 = malignant) and feature names."""
-    from sklearn.datasets import load_breast_cancer
-
-    data = load_breast_cancer()
+    datasets = import_optional("sklearn.datasets", "The demo's data set (Wisconsin breast cancer)")
+    data = datasets.load_breast_cancer()
     columns = [list(data.feature_names).index(name) for name in FEATURES]
     x = torch.tensor(data.data[:, columns], dtype=dtype)
     x = (x - x.mean(0)) / x.std(0)
@@ -56,6 +56,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-chains", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    # Checked before the run, not after minutes of sampling: the data set and the trace plot.
+    absent = missing(["sklearn", "matplotlib"])
+    if absent:
+        raise SystemExit(missing_extra_message(absent, "python -m pyro_scalable.demo"))
 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r"\s*ArviZ is undergoing", category=FutureWarning)

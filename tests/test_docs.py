@@ -8,6 +8,7 @@ docstrings honest. It needs the ``docs`` extra (``scripts/test.sh`` installs it)
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -54,15 +55,134 @@ def test_site_builds_strict(site):
 def test_every_tutorial_is_a_page(site, path):
     page = site / "tutorials" / path.stem / "index.html"
     assert page.is_file(), f"{path.name} was not rendered (mkdocs.yml: mkdocs-jupyter, docs/_hooks/repo_files.py)"
+    html = page.read_text(encoding="utf-8")
+    assert "data:image/png;base64," in html, f"the page of {path.name} shows no figure"
+    # the highlighted code wraps each token in a span: ">assert<" is the keyword, not the word in a sentence
+    for plumbing in ("PYRO_SCALABLE_FAST", "PYRO_SCALABLE_IMAGES", ">assert<", ">FAST<", ">IMAGES<"):
+        assert plumbing not in html, f"the page of {path.name} shows test plumbing: {plumbing!r}"
+
+
+def test_mathjax_is_served_with_the_site(site):
+    """Formulas render offline: MathJax 3 and its fonts are files of the site, and no page loads a CDN's copy."""
+    mathjax = site / "javascripts" / "mathjax"
+    assert (mathjax / "tex-mml-chtml.js").is_file() and any((mathjax / "output/chtml/fonts/woff-v2").glob("*.woff"))
+    for page in (
+        site / "index.html",
+        site / "api/laplace/index.html",
+        site / "tutorials/laplace_bnn_regression/index.html",
+    ):
+        html = page.read_text(encoding="utf-8")
+        assert "javascripts/mathjax/tex-mml-chtml.js" in html, page
+        assert not re.search(r'src="https?://[^"]*mathjax', html, flags=re.I), f"{page} loads MathJax from the web"
+
+
+def _render_module():
+    return _load(ROOT / "scripts" / "render_tutorials.py", "_render_tutorials")
+
+
+@pytest.mark.parametrize("path", TUTORIALS, ids=[p.stem for p in TUTORIALS])
+def test_rendered_tutorial_is_current(path):
+    """docs/tutorials/<name>.ipynb, the page the site shows, was executed from this version of the script."""
+    render = _render_module()
+    command = f"python scripts/render_tutorials.py tutorials/{path.name}"
+    target = render.rendered_path(path)
+    assert target.is_file(), f"{target.relative_to(ROOT)} is missing: run `{command}`"
+    assert render.is_current(path), (
+        f"tutorials/{path.name} changed since docs/tutorials/{target.name} was rendered from it: run `{command}` "
+        "(several minutes; `--fast` for the quick mode, which the page then states)"
+    )
+    notebook = json.loads(target.read_text(encoding="utf-8"))
+    outputs = [o for c in notebook["cells"] if c["cell_type"] == "code" for o in c["outputs"]]
+    assert not [o for o in outputs if o["output_type"] == "error"], f"{target.name} holds an error output"
+    assert any("image/png" in o.get("data", {}) for o in outputs), f"{target.name} holds no figure"
+
+
+REPOSITORY = "https://github.com/pyro-scalable/pyro_scalable"
+DOCS_SITE = "https://pyro-scalable.github.io/pyro_scalable"
+
+
+def _site_page_source(page: str) -> Path | None:
+    """The file in the checkout that the site page ``page`` ("sgmcmc/", "tutorials/", "") is built from."""
+    page = page.strip("/")
+    candidates = [ROOT / "docs" / "index.md"] if not page else []
+    candidates += [ROOT / "docs" / f"{page}.md", ROOT / "docs" / page / "index.md", ROOT / page / "README.md"]
+    candidates += [ROOT / "docs" / f"{page}.ipynb"]
+    return next((path for path in candidates if path.is_file()), None)
 
 
 def test_readme_links_resolve():
-    """README.md is not part of the site, so its relative links are checked here."""
+    """README.md is also the package index's project page, so every link is absolute; each must lead somewhere.
+
+    Repository links (``REPOSITORY/blob/main/<path>``) must name a file of this checkout, documentation links
+    (``DOCS_SITE/<page>/``) a page this checkout builds.
+    """
     text = (ROOT / "README.md").read_text(encoding="utf-8")
-    links = [m for m in re.findall(r"\]\(([^)\s#]+)(?:#[^)\s]*)?\)", text) if "://" not in m]
-    assert links, "no relative links found in README.md"
-    missing = [link for link in links if not (ROOT / link).exists()]
-    assert not missing, f"README.md links to missing files: {missing}"
+    links = [m.split("#")[0] for m in re.findall(r"\]\(([^)\s]+)\)", text) + re.findall(r"<(https?://[^>\s]+)>", text)]
+    assert links, "no links found in README.md"
+    relative = [link for link in links if "://" not in link]
+    assert not relative, f"README.md has relative links, which break on the package index page: {relative}"
+    missing = []
+    for link in links:
+        if link.startswith(f"{REPOSITORY}/blob/main/") or link.startswith(f"{REPOSITORY}/tree/main/"):
+            path = link.split("/main/", 1)[1]
+            if not (ROOT / path).exists():
+                missing.append(link)
+        elif link.startswith(DOCS_SITE):
+            if _site_page_source(link[len(DOCS_SITE) :]) is None:
+                missing.append(link)
+    assert not missing, f"README.md links to files or pages this checkout does not have: {missing}"
+
+
+def _snippet(spec: str) -> str:
+    """The text pymdownx.snippets includes for ``file:section`` (or a whole file)."""
+    path, _, section = spec.partition(":")
+    text = (ROOT / path).read_text(encoding="utf-8")
+    if not section:
+        return text
+    start, end = f"# --8<-- [start:{section}]", f"# --8<-- [end:{section}]"
+    assert start in text and end in text, f"{path} has no snippet section {section!r}"
+    return text.split(start, 1)[1].split(end, 1)[0]
+
+
+def _python_blocks(page: Path) -> list[str]:
+    """The page's python code blocks as a reader sees them, snippet includes resolved."""
+    blocks = re.findall(r"^```python\n(.*?)^```", page.read_text(encoding="utf-8"), flags=re.M | re.S)
+    include = re.compile(r'^--8<-- "([^"]+)"$', flags=re.M)
+    return [include.sub(lambda m: _snippet(m.group(1)), block) for block in blocks]
+
+
+def _undefined_names(code: str, known: set[str]) -> tuple[list[str], set[str]]:
+    """Names ``code`` reads at module level or in its functions that neither it, ``known`` nor builtins define."""
+    import ast
+    import builtins
+
+    tree = ast.parse(code)
+    defined = set(known) | set(dir(builtins))
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            defined.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            defined.add(node.name)
+            args = node.args if not isinstance(node, ast.ClassDef) else None
+            if args is not None:
+                defined.update(a.arg for a in args.args + args.kwonlyargs + args.posonlyargs)
+                defined.update(a.arg for a in (args.vararg, args.kwarg) if a is not None)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
+            defined.add(node.id)
+        elif isinstance(node, ast.arg):
+            defined.add(node.arg)
+    used = [n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)]
+    return sorted({name for name in used if name not in defined}), defined
+
+
+def test_getting_started_blocks_define_what_they_use():
+    """Copied top to bottom, the python blocks of getting_started.md run: each name is defined by an earlier line."""
+    blocks = _python_blocks(ROOT / "docs" / "getting_started.md")
+    assert len(blocks) >= 4
+    known: set[str] = set()
+    for number, block in enumerate(blocks, 1):
+        undefined, known = _undefined_names(block, known)
+        assert not undefined, f"python block {number} of getting_started.md uses {undefined}, defined nowhere before"
 
 
 def test_rst_roles_become_markdown():

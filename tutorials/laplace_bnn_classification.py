@@ -16,10 +16,12 @@
 # `AutoLinearizedLaplace`, tunes its prior precision on the Laplace evidence, and compares the predictive
 # probabilities of the MAP and of the linearised posterior (probit approximation and Monte Carlo) on 2,000 held-out
 # points: reliability diagram, expected calibration error (ECE) and test negative log-likelihood (NLL).
-#
-# Set `PYRO_SCALABLE_FAST=1` for the quick run CI does (a shorter MAP search).
 # The regression counterpart: [`laplace_bnn_regression.py`](laplace_bnn_regression.py); guide:
 # [docs/laplace.md](../docs/laplace.md).
+
+# %% [markdown] tags=["remove-cell"]
+# Set `PYRO_SCALABLE_FAST=1` for the quick run CI does (a shorter MAP search). Cells tagged `remove-cell` (this
+# switch, the figure file, the tutorial's own checks) run but are left out of the documentation page.
 
 # %%
 import os
@@ -35,9 +37,16 @@ from torch import nn
 
 from pyro_scalable.infer import AutoLinearizedLaplace
 
+STEPS = 3_000  # SVI steps of the MAP search
+CHECK_MAP = True  # the Laplace fit checks that the gradient at the MAP is small
+
+# %% tags=["remove-cell"]
 FAST = os.environ.get("PYRO_SCALABLE_FAST") == "1"
 IMAGES = os.environ.get("PYRO_SCALABLE_IMAGES", "docs/images")
-STEPS = 800 if FAST else 3_000
+if FAST:  # the quick run CI does
+    STEPS, CHECK_MAP = 800, False
+
+# %%
 torch.set_num_threads(1)  # tensors this small run fastest on one thread
 start = time.perf_counter()
 
@@ -107,7 +116,7 @@ print(f"MAP: final loss (−log joint) {loss:.1f}  ({time.perf_counter() - start
 # the check that it is a maximum is skipped there.)
 
 # %%
-laplace = guide.laplace_approximation(x_train, y_train, structure="kron", check_map=not FAST)
+laplace = guide.laplace_approximation(x_train, y_train, structure="kron", check_map=CHECK_MAP)
 evidence_before = laplace.log_marginal_likelihood().item()
 laplace.optimize_prior_precision("scalar")
 evidence_after = laplace.log_marginal_likelihood().item()
@@ -115,8 +124,11 @@ print(
     f"K-FAC: log evidence {evidence_before:.1f} at the model's prior precision {1 / 3**2:.3f}, "
     f"{evidence_after:.1f} at the tuned {laplace.prior_precision[0].item():.3f}"
 )
+
+# %% tags=["remove-cell"]
 assert evidence_after >= evidence_before - 1e-3
 
+# %%
 last_layer = guide.laplace_approximation(x_train, y_train, structure="full", sites="last_layer", check_map=False)
 last_layer.optimize_prior_precision("scalar")
 print(f"last layer, full GGN: tuned prior precision {last_layer.prior_precision[0].item():.3f}")
@@ -191,12 +203,14 @@ for name, (confidence, correct, nll) in scores.items():
         "ece gain": (map_ece - expected_calibration_error(confidence, correct).item(), ece_gain.std().item()),
         "overconfidence": (overconfidence.mean().item(), (overconfidence.std() / len(overconfidence) ** 0.5).item()),
     }
-    # probit and MC keep the sign of the mean logit, so the predicted class is the MAP's (MC up to its noise)
-    assert abs(correct.mean() - map_correct.mean()) < 0.01
 print(f"{'':28s} {'NLL gain on the MAP':>19s} {'ECE gain on the MAP':>19s} {'confidence − accuracy':>21s}")
 for name, row in summary.items():
     print(f"{name:28s}" + "".join(f"    {value:+.3f} ± {se:.3f}" for value, se in row.values()))
 
+# %% tags=["remove-cell"]
+# probit and MC keep the sign of the mean logit, so the predicted class is the MAP's (MC up to its noise)
+for _, correct, _ in scores.values():
+    assert abs(correct.mean() - map_correct.mean()) < 0.01
 # the MAP is over-confident, the whole-network Laplace under-confident, each by more than 3 standard errors
 assert summary["MAP"]["overconfidence"][0] > 3 * summary["MAP"]["overconfidence"][1]
 for name in ("Laplace K-FAC, probit", "Laplace K-FAC, MC"):
@@ -239,6 +253,8 @@ far = torch.cdist(grid, x_train).min(-1).values > 1.0
 far_map = torch.maximum(confidence_map, 1 - confidence_map)[far].mean().item()
 far_laplace = torch.maximum(confidence_laplace, 1 - confidence_laplace)[far].mean().item()
 print(f"mean confidence more than 1 from any training point: MAP {far_map:.3f}, Laplace K-FAC {far_laplace:.3f}")
+
+# %% tags=["remove-cell"]
 assert far_laplace < far_map
 
 # %%
@@ -247,7 +263,6 @@ import matplotlib  # noqa: E402
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-os.makedirs(IMAGES, exist_ok=True)
 fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
 shape = (len(axis_x), len(axis_y))
 for ax, probs, title in (
@@ -274,6 +289,11 @@ ax.set_xlabel("confidence")
 ax.set_ylabel("accuracy")
 ax.set_title("reliability on 2,000 held-out points", fontsize=10)
 ax.legend(fontsize=7)
+
+# %% tags=["remove-cell"]
+os.makedirs(IMAGES, exist_ok=True)
 fig.savefig(os.path.join(IMAGES, "laplace_bnn_calibration.png"), dpi=72, bbox_inches="tight")
 plt.close(fig)
+
+# %%
 print(f"total {time.perf_counter() - start:.0f} s")

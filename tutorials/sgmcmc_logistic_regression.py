@@ -13,8 +13,10 @@
 # A Pyro model with a subsampled plate, sampled by SGHMC from minibatches, diagnosed in ArviZ, and compared with
 # Pyro's NUTS on the full data (which refuses the subsampled plate, so it gets the same model without it). Then the
 # two knobs every SG-MCMC user meets: the temperature and the minibatch size.
-#
-# Set `PYRO_SCALABLE_FAST=1` for the quick run CI does (less data, fewer draws).
+
+# %% [markdown] tags=["remove-cell"]
+# Set `PYRO_SCALABLE_FAST=1` for the quick run CI does (less data, fewer draws). Cells tagged `remove-cell` (this
+# switch, the figure files, the tutorial's own checks) run but are left out of the documentation page.
 
 # %%
 import os
@@ -30,13 +32,20 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message=r"\s*ArviZ is undergoing", category=FutureWarning)
     import arviz as az
 
+N, D = 20_000, 4
+STEPS = 2_000
+# A calibrated sampler needs about N/B steps per relaxation time (the price of subtracting the gradient noise, see
+# docs/sgmcmc.md): a minibatch of 1,024 of the 20,000 points.
+BATCH = 1_024
+CHECK_CHAINS = 32  # chains of the calibrated B = 32 run at the end
+
+# %% tags=["remove-cell"]
 FAST = os.environ.get("PYRO_SCALABLE_FAST") == "1"
 IMAGES = os.environ.get("PYRO_SCALABLE_IMAGES", "docs/images")
-N, D = (2_000, 4) if FAST else (20_000, 4)
-STEPS = 400 if FAST else 2_000
-# A calibrated sampler needs about N/B steps per relaxation time (the price of subtracting the gradient noise, see
-# docs/sgmcmc.md): the full run takes a minibatch of 1,024 of its 20,000 points, the quick one 256 of 2,000.
-BATCH = 256 if FAST else 1_024
+if FAST:  # the quick run CI does: 256 of 2,000 points
+    N, STEPS, BATCH, CHECK_CHAINS = 2_000, 400, 256, 4
+
+# %%
 torch.set_num_threads(1)  # tensors this small run fastest on one thread
 torch.manual_seed(0)
 true_w = torch.tensor([1.0, -0.5, 0.25, 0.0])
@@ -82,16 +91,21 @@ import matplotlib  # noqa: E402
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-os.makedirs(IMAGES, exist_ok=True)
 # ArviZ 0.x draws traces and densities with plot_trace, ArviZ 1.x with plot_trace_dist
 getattr(az, "plot_trace_dist", az.plot_trace)(idata, var_names=["w", "b"])
 plt.tight_layout()
+
+# %% tags=["remove-cell"]
+os.makedirs(IMAGES, exist_ok=True)
 plt.savefig(os.path.join(IMAGES, "sgmcmc_trace.png"), dpi=72)
+
+# %%
 az.plot_rank(idata, var_names=["w", "b"])
 plt.tight_layout()
+
+# %% tags=["remove-cell"]
 plt.savefig(os.path.join(IMAGES, "sgmcmc_rank.png"), dpi=72)
 plt.close("all")
-
 assert summary["r_hat"].max() < 1.05, summary
 assert summary["ess_bulk"].min() > 50, summary
 
@@ -125,6 +139,7 @@ def moments(draws):
     return flat.mean(0), flat.std(0), effective_sample_size(draws, chain_dim=0, sample_dim=1)
 
 
+errors = {}
 for site in ("w", "b"):
     our_mean, our_sd, our_ess = moments(mcmc.get_samples(group_by_chain=True)[site])
     ref_mean, ref_sd, ref_ess = moments(nuts.get_samples(group_by_chain=True)[site])
@@ -136,6 +151,10 @@ for site in ("w", "b"):
         f"{log_ratio.exp().numpy().round(2)} ± {log_ratio_se.numpy().round(2)} (ESS ours {our_ess.numpy().round()}, "
         f"NUTS {ref_ess.numpy().round()})"
     )
+    errors[site] = z, log_ratio, log_ratio_se
+
+# %% tags=["remove-cell"]
+for z, log_ratio, log_ratio_se in errors.values():
     assert z.abs().max() < 4 and ((log_ratio.abs() - 0.02) / log_ratio_se).max() < 4
 
 # %% [markdown]
@@ -165,6 +184,8 @@ def posterior_sd(temperature, batch_size=BATCH, steps=STEPS, calibrated=True, ch
 hot, cold, frozen = posterior_sd(1.0), posterior_sd(0.5), posterior_sd(0.0, calibrated=False)
 print("sd ratio T=0.5 / T=1:", (cold / hot).numpy().round(2), " (√0.5 ≈ 0.71)")
 print("sd at T=0 (each chain is SGD; the spread is between chains' end points):", frozen.numpy().round(4))
+
+# %% tags=["remove-cell"]
 assert ((cold / hot) - 0.5**0.5).abs().max() < 0.15
 
 # %% [markdown]
@@ -175,6 +196,8 @@ assert ((cold / hot) - 0.5**0.5).abs().max() < 0.15
 # %%
 hand_hot = posterior_sd(1.0, calibrated=False)
 print("hand-tuned sd at T=1:", hand_hot.numpy().round(4))
+
+# %% tags=["remove-cell"]
 assert (frozen / hand_hot).max() < 0.9
 
 # %% [markdown]
@@ -193,10 +216,14 @@ batch_sizes = (32, 128, 256, N)
 ratios = {b: posterior_sd(1.0, b, calibrated=False) / reference["w"].std(0) for b in batch_sizes}
 for batch_size, ratio in ratios.items():
     print(f"B={batch_size:5d}, hand-tuned, uncorrected: sd / NUTS sd =", ratio.numpy().round(2))
-assert ratios[32].mean() > ratios[N].mean() + 5 * 0.07
-calibrated_32 = posterior_sd(1.0, 32, steps=2 * STEPS, chains=4 if FAST else 32) / reference["w"].std(0)
+calibrated_32 = posterior_sd(1.0, 32, steps=2 * STEPS, chains=CHECK_CHAINS) / reference["w"].std(0)
 print("B=   32, default (calibrated):    sd / NUTS sd =", calibrated_32.numpy().round(2))
+
+# %% tags=["remove-cell"]
+assert ratios[32].mean() > ratios[N].mean() + 5 * 0.07
 assert (calibrated_32.mean() - 1).abs() < 3 * 0.07
+
+# %%
 
 temperatures = (0.25, 0.5, 1.0)
 temperature_ratios = {1.0: hot / reference["w"].std(0), 0.5: cold / reference["w"].std(0)}
@@ -218,5 +245,7 @@ ax.axhline(1.0, color="k", ls="--", lw=0.8)
 ax.set_xlabel("minibatch size B (N = full batch)")
 ax.set_ylabel("posterior sd / NUTS sd (mean over w)")
 fig.tight_layout()
+
+# %% tags=["remove-cell"]
 fig.savefig(os.path.join(IMAGES, "sgmcmc_temperature_minibatch.png"), dpi=72)
 plt.close(fig)

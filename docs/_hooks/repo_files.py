@@ -1,13 +1,14 @@
-"""MkDocs hook: show files that live outside ``docs/`` (the tutorials, the raw benchmark results) as site pages.
+"""MkDocs hook: show files that live outside ``docs/`` (the tutorials' overview, the raw benchmark results) as pages.
 
 The Markdown in ``docs/`` links to them by their repository paths (``../tutorials/x.py``), which work when the
 files are read on GitHub or in a checkout. MkDocs only resolves links inside ``docs_dir``, so this hook
 
-* adds each file below to the build at its repository path (``tutorials/x.py``, ``benchmarks/results/y.md``);
-  mkdocs-jupyter then renders the tutorials, which are jupytext "percent" scripts, without running them;
-* expands a glob such as ``tutorials/*.py`` in ``nav`` (so a new tutorial appears with no edit here);
+* adds each file below to the build at its repository path (``tutorials/README.md``, ``benchmarks/results/y.md``);
+* expands a glob such as ``tutorials/*.ipynb`` in ``nav`` (so a new tutorial appears with no edit here);
 * rewrites every relative link that leaves the Markdown file's own folder for a repository file the site holds,
-  so that ``mkdocs build --strict`` checks it like any other link (and still fails on a broken one);
+  so that ``mkdocs build --strict`` checks it like any other link (and still fails on a broken one). A link to a
+  tutorial script ``tutorials/x.py`` leads to its page: the executed notebook ``docs/tutorials/x.ipynb`` that
+  ``scripts/render_tutorials.py`` writes and mkdocs-jupyter renders;
 * does the same for the links in the rendered tutorials (HTML from nbconvert, which MkDocs does not check), and
   logs a warning — a failure under ``--strict`` — for one that points at no file of the site.
 """
@@ -24,10 +25,13 @@ from mkdocs.plugins import event_priority
 from mkdocs.structure.files import File, Files
 
 # Repository files the site shows besides docs/, as globs relative to the repository root.
-REPO_GLOBS = ("tutorials/*.py", "tutorials/README.md", "benchmarks/README.md", "benchmarks/results/*.md")
+REPO_GLOBS = ("tutorials/README.md", "benchmarks/README.md", "benchmarks/results/*.md")
 
 _LINK = re.compile(r"(\]\()(\.\./[^)\s#]+)")
 _HREF = re.compile(r'(href=")([^"]+)(")')
+# nbconvert's own MathJax loader and its MathJax 2 configuration, which every rendered notebook carries: the site
+# already loads MathJax 3 on every page (mkdocs.yml, docs/_hooks/mathjax.py), and a second copy would fight it.
+_NBCONVERT_MATHJAX = re.compile(r"<!-- Load mathjax -->.*?<!-- End of mathjax configuration -->", flags=re.S)
 log = logging.getLogger("mkdocs.hooks.repo_files")  # under "mkdocs": a warning here fails the strict build
 
 
@@ -39,6 +43,18 @@ def _docs_prefix(config) -> str:
     return posixpath.relpath(os.path.abspath(config.docs_dir), _repo_root(config)).replace(os.sep, "/")
 
 
+def _site_file(files: Files, site_path: str):
+    """The site's file at ``site_path``; a tutorial script stands for its rendered notebook."""
+    file = files.get_file_from_path(site_path)
+    if file is None and site_path.startswith("tutorials/") and site_path.endswith(".py"):
+        file = files.get_file_from_path(site_path[: -len(".py")] + ".ipynb")
+    return file
+
+
+def _is_tutorial_page(src: str) -> bool:
+    return src.startswith("tutorials/") and src.endswith(".ipynb")
+
+
 def _repo_files(config) -> list[str]:
     root = _repo_root(config)
     found = set()
@@ -48,16 +64,21 @@ def _repo_files(config) -> list[str]:
 
 
 def on_config(config):
-    """Expand globs in ``nav`` into the files they match, in name order."""
+    """Expand globs in ``nav`` into the files they match, in name order (in ``docs/`` first, else the repository)."""
     root = _repo_root(config)
+
+    def matches(pattern: str) -> list[str]:
+        for base in (os.path.abspath(config.docs_dir), root):
+            found = glob.glob(os.path.join(base, pattern))
+            if found:
+                return sorted(posixpath.relpath(p, base).replace(os.sep, "/") for p in found)
+        return []
 
     def expand(items):
         out = []
         for item in items:
             if isinstance(item, str) and any(c in item for c in "*?["):
-                out.extend(
-                    sorted(posixpath.relpath(p, root).replace(os.sep, "/") for p in glob.glob(os.path.join(root, item)))
-                )
+                out.extend(matches(item))
             elif isinstance(item, dict):
                 out.append({k: expand(v) if isinstance(v, list) else v for k, v in item.items()})
             else:
@@ -94,18 +115,23 @@ def on_page_markdown(markdown: str, page, config, files: Files) -> str:
     def rewrite(match: re.Match) -> str:
         target = posixpath.normpath(posixpath.join(here, match.group(2)))
         site_path = target[len(prefix) :] if target.startswith(prefix) else target
-        if files.get_file_from_path(site_path) is None:
+        file = _site_file(files, site_path)
+        if file is None:
             return match.group(0)  # left alone: the strict build reports it
-        return match.group(1) + posixpath.relpath(site_path, posixpath.dirname(src) or ".")
+        return match.group(1) + posixpath.relpath(file.src_uri, posixpath.dirname(src) or ".")
 
     return _LINK.sub(rewrite, markdown)
 
 
 def on_page_content(html: str, page, config, files: Files) -> str:
-    """Point the relative links of a rendered tutorial at the site's pages; warn about one that leads nowhere."""
+    """Point a rendered tutorial's relative links at the site's pages, and drop nbconvert's MathJax loader.
+
+    A link that leads to no file of the site is logged as a warning (a failure of the strict build).
+    """
     src = page.file.src_uri
-    if src not in set(_repo_files(config)) or not src.endswith(".py"):
+    if not _is_tutorial_page(src):
         return html
+    html = _NBCONVERT_MATHJAX.sub("", html)
     prefix = _docs_prefix(config) + "/"
 
     def rewrite(match: re.Match) -> str:
@@ -115,7 +141,7 @@ def on_page_content(html: str, page, config, files: Files) -> str:
         path, _, fragment = url.partition("#")
         target = posixpath.normpath(posixpath.join(posixpath.dirname(src), path))
         site_path = target[len(prefix) :] if target.startswith(prefix) else target
-        file = files.get_file_from_path(site_path)
+        file = _site_file(files, site_path)
         if file is None:
             log.warning(f"Tutorial '{src}' links to '{url}', which is not among the site's files.")
             return match.group(0)

@@ -3,9 +3,9 @@
 ``python docs/snippets/first_model.py`` runs it in full; tests/test_docs.py runs it with fewer steps.
 """
 
-# --8<-- [start:data]
 import os
 
+# --8<-- [start:data]
 import arviz as az
 import pyro
 import pyro.distributions as dist
@@ -21,9 +21,6 @@ x = torch.randn(num_data, num_features)
 y = torch.bernoulli(torch.sigmoid(x @ true_weight - 1.0))
 # --8<-- [end:data]
 
-# Fewer steps when the test suite runs this file.
-STEPS = int(os.environ.get("FIRST_MODEL_STEPS", "1000"))
-
 
 # --8<-- [start:model]
 def model(x, y=None):
@@ -37,6 +34,11 @@ def model(x, y=None):
 
 # --8<-- [end:model]
 
+
+# --8<-- [start:steps]
+STEPS = 1000  # draws kept per chain, after as many warm-up steps
+# --8<-- [end:steps]
+STEPS = int(os.environ.get("FIRST_MODEL_STEPS", STEPS))  # fewer when the test suite runs this file
 
 # --8<-- [start:run]
 kernel = SGHMC(model, step_size=0.01, friction=20.0, temperature=1.0)
