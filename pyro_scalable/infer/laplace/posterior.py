@@ -308,11 +308,29 @@ class LaplacePosterior(LaplacePredictives):
 
         return to_inference_data(self, num_samples=num_samples, seed=seed, **kwargs)
 
+    def newton_gain(
+        self, prior_precision: Tensor | float | None = None, observation_noise: Tensor | float | None = None
+    ) -> float:
+        r"""What one Newton step from :math:`\theta_*` would gain in log joint: :math:`b^\top H^{-1} b/2` nats.
+
+        ``b`` is the gradient of the log joint at :math:`\theta_*` and ``H`` the posterior precision, both at the
+        given prior precision and noise (default: the current ones). Zero at a MAP; it is the term by which the
+        ``"full"`` structure's evidence (:meth:`log_marginal_likelihood`) exceeds the Laplace evidence at
+        :math:`\theta_*` itself.
+        """
+        prior = self._prior_precision if prior_precision is None else prior_precision
+        like = {"dtype": self.theta_star.dtype, "device": self.theta_star.device}
+        prior = torch.broadcast_to(torch.as_tensor(prior, **like), self.theta_star.shape)
+        noise = self._observation_noise if observation_noise is None else torch.as_tensor(observation_noise, **like)
+        with torch.no_grad():
+            b = self._log_joint_gradient(prior, noise)
+            return 0.5 * float((b * self._precision(prior, noise).solve(b)).sum())
+
     def check_map(self, threshold: float = 1.0) -> None:
-        r"""Warn when :math:`\theta_*` is not a MAP: half the Newton decrement :math:`b^\top H^{-1} b/2` in nats."""
+        r"""Warn when :math:`\theta_*` is not a MAP: one Newton step would gain more than ``threshold`` nats."""
         check_number("threshold", threshold, nonnegative=True)
         b = self._log_joint_gradient(self._prior_precision, self._observation_noise)
-        decrement = 0.5 * float((b * self.precision.solve(b)).sum())
+        decrement = self.newton_gain()
         if decrement > threshold:
             warnings.warn(
                 f"the latents given as the MAP are not a maximum of the log joint: the gradient there has norm "
