@@ -211,7 +211,8 @@ def _groups(record: RunRecord, log_likelihood: bool, data_chunk_size, draws_chun
         values = full_data_log_likelihood(
             bridge, draws, data_chunk_size=data_chunk_size, draws_chunk_size=draws_chunk_size
         )
-        groups["log_likelihood"] = {k: v.reshape(shape + v.shape[1:]).numpy() for k, v in values.items()}
+        # float64 whatever the model's dtype: ArviZ's PSIS exponentiates these and overflows in float32
+        groups["log_likelihood"] = {k: v.reshape(shape + v.shape[1:]).double().numpy() for k, v in values.items()}
     return groups, all_dims
 
 

@@ -85,6 +85,7 @@ def test_draws_to_inference_data_shapes_dims_dtypes_and_values(spec, num_chains,
     batch_shape = y.shape[:1] if spec.layout == "event" else y.shape
     assert log_lik.shape == (num_chains, num_samples, *batch_shape)
     assert list(log_lik.dims) == ["chain", "draw", *_plate_dims(spec)[: len(batch_shape)]]
+    assert log_lik.dtype == np.float64  # whatever the model's dtype: ArviZ's PSIS overflows in float32
     flat = run.get_unconstrained_samples()
     for c, s in [(0, 0), (num_chains - 1, num_samples - 1)]:
         latents = {k: v[c * num_samples + s] for k, v in flat.items()}
