@@ -38,6 +38,7 @@ from pyro_scalable.infer.sgmcmc.chains import ChainStepper, first_line
 from pyro_scalable.infer.sgmcmc.checkpoint import RunCheckpoint
 from pyro_scalable.infer.sgmcmc.distributed import DistributedMode
 from pyro_scalable.infer.sgmcmc.distributed import setup as setup_parallel
+from pyro_scalable.infer.sgmcmc.noise_probe import probe_gradient_noise, warn_ignored_noise
 
 __all__ = ["StochasticMCMC"]
 
@@ -287,6 +288,8 @@ class StochasticMCMC(Draws):
             self.results.stats["repeated"] = repeated_draws(self.results.draws)
         warn_unhealthy(self.results.draws, self.results.stats, self.num_warmup_divergences)
         self._warn_noise()
+        if self.num_samples and parallel is None:
+            warn_ignored_noise(probe_gradient_noise(self.kernel, bridge, stepper.latents(), seed, total))
 
     def _bind(self, args: tuple, kwargs: dict, batches: Iterable | None) -> tuple[RunRecord, Iterator | None]:
         """The run's record (the model on the steps' data and on the full data) and the DataLoader's iterator."""
