@@ -37,6 +37,9 @@ class HealthWarning(UserWarning):
 
 def repeated_draws(draws: dict[str, Tensor]) -> Tensor:
     """``(chains, draws)`` bool: the draw equals the chain's previous draw at every site (the first never does)."""
+    first_value = next(iter(draws.values()))
+    if first_value.shape[1] < 2:
+        return torch.zeros(first_value.shape[:2], dtype=torch.bool, device=first_value.device)
     same = None
     for value in draws.values():
         equal = (value[:, 1:] == value[:, :-1]).reshape(value.shape[0], value.shape[1] - 1, -1).all(-1)

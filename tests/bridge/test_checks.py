@@ -278,7 +278,11 @@ def test_sghmc_hyperparameters(kwargs, message):
         ({"num_samples": 10, "num_warmup": -1}, r"num_warmup must be an int >= 0"),
         ({"num_samples": 10, "num_chains": 0}, r"num_chains must be an int >= 1"),
         ({"num_samples": 10, "thin": 0}, r"thin must be an int >= 1"),
-        ({"num_samples": 10, "chain_method": "parallel"}, r"chain_method must be 'vectorized' or 'sequential'"),
+        ({"num_samples": 10, "chain_method": "bogus"}, r"chain_method must be 'vectorized' or 'sequential'"),
+        (
+            {"num_samples": 10, "chain_method": "parallel"},
+            r"chain_method='parallel' \(NumPyro's: one process per chain\) is not supported",
+        ),
         ({"num_samples": 10, "on_divergence": "ignore"}, r"on_divergence must be 'continue' or 'stop'"),
     ],
 )

@@ -288,7 +288,7 @@ class StochasticMCMC(Draws):
             self.results.stats["repeated"] = repeated_draws(self.results.draws)
         warn_unhealthy(self.results.draws, self.results.stats, self.num_warmup_divergences)
         self._warn_noise()
-        if self.num_samples and parallel is None:
+        if self.num_samples and parallel is None and start < total:  # not for a finished run read back
             warn_ignored_noise(probe_gradient_noise(self.kernel, bridge, stepper.latents(), seed, total))
 
     def _bind(self, args: tuple, kwargs: dict, batches: Iterable | None) -> tuple[RunRecord, Iterator | None]:
