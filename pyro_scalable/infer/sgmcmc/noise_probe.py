@@ -35,10 +35,13 @@ TOLERATED = 0.1
 def probe_gradient_noise(kernel: Any, bridge: ModelBridge, latents: Latents, seed: int, step: int) -> float | None:
     """The ``noise_ratio`` of ``kernel`` with the noise estimated, from the first chain of ``latents``.
 
-    ``None`` where it does not apply: the noise was estimated (or corrected) already, warm-up chose the step, no
-    plate is subsampled (the gradient is exact, or a loader's plate cannot be split into examples), or T = 0.
+    ``None`` where it does not apply: the noise was estimated (or corrected) already, the kernel has no
+    ``gradient_noise`` option, warm-up chose the step, no plate is subsampled (the gradient is exact, or a loader's
+    plate cannot be split into examples), or T = 0.
     """
-    if getattr(kernel, "gradient_noise", None) != "ignore" or getattr(kernel, "adapts", False) or not bridge.plates:
+    # a kernel takes the option when it sets it (the five here do); one that only inherits the class default (an
+    # engine written from the developer guide's skeleton) cannot estimate the noise
+    if vars(kernel).get("gradient_noise") != "ignore" or getattr(kernel, "adapts", False) or not bridge.plates:
         return None
     probe = copy.copy(kernel)
     probe.gradient_noise = "estimate"
