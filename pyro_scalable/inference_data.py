@@ -109,56 +109,24 @@ def to_inference_data(
             f"posterior_predictive must be True/False or a dict of draws, got {type(posterior_predictive).__name__}."
         )
     with fork_rng(seed):  # a seeded conversion leaves the global RNG as it found it
-        return _convert(
-            source,
-            model,
-            args,
-            kwargs,
-            num_samples,
-            seed,
-            log_likelihood,
-            posterior_predictive,
-            prior,
-            data_chunk_size,
-            draws_chunk_size,
-            coords,
-            dims,
-        )
-
-
-def _convert(
-    source,
-    model,
-    args,
-    kwargs,
-    num_samples,
-    seed,
-    log_likelihood,
-    posterior_predictive,
-    prior,
-    data_chunk_size,
-    draws_chunk_size,
-    coords,
-    dims,
-):
-    record, extra = run_record(source, model, args, kwargs, num_samples=num_samples, seed=seed)
-    bridge = record.full_bridge
-    observed_extra = {k: v for k, v in extra.items() if bridge is not None and k in bridge.observed}
-    groups, all_dims = _groups(record, log_likelihood, data_chunk_size, draws_chunk_size)
-    groups["posterior"].update(_numpy({k: v for k, v in extra.items() if k not in observed_extra}))
-    if observed_extra and posterior_predictive is False:
-        groups["posterior_predictive"] = _numpy(observed_extra)
-    if posterior_predictive is not False or prior is not None:
-        if bridge is None:
-            raise ValueError("posterior_predictive and prior need the full data: pass args=(...) to this call.")
-        if isinstance(posterior_predictive, Mapping):
-            groups["posterior_predictive"] = _numpy(posterior_predictive)
-        elif posterior_predictive:
-            groups["posterior_predictive"] = _posterior_predictive(record, seed)
-        if prior is not None:
-            groups["prior"], groups["prior_predictive"] = _prior(bridge, prior, seed)
-    all_dims.update(dims or {})
-    return _from_dict(groups, coords, all_dims)
+        record, extra = run_record(source, model, args, kwargs, num_samples=num_samples, seed=seed)
+        bridge = record.full_bridge
+        observed_extra = {k: v for k, v in extra.items() if bridge is not None and k in bridge.observed}
+        groups, all_dims = _groups(record, log_likelihood, data_chunk_size, draws_chunk_size)
+        groups["posterior"].update(_numpy({k: v for k, v in extra.items() if k not in observed_extra}))
+        if observed_extra and posterior_predictive is False:
+            groups["posterior_predictive"] = _numpy(observed_extra)
+        if posterior_predictive is not False or prior is not None:
+            if bridge is None:
+                raise ValueError("posterior_predictive and prior need the full data: pass args=(...) to this call.")
+            if isinstance(posterior_predictive, Mapping):
+                groups["posterior_predictive"] = _numpy(posterior_predictive)
+            elif posterior_predictive:
+                groups["posterior_predictive"] = _posterior_predictive(record, seed)
+            if prior is not None:
+                groups["prior"], groups["prior_predictive"] = _prior(bridge, prior, seed)
+        all_dims.update(dims or {})
+        return _from_dict(groups, coords, all_dims)
 
 
 def draws_to_inference_data(

@@ -151,7 +151,7 @@ def _from_dict(bridge: ModelBridge, samples: Mapping[str, Any]) -> tuple[RunReco
     if len(counts) != 1:
         raise ValueError(f"the draws have different numbers of draws per site: {sorted(counts)}.")
     record = _record(bridge, {k: v.unsqueeze(0) for k, v in values.items() if k in bridge.sites})
-    observed = bridge.observed_data()
+    observed = bridge.observed_data() if set(values) & set(bridge.observed) else {}
     extra = {}
     for name, value in values.items():
         if name in bridge.sites:
