@@ -36,7 +36,14 @@ class HealthWarning(UserWarning):
 
 
 def repeated_draws(draws: dict[str, Tensor]) -> Tensor:
-    """``(chains, draws)`` bool: the draw equals the chain's previous draw at every site (the first never does)."""
+    """``(chains, draws)`` bool: the draw equals the chain's previous draw at every site (the first never does).
+
+    Example:
+        >>> w = torch.tensor([[[0.0], [1.0], [1.0], [2.0]]])  # one chain, four draws of a (1,) site
+        >>> repeated_draws({"w": w})
+        tensor([[False, False,  True, False]])
+
+    """
     first_value = next(iter(draws.values()))
     if first_value.shape[1] < 2:
         return torch.zeros(first_value.shape[:2], dtype=torch.bool, device=first_value.device)
@@ -61,7 +68,19 @@ def _worst(value: Tensor, statistic, reduce) -> float:
 def warn_unhealthy(
     draws: dict[str, Tensor], stats: dict[str, Tensor], warmup_divergences: int = 0, *, stacklevel: int = 3
 ) -> None:
-    """One :class:`HealthWarning` saying what is wrong with the chains ``{site: (chains, draws, ...)}``, if anything."""
+    """One :class:`HealthWarning` saying what is wrong with the chains ``{site: (chains, draws, ...)}``, if anything.
+
+    Example:
+        >>> import warnings
+        >>> w = torch.randn(4, 500, generator=torch.Generator().manual_seed(0))
+        >>> w[0] += 1.0  # one chain away from the others
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     warn_unhealthy({"w": w}, {})
+        >>> "r_hat above 1.01 at 'w'" in str(caught[0].message)
+        True
+
+    """
     problems = []
     num_chains, num_draws = next(iter(draws.values())).shape[:2]
     sampling = "temperature" not in stats or bool((stats["temperature"] > 0).any())
