@@ -39,6 +39,7 @@ from pyro_scalable.infer.sgmcmc.checkpoint import RunCheckpoint
 from pyro_scalable.infer.sgmcmc.distributed import DistributedMode
 from pyro_scalable.infer.sgmcmc.distributed import setup as setup_parallel
 from pyro_scalable.infer.sgmcmc.noise_probe import probe_gradient_noise, warn_ignored_noise
+from pyro_scalable.infer.sgmcmc.run_arguments import cycle, refuse_pyro_spellings
 
 __all__ = ["StochasticMCMC"]
 
@@ -117,7 +118,7 @@ class StochasticMCMC(Draws):
         minibatches: Literal["epoch", "independent"] | None = None,
         **unknown: Any,
     ):
-        _refuse_pyro_spellings(unknown)
+        refuse_pyro_spellings(unknown)
         for name, value, least in (
             ("num_samples", num_samples, 1),
             ("num_warmup", num_warmup, 0),
@@ -301,7 +302,7 @@ class StochasticMCMC(Draws):
             raise TypeError(
                 f"batches must be an iterable of minibatches (e.g. a DataLoader), got {type(batches).__name__}."
             )
-        batch_iter = _cycle(batches)
+        batch_iter = cycle(batches)
         first = next(batch_iter)
         try:
             bridge = ModelBridge(model, *first)
@@ -355,46 +356,3 @@ class StochasticMCMC(Draws):
                 "wide (sample_stats.noise_ratio > 1). Lower the step size, or raise the minibatch size.",
                 stacklevel=3,
             )
-
-
-# pyro.infer.MCMC's (and NumPyro's) arguments: what to pass instead, or why there is no such thing here
-_PYRO_SPELLINGS = {
-    "warmup_steps": "use num_warmup= (steps per chain before the first kept draw)",
-    "disable_progbar": "use progress_bar=False",
-    "thinning": "use thin=",
-    "initial_params": "initial points come from the kernel's init_strategy: pass e.g. "
-    "SGHMC(model, init_strategy=pyro.infer.autoguide.init_to_value(values={...}))",
-    "hook_fn": "there is no per-step hook; read the draws and sample_stats after run(), or use checkpoint= "
-    "to save the state as it goes",
-    "mp_context": "chains run together in one process (torch.func.vmap); use chain_method= to choose how, or "
-    "distributed='chains' to spread them over torchrun processes",
-    "disable_validation": "the model and data are checked once when the run starts, then stepped without "
-    "validation; use pyro.enable_validation(False) to switch Pyro's checks off there too",
-    "transforms": "each latent site is sampled in the unconstrained space of torch.distributions.biject_to of its "
-    "support; reparametrise the model to change it",
-    "save_params": "every latent site's draws are kept; select with get_samples()[site]",
-    "jit_model_args": "models are not JIT-compiled",
-}
-
-
-def _refuse_pyro_spellings(unknown: dict[str, Any]) -> None:
-    for name in unknown:
-        if name in _PYRO_SPELLINGS:
-            raise TypeError(f"StochasticMCMC has no argument {name}= (pyro.infer.MCMC's): {_PYRO_SPELLINGS[name]}.")
-    if unknown:
-        raise TypeError(f"StochasticMCMC got an unexpected keyword argument {next(iter(unknown))!r}.")
-
-
-def _cycle(batches: Iterable) -> Iterator[tuple[tuple, dict]]:
-    while True:
-        empty = True
-        for element in batches:
-            empty = False
-            if isinstance(element, dict):
-                yield (), element
-            elif isinstance(element, (tuple, list)):
-                yield tuple(element), {}
-            else:
-                yield (element,), {}
-        if empty:
-            raise ValueError("batches is empty: it must yield at least one minibatch.")

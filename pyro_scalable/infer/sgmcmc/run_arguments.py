@@ -1,0 +1,52 @@
+"""The driver's arguments that are not settings: Pyro's and NumPyro's spellings, and a ``batches=`` iterable cycled."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+__all__ = ["cycle", "refuse_pyro_spellings"]
+
+# pyro.infer.MCMC's (and NumPyro's) arguments: what to pass instead, or why there is no such thing here
+_PYRO_SPELLINGS = {
+    "warmup_steps": "use num_warmup= (steps per chain before the first kept draw)",
+    "disable_progbar": "use progress_bar=False",
+    "thinning": "use thin=",
+    "initial_params": "initial points come from the kernel's init_strategy: pass e.g. "
+    "SGHMC(model, init_strategy=pyro.infer.autoguide.init_to_value(values={...}))",
+    "hook_fn": "there is no per-step hook; read the draws and sample_stats after run(), or use checkpoint= "
+    "to save the state as it goes",
+    "mp_context": "chains run together in one process (torch.func.vmap); use chain_method= to choose how, or "
+    "distributed='chains' to spread them over torchrun processes",
+    "disable_validation": "the model and data are checked once when the run starts, then stepped without "
+    "validation; use pyro.enable_validation(False) to switch Pyro's checks off there too",
+    "transforms": "each latent site is sampled in the unconstrained space of torch.distributions.biject_to of its "
+    "support; reparametrise the model to change it",
+    "save_params": "every latent site's draws are kept; select with get_samples()[site]",
+    "jit_model_args": "models are not JIT-compiled",
+}
+
+
+def refuse_pyro_spellings(unknown: dict[str, Any]) -> None:
+    """Raise a TypeError for ``unknown`` keyword arguments, naming ours where one is Pyro's or NumPyro's."""
+    for name in unknown:
+        if name in _PYRO_SPELLINGS:
+            raise TypeError(f"StochasticMCMC has no argument {name}= (pyro.infer.MCMC's): {_PYRO_SPELLINGS[name]}.")
+    if unknown:
+        raise TypeError(f"StochasticMCMC got an unexpected keyword argument {next(iter(unknown))!r}.")
+
+
+def cycle(batches: Iterable) -> Iterator[tuple[tuple, dict]]:
+    """Each element of ``batches`` as ``(args, kwargs)``, starting over at its end (an empty one is an error)."""
+    while True:
+        empty = True
+        for element in batches:
+            empty = False
+            if isinstance(element, dict):
+                yield (), element
+            elif isinstance(element, (tuple, list)):
+                yield tuple(element), {}
+            else:
+                yield (element,), {}
+        if empty:
+            raise ValueError("batches is empty: it must yield at least one minibatch.")
