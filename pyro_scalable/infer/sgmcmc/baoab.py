@@ -98,6 +98,7 @@ from pyro_scalable.infer.sgmcmc.base import (
     noise_start,
     scalar_like,
 )
+from pyro_scalable.infer.sgmcmc.control_variates import check_control_variate
 
 __all__ = ["BAOAB", "BAOABInfo", "BAOABState", "estimate", "init", "sgd_hyperparameters", "step", "update"]
 
@@ -228,6 +229,8 @@ class BAOAB(Kernel):
         temperature: T; 1 is Bayes, 0 is SGD with momentum. A constant or a schedule.
         gradient_noise: ``"correct"``, ``"estimate"`` or ``"ignore"``, as for :class:`~.sgld.SGLD` (default:
             ``"correct"`` when the step size is left to warm-up, else ``"ignore"``).
+        control_variate: ``None`` (plain minibatch gradients), ``"map"``, a dict of latent values by site or a
+            trained autoguide: the centre of a control-variate gradient (:mod:`.control_variates`).
         init_strategy: a Pyro init strategy, one draw per chain.
 
     Example:
@@ -258,6 +261,7 @@ class BAOAB(Kernel):
         temperature: ScalarOrSchedule = 1.0,
         *,
         gradient_noise: str | None = None,
+        control_variate: Any = None,
         init_strategy: Callable = init_to_uniform,
     ):
         if step_size is not None:
@@ -273,6 +277,7 @@ class BAOAB(Kernel):
         self.mass = mass
         self.temperature = temperature
         self.gradient_noise = check_gradient_noise(gradient_noise, step_size)
+        self.control_variate = check_control_variate(control_variate)
         self.init_strategy = init_strategy
 
     @property

@@ -327,6 +327,7 @@ class Kernel:
 
     adapts = False
     gradient_noise = "ignore"
+    control_variate = None  # see :mod:`.control_variates`
 
     def hyperparameters(self) -> dict[str, Any]:
         """The keyword arguments of the module's ``update`` that this class binds."""

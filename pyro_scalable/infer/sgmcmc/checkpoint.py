@@ -35,12 +35,13 @@ from pyro_scalable.infer.checkpoint import (
     stable_repr,
 )
 from pyro_scalable.infer.digest import digest
+from pyro_scalable.infer.sgmcmc.control_variates import ControlVariate
 
 __all__ = ["FORMAT", "RunCheckpoint", "run_fingerprint"]
 
 # bumped when the layout of a run checkpoint changes (2: warm-up's state apart from the kernel's; 3: the kind, the
-# model's code and the data's values in the fingerprint)
-FORMAT = 3
+# model's code and the data's values in the fingerprint; 4: the control variate's centre and full-data gradient)
+FORMAT = 4
 KIND = "StochasticMCMC"
 _KEYS = (
     "fingerprint",
@@ -54,6 +55,7 @@ _KEYS = (
     "draws",
     "stats",
     "warmup_divergences",
+    "control_variate",
 )
 
 
@@ -104,9 +106,11 @@ def run_fingerprint(run: Any, batches: Any = None) -> dict[str, str]:
         "device": bridge.device.type,
         "batches": None if batches is None else type(batches).__name__,
     }
+    control = getattr(run.kernel, "control_variate", None)
     return {
         **{name: stable_repr(value) for name, value in fields.items()},
         "model_code": digest(model),
+        "control_variate": control if control is None or isinstance(control, str) else digest(control),
         "data": describe((bridge.args, bridge.kwargs)),
         "data_values": digest(
             (bridge.args, bridge.kwargs)
@@ -189,6 +193,9 @@ class RunCheckpoint:
             )
             run.results.stats[name][:, :kept].copy_(value)
         run.num_warmup_divergences = saved["warmup_divergences"]
+        control = saved["control_variate"]
+        if control is not None:
+            run.control_variate = ControlVariate(**_to(control, self.stepper.bridge.device))
         self.remember(saved["step"], kept, stopped=saved["stopped"])
         return saved["step"], kept, saved["stopped"]
 
@@ -229,5 +236,15 @@ class RunCheckpoint:
                 "sampler": sampler,
                 "draws": {k: v[:, :kept].detach().cpu().clone() for k, v in self.run.results.draws.items()},
                 "stats": {k: v[:, :kept].detach().cpu().clone() for k, v in self.run.results.stats.items()},
+                "control_variate": _to(self.run.control_variate and self.run.control_variate._asdict(), "cpu"),
             },
         )
+
+
+def _to(value: Any, device: Any) -> Any:
+    """``value``'s tensors (nested dicts) moved to ``device``; ``None`` as it is."""
+    if value is None:
+        return None
+    if isinstance(value, Tensor):
+        return value.to(device)
+    return {name: _to(x, device) for name, x in value.items()}

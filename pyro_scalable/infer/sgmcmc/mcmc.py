@@ -36,6 +36,7 @@ from pyro_scalable.infer.results import Draws, RunRecord
 from pyro_scalable.infer.sgmcmc.adaptation import Adaptation
 from pyro_scalable.infer.sgmcmc.chains import ChainStepper, first_line
 from pyro_scalable.infer.sgmcmc.checkpoint import RunCheckpoint
+from pyro_scalable.infer.sgmcmc.control_variates import ControlledLogPosterior, prepare
 from pyro_scalable.infer.sgmcmc.distributed import DistributedMode
 from pyro_scalable.infer.sgmcmc.distributed import setup as setup_parallel
 from pyro_scalable.infer.sgmcmc.noise_probe import probe_gradient_noise, warn_ignored_noise
@@ -208,6 +209,7 @@ class StochasticMCMC(Draws):
         program = Adaptation(self.kernel, self.num_warmup) if getattr(self.kernel, "adapts", False) else self.kernel
         stepper = ChainStepper(program, bridge, latents, generator, self.chain_method, reducer)
         stepper.log_posterior_fn.replacement = sampler.replacement  # no finite-population correction then
+        self.control_variate = self.mode_search = None  # a checkpoint's resume puts its control variate back
 
         self._allocate(latents)
         total = self.num_warmup + self.num_samples * self.thin
@@ -228,6 +230,16 @@ class StochasticMCMC(Draws):
             start, kept, diverged = checkpoint.resume(self.resume)
             for _ in range(start if batch_iter is not None else 0):
                 next(batch_iter)  # exact only where iterating `batches` again yields the same sequence
+        option = getattr(self.kernel, "control_variate", None)
+        if option is not None:
+            if self.control_variate is None:
+                start_point = {name: x[0] for name, x in latents.items()}
+                self.control_variate, self.mode_search = prepare(
+                    option, bridge, self.results.full_bridge, start_point, seed, reducer=reducer
+                )
+                if checkpoint is not None:
+                    checkpoint.write()  # the centre and its full-data pass are not redone on resume
+            stepper.log_posterior_fn = ControlledLogPosterior(stepper.log_posterior_fn, self.control_variate)
         quiet = not self.progress_bar or (parallel is not None and not parallel.is_main)
         bar = tqdm(total=total, initial=start, disable=quiet, desc="Warmup" if start < self.num_warmup else "Sample")
         try:
@@ -290,7 +302,8 @@ class StochasticMCMC(Draws):
         warn_unhealthy(self.results.draws, self.results.stats, self.num_warmup_divergences)
         self._warn_noise()
         if self.num_samples and parallel is None and start < total:  # not for a finished run read back
-            warn_ignored_noise(probe_gradient_noise(self.kernel, bridge, stepper.latents(), seed, total))
+            probe = probe_gradient_noise(self.kernel, bridge, stepper.latents(), seed, total, stepper.log_posterior_fn)
+            warn_ignored_noise(probe)
 
     def _bind(self, args: tuple, kwargs: dict, batches: Iterable | None) -> tuple[RunRecord, Iterator | None]:
         """The run's record (the model on the steps' data and on the full data) and the DataLoader's iterator."""

@@ -32,8 +32,12 @@ PROBE_STEPS = 20  # the noise average weighs step t by 1/(t+1): after 20 steps, 
 TOLERATED = 0.1
 
 
-def probe_gradient_noise(kernel: Any, bridge: ModelBridge, latents: Latents, seed: int, step: int) -> float | None:
+def probe_gradient_noise(
+    kernel: Any, bridge: ModelBridge, latents: Latents, seed: int, step: int, log_posterior_fn: Any = None
+) -> float | None:
     """The ``noise_ratio`` of ``kernel`` with the noise estimated, from the first chain of ``latents``.
+
+    ``log_posterior_fn`` is the run's (a control variate's, where it had one); default: the bridge's.
 
     ``None`` where it does not apply: the noise was estimated (or corrected) already, the kernel has no
     ``gradient_noise`` option, warm-up chose the step, no plate is subsampled (the gradient is exact, or a loader's
@@ -48,6 +52,7 @@ def probe_gradient_noise(kernel: Any, bridge: ModelBridge, latents: Latents, see
     generator = torch.Generator(device=bridge.device).manual_seed(seed + 1)  # never the run's generator
     first = {name: value[:1].detach() for name, value in latents.items()}
     stepper = ChainStepper(probe, bridge, first, generator, "sequential")
+    stepper.log_posterior_fn = log_posterior_fn or stepper.log_posterior_fn
     sampler = EpochSampler(bridge.plates, 1, generator, bridge.device)
     with torch.no_grad():
         for t in range(step, step + PROBE_STEPS):

@@ -64,6 +64,7 @@ from pyro_scalable.infer.sgmcmc.base import (
     noise_in_step,
     noise_start,
 )
+from pyro_scalable.infer.sgmcmc.control_variates import check_control_variate
 
 __all__ = ["PSGLD", "PSGLDState", "accumulate", "estimate", "init", "preconditioner", "step", "update"]
 
@@ -203,6 +204,8 @@ class PSGLD(Kernel):
         preconditioner: ``"warmup"`` learns v in warm-up and freezes it (the correction term Γ is then exactly
             0), ``"always"`` updates it every step as Li et al. do (Γ left out).
         gradient_noise: ``"correct"``, ``"estimate"`` or ``"ignore"``, as for :class:`~.sgld.SGLD`.
+        control_variate: ``None`` (plain minibatch gradients), ``"map"``, a dict of latent values by site or a
+            trained autoguide: the centre of a control-variate gradient (:mod:`.control_variates`).
         init_strategy: a Pyro init strategy, one draw per chain.
 
     Example:
@@ -234,6 +237,7 @@ class PSGLD(Kernel):
         damping: float = 1e-5,
         preconditioner: Updates = "warmup",
         gradient_noise: str | None = None,
+        control_variate: Any = None,
         init_strategy: Callable = init_to_uniform,
     ):
         if step_size is not None:
@@ -251,6 +255,7 @@ class PSGLD(Kernel):
         self.damping = float(damping)
         self.preconditioner = preconditioner
         self.gradient_noise = check_gradient_noise(gradient_noise, step_size)
+        self.control_variate = check_control_variate(control_variate)
         self.init_strategy = init_strategy
 
     @property

@@ -53,6 +53,7 @@ from pyro_scalable.infer.sgmcmc.base import (
     noise_in_step,
     noise_start,
 )
+from pyro_scalable.infer.sgmcmc.control_variates import check_control_variate
 
 __all__ = ["SGLD", "SGLDState", "estimate", "init", "step", "update"]
 
@@ -140,6 +141,8 @@ class SGLD(Kernel):
             (per-example gradients; one subsampled plate with ``subsample_size`` >= 2), ``"estimate"`` only
             reports it in ``sample_stats.noise_ratio``, ``"ignore"`` does neither. Default: ``"correct"`` when
             the step size is left to warm-up, else ``"ignore"``.
+        control_variate: ``None`` (plain minibatch gradients), ``"map"``, a dict of latent values by site or a
+            trained autoguide: the centre of a control-variate gradient (:mod:`.control_variates`).
         init_strategy: a Pyro init strategy (``pyro.infer.autoguide.init_to_*``), one draw per chain.
 
     Example:
@@ -168,6 +171,7 @@ class SGLD(Kernel):
         temperature: ScalarOrSchedule = 1.0,
         *,
         gradient_noise: str | None = None,
+        control_variate: Any = None,
         init_strategy: Callable = init_to_uniform,
     ):
         if step_size is not None:
@@ -177,6 +181,7 @@ class SGLD(Kernel):
         self.step_size = step_size
         self.temperature = temperature
         self.gradient_noise = check_gradient_noise(gradient_noise, step_size)
+        self.control_variate = check_control_variate(control_variate)
         self.init_strategy = init_strategy
 
     @property

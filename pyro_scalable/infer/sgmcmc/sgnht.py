@@ -73,6 +73,7 @@ from pyro_scalable.infer.sgmcmc.base import (
     noise_start,
     scalar_like,
 )
+from pyro_scalable.infer.sgmcmc.control_variates import check_control_variate
 
 __all__ = ["SGNHT", "SGNHTInfo", "SGNHTState", "estimate", "init", "step", "update"]
 
@@ -207,6 +208,8 @@ class SGNHT(Kernel):
         temperature: T > 0 (1 is Bayes). A constant or a schedule.
         gradient_noise: ``"correct"``, ``"estimate"`` or ``"ignore"``, as for :class:`~.sgld.SGLD` (default:
             ``"correct"`` when the step size is left to warm-up, else ``"ignore"``).
+        control_variate: ``None`` (plain minibatch gradients), ``"map"``, a dict of latent values by site or a
+            trained autoguide: the centre of a control-variate gradient (:mod:`.control_variates`).
         init_strategy: a Pyro init strategy, one draw per chain.
 
     Example:
@@ -237,6 +240,7 @@ class SGNHT(Kernel):
         temperature: ScalarOrSchedule = 1.0,
         *,
         gradient_noise: str | None = None,
+        control_variate: Any = None,
         init_strategy: Callable = init_to_uniform,
     ):
         if step_size is not None:
@@ -258,6 +262,7 @@ class SGNHT(Kernel):
         self.friction = friction
         self.temperature = temperature
         self.gradient_noise = check_gradient_noise(gradient_noise, step_size)
+        self.control_variate = check_control_variate(control_variate)
         self.init_strategy = init_strategy
 
     @property
