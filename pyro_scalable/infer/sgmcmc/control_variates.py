@@ -149,9 +149,8 @@ class ControlledLogPosterior:
 
 def _gradient_and_value(fn: Callable, latents: Latents, batch: Batch) -> tuple[Latents, Tensor]:
     """∇ and value of ``fn`` at ``latents`` as constants: plain autograd outside torch.func transforms."""
-    tensors = [*latents.values(), *batch.indices.values()]
-    wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
-    if wrapped is None or any(wrapped(t) for t in tensors):
+    active = getattr(torch._C._functorch, "peek_interpreter_stack", None)
+    if active is None or active() is not None:  # inside vmap, grad, jvp...: autograd cannot be used there
         return grad_and_value(fn)(latents, batch)
     leaves = {name: x.detach().requires_grad_() for name, x in latents.items()}
     with torch.enable_grad():

@@ -50,6 +50,12 @@ def scenarios() -> dict[str, tuple[object, dict]]:
             SGHMC(model, step_size=0.01, friction=5.0, mass="fisher"),
             dict(num_samples=6, num_warmup=4, num_chains=2, **common),
         ),
+        # the control variate's mode search (its full-data passes split over the ranks and all-reduced) and the
+        # controlled minibatch estimate on each rank's share, with warm-up choosing the step
+        "sghmc_control_variate": (
+            SGHMC(model, control_variate="map"),
+            dict(num_samples=6, num_warmup=6, num_chains=2, **common),
+        ),
         "sgld_sequential": (
             SGLD(model, step_size=1e-3),
             dict(num_samples=6, num_warmup=0, num_chains=2, chain_method="sequential", **common),

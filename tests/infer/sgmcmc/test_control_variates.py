@@ -1,0 +1,273 @@
+"""Control variates: the controlled minibatch estimate is unbiased (every minibatch enumerated), has no noise at its
+centre, finds the mode, and works with every kernel, vectorised chains, constrained sites, loaders and checkpoints.
+
+The statistical test is the calibration test of issue 7 at minibatch 10 of 1,000 with the control variate on; its
+tolerance is the Monte-Carlo standard error of a standard deviation (see test_calibration.py).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro.infer.autoguide import AutoNormal
+from torch.utils.data import DataLoader, TensorDataset
+
+from pyro_scalable.bridge.model import Batch, ModelBridge
+from pyro_scalable.infer import BAOAB, PSGLD, SGHMC, SGLD, SGNHT, StochasticMCMC
+from pyro_scalable.infer.checkpoint import load
+from pyro_scalable.infer.sgmcmc.base import estimate_gradient
+from pyro_scalable.infer.sgmcmc.control_variates import (
+    ControlledLogPosterior,
+    find_mode,
+    full_data_gradient,
+)
+
+from ...conftest import LinearRegression
+from .test_calibration import sd_ratio
+from .test_checkpoint import Killed, assert_same_run, stop_at
+
+NUM_DATA, MINIBATCH = 6, 2
+
+
+def scaled_regression(x, y):
+    """Weights and a constrained noise scale (a log-transformed site, with its log|det J|), float64."""
+    w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=x.dtype), 1.0).to_event(1))
+    scale = pyro.sample("scale", dist.HalfNormal(torch.ones((), dtype=x.dtype)))
+    with pyro.plate("data", len(y), subsample_size=MINIBATCH) as idx:
+        pyro.sample("obs", dist.StudentT(4.0, x[idx] @ w, scale), obs=y[idx])
+
+
+def small_data(n=NUM_DATA, dtype=torch.float64):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n, 2, generator=g, dtype=dtype)
+    return x, x @ torch.tensor([0.7, -1.2], dtype=dtype) + 0.5 * torch.randn(n, generator=g, dtype=dtype)
+
+
+def point(w, scale):
+    return {"w": torch.tensor(w, dtype=torch.float64), "scale": torch.tensor(math.log(scale), dtype=torch.float64)}
+
+
+def test_the_controlled_gradient_is_unbiased_over_every_minibatch():
+    """Drawn without replacement, every B-subset is equally likely: their mean is the expectation, exactly."""
+    bridge = ModelBridge(scaled_regression, small_data())
+    control = full_data_gradient(bridge, point([0.5, -1.0], 0.8))
+    controlled = ControlledLogPosterior(bridge.log_posterior_fn, control)
+    theta = point([0.9, -0.4], 1.7)  # far from the centre: the noise is not small here
+    estimates = [
+        estimate_gradient(controlled, theta, Batch({"data": torch.tensor(s)}, bridge.args, {}))
+        for s in itertools.combinations(range(NUM_DATA), MINIBATCH)
+    ]
+    exact = full_data_gradient(bridge, theta)
+    for name in theta:
+        mean = torch.stack([e.grads[name] for e in estimates]).mean(0)
+        torch.testing.assert_close(mean, exact.gradient[name], rtol=1e-12, atol=1e-12)
+        assert float(torch.stack([e.grads[name] for e in estimates]).var(0).max()) > 1e-3  # not trivially exact
+    value = torch.stack([e.log_posterior for e in estimates]).mean()
+    torch.testing.assert_close(value, exact.log_joint, rtol=1e-12, atol=1e-12)
+
+
+def test_the_full_data_pass_is_the_full_data_log_joint():
+    bridge = ModelBridge(scaled_regression, small_data(50))
+    theta = point([0.2, 0.3], 1.1)
+    chunked = full_data_gradient(bridge, theta, chunk_size=7)  # 7 chunks, the last of 1 point
+    leaves = {k: v.clone().requires_grad_() for k, v in theta.items()}
+    value = bridge.log_posterior(leaves, bridge.full_batch())
+    value.backward()
+    torch.testing.assert_close(chunked.log_joint, value.detach(), rtol=1e-13, atol=1e-10)
+    for name, leaf in leaves.items():
+        torch.testing.assert_close(chunked.gradient[name], leaf.grad, rtol=1e-12, atol=1e-10)
+
+
+def test_no_noise_at_the_centre_and_less_near_it():
+    bridge = ModelBridge(scaled_regression, small_data(200))
+    centre = point([0.6, -1.1], 0.6)
+    controlled = ControlledLogPosterior(bridge.log_posterior_fn, full_data_gradient(bridge, centre))
+    batch = Batch({"data": torch.arange(0, 200, 17)}, bridge.args, {})
+    at_centre = estimate_gradient(controlled, centre, batch, noise=True)
+    for name in centre:
+        torch.testing.assert_close(at_centre.grads[name], controlled.control.gradient[name], rtol=1e-10, atol=1e-10)
+        assert float(at_centre.noise_variance[name].abs().max()) < 1e-20
+    # away from the centre the controlled noise grows like the squared distance (the per-example gradient
+    # differences are linear in it to first order); the plain estimate's noise does not shrink at all
+    variances = []
+    for delta in (1e-3, 2e-3):
+        moved = {"w": centre["w"] + delta, "scale": centre["scale"] - delta}
+        variances.append(
+            sum(float(v.sum()) for v in estimate_gradient(controlled, moved, batch, noise=True)[4].values())
+        )
+    assert variances[1] / variances[0] == pytest.approx(4.0, rel=0.01)
+    plain = estimate_gradient(bridge.log_posterior_fn, centre, batch, noise=True)
+    assert sum(float(v.sum()) for v in plain.noise_variance.values()) > 1e4 * variances[0]
+
+
+def test_the_mode_search_finds_the_conjugate_posterior_mean():
+    problem = LinearRegression(num_data=3000, dim=3, batch_size=30)
+    bridge = ModelBridge(problem.model, (problem.x, problem.y))
+    start = {"w": torch.full((3,), 2.0, dtype=torch.float64)}
+    mode, search = find_mode(bridge, bridge, start, torch.Generator().manual_seed(0))
+    error = (mode["w"] - problem.mean) / problem.cov.diagonal().sqrt()
+    assert float(error.abs().max()) < 0.01, (error, search)
+    assert search.full_passes < 40 and search.minibatch_steps > 0
+
+
+@pytest.mark.filterwarnings("ignore:in .* of the coordinates")
+def test_minibatch_of_10_in_1000_with_the_control_variate_is_calibrated():
+    """Issue 7's calibration test, control variate on: the step is no longer bounded by the gradient noise."""
+    problem = LinearRegression(num_data=1000, dim=2, batch_size=10)
+    corrected, error, mcmc = sd_ratio(SGHMC(problem.model, control_variate="map"), problem, 256, 300, 600)
+    assert bool((4 * error < 0.08).all()), f"too few effective draws to resolve 10%: MCSE {error}"
+    assert bool(((corrected - 1).abs() < 4 * error + 0.03).all()), corrected
+    plain = StochasticMCMC(
+        SGHMC(problem.model), num_samples=1, num_warmup=300, num_chains=4, seed=0, progress_bar=False
+    )
+    plain.run(problem.x, problem.y)
+    # the noise bound no longer sets the step: several times larger than without the control variate
+    assert float(mcmc.sample_stats["step_size"].mean()) > 3 * float(plain.sample_stats["step_size"].mean())
+    assert mcmc.mode_search is not None and mcmc.control_variate is not None
+
+
+KERNELS = {"sgld": SGLD, "sghmc": SGHMC, "psgld": PSGLD, "sgnht": SGNHT, "baoab": BAOAB}
+
+
+# ten warm-up steps choose the step coarsely (the noise warning may fire): the test is about the kernels running
+@pytest.mark.filterwarnings("ignore:in .* of the coordinates of the kept steps:UserWarning")
+@pytest.mark.parametrize("cls", KERNELS.values(), ids=KERNELS.keys())
+def test_every_kernel_takes_it_vectorised(cls):
+    """Vectorised (a fall-back to sequential chains would warn, and warnings fail tests), finite draws and lp."""
+    mcmc = StochasticMCMC(
+        cls(scaled_regression, control_variate="map"),
+        num_samples=5,
+        num_warmup=10,
+        num_chains=2,
+        seed=4,
+        progress_bar=False,
+    )
+    mcmc.run(*small_data(40))
+    assert all(bool(torch.isfinite(v).all()) for v in mcmc.get_samples().values())
+    assert bool(torch.isfinite(mcmc.sample_stats["lp"]).all())
+    assert not bool(mcmc.sample_stats["diverging"].any())
+
+
+def test_a_given_centre_a_guide_and_a_loader():
+    x, y = small_data(40)
+    values = {"w": torch.tensor([0.7, -1.2], dtype=torch.float64), "scale": torch.tensor(0.5, dtype=torch.float64)}
+    given = StochasticMCMC(
+        SGLD(scaled_regression, step_size=1e-4, control_variate=values),
+        num_samples=3,
+        num_warmup=0,
+        progress_bar=False,
+        seed=0,
+    )
+    given.run(x, y)
+    torch.testing.assert_close(given.control_variate.centre["scale"], values["scale"].log())
+    assert given.mode_search is None
+
+    guide = AutoNormal(scaled_regression)
+    pyro.clear_param_store()
+    guide(x, y)  # initialise its parameters: median() is the constrained loc
+    by_guide = StochasticMCMC(
+        SGLD(scaled_regression, step_size=1e-4, control_variate=guide),
+        num_samples=3,
+        num_warmup=0,
+        progress_bar=False,
+        seed=0,
+    )
+    by_guide.run(x, y)
+    torch.testing.assert_close(by_guide.control_variate.centre["w"], guide.median(x, y)["w"].detach())
+
+    def loader_model(x, y, idx=None):
+        w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=x.dtype), 1.0).to_event(1))
+        scale = pyro.sample("scale", dist.HalfNormal(torch.ones((), dtype=x.dtype)))
+        with pyro.plate("data", 40, subsample=idx):
+            pyro.sample("obs", dist.StudentT(4.0, x @ w, scale), obs=y)
+
+    index = torch.arange(40)
+    loader = DataLoader(TensorDataset(x, y, index), batch_size=8, shuffle=False)
+    with_loader = StochasticMCMC(
+        SGLD(loader_model, step_size=1e-4, control_variate="map"),
+        num_samples=3,
+        num_warmup=0,
+        progress_bar=False,
+        seed=0,
+    )
+    with_loader.run(x, y, batches=loader)
+    direct = StochasticMCMC(
+        SGLD(scaled_regression, step_size=1e-4, control_variate="map"),
+        num_samples=3,
+        num_warmup=0,
+        progress_bar=False,
+        seed=0,
+    )
+    direct.run(x, y)
+    for name in ("w", "scale"):  # the loader has no minibatch phase: the same mode, to L-BFGS's tolerance
+        torch.testing.assert_close(
+            with_loader.control_variate.centre[name], direct.control_variate.centre[name], rtol=1e-4, atol=1e-4
+        )
+    with pytest.raises(ValueError, match="full data"):
+        StochasticMCMC(
+            SGLD(loader_model, step_size=1e-4, control_variate="map"), num_samples=3, num_warmup=0, progress_bar=False
+        ).run(batches=loader)
+
+
+def test_bad_options_name_the_fix():
+    with pytest.raises(ValueError, match="control_variate must be None, 'map'"):
+        SGLD(scaled_regression, control_variate="mode")
+    with pytest.raises(TypeError, match="trained autoguide"):
+        SGHMC(scaled_regression, control_variate=3.0)
+    x, y = small_data(20)
+    mcmc = StochasticMCMC(
+        SGLD(scaled_regression, step_size=1e-3, control_variate={"w": torch.zeros(2)}),
+        num_samples=2,
+        num_warmup=0,
+        progress_bar=False,
+    )
+    with pytest.raises(ValueError, match="'scale'"):
+        mcmc.run(x, y)
+    outside = {"w": torch.zeros(2, dtype=torch.float64), "scale": torch.tensor(-1.0, dtype=torch.float64)}
+    mcmc = StochasticMCMC(
+        SGLD(scaled_regression, step_size=1e-3, control_variate=outside),
+        num_samples=2,
+        num_warmup=0,
+        progress_bar=False,
+    )
+    with pytest.raises(ValueError, match="non-finite"):
+        mcmc.run(x, y)
+
+
+@pytest.mark.filterwarnings("ignore:in .* of the coordinates of the kept steps:UserWarning")
+def test_a_resumed_run_keeps_the_centre_and_equals_the_uninterrupted_run(tmp_path, monkeypatch):
+    data = small_data(40)
+
+    def run(path=None, kill=None):
+        mcmc = StochasticMCMC(
+            SGHMC(scaled_regression, control_variate="map"),
+            num_samples=8,
+            num_warmup=8,
+            num_chains=2,
+            seed=2,
+            progress_bar=False,
+            checkpoint=path,
+            checkpoint_every=4,
+        )
+        with monkeypatch.context() as patch:
+            if kill is not None:
+                stop_at(patch, kill)
+                with pytest.raises(Killed):
+                    mcmc.run(*data)
+            else:
+                mcmc.run(*data)
+        return mcmc
+
+    reference = run()
+    path = tmp_path / "run.pt"
+    run(path, kill=11)
+    saved = load(path)
+    torch.testing.assert_close(saved["control_variate"]["centre"], reference.control_variate.centre)
+    resumed = run(path)
+    assert resumed.mode_search is None  # read back, not searched again
+    assert_same_run(resumed, reference)
