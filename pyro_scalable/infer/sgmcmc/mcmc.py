@@ -36,7 +36,7 @@ from pyro_scalable.infer.results import Draws, RunRecord
 from pyro_scalable.infer.sgmcmc.adaptation import Adaptation
 from pyro_scalable.infer.sgmcmc.chains import ChainStepper, first_line
 from pyro_scalable.infer.sgmcmc.checkpoint import RunCheckpoint
-from pyro_scalable.infer.sgmcmc.control_variates import ControlledLogPosterior, prepare
+from pyro_scalable.infer.sgmcmc.control_variates import ControlledLogPosterior, choose, prepare
 from pyro_scalable.infer.sgmcmc.distributed import DistributedMode
 from pyro_scalable.infer.sgmcmc.distributed import setup as setup_parallel
 from pyro_scalable.infer.sgmcmc.noise_probe import probe_gradient_noise, warn_ignored_noise
@@ -230,7 +230,7 @@ class StochasticMCMC(Draws):
             start, kept, diverged = checkpoint.resume(self.resume)
             for _ in range(start if batch_iter is not None else 0):
                 next(batch_iter)  # exact only where iterating `batches` again yields the same sequence
-        option = getattr(self.kernel, "control_variate", None)
+        option = choose(getattr(self.kernel, "control_variate", None), self.kernel, bridge)
         if option is not None:
             if self.control_variate is None:
                 start_point = {name: x[0] for name, x in latents.items()}

@@ -204,8 +204,9 @@ class PSGLD(Kernel):
         preconditioner: ``"warmup"`` learns v in warm-up and freezes it (the correction term Γ is then exactly
             0), ``"always"`` updates it every step as Li et al. do (Γ left out).
         gradient_noise: ``"correct"``, ``"estimate"`` or ``"ignore"``, as for :class:`~.sgld.SGLD`.
-        control_variate: ``None`` (plain minibatch gradients), ``"map"``, a dict of latent values by site or a
-            trained autoguide: the centre of a control-variate gradient (:mod:`.control_variates`).
+        control_variate: the centre of a control-variate gradient (:mod:`.control_variates`): ``"map"`` (found
+            before the run), a dict of latent values by site, or a trained autoguide; ``None``: plain minibatch
+            gradients; ``"auto"`` (the default): ``"map"`` where warm-up chooses the step and ``N/B ≥ 50``.
         init_strategy: a Pyro init strategy, one draw per chain.
 
     Example:
@@ -237,7 +238,7 @@ class PSGLD(Kernel):
         damping: float = 1e-5,
         preconditioner: Updates = "warmup",
         gradient_noise: str | None = None,
-        control_variate: Any = None,
+        control_variate: Any = "auto",
         init_strategy: Callable = init_to_uniform,
     ):
         if step_size is not None:

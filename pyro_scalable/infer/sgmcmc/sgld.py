@@ -141,8 +141,9 @@ class SGLD(Kernel):
             (per-example gradients; one subsampled plate with ``subsample_size`` >= 2), ``"estimate"`` only
             reports it in ``sample_stats.noise_ratio``, ``"ignore"`` does neither. Default: ``"correct"`` when
             the step size is left to warm-up, else ``"ignore"``.
-        control_variate: ``None`` (plain minibatch gradients), ``"map"``, a dict of latent values by site or a
-            trained autoguide: the centre of a control-variate gradient (:mod:`.control_variates`).
+        control_variate: the centre of a control-variate gradient (:mod:`.control_variates`): ``"map"`` (found
+            before the run), a dict of latent values by site, or a trained autoguide; ``None``: plain minibatch
+            gradients; ``"auto"`` (the default): ``"map"`` where warm-up chooses the step and ``N/B ≥ 50``.
         init_strategy: a Pyro init strategy (``pyro.infer.autoguide.init_to_*``), one draw per chain.
 
     Example:
@@ -171,7 +172,7 @@ class SGLD(Kernel):
         temperature: ScalarOrSchedule = 1.0,
         *,
         gradient_noise: str | None = None,
-        control_variate: Any = None,
+        control_variate: Any = "auto",
         init_strategy: Callable = init_to_uniform,
     ):
         if step_size is not None:

@@ -208,8 +208,9 @@ class SGNHT(Kernel):
         temperature: T > 0 (1 is Bayes). A constant or a schedule.
         gradient_noise: ``"correct"``, ``"estimate"`` or ``"ignore"``, as for :class:`~.sgld.SGLD` (default:
             ``"correct"`` when the step size is left to warm-up, else ``"ignore"``).
-        control_variate: ``None`` (plain minibatch gradients), ``"map"``, a dict of latent values by site or a
-            trained autoguide: the centre of a control-variate gradient (:mod:`.control_variates`).
+        control_variate: the centre of a control-variate gradient (:mod:`.control_variates`): ``"map"`` (found
+            before the run), a dict of latent values by site, or a trained autoguide; ``None``: plain minibatch
+            gradients; ``"auto"`` (the default): ``"map"`` where warm-up chooses the step and ``N/B ≥ 50``.
         init_strategy: a Pyro init strategy, one draw per chain.
 
     Example:
@@ -240,7 +241,7 @@ class SGNHT(Kernel):
         temperature: ScalarOrSchedule = 1.0,
         *,
         gradient_noise: str | None = None,
-        control_variate: Any = None,
+        control_variate: Any = "auto",
         init_strategy: Callable = init_to_uniform,
     ):
         if step_size is not None:

@@ -23,6 +23,7 @@ from pyro_scalable.infer.checkpoint import load
 from pyro_scalable.infer.sgmcmc.base import estimate_gradient
 from pyro_scalable.infer.sgmcmc.control_variates import (
     ControlledLogPosterior,
+    choose,
     find_mode,
     full_data_gradient,
 )
@@ -215,7 +216,7 @@ def test_a_given_centre_a_guide_and_a_loader():
 
 
 def test_bad_options_name_the_fix():
-    with pytest.raises(ValueError, match="control_variate must be None, 'map'"):
+    with pytest.raises(ValueError, match="control_variate must be None, .auto., .map."):
         SGLD(scaled_regression, control_variate="mode")
     with pytest.raises(TypeError, match="trained autoguide"):
         SGHMC(scaled_regression, control_variate=3.0)
@@ -271,3 +272,14 @@ def test_a_resumed_run_keeps_the_centre_and_equals_the_uninterrupted_run(tmp_pat
     resumed = run(path)
     assert resumed.mode_search is None  # read back, not searched again
     assert_same_run(resumed, reference)
+
+
+def test_auto_is_on_where_the_noise_bound_sets_the_step():
+    problem = LinearRegression(num_data=1000, dim=2, batch_size=10)  # N/B = 100
+    bridge = ModelBridge(problem.model, (problem.x, problem.y))
+    assert choose("auto", SGHMC(problem.model), bridge) == "map"
+    assert choose("auto", SGHMC(problem.model, step_size=1e-3), bridge) is None  # a hand-set step
+    assert choose("auto", SGLD(problem.model, gradient_noise="estimate"), bridge) is None  # not corrected
+    assert choose(None, SGHMC(problem.model), bridge) is None
+    wide = LinearRegression(num_data=1000, dim=2, batch_size=100)  # N/B = 10
+    assert choose("auto", SGHMC(wide.model), ModelBridge(wide.model, (wide.x, wide.y))) is None
