@@ -83,6 +83,10 @@ class StochasticMCMC(Draws):
             subtracts (:mod:`pyro_scalable.bridge.minibatches`). Default: ``"independent"`` for a kernel that
             estimates its gradient noise, ``"epoch"`` otherwise.
 
+    After ``run``, ``control_variate`` holds the kernel's control variate (its centre, unconstrained, and the
+    full-data log joint and gradient there; ``None`` without one) and ``mode_search`` how its mode was found
+    (:mod:`pyro_scalable.infer.sgmcmc.control_variates`).
+
     Example:
         >>> import pyro, pyro.distributions as dist, torch
         >>> from pyro_scalable.infer import SGHMC, StochasticMCMC
@@ -176,6 +180,7 @@ class StochasticMCMC(Draws):
         self.results: RunRecord | None = None
         self.state: Any = None
         self.num_warmup_divergences = 0
+        self.control_variate = self.mode_search = None
 
     # ------------------------------------------------------------------ running
     def run(self, *args: Any, batches: Iterable | None = None, **kwargs: Any) -> None:

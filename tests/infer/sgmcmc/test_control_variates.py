@@ -116,15 +116,30 @@ def test_the_mode_search_finds_the_conjugate_posterior_mean():
     assert search.full_passes < 40 and search.minibatch_steps > 0
 
 
+CALIBRATED = {
+    "sghmc": SGHMC,
+    **{
+        name: pytest.param(cls, marks=pytest.mark.slow)
+        for name, cls in (("sgld", SGLD), ("psgld", PSGLD), ("sgnht", SGNHT))
+    },
+}
+
+
 @pytest.mark.filterwarnings("ignore:in .* of the coordinates")
-def test_minibatch_of_10_in_1000_with_the_control_variate_is_calibrated():
+@pytest.mark.parametrize("cls", CALIBRATED.values(), ids=CALIBRATED.keys())
+def test_minibatch_of_10_in_1000_with_the_control_variate_is_calibrated(cls):
     """Issue 7's calibration test, control variate on: the step is no longer bounded by the gradient noise."""
     problem = LinearRegression(num_data=1000, dim=2, batch_size=10)
-    corrected, error, mcmc = sd_ratio(SGHMC(problem.model, control_variate="map"), problem, 256, 300, 600)
+    corrected, error, mcmc = sd_ratio(cls(problem.model, control_variate="map"), problem, 256, 300, 600)
     assert bool((4 * error < 0.08).all()), f"too few effective draws to resolve 10%: MCSE {error}"
     assert bool(((corrected - 1).abs() < 4 * error + 0.03).all()), corrected
     plain = StochasticMCMC(
-        SGHMC(problem.model), num_samples=1, num_warmup=300, num_chains=4, seed=0, progress_bar=False
+        cls(problem.model, control_variate=None),
+        num_samples=1,
+        num_warmup=300,
+        num_chains=4,
+        seed=0,
+        progress_bar=False,
     )
     plain.run(problem.x, problem.y)
     # the noise bound no longer sets the step: several times larger than without the control variate
