@@ -10,9 +10,12 @@ After a run, three things can make the draws unusable while every number in them
   underflows against the state (an overflowing likelihood, a step far too small). ``sample_stats["repeated"]``
   marks every kept draw equal, at every site, to the one before it in its chain, whatever the cause.
 
-:math:`\hat R` and the ESS are Pyro's (:func:`pyro.ops.stats.split_gelman_rubin`,
-:func:`pyro.ops.stats.effective_sample_size`, as ``Draws.diagnostics`` reports them), computed on the unconstrained
-draws in chunks of coordinates so that a network's worth of weights never needs more than a bounded FFT buffer.
+:math:`\hat R` is Pyro's :func:`pyro.ops.stats.split_gelman_rubin`; the ESS is :func:`effective_sample_size`,
+the same estimator as :func:`pyro.ops.stats.effective_sample_size` (Geyer's initial monotone sequence on the
+multi-chain autocorrelation of the Stan reference manual) in O(chains × draws) memory: Pyro's builds a
+(draws/2)² matrix per coordinate for the monotone sequence, 20 GB for 10 coordinates at 16,000 draws per chain.
+Both are computed on the unconstrained draws in chunks of coordinates, so that a network's worth of weights never
+needs more than a bounded FFT buffer.
 Convergence is not judged at temperature 0 (optimisation) or with fewer than 4 draws per chain.
 """
 
@@ -21,10 +24,10 @@ from __future__ import annotations
 import warnings
 
 import torch
-from pyro.ops.stats import effective_sample_size, split_gelman_rubin
+from pyro.ops.stats import autocovariance, split_gelman_rubin
 from torch import Tensor
 
-__all__ = ["HealthWarning", "repeated_draws", "warn_unhealthy"]
+__all__ = ["HealthWarning", "effective_sample_size", "repeated_draws", "warn_unhealthy"]
 
 R_HAT_LIMIT = 1.01
 ESS_PER_CHAIN = 100
@@ -53,6 +56,35 @@ def repeated_draws(draws: dict[str, Tensor]) -> Tensor:
         same = equal if same is None else same & equal
     first = torch.zeros_like(same[:, :1])
     return torch.cat([first, same], dim=1)
+
+
+def effective_sample_size(draws: Tensor, chain_dim: int = 0, sample_dim: int = 1) -> Tensor:
+    """The multi-chain ESS of every coordinate of ``draws``: Pyro's estimator in linear memory.
+
+    Example:
+        >>> from pyro.ops import stats
+        >>> x = torch.randn(4, 300, 3, generator=torch.Generator().manual_seed(0)).cumsum(1)  # random walks
+        >>> bool(torch.allclose(effective_sample_size(x), stats.effective_sample_size(x)))
+        True
+
+    """
+    x = draws.movedim((chain_dim, sample_dim), (1, 0))  # (N, C, ...)
+    num_draws, num_chains = x.shape[:2]
+    gamma = autocovariance(x, dim=0)  # (N, C, ...)
+    within = x.var(0).mean(0)
+    estimator = (num_draws - 1) / num_draws * within
+    if num_chains > 1:
+        estimator = estimator + x.mean(0).var(0)
+    else:  # one chain: rho is its autocorrelation
+        within = estimator
+    rho = (estimator - within + gamma.mean(1)) / estimator
+    rho[0] = 1.0
+    pairs = rho[: num_draws - num_draws % 2].reshape((num_draws // 2, 2) + rho.shape[1:]).sum(1)
+    tau = -1 + 2 * pairs[0]
+    if pairs.shape[0] > 1:
+        monotone = torch.cummin(pairs[1:].clamp(min=0), dim=0).values
+        tau = tau + 2 * monotone.sum(0)
+    return num_chains * num_draws / tau
 
 
 def _worst(value: Tensor, statistic, reduce) -> float:

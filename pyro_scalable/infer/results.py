@@ -13,12 +13,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from pyro.infer.mcmc.util import diagnostics as pyro_diagnostics
 from pyro.infer.mcmc.util import print_summary
+from pyro.ops.stats import split_gelman_rubin
 from torch import Tensor
 
 from pyro_scalable.arguments import check_flag, check_number
 from pyro_scalable.bridge.model import ModelBridge
+from pyro_scalable.infer.health import effective_sample_size
 from pyro_scalable.infer.predictive import sample_posterior_predictive
 
 __all__ = ["Draws", "RunRecord"]
@@ -100,12 +101,17 @@ class Draws:
     def diagnostics(self) -> dict[str, Any]:
         """Pyro's per-site ``n_eff``/``r_hat`` plus ``divergences``: ``{"chain i": [draw indices]}``.
 
+        ``n_eff`` is Pyro's estimator in linear memory (:func:`~pyro_scalable.infer.health.effective_sample_size`).
+
         With fewer than 4 draws per chain (parallel SG-MCMC keeps one) ``n_eff`` and ``r_hat`` are NaN: Pyro's
         split R-hat needs 4, and ``arviz.from_pyro`` reads the divergences from here.
         """
         samples = self.get_samples(group_by_chain=True)
         if self.num_samples >= 4:
-            result = pyro_diagnostics(samples)
+            result = {
+                name: {"n_eff": effective_sample_size(value), "r_hat": split_gelman_rubin(value)}
+                for name, value in samples.items()
+            }
         else:
             result = {
                 name: {"n_eff": _nan(value.shape[2:], value), "r_hat": _nan(value.shape[2:], value)}
