@@ -72,6 +72,17 @@ class EpochSampler:
             self._position[plate.name] = start + plate.subsample_size
         return batch
 
+    def larger(self, size: int) -> dict[str, Tensor]:
+        """``{plate: (1, m)}``: about ``size`` indices evenly spread over each plate (at least its minibatch).
+
+        Deterministic, and draws nothing from the generator: the run's minibatches after it are unchanged.
+        """
+        batch = {}
+        for plate in self.plates.values():
+            stride = max(1, plate.size // max(size, plate.subsample_size))
+            batch[plate.name] = torch.arange(0, plate.size, stride, device=self.device)[None]
+        return batch
+
     def state_dict(self) -> dict[str, dict]:
         """The current permutations and positions (the generator's state is its owner's to save)."""
         return {"orders": dict(self._orders), "position": dict(self._position)}

@@ -231,7 +231,7 @@ class BAOAB(Kernel):
             ``"correct"`` when the step size is left to warm-up, else ``"ignore"``).
         control_variate: the centre of a control-variate gradient (:mod:`.control_variates`): ``"map"`` (found
             before the run), a dict of latent values by site, or a trained autoguide; ``None``: plain minibatch
-            gradients; ``"auto"`` (the default): ``"map"`` where warm-up chooses the step and ``N/B ≥ 50``.
+            gradients; ``"auto"`` (the default): ``"map"`` where warm-up chooses the step and ``N/B ≥ 20``.
         init_strategy: a Pyro init strategy, one draw per chain.
 
     Example:

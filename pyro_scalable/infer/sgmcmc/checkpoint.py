@@ -40,7 +40,8 @@ from pyro_scalable.infer.sgmcmc.control_variates import ControlVariate
 __all__ = ["FORMAT", "RunCheckpoint", "run_fingerprint"]
 
 # bumped when the layout of a run checkpoint changes (2: warm-up's state apart from the kernel's; 3: the kind, the
-# model's code and the data's values in the fingerprint; 4: the control variate's centre and full-data gradient)
+# model's code and the data's values in the fingerprint; 4: the control variate's centre and full-data gradient,
+# and warm-up's metric)
 FORMAT = 4
 KIND = "StochasticMCMC"
 _KEYS = (
@@ -56,6 +57,7 @@ _KEYS = (
     "stats",
     "warmup_divergences",
     "control_variate",
+    "metric",
 )
 
 
@@ -103,6 +105,7 @@ def run_fingerprint(run: Any, batches: Any = None) -> dict[str, str]:
         "seed": run.seed,
         "chain_method": run.chain_method,
         "on_divergence": run.on_divergence,
+        "metric": run.metric,
         "device": bridge.device.type,
         "batches": None if batches is None else type(batches).__name__,
     }
@@ -154,6 +157,8 @@ class RunCheckpoint:
         sampler: Any,
         total: int,
         batches: Any = None,
+        metric: Any = None,
+        rebuild: Any = None,
     ):
         self.path = path
         self.every = every
@@ -163,6 +168,8 @@ class RunCheckpoint:
         self.generator = generator
         self.sampler = sampler  # an EpochSampler, or None where a DataLoader feeds the steps
         self.total = total
+        self.metric = metric  # warm-up's MetricSchedule, or None
+        self.rebuild = rebuild  # a stepper for the metric's stage (its state then restored)
         self._last: dict[str, Any] = {}
 
     def resume(self, existing: bool = True) -> tuple[int, int, bool]:
@@ -178,6 +185,10 @@ class RunCheckpoint:
             self.remember(0, 0)
             return 0, 0, False
         check_fingerprint(saved["fingerprint"], self.fingerprint, self.path)
+        if saved["metric"] is not None and self.metric is not None:
+            self.metric.load_state_dict(saved["metric"], self.stepper.bridge.device)
+            if self.metric.stage > 0:
+                self.stepper = self.rebuild()
         if saved["step"] >= self.run.num_warmup:
             self.stepper.end_warmup()  # the saved state is the tuned chains', not warm-up's
         self.stepper.restore(saved["mode"], unstack_chains(saved["state"], self.stepper.final_state, saved["mode"]))
@@ -211,6 +222,7 @@ class RunCheckpoint:
             "generator": self.generator.get_state(),
             "sampler": self.sampler.state_dict() if self.sampler is not None else None,
             "warmup_divergences": self.run.num_warmup_divergences,
+            "metric": None if self.metric is None else self.metric.state_dict(),
         }
 
     def step_done(self, step: int, kept: int, *, stopped: bool = False) -> None:
@@ -237,6 +249,7 @@ class RunCheckpoint:
                 "draws": {k: v[:, :kept].detach().cpu().clone() for k, v in self.run.results.draws.items()},
                 "stats": {k: v[:, :kept].detach().cpu().clone() for k, v in self.run.results.stats.items()},
                 "control_variate": _to(self.run.control_variate and self.run.control_variate._asdict(), "cpu"),
+                "metric": _to(last["metric"], "cpu"),
             },
         )
 
@@ -247,4 +260,6 @@ def _to(value: Any, device: Any) -> Any:
         return None
     if isinstance(value, Tensor):
         return value.to(device)
+    if not isinstance(value, dict):
+        return value
     return {name: _to(x, device) for name, x in value.items()}

@@ -39,7 +39,8 @@ from pyro_scalable.infer.sgmcmc.checkpoint import RunCheckpoint
 from pyro_scalable.infer.sgmcmc.control_variates import ControlledLogPosterior, choose, prepare
 from pyro_scalable.infer.sgmcmc.distributed import DistributedMode
 from pyro_scalable.infer.sgmcmc.distributed import setup as setup_parallel
-from pyro_scalable.infer.sgmcmc.noise_probe import probe_gradient_noise, warn_ignored_noise
+from pyro_scalable.infer.sgmcmc.metric import MetricSchedule, check_metric
+from pyro_scalable.infer.sgmcmc.noise_probe import probe_gradient_noise, warn_ignored_noise, warn_uncorrected_noise
 from pyro_scalable.infer.sgmcmc.run_arguments import cycle, refuse_pyro_spellings
 
 __all__ = ["StochasticMCMC"]
@@ -82,6 +83,10 @@ class StochasticMCMC(Draws):
             replacement, independently of the others, so that the gradient noise is what a noise correction
             subtracts (:mod:`pyro_scalable.bridge.minibatches`). Default: ``"independent"`` for a kernel that
             estimates its gradient noise, ``"epoch"`` otherwise.
+        metric: the posterior's scale (``"diagonal"``) or covariance (``"dense"``) learnt from the chains in warm-up,
+            where warm-up chooses the step size; the kernels then run in the change of variables that whitens it
+            (:mod:`pyro_scalable.infer.sgmcmc.metric`). ``"auto"``: dense up to 100 dimensions, diagonal above, for
+            a warm-up of at least 200 steps; ``"unit"``: none.
 
     After ``run``, ``control_variate`` holds the kernel's control variate (its centre, unconstrained, and the
     full-data log joint and gradient there; ``None`` without one) and ``mode_search`` how its mode was found
@@ -121,6 +126,7 @@ class StochasticMCMC(Draws):
         checkpoint_every: int = 1000,
         resume: bool = True,
         minibatches: Literal["epoch", "independent"] | None = None,
+        metric: Literal["auto", "unit", "diagonal", "dense"] = "auto",
         **unknown: Any,
     ):
         refuse_pyro_spellings(unknown)
@@ -148,6 +154,7 @@ class StochasticMCMC(Draws):
             noisy = getattr(kernel, "gradient_noise", "ignore") != "ignore"
             minibatches = "independent" if noisy else "epoch"
         self.minibatches = minibatches
+        self.metric = check_metric(metric)
         if distributed not in ("data", "chains", None):
             raise ValueError(f"distributed must be 'data', 'chains' or None, got {distributed!r}.")
         if distributed == "data" and not (hasattr(kernel, "estimate") and hasattr(kernel, "update")):
@@ -211,9 +218,17 @@ class StochasticMCMC(Draws):
         )
         reducer = parallel if self.distributed == "data" else None
         # warm-up wraps a kernel that adapts; at its end the stepper unwraps it (the chains keep what it chose)
-        program = Adaptation(self.kernel, self.num_warmup) if getattr(self.kernel, "adapts", False) else self.kernel
+        schedule = MetricSchedule.for_run(self.metric, self.kernel, self.num_warmup, latents)
+        first_stage = schedule.stage_length(0) if schedule else self.num_warmup
+
+        def stage_stepper(start: Latents, method: str) -> ChainStepper:  # warm-up's stage (all of it without metric)
+            program = Adaptation(self.kernel, schedule.stage_length(schedule.stage)) if schedule else self.kernel
+            return ChainStepper(program, bridge, start, generator, method, reducer)
+
+        program = Adaptation(self.kernel, first_stage) if getattr(self.kernel, "adapts", False) else self.kernel
         stepper = ChainStepper(program, bridge, latents, generator, self.chain_method, reducer)
-        stepper.log_posterior_fn.replacement = sampler.replacement  # no finite-population correction then
+        base = stepper.log_posterior_fn
+        base.replacement = sampler.replacement  # no finite-population correction then
         self.control_variate = self.mode_search = None  # a checkpoint's resume puts its control variate back
 
         self._allocate(latents)
@@ -231,8 +246,11 @@ class StochasticMCMC(Draws):
                 sampler=sampler if batch_iter is None else None,
                 total=total,
                 batches=batches,
+                metric=schedule,
+                rebuild=lambda: stage_stepper(latents, self.chain_method),
             )
             start, kept, diverged = checkpoint.resume(self.resume)
+            stepper = checkpoint.stepper  # in a later stage of warm-up's metric, the stage's
             for _ in range(start if batch_iter is not None else 0):
                 next(batch_iter)  # exact only where iterating `batches` again yields the same sequence
         option = choose(getattr(self.kernel, "control_variate", None), self.kernel, bridge)
@@ -244,7 +262,8 @@ class StochasticMCMC(Draws):
                 )
                 if checkpoint is not None:
                     checkpoint.write()  # the centre and its full-data pass are not redone on resume
-            stepper.log_posterior_fn = ControlledLogPosterior(stepper.log_posterior_fn, self.control_variate)
+            base = ControlledLogPosterior(base, self.control_variate)
+        stepper.log_posterior_fn = schedule.wrap(base) if schedule else base
         quiet = not self.progress_bar or (parallel is not None and not parallel.is_main)
         bar = tqdm(total=total, initial=start, disable=quiet, desc="Warmup" if start < self.num_warmup else "Sample")
         try:
@@ -254,14 +273,29 @@ class StochasticMCMC(Draws):
                     batch = Batch({}, step_args, step_kwargs)
                 else:
                     batch = Batch(next(sampler), bridge.args, bridge.kwargs)
-                info = stepper.step(batch, t)
+                info = stepper.step(batch, t - (schedule.stage_start() if schedule else 0))
+                if schedule is not None and t < self.num_warmup:
+                    schedule.observe(t, schedule.to_theta(stepper.latents()))
+                    if schedule.due(t):  # the next stage of warm-up, in the metric this one's positions give
+                        theta = schedule.to_theta(stepper.latents())
+                        big = (
+                            batch.indices
+                            if batch_iter is not None
+                            else {k: v[0] for k, v in sampler.larger(4096).items()}
+                        )
+                        curvature = schedule.hessian(base, Batch(big, batch.args, batch.kwargs))
+                        schedule.next_map(next(iter(theta.values())), curvature)
+                        stepper = stage_stepper(schedule.to_z(theta), stepper.mode)
+                        stepper.log_posterior_fn = schedule.wrap(base)
+                        if checkpoint is not None:
+                            checkpoint.stepper = stepper
                 if t + 1 == self.num_warmup:
                     stepper.end_warmup()
                 diverged = bool(info.diverging.any()) if self.on_divergence == "stop" else False
                 if t < self.num_warmup:
                     self.num_warmup_divergences += int(info.diverging.sum())
                 elif (t - self.num_warmup + 1) % self.thin == 0:
-                    self._record(kept, stepper.latents(), info)
+                    self._record(kept, schedule.to_theta(stepper.latents()) if schedule else stepper.latents(), info)
                     kept += 1
                 if checkpoint is not None:
                     checkpoint.step_done(t + 1, kept, stopped=diverged)
@@ -305,7 +339,7 @@ class StochasticMCMC(Draws):
         if self.num_samples > 0:
             self.results.stats["repeated"] = repeated_draws(self.results.draws)
         warn_unhealthy(self.results.draws, self.results.stats, self.num_warmup_divergences)
-        self._warn_noise()
+        warn_uncorrected_noise(self.results.stats, self.num_samples)
         if self.num_samples and parallel is None and start < total:  # not for a finished run read back
             probe = probe_gradient_noise(self.kernel, bridge, stepper.latents(), seed, total, stepper.log_posterior_fn)
             warn_ignored_noise(probe)
@@ -361,16 +395,3 @@ class StochasticMCMC(Draws):
             self.results.draws = {k: v[:, :kept] for k, v in self.results.draws.items()}
             self.results.stats = {k: v[:, :kept] for k, v in self.results.stats.items()}
             self.num_samples = kept
-
-    def _warn_noise(self) -> None:
-        uncorrected = self.results.stats.get("uncorrected")
-        if uncorrected is None or self.num_samples == 0:
-            return
-        share = float(uncorrected.float().mean())
-        if share > 0.01:
-            warnings.warn(
-                f"in {share:.1%} of the coordinates of the kept steps the minibatch gradient alone brought more "
-                "noise than the sampler should inject, so no correction was possible there and the draws are too "
-                "wide (sample_stats.noise_ratio > 1). Lower the step size, or raise the minibatch size.",
-                stacklevel=3,
-            )

@@ -26,7 +26,7 @@ from pyro_scalable.bridge.model import Batch, Latents, ModelBridge
 from pyro_scalable.infer.health import HealthWarning
 from pyro_scalable.infer.sgmcmc.chains import ChainStepper
 
-__all__ = ["PROBE_STEPS", "TOLERATED", "probe_gradient_noise", "warn_ignored_noise"]
+__all__ = ["PROBE_STEPS", "TOLERATED", "probe_gradient_noise", "warn_ignored_noise", "warn_uncorrected_noise"]
 
 PROBE_STEPS = 20  # the noise average weighs step t by 1/(t+1): after 20 steps, the mean of 20 estimates
 TOLERATED = 0.1
@@ -77,3 +77,18 @@ def warn_ignored_noise(ratio: float | None, *, stacklevel: int = 3) -> None:
         HealthWarning,
         stacklevel=stacklevel,
     )
+
+
+def warn_uncorrected_noise(stats: dict, num_samples: int) -> None:
+    """Warn when in over 1% of the kept steps' coordinates the gradient noise alone exceeded the wanted noise."""
+    uncorrected = stats.get("uncorrected")
+    if uncorrected is None or num_samples == 0:
+        return
+    share = float(uncorrected.float().mean())
+    if share > 0.01:
+        warnings.warn(
+            f"in {share:.1%} of the coordinates of the kept steps the minibatch gradient alone brought more "
+            "noise than the sampler should inject, so no correction was possible there and the draws are too "
+            "wide (sample_stats.noise_ratio > 1). Lower the step size, or raise the minibatch size.",
+            stacklevel=3,
+        )

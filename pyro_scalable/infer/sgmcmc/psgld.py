@@ -206,7 +206,7 @@ class PSGLD(Kernel):
         gradient_noise: ``"correct"``, ``"estimate"`` or ``"ignore"``, as for :class:`~.sgld.SGLD`.
         control_variate: the centre of a control-variate gradient (:mod:`.control_variates`): ``"map"`` (found
             before the run), a dict of latent values by site, or a trained autoguide; ``None``: plain minibatch
-            gradients; ``"auto"`` (the default): ``"map"`` where warm-up chooses the step and ``N/B ≥ 50``.
+            gradients; ``"auto"`` (the default): ``"map"`` where warm-up chooses the step and ``N/B ≥ 20``.
         init_strategy: a Pyro init strategy, one draw per chain.
 
     Example:

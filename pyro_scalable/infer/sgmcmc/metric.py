@@ -1,0 +1,245 @@
+r"""Warm-up's metric: the posterior's scale and correlations learnt from the chains, as an affine change of variables.
+
+A stochastic-gradient sampler's step is bounded by the stiffest direction of the posterior (warm-up's curvature
+bound, :mod:`.tuning`), so a posterior whose sds differ by a factor :math:`\sqrt\kappa` needs about
+:math:`\sqrt\kappa` (momentum samplers) to :math:`\kappa` (Langevin) steps per independent draw in its widest
+direction. NUTS adapts a mass matrix for this; here warm-up learns the same thing for every kernel at once, as a
+change of variables. With :math:`\hat\mu` and :math:`\hat\Sigma = LL^\top` the mean and covariance of the chains'
+positions over a window of warm-up (pooled over chains and steps), the kernels run on
+
+.. math::
+
+    z = L^{-1}(\theta - \hat\mu), \qquad \log\tilde p(z) = \log p(\hat\mu + Lz) + \log\lvert\det L\rvert,
+
+whose covariance is about the identity: every direction is as stiff as every other, and warm-up's step size,
+friction and noise correction, measured again in :math:`z`, fit them all. Every gradient, per-example gradient
+(the noise estimate) and Hessian-vector product in :math:`z` is :math:`L^\top` times the one in :math:`\theta`, so
+the calibration arguments of :mod:`.base` and :mod:`.tuning` hold unchanged; the draws are mapped back,
+:math:`\theta = \hat\mu + Lz`. For a kernel with a diagonal mass :math:`M` this is the same as running it in
+:math:`\theta` with the (dense) mass :math:`M' = L^{-\top} M L^{-1}`, i.e. :math:`\hat\Sigma^{-1}` for unit
+:math:`M`: HMC's choice (Neal 2011, §4.1); for SGLD, the preconditioner :math:`\hat\Sigma`.
+
+**Schedule** (Stan's windowed adaptation, in stages): warm-up runs in stages ending at
+:data:`STAGES` of ``num_warmup``; each stage is a full warm-up of its own (burn-in, then calibrated steps in the
+current metric), and the positions of its calibrated half give the next stage's metric. The first window, in the
+unit metric, fixes scales the chains could explore; the next ones, in better metrics, the slower directions. The
+last stage chooses the step size that sampling keeps. ``metric="dense"`` estimates the full covariance (shrunk
+towards its diagonal), ``"diagonal"`` its diagonal only; ``"auto"`` is dense up to :data:`DENSE_LIMIT` unconstrained
+dimensions where the window holds at least ten positions per dimension, diagonal otherwise, and is on only where
+warm-up chooses the step size and has at least :data:`LEAST_WARMUP` steps.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from pyro_scalable.bridge.model import Batch, Latents
+
+__all__ = ["AffineLogPosterior", "AffineMap", "MetricSchedule", "check_metric"]
+
+CHOICES = ("auto", "unit", "diagonal", "dense")
+STAGES = (0.15, 0.3, 0.55)  # warm-up's metric changes after these shares of num_warmup
+DENSE_LIMIT = 100
+LEAST_WARMUP = 200
+_SHRINK = 5.0  # Stan's regularisation: (n / (n + 5)) S + (5 / (n + 5)) 1e-3 (here relative to the mean variance)
+
+
+def check_metric(metric: str) -> str:
+    """Validate the driver's ``metric=`` option."""
+    if metric not in CHOICES:
+        raise ValueError(f"metric must be one of {CHOICES}, got {metric!r}.")
+    return metric
+
+
+class AffineMap(NamedTuple):
+    """θ = mean + L z over the flattened unconstrained latents; ``scale`` is L (D × D, lower) or its diagonal (D,)."""
+
+    mean: Tensor
+    scale: Tensor
+
+    def to_theta(self, flat: Tensor) -> Tensor:
+        """θ from z (leading dims allowed)."""
+        if self.scale.dim() == 1:
+            return self.mean + flat * self.scale
+        return self.mean + flat @ self.scale.T
+
+    def to_z(self, flat: Tensor) -> Tensor:
+        """The z of θ (leading dims allowed)."""
+        centred = flat - self.mean
+        if self.scale.dim() == 1:
+            return centred / self.scale
+        shape = centred.shape
+        solved = torch.linalg.solve_triangular(self.scale, centred.reshape(-1, shape[-1]).T, upper=False)
+        return solved.T.reshape(shape)
+
+
+class Layout:
+    """The latent sites as one flat vector: names, shapes and offsets (with any leading dims)."""
+
+    def __init__(self, latents: Latents, leading: int):
+        self.shapes = {name: x.shape[leading:] for name, x in latents.items()}
+        self.sizes = {name: math.prod(shape) for name, shape in self.shapes.items()}
+        self.dim = sum(self.sizes.values())
+
+    def flatten(self, latents: Latents, leading: int) -> Tensor:
+        first = next(iter(latents.values()))
+        return torch.cat([x.reshape(*first.shape[:leading], -1) for x in latents.values()], dim=-1)
+
+    def unflatten(self, flat: Tensor) -> Latents:
+        out, start = {}, 0
+        for name, shape in self.shapes.items():
+            out[name] = flat[..., start : start + self.sizes[name]].reshape(*flat.shape[:-1], *shape)
+            start += self.sizes[name]
+        return out
+
+
+class AffineLogPosterior:
+    """``log_posterior_fn(z, batch) = inner(mean + L z, batch)`` (log|det L| is a constant and left out)."""
+
+    def __init__(self, inner: Callable, layout: Layout, affine: AffineMap):
+        self.inner, self.layout, self.affine = inner, layout, affine
+
+    @property
+    def replacement(self) -> bool:
+        return getattr(self.inner, "replacement", False)
+
+    @replacement.setter
+    def replacement(self, value: bool) -> None:
+        self.inner.replacement = value
+
+    def examples(self, batch: Batch):
+        """The wrapped log posterior's per-example split of ``batch``."""
+        split = getattr(self.inner, "examples", None)
+        return None if split is None else split(batch)
+
+    def __call__(self, latents: Latents, batch: Batch) -> Tensor:
+        flat = self.affine.to_theta(self.layout.flatten(latents, 0))
+        return self.inner(self.layout.unflatten(flat), batch)
+
+
+class MetricSchedule:
+    """The driver's side: stage boundaries, the window's pooled moments, and the map of the stage running now."""
+
+    def __init__(self, kind: str, num_warmup: int, latents: Latents):
+        self.layout = Layout(latents, 1)
+        self.num_warmup = num_warmup
+        self.ends = sorted({max(1, int(round(share * num_warmup))) for share in STAGES})
+        self.kind = kind
+        self.stage = 0
+        self.affine: AffineMap | None = None
+        self._reset()
+
+    @classmethod
+    def for_run(cls, metric: str, kernel: Any, num_warmup: int, latents: Latents) -> MetricSchedule | None:
+        """The schedule ``metric`` asks for, or ``None`` (``"unit"``, a given step size, a short warm-up)."""
+        if metric == "unit" or getattr(kernel, "step_size", 0) is not None or not getattr(kernel, "adapts", False):
+            return None
+        if metric == "auto" and num_warmup < LEAST_WARMUP:
+            return None
+        return cls(metric, num_warmup, latents)
+
+    def stage_start(self) -> int:
+        """The step the running stage began at."""
+        return 0 if self.stage == 0 else self.ends[self.stage - 1]
+
+    def stage_length(self, stage: int) -> int:
+        start = 0 if stage == 0 else self.ends[stage - 1]
+        return (self.ends[stage] if stage < len(self.ends) else self.num_warmup) - start
+
+    def _reset(self) -> None:
+        self.count = 0
+        self.total: Tensor | float = 0.0
+        self.outer: Tensor | float = 0.0
+
+    def observe(self, step: int, theta: Latents) -> None:
+        """Pool the chains' positions (θ, chain dim first) of a step in the calibrated half of the running stage."""
+        if self.stage >= len(self.ends) or step - self.stage_start() < self.stage_length(self.stage) // 2:
+            return
+        flat = self.layout.flatten(theta, 1).detach().double()
+        self.count += flat.shape[0]
+        self.total = self.total + flat.sum(0)
+        dense = self.kind == "dense" or (self.kind == "auto" and self.layout.dim <= DENSE_LIMIT)
+        self.outer = self.outer + (flat.T @ flat if dense else flat.square().sum(0))
+
+    def hessian(self, log_posterior_fn: Callable, batch: Batch) -> Callable[[Tensor], Tensor]:
+        """The Hessian of ``-log_posterior_fn`` on ``batch`` (θ-space) at a flat point, for :meth:`next_map`."""
+
+        def negative(flat: Tensor) -> Tensor:
+            return -log_posterior_fn(self.layout.unflatten(flat), batch)
+
+        return lambda flat: torch.func.hessian(negative)(flat)
+
+    def due(self, step: int) -> bool:
+        """Whether the running stage ends after ``step``."""
+        return self.stage < len(self.ends) and step + 1 == self.ends[self.stage]
+
+    def next_map(self, like: Tensor, hessian: Callable[[Tensor], Tensor] | None = None) -> AffineMap:
+        """The window's metric (then the next stage runs in it); moments reset.
+
+        The first dense metric, where ``hessian`` (of the negative log density, at a flat θ) is given, is the
+        inverse Hessian at the window's mean (eigenvalues made positive): the unit metric's window cannot have
+        explored the slow directions that the metric is for. Later windows, in a whitened metric, have.
+        """
+        n = self.count
+        mean = self.total / n
+        dense = self.kind == "dense" or (self.kind == "auto" and self.layout.dim <= DENSE_LIMIT)
+        if self.stage == 0 and dense and hessian is not None:
+            values, vectors = torch.linalg.eigh(hessian(mean.to(like)).double())
+            values = values.abs().clamp(min=1e-8 * float(values.abs().max().clamp(min=1e-30)))
+            covariance = (vectors / values) @ vectors.T
+            scale = torch.linalg.cholesky(0.5 * (covariance + covariance.T))
+            self.stage += 1
+            self._reset()
+            self.affine = AffineMap(mean.to(like), scale.to(like))
+            return self.affine
+        if self.outer.dim() == 2:
+            covariance = (self.outer - n * torch.outer(mean, mean)) / max(n - 1, 1)
+        else:
+            covariance = (self.outer - n * mean.square()) / max(n - 1, 1)
+        variances = covariance.diagonal() if covariance.dim() == 2 else covariance
+        floor = 1e-3 * variances.clamp(min=0).mean().clamp(min=1e-30)
+        weight = n / (n + _SHRINK)
+        use_dense = covariance.dim() == 2 and (self.kind == "dense" or n >= 10 * self.layout.dim)
+        if use_dense:
+            covariance = weight * covariance + (1 - weight) * floor * torch.eye(len(mean), dtype=mean.dtype)
+            scale = torch.linalg.cholesky(covariance)
+        else:
+            scale = torch.sqrt(weight * variances.clamp(min=0) + (1 - weight) * floor)
+        self.stage += 1
+        self._reset()
+        self.affine = AffineMap(mean.to(like), scale.to(like))
+        return self.affine
+
+    def to_theta(self, latents: Latents) -> Latents:
+        """The chains' unconstrained latents from the running stage's z (as they are in the unit metric)."""
+        if self.affine is None:
+            return latents
+        return self.layout.unflatten(self.affine.to_theta(self.layout.flatten(latents, 1)))
+
+    def to_z(self, latents: Latents) -> Latents:
+        """The running stage's z of the chains' unconstrained latents."""
+        if self.affine is None:
+            return latents
+        return self.layout.unflatten(self.affine.to_z(self.layout.flatten(latents, 1)))
+
+    def wrap(self, log_posterior_fn: Callable) -> Callable:
+        """``log_posterior_fn`` in the running stage's z."""
+        if self.affine is None:
+            return log_posterior_fn
+        return AffineLogPosterior(log_posterior_fn, Layout(self.layout.unflatten(self.affine.mean), 0), self.affine)
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps: the stage, its map and the window's moments so far (references: cheap)."""
+        affine = None if self.affine is None else {"mean": self.affine.mean, "scale": self.affine.scale}
+        return {"stage": self.stage, "affine": affine, "count": self.count, "total": self.total, "outer": self.outer}
+
+    def load_state_dict(self, state: dict[str, Any], device: Any) -> None:
+        """Go on in the checkpointed stage, with its window's moments."""
+        self.stage, self.count, self.total, self.outer = state["stage"], state["count"], state["total"], state["outer"]
+        affine = state["affine"]
+        self.affine = None if affine is None else AffineMap(affine["mean"].to(device), affine["scale"].to(device))
