@@ -1,0 +1,136 @@
+"""Warm-up's metric: the change of variables is exact, the first dense metric is the inverse Hessian, an
+ill-conditioned posterior mixes with the defaults, and a run resumed across the metric's stages is the same run.
+
+The statistical test's tolerances are Monte-Carlo standard errors from the draws' ESS: a mean to sd/√ESS, an sd to
+a relative 1/√(2 ESS), four of them, plus the 3% the warm-up's step-size rule allows for discretisation.
+"""
+
+from __future__ import annotations
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+
+from pyro_scalable.bridge.model import Batch, ModelBridge
+from pyro_scalable.infer import SGHMC, SGLD, StochasticMCMC
+from pyro_scalable.infer.health import effective_sample_size
+from pyro_scalable.infer.sgmcmc.metric import AffineLogPosterior, AffineMap, Layout, MetricSchedule
+
+from .test_checkpoint import Killed, assert_same_run, stop_at
+
+# torch.func.hessian scripts its decompositions on first use and torch warns that torch.jit.script is deprecated
+pytestmark = pytest.mark.filterwarnings(r"ignore:.*torch\.jit\.script. is deprecated:DeprecationWarning")
+
+
+def ill_conditioned(num_data=2000, dim=10, batch_size=100, seed=0):
+    """Linear regression whose features have correlated directions of very different scales (κ ≈ 1,500)."""
+    g = torch.Generator().manual_seed(seed)
+    u, _, v = torch.linalg.svd(torch.randn(dim, dim, generator=g, dtype=torch.float64))
+    scales = torch.logspace(0, -1.85, dim, dtype=torch.float64)
+    x = torch.randn(num_data, dim, generator=g, dtype=torch.float64) @ (u @ torch.diag(scales) @ v)
+    y = x @ torch.randn(dim, generator=g, dtype=torch.float64) + torch.randn(num_data, generator=g, dtype=torch.float64)
+    precision = x.T @ x + torch.eye(dim, dtype=torch.float64)
+    covariance = torch.linalg.inv(precision)
+
+    def model(x, y):
+        w = pyro.sample("w", dist.Normal(x.new_zeros(dim), 1.0).to_event(1))
+        with pyro.plate("data", len(y), subsample_size=batch_size) as idx:
+            pyro.sample("obs", dist.Normal(x[idx] @ w, 1.0), obs=y[idx])
+
+    eigenvalues = torch.linalg.eigvalsh(precision)
+    return model, x, y, covariance @ x.T @ y, covariance, float(eigenvalues.max() / eigenvalues.min())
+
+
+def test_the_change_of_variables_is_exact():
+    model, x, y, *_ = ill_conditioned(num_data=50, dim=3, batch_size=10)
+    bridge = ModelBridge(model, (x, y))
+    g = torch.Generator().manual_seed(3)
+    lower = torch.tril(torch.randn(3, 3, generator=g, dtype=torch.float64)) + 3 * torch.eye(3, dtype=torch.float64)
+    affine = AffineMap(torch.randn(3, generator=g, dtype=torch.float64), lower)
+    layout = Layout({"w": torch.zeros(3)}, 0)
+    wrapped = AffineLogPosterior(bridge.log_posterior_fn, layout, affine)
+    batch = Batch({"data": torch.arange(10)}, bridge.args, {})
+    z = torch.randn(3, generator=g, dtype=torch.float64)
+    theta = affine.to_theta(z)
+    torch.testing.assert_close(affine.to_z(theta), z, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(wrapped({"w": z}, batch), bridge.log_posterior({"w": theta}, batch))
+    grad_z = torch.func.grad(lambda w: wrapped({"w": w}, batch))(z)
+    grad_theta = torch.func.grad(lambda w: bridge.log_posterior({"w": w}, batch))(theta)
+    torch.testing.assert_close(grad_z, lower.T @ grad_theta, rtol=1e-12, atol=1e-10)  # ∇z = Lᵀ ∇θ
+
+
+def test_the_first_dense_metric_is_the_inverse_hessian():
+    """On a Gaussian posterior the Hessian is the exact precision: the first map whitens it, to rounding."""
+    model, x, y, mean, covariance, _ = ill_conditioned(num_data=300, dim=4, batch_size=20)
+    bridge = ModelBridge(model, (x, y))
+    schedule = MetricSchedule("dense", 200, {"w": torch.zeros(1, 4, dtype=torch.float64)})
+    for step in range(schedule.ends[0]):
+        schedule.observe(step, {"w": mean + 0.01 * torch.randn(3, 4, dtype=torch.float64)})
+    full = Batch({"data": torch.arange(300)}, bridge.args, {})
+    affine = schedule.next_map(mean, schedule.hessian(bridge.log_posterior, full))
+    torch.testing.assert_close(affine.scale @ affine.scale.T, covariance, rtol=1e-8, atol=1e-12)
+    assert schedule.stage == 1 and schedule.count == 0
+
+
+@pytest.mark.parametrize("cls", [SGHMC, pytest.param(SGLD, marks=pytest.mark.slow)], ids=["sghmc", "sgld"])
+def test_an_ill_conditioned_posterior_mixes_with_the_defaults(cls):
+    model, x, y, mean, covariance, condition = ill_conditioned()
+    assert condition > 1000
+    mcmc = StochasticMCMC(cls(model), num_samples=1000, num_warmup=1000, num_chains=4, seed=1, progress_bar=False)
+    mcmc.run(x, y)  # a HealthWarning (r_hat, ESS) would fail the test: warnings are errors
+    draws = mcmc.get_samples(group_by_chain=True)["w"]
+    ess = effective_sample_size(draws)
+    sd = covariance.diagonal().sqrt()
+    assert bool((ess > 200).all()), ess
+    flat = draws.reshape(-1, draws.shape[-1])
+    assert bool(((flat.mean(0) - mean).abs() < 4 * sd / ess.sqrt()).all()), (flat.mean(0) - mean) / sd
+    ratio = flat.std(0) / sd
+    assert bool(((ratio - 1).abs() < 4 / (2 * ess).sqrt() + 0.03).all()), ratio
+    unit = StochasticMCMC(
+        cls(model), num_samples=50, num_warmup=1000, num_chains=4, seed=1, progress_bar=False, metric="unit"
+    )
+    with pytest.warns(UserWarning, match="not healthy"):  # the same run without the metric has not converged
+        unit.run(x, y)
+
+
+def test_a_run_resumed_across_the_metric_stages_is_the_same_run(tmp_path, monkeypatch):
+    model, x, y, *_ = ill_conditioned(num_data=200, dim=3, batch_size=10)
+
+    def run(path=None, kill=None):
+        mcmc = StochasticMCMC(
+            SGHMC(model, control_variate=None),
+            num_samples=6,
+            num_warmup=40,
+            num_chains=2,
+            seed=2,
+            progress_bar=False,
+            metric="dense",
+            checkpoint=path,
+            checkpoint_every=5,
+        )
+        with monkeypatch.context() as patch:
+            if kill is not None:
+                stop_at(patch, kill)
+                with pytest.raises(Killed):
+                    mcmc.run(x, y)
+            else:
+                mcmc.run(x, y)
+        return mcmc
+
+    reference = run()
+    for kill in (14, 31):  # in the second stage (after one switch) and in the last (after all three)
+        path = tmp_path / f"run{kill}.pt"
+        run(path, kill=kill)
+        resumed = run(path)
+        assert_same_run(resumed, reference)
+
+
+def test_unit_is_no_metric_and_bad_choices_are_named():
+    model, x, y, *_ = ill_conditioned(num_data=200, dim=3, batch_size=10)
+    assert MetricSchedule.for_run("unit", SGHMC(model), 1000, {"w": torch.zeros(2, 3)}) is None
+    assert MetricSchedule.for_run("auto", SGHMC(model, step_size=1e-3), 1000, {"w": torch.zeros(2, 3)}) is None
+    assert MetricSchedule.for_run("auto", SGHMC(model), 100, {"w": torch.zeros(2, 3)}) is None  # too short
+    assert MetricSchedule.for_run("auto", SGHMC(model), 1000, {"w": torch.zeros(2, 3)}) is not None
+    with pytest.raises(ValueError, match="metric must be one of"):
+        StochasticMCMC(SGHMC(model), num_samples=2, num_warmup=2, metric="fisher")
