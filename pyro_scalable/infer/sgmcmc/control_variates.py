@@ -110,8 +110,9 @@ def choose(option: Any, kernel: Any, bridge: ModelBridge) -> Any:
     that bound for twice the work per step. Measured (``benchmarks/bench_accuracy.py``, logistic regression, d = 10,
     B = 1,000, 4 chains): at ``N/B = 100`` accurate in 14 s with it, not within 80 s without; at ``N/B = 10`` no
     gain. At ``N/B = 20`` on a linear regression with condition number 1,500 and warm-up's dense metric (d = 10,
-    4 × 1,000 draws): r_hat 1.01 and ESS 347 with it, r_hat 1.13 and ESS 26 without. Off for a hand-set step (the step is the user's; the noise is then not the bound), for a loader's plate
-    (no full data to centre on unless given) and for several subsampled plates.
+    4 × 1,000 draws): r_hat 1.01 and ESS 347 with it, r_hat 1.13 and ESS 26 without. Off for a hand-set step (the
+    step is the user's; the noise is then not the bound), for a loader's plate (no full data to centre on unless
+    given) and for several subsampled plates.
     """
     if option != "auto":
         return option

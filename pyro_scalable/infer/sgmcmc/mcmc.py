@@ -219,13 +219,13 @@ class StochasticMCMC(Draws):
         reducer = parallel if self.distributed == "data" else None
         # warm-up wraps a kernel that adapts; at its end the stepper unwraps it (the chains keep what it chose)
         schedule = MetricSchedule.for_run(self.metric, self.kernel, self.num_warmup, latents)
-        first_stage = schedule.stage_length(0) if schedule else self.num_warmup
 
         def stage_stepper(start: Latents, method: str) -> ChainStepper:  # warm-up's stage (all of it without metric)
             program = Adaptation(self.kernel, schedule.stage_length(schedule.stage)) if schedule else self.kernel
             return ChainStepper(program, bridge, start, generator, method, reducer)
 
-        program = Adaptation(self.kernel, first_stage) if getattr(self.kernel, "adapts", False) else self.kernel
+        # the first stage is warm-up as without a metric: the metric's stages replace its rest only if they are needed
+        program = Adaptation(self.kernel, self.num_warmup) if getattr(self.kernel, "adapts", False) else self.kernel
         stepper = ChainStepper(program, bridge, latents, generator, self.chain_method, reducer)
         base = stepper.log_posterior_fn
         base.replacement = sampler.replacement  # no finite-population correction then
@@ -284,11 +284,11 @@ class StochasticMCMC(Draws):
                             else {k: v[0] for k, v in sampler.larger(4096).items()}
                         )
                         curvature = schedule.hessian(base, Batch(big, batch.args, batch.kwargs))
-                        schedule.next_map(next(iter(theta.values())), curvature)
-                        stepper = stage_stepper(schedule.to_z(theta), stepper.mode)
-                        stepper.log_posterior_fn = schedule.wrap(base)
-                        if checkpoint is not None:
-                            checkpoint.stepper = stepper
+                        if schedule.next_map(next(iter(theta.values())), curvature) is not None:
+                            stepper = stage_stepper(schedule.to_z(theta), stepper.mode)
+                            stepper.log_posterior_fn = schedule.wrap(base)
+                            if checkpoint is not None:
+                                checkpoint.stepper = stepper
                 if t + 1 == self.num_warmup:
                     stepper.end_warmup()
                 diverged = bool(info.diverging.any()) if self.on_divergence == "stop" else False

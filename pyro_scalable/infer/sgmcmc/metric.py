@@ -26,7 +26,9 @@ unit metric, fixes scales the chains could explore; the next ones, in better met
 last stage chooses the step size that sampling keeps. ``metric="dense"`` estimates the full covariance (shrunk
 towards its diagonal), ``"diagonal"`` its diagonal only; ``"auto"`` is dense up to :data:`DENSE_LIMIT` unconstrained
 dimensions where the window holds at least ten positions per dimension, diagonal otherwise, and is on only where
-warm-up chooses the step size and has at least :data:`LEAST_WARMUP` steps.
+warm-up chooses the step size and has at least :data:`LEAST_WARMUP` steps, and only where the first metric's
+condition number reaches :data:`WORTHWHILE`: on a well-conditioned posterior warm-up then goes on exactly as
+without a metric (the first stage is the whole warm-up's first part; nothing random is drawn for the metric).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ CHOICES = ("auto", "unit", "diagonal", "dense")
 STAGES = (0.15, 0.3, 0.55)  # warm-up's metric changes after these shares of num_warmup
 DENSE_LIMIT = 100
 LEAST_WARMUP = 200
+WORTHWHILE = 10.0  # "auto" keeps the unit metric where the first one's condition number is below this
 _SHRINK = 5.0  # Stan's regularisation: (n / (n + 5)) S + (5 / (n + 5)) 1e-3 (here relative to the mean variance)
 
 
@@ -172,13 +175,13 @@ class MetricSchedule:
         def negative(flat: Tensor) -> Tensor:
             return -log_posterior_fn(self.layout.unflatten(flat), batch)
 
-        return lambda flat: torch.func.hessian(negative)(flat)
+        return lambda flat: torch.func.jacrev(torch.func.grad(negative))(flat)  # reverse over reverse
 
     def due(self, step: int) -> bool:
         """Whether the running stage ends after ``step``."""
         return self.stage < len(self.ends) and step + 1 == self.ends[self.stage]
 
-    def next_map(self, like: Tensor, hessian: Callable[[Tensor], Tensor] | None = None) -> AffineMap:
+    def next_map(self, like: Tensor, hessian: Callable[[Tensor], Tensor] | None = None) -> AffineMap | None:
         """The window's metric (then the next stage runs in it); moments reset.
 
         The first dense metric, where ``hessian`` (of the negative log density, at a flat θ) is given, is the
@@ -191,6 +194,8 @@ class MetricSchedule:
         if self.stage == 0 and dense and hessian is not None:
             values, vectors = torch.linalg.eigh(hessian(mean.to(like)).double())
             values = values.abs().clamp(min=1e-8 * float(values.abs().max().clamp(min=1e-30)))
+            if self.kind == "auto" and float(values.max() / values.min()) < WORTHWHILE:
+                return self._stop()
             covariance = (vectors / values) @ vectors.T
             scale = torch.linalg.cholesky(0.5 * (covariance + covariance.T))
             self.stage += 1
@@ -210,10 +215,20 @@ class MetricSchedule:
             scale = torch.linalg.cholesky(covariance)
         else:
             scale = torch.sqrt(weight * variances.clamp(min=0) + (1 - weight) * floor)
+        if self.stage == 0 and self.kind == "auto" and not use_dense:
+            spread = scale.square()
+            if float(spread.max() / spread.min()) < WORTHWHILE:
+                return self._stop()
         self.stage += 1
         self._reset()
         self.affine = AffineMap(mean.to(like), scale.to(like))
         return self.affine
+
+    def _stop(self) -> None:
+        """No metric after all (``"auto"`` on a well-conditioned posterior): warm-up goes on as if it had none."""
+        self.ends = []
+        self._reset()
+        return None
 
     def to_theta(self, latents: Latents) -> Latents:
         """The chains' unconstrained latents from the running stage's z (as they are in the unit metric)."""
@@ -236,10 +251,18 @@ class MetricSchedule:
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps: the stage, its map and the window's moments so far (references: cheap)."""
         affine = None if self.affine is None else {"mean": self.affine.mean, "scale": self.affine.scale}
-        return {"stage": self.stage, "affine": affine, "count": self.count, "total": self.total, "outer": self.outer}
+        return {
+            "stage": self.stage,
+            "ends": list(self.ends),
+            "affine": affine,
+            "count": self.count,
+            "total": self.total,
+            "outer": self.outer,
+        }
 
     def load_state_dict(self, state: dict[str, Any], device: Any) -> None:
         """Go on in the checkpointed stage, with its window's moments."""
         self.stage, self.count, self.total, self.outer = state["stage"], state["count"], state["total"], state["outer"]
+        self.ends = list(state["ends"])
         affine = state["affine"]
         self.affine = None if affine is None else AffineMap(affine["mean"].to(device), affine["scale"].to(device))

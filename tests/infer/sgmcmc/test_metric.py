@@ -19,8 +19,6 @@ from pyro_scalable.infer.sgmcmc.metric import AffineLogPosterior, AffineMap, Lay
 
 from .test_checkpoint import Killed, assert_same_run, stop_at
 
-# torch.func.hessian scripts its decompositions on first use and torch warns that torch.jit.script is deprecated
-pytestmark = pytest.mark.filterwarnings(r"ignore:.*torch\.jit\.script. is deprecated:DeprecationWarning")
 
 
 def ill_conditioned(num_data=2000, dim=10, batch_size=100, seed=0):
