@@ -21,8 +21,8 @@ import torch
 from pyro_scalable._optional import import_optional, missing, missing_extra_message
 from pyro_scalable.infer import SGHMC, StochasticMCMC
 
-# Five of the 30 features. Radius, perimeter, area and the concavity measures are nearly collinear, and a posterior
-# along such directions is badly conditioned: plain SGHMC mixes slowly there (a job for preconditioning).
+# Five of the 30 features. They are correlated, so the posterior is badly conditioned along some directions: warm-up
+# learns its covariance and the sampler runs in the variables that whiten it (docs: "Warm-up's metric").
 FEATURES = ("mean radius", "mean texture", "mean smoothness", "mean symmetry", "mean fractal dimension")
 BATCH_SIZE = 128
 
@@ -67,7 +67,9 @@ def main(argv: list[str] | None = None) -> None:
 
     x, y, names = load_data()
     print(f"Wisconsin breast cancer: {x.shape[0]} tumours, {x.shape[1]} features, {BATCH_SIZE} per minibatch.")
-    kernel = SGHMC(model, step_size=0.05, friction=5.0, temperature=1.0)
+    # nothing to tune: warm-up chooses the step size and friction, corrects the minibatch gradient's noise and learns
+    # the posterior's covariance (StochasticMCMC's metric="auto")
+    kernel = SGHMC(model)
     mcmc = StochasticMCMC(
         kernel, num_samples=args.num_samples, num_warmup=args.num_warmup, num_chains=args.num_chains, seed=args.seed
     )

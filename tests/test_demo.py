@@ -19,7 +19,7 @@ def test_demo_runs(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "worst r_hat" in result.stdout and "elpd" in result.stdout.lower()
     assert (tmp_path / "demo_trace.png").stat().st_size > 10_000
-    # no spurious warnings (ArviZ's chain/draw guesses, deprecations): at these short lengths the run's own health
-    # warning is expected (plain SGHMC mixes slowly along the correlated features: r_hat ~1.1, ESS ~30 per chain)
+    # no spurious warnings (ArviZ's chain/draw guesses, deprecations); at these short lengths the run's own health
+    # warning may come (an ESS under 100 per chain from 200 draws), nothing else
     warned = [line for line in result.stderr.splitlines() if "Warning" in line]
     assert all("HealthWarning" in line for line in warned), warned

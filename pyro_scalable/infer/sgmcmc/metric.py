@@ -96,7 +96,7 @@ class Layout:
     def unflatten(self, flat: Tensor) -> Latents:
         out, start = {}, 0
         for name, shape in self.shapes.items():
-            out[name] = flat[..., start : start + self.sizes[name]].reshape(*flat.shape[:-1], *shape)
+            out[name] = flat[..., start : start + self.sizes[name]].reshape(tuple(flat.shape[:-1]) + tuple(shape))
             start += self.sizes[name]
         return out
 

@@ -20,7 +20,6 @@ from pyro_scalable.infer.sgmcmc.metric import AffineLogPosterior, AffineMap, Lay
 from .test_checkpoint import Killed, assert_same_run, stop_at
 
 
-
 def ill_conditioned(num_data=2000, dim=10, batch_size=100, seed=0):
     """Linear regression whose features have correlated directions of very different scales (κ ≈ 1,500)."""
     g = torch.Generator().manual_seed(seed)
@@ -132,3 +131,33 @@ def test_unit_is_no_metric_and_bad_choices_are_named():
     assert MetricSchedule.for_run("auto", SGHMC(model), 1000, {"w": torch.zeros(2, 3)}) is not None
     with pytest.raises(ValueError, match="metric must be one of"):
         StochasticMCMC(SGHMC(model), num_samples=2, num_warmup=2, metric="fisher")
+
+
+def test_scalar_and_matrix_sites_share_one_metric():
+    layout = Layout({"b": torch.zeros(4), "W": torch.zeros(4, 2, 3)}, 1)
+    latents = {"b": torch.randn(4), "W": torch.randn(4, 2, 3)}
+    flat = layout.flatten(latents, 1)
+    assert flat.shape == (4, 7)
+    back = layout.unflatten(flat)
+    assert all(torch.equal(back[k], latents[k]) for k in latents)
+    single = layout.unflatten(flat[0])  # no leading dimension: a 0-d site stays 0-d
+    assert single["b"].shape == () and single["W"].shape == (2, 3)
+
+    def model(x, y):
+        b = pyro.sample("b", dist.Normal(x.new_zeros(()), 5.0))
+        w = pyro.sample("w", dist.Normal(x.new_zeros(2), 1.0).to_event(1))
+        with pyro.plate("data", len(y), subsample_size=10) as idx:
+            pyro.sample("obs", dist.Normal(x[idx] @ w + b, 1.0), obs=y[idx])
+
+    x = torch.randn(100, 2, dtype=torch.float64)
+    mcmc = StochasticMCMC(
+        SGLD(model, control_variate=None),
+        num_samples=5,
+        num_warmup=40,
+        num_chains=2,
+        seed=0,
+        progress_bar=False,
+        metric="dense",
+    )
+    mcmc.run(x, x.sum(1) + 1.0)
+    assert mcmc.get_samples()["b"].shape == (10,)
