@@ -54,6 +54,7 @@ from torch.func import grad_and_value
 
 from pyro_scalable.bridge.minibatches import EpochSampler, chunks
 from pyro_scalable.bridge.model import Batch, Latents, ModelBridge
+from pyro_scalable.infer.distributed import all_reduce_sum
 
 __all__ = [
     "ControlVariate",
@@ -218,8 +219,6 @@ def full_data_gradient(
         for name, g in grads.items():
             total[name] = total[name] + weight * g.double()
     if reducer is not None:
-        from pyro_scalable.infer.distributed import all_reduce_sum
-
         *summed, value = all_reduce_sum([*total.values(), value])
         total = dict(zip(total, summed, strict=True))
     gradient = {name: total[name].to(x.dtype) for name, x in latents.items()}
