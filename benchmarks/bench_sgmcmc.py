@@ -1,9 +1,9 @@
-"""Benchmark of the SG-MCMC engines: cost per step, vectorised chains, and time-to-accuracy against NUTS.
+"""Benchmark of the SG-MCMC engines: cost per step and vectorised chains (time to accuracy: bench_accuracy.py).
 
-    python benchmarks/bench_sgmcmc.py            # full run (about 20 minutes on 2 quiet CPU cores)
-    python benchmarks/bench_sgmcmc.py --quick    # smoke-sized run (about 3 minutes)
+    python benchmarks/bench_sgmcmc.py            # full run (about 15 minutes on 2 quiet CPU cores)
+    python benchmarks/bench_sgmcmc.py --quick    # smoke-sized run (about 2 minutes)
 
-Prints a markdown report and writes it to ``benchmarks/results/sgmcmc.md`` (``--out`` to change). Three parts:
+Prints a markdown report and writes it to ``benchmarks/results/sgmcmc.md`` (``--out`` to change). Two parts:
 
 1. **Cost per step**, one chain: ``pyro_scalable.infer.SGHMC`` driven by ``StochasticMCMC`` (on a Pyro model), a
    hand-written ``torch.autograd`` SGHMC loop and ``posteriors.sgmcmc.sghmc`` (both on the same log density written
@@ -13,12 +13,9 @@ Prints a markdown report and writes it to ``benchmarks/results/sgmcmc.md`` (``--
    and is reported on its own. Problems: (a) logistic regression, N = 10^6, d = 100, B = 1000; (b) a Bayesian
    MLP 100 -> 300 -> 200 -> 1 (tanh, 90,701 weights), Gaussian regression, N = 10^5, B = 1000.
 2. **Vectorised chains**: 16 chains with ``chain_method="vectorized"`` (one ``torch.func.vmap``-ed step) against
-   16 chains with ``chain_method="sequential"``, on (a) and (b), in chain-steps per second.
-3. **Time to accuracy against NUTS** (``pyro.infer.NUTS``, full batch, no subsampling) on logistic regression with
-   d = 10 at N = 10^5 and N = 10^6: wall-clock time until every posterior mean is within 0.1 posterior sd of a
-   reference and every posterior sd within 10% of it. References: a long NUTS run at N = 10^5 (full run; the quick
-   run uses the Laplace approximation there), the Laplace approximation at the MAP with the exact Hessian at
-   N = 10^6 (checked against the long NUTS run at N = 10^5). Also: the time NUTS needs for 500 draws.
+   16 chains with ``chain_method="sequential"`` and against a hand-written batched loop (one vmapped density and one
+   backward for all 16 chains, in-place updates: the compute-bound floor on a CPU), on (a) and (b), in chain-steps
+   per second.
 
 Every timing is repeated (``--reps``) with the implementations interleaved. A repetition during which other
 processes used 0.3 cores or more (read from ``/proc/stat``) is set aside as long as two clean ones remain, and
@@ -44,18 +41,15 @@ import torch
 import torch.nn.functional as F
 from harness import (  # benchmarks/ is on sys.path when a script runs
     CLEAN_LIMIT,
-    ForeignLoad,
     clean_note,
     load_average,
     log,
     machine,
     median_ratio,
     time_per_step,
-    wait_for_quiet,
     warm_up_torch,
     write_report,
 )
-from pyro.infer import MCMC, NUTS
 from pyro.nn import PyroModule, PyroSample
 from torch import Tensor, nn
 
@@ -445,279 +439,6 @@ def part_chains(problems: dict[str, Problem], cfg: dict, report: list[str], summ
     report.append("")
 
 
-# ====================================================================================== part 3
-def laplace(x: Tensor, y: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """MAP (Newton's method, float64) and the exact Hessian of the negative log joint there."""
-    xd, yd = x.double(), y.double()
-    d = x.shape[1]
-    w = torch.zeros(d, dtype=torch.float64)
-    for _ in range(100):
-        p = torch.sigmoid(xd @ w)
-        grad = xd.T @ (yd - p) - w
-        hessian = (xd * (p * (1 - p))[:, None]).T @ xd + torch.eye(d, dtype=torch.float64)
-        step = torch.linalg.solve(hessian, grad)
-        w = w + step
-        if float(step.abs().max()) < 1e-12:
-            break
-    p = torch.sigmoid(xd @ w)
-    hessian = (xd * (p * (1 - p))[:, None]).T @ xd + torch.eye(d, dtype=torch.float64)
-    return w, torch.linalg.inv(hessian).diagonal().sqrt(), hessian
-
-
-def accuracy(draws: Tensor, ref_mean: Tensor, ref_sd: Tensor) -> tuple[float, float]:
-    """Worst coordinate: |mean error| in reference sds, and |sd / reference sd - 1|."""
-    draws = draws.double()
-    mean_err = float(((draws.mean(0) - ref_mean).abs() / ref_sd).max())
-    sd_err = float((draws.std(0) / ref_sd - 1).abs().max())
-    return mean_err, sd_err
-
-
-def passes(errors: tuple[float, float]) -> bool:
-    return errors[0] <= TOLERANCE_MEAN and errors[1] <= TOLERANCE_SD
-
-
-@dataclass
-class NutsRun:
-    total: float  # warmup + all draws, seconds
-    warmup: float
-    draws: Tensor  # (S, d)
-    times: list[float]  # seconds since start, after each iteration (warmup and sampling)
-    warmup_steps: int
-    step_size: float
-    foreign: float | None  # cores used by other processes meanwhile
-
-
-def run_nuts(x: Tensor, y: Tensor, warmup: int, num_draws: int, seed: int) -> NutsRun:
-    stamps: list[float] = []
-    pyro.set_rng_seed(seed)
-    kernel = NUTS(logistic_model(None))
-    mcmc = MCMC(
-        kernel,
-        num_samples=num_draws,
-        warmup_steps=warmup,
-        disable_progbar=True,
-        hook_fn=lambda kernel, samples, stage, i: stamps.append(time.perf_counter()),
-    )
-    wait_for_quiet(MAX_WAIT)
-    probe = ForeignLoad()
-    start = time.perf_counter()
-    mcmc.run(x, y)
-    total = time.perf_counter() - start
-    times = [t - start for t in stamps]
-    draws = mcmc.get_samples()["w"]
-    return NutsRun(total, times[warmup - 1], draws, times, warmup, float(kernel.step_size), probe.cores())
-
-
-def nuts_time_to_accuracy(run: NutsRun, ref_mean: Tensor, ref_sd: Tensor, every: int) -> tuple[float | None, int]:
-    for k in range(every, run.draws.shape[0] + 1, every):
-        if passes(accuracy(run.draws[:k], ref_mean, ref_sd)):
-            return run.times[run.warmup_steps + k - 1], k
-    return None, run.draws.shape[0]
-
-
-@dataclass(frozen=True)
-class TwoPhase:
-    """A larger step size for the first ``burn_in`` steps (to reach the posterior fast), then ``step_size``."""
-
-    burn_in: int
-    burn_in_step_size: float
-    step_size: float
-
-    def __call__(self, step_count: Tensor) -> Tensor:
-        return torch.where(
-            step_count < self.burn_in, torch.tensor(self.burn_in_step_size), torch.tensor(self.step_size)
-        )
-
-
-def sghmc_settings(n: int, batch_size: int, hessian: Tensor, noise_ratio: float) -> dict:
-    """Oracle-tuned SGHMC: friction and step size from the extreme eigenvalues of the posterior precision.
-
-    Friction 2·sqrt(λ_min) damps the slowest direction critically. The minibatch gradient noise (covariance
-    ≈ N·H/B) raises the temperature by about ε·N·λ/(2αB) in the direction of eigenvalue λ; the step size holds that
-    excess at ``noise_ratio`` in the stiffest direction, so sds come out at most ≈ sqrt(1 + noise_ratio) too wide.
-    One relaxation time of the slowest direction is 1/(ε·sqrt(λ_min)) steps. Burn-in: one relaxation time at a
-    10× larger step (ten of its own), then two at the final step size.
-    """
-    eig = torch.linalg.eigvalsh(hessian)
-    lam_min, lam_max = float(eig[0]), float(eig[-1])
-    friction = 2.0 * math.sqrt(lam_min)
-    step_size = noise_ratio * 2.0 * friction * batch_size / (n * lam_max)
-    relax = 1.0 / (step_size * math.sqrt(lam_min))
-    return {
-        "friction": friction,
-        "step_size": step_size,
-        "relax": relax,
-        "burn_in": int(relax),
-        "burn_in_step_size": min(10.0 * step_size, 0.5 / friction),
-        "settle": int(2 * relax),
-        "thin": max(1, int(relax / 8)),
-    }
-
-
-@dataclass
-class SghmcRun:
-    num_samples: int  # per chain
-    seconds: float  # the whole run: setup, burn-in and draws
-    errors: tuple[float, float]
-    foreign: float | None = None  # cores used by other processes meanwhile
-
-
-def sghmc_time_to_accuracy(
-    x: Tensor,
-    y: Tensor,
-    settings: dict,
-    batch_size: int,
-    chains: int,
-    ref_mean: Tensor,
-    ref_sd: Tensor,
-    first: int,
-    budget: float,
-    seed: int,
-) -> list[SghmcRun]:
-    """Fresh runs with 2× more draws each time (same seed, so each run extends the last) until one is accurate,
-    or until the next run would take the time spent past ``budget``. The time to accuracy is the wall clock of the
-    first accurate run."""
-    warmup = settings["burn_in"] + settings["settle"]
-    schedule = TwoPhase(settings["burn_in"], settings["burn_in_step_size"], settings["step_size"])
-    runs: list[SghmcRun] = []
-    num_samples = first
-    while True:
-        kernel = SGHMC(logistic_model(batch_size), step_size=schedule, friction=settings["friction"])
-        mcmc = StochasticMCMC(
-            kernel, num_samples, warmup, num_chains=chains, thin=settings["thin"], seed=seed, progress_bar=False
-        )
-        wait_for_quiet(MAX_WAIT)
-        probe = ForeignLoad()
-        start = time.perf_counter()
-        mcmc.run(x, y)
-        run = SghmcRun(num_samples, time.perf_counter() - start, (math.inf, math.inf), probe.cores())
-        run.errors = accuracy(mcmc.get_samples()["w"], ref_mean, ref_sd)
-        runs.append(run)
-        log(
-            f"    SGHMC {chains} chains × {num_samples} draws (thin {settings['thin']}, warmup {warmup}): "
-            f"{run.seconds:.1f} s, mean error {run.errors[0]:.3f} sd, sd error {run.errors[1]:.3f}; "
-            f"other processes {_cores(run.foreign)}"
-        )
-        spent = sum(r.seconds for r in runs)
-        if passes(run.errors) or spent + 2.1 * run.seconds > budget:
-            return runs
-        num_samples *= 2
-
-
-def _cores(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.2f} cores"
-
-
-def extrapolate(runs: list[SghmcRun]) -> float | None:
-    """Rough time to accuracy from the last two runs, if Monte Carlo error (∝ 1/sqrt(draws)) is all that is left.
-
-    Fixed cost (setup, burn-in) and cost per draw come from the two runs' times; the draws needed are the last
-    run's times (worst error / tolerance)². ``None`` with a single run, or when doubling the draws did not shrink
-    the worst error to below 0.85 of what it was (1/sqrt(2) ≈ 0.71 expected): then the error is a bias, or the
-    chains have not decorrelated yet, and the square-root law does not apply.
-    """
-    if len(runs) < 2:
-        return None
-    a, b = runs[-2], runs[-1]
-    worst_a = max(a.errors[0] / TOLERANCE_MEAN, a.errors[1] / TOLERANCE_SD)
-    worst = max(b.errors[0] / TOLERANCE_MEAN, b.errors[1] / TOLERANCE_SD)
-    if worst > 0.85 * worst_a:
-        return None
-    per_draw = (b.seconds - a.seconds) / (b.num_samples - a.num_samples)
-    fixed = b.seconds - b.num_samples * per_draw
-    return fixed + b.num_samples * worst**2 * per_draw
-
-
-def part_nuts(cfg: dict, report: list[str], summary: dict) -> None:
-    d, batch_size, chains = cfg["nuts_d"], cfg["nuts_batch"], cfg["nuts_chains"]
-    x_all, y_all = logistic_data(max(cfg["nuts_sizes"]), d, seed=1)
-    rows, notes = [], []
-    for n in cfg["nuts_sizes"]:
-        x, y = x_all[:n].contiguous(), y_all[:n].contiguous()
-        log(f"[3] logistic regression N={n:.0e}, d={d}")
-        lap_mean, lap_sd, hessian = laplace(x, y)
-        ref_mean, ref_sd, ref_name = lap_mean, lap_sd, "Laplace at the MAP (exact Hessian)"
-        if n in cfg["nuts_reference"]:
-            warm, draws = cfg["nuts_reference"][n]
-            ref = run_nuts(x, y, warm, draws, seed=123)
-            ref_mean, ref_sd = ref.draws.double().mean(0), ref.draws.double().std(0)
-            ref_name = f"NUTS, {draws} draws after {warm} warmup ({ref.total:.0f} s)"
-            gap = float(((lap_mean - ref_mean).abs() / ref_sd).max()), float((lap_sd / ref_sd - 1).abs().max())
-            notes.append(
-                f"At N={n:.0e} the Laplace approximation is within {gap[0]:.3f} sd (means) and {gap[1]:.1%} (sds) of "
-                f"the {draws}-draw NUTS reference (Monte Carlo error of the reference included); at N=1e6 the "
-                "posterior is closer still to Gaussian, and the Laplace approximation is the reference there."
-            )
-            log(f"    reference: {ref_name}; Laplace vs NUTS: {gap}")
-        nuts = run_nuts(x, y, cfg["nuts_warmup"], cfg["nuts_draws"], seed=0)
-        nuts_500 = nuts.times[nuts.warmup_steps + 499]  # from the start of MCMC.run to the 500th draw
-        nuts_tta, nuts_k = nuts_time_to_accuracy(nuts, ref_mean, ref_sd, every=25)
-        log(
-            f"    NUTS {cfg['nuts_warmup']} warmup + 500 draws: {nuts_500:.1f} s (warmup {nuts.warmup:.1f} s), "
-            f"step size {nuts.step_size:.3g}; time to accuracy {nuts_tta} s ({nuts_k} draws)"
-        )
-        settings = sghmc_settings(n, batch_size, hessian, cfg["noise_ratio"])
-        log(f"    SGHMC settings {settings}")
-        runs = sghmc_time_to_accuracy(
-            x, y, settings, batch_size, chains, ref_mean, ref_sd, cfg["sghmc_first"][n], cfg["sghmc_budget"][n], seed=0
-        )
-        last = runs[-1]
-        nuts_text = (
-            f"{nuts_tta:.1f} ({nuts_k} draws)" if nuts_tta is not None else f"not reached in {cfg['nuts_draws']} draws"
-        )
-        if passes(last.errors):
-            summary[f"nuts_{n}"] = (last.seconds / nuts_500, True)
-            sg_text = f"{last.seconds:.1f} ({chains} chains × {last.num_samples} draws)"
-            ratio = f"**{last.seconds / nuts_500:.2f}**"
-        else:
-            summary[f"nuts_{n}"] = (last.seconds / nuts_500, False)
-            sg_text = (
-                f"not reached: a {last.seconds:.0f} s run ({chains} chains × {last.num_samples} draws) is still off by "
-                f"{last.errors[0]:.2f} sd / {last.errors[1]:.0%}"
-            )
-            ratio = f"**> {last.seconds / nuts_500:.2f}**"
-            guess = extrapolate(runs)
-            if guess is not None:
-                sg_text += f"; ≈ {guess:.0f} s extrapolated"
-                ratio += f" (≈ {guess / nuts_500:.1f} extrapolated)"
-            elif len(runs) >= 2:
-                sg_text += "; the error no longer shrinks like 1/√draws, no extrapolation"
-        rows.append(
-            f"| {n:.0e} | {ref_name} | {nuts_500:.1f} ({nuts.warmup:.1f} warmup) | {nuts_text} | {sg_text} | {ratio} |"
-        )
-        notes.append(
-            f"N={n:.0e}: SGHMC with B={batch_size}, {chains} vectorised chains, friction {settings['friction']:.4g}, "
-            f"step size {settings['step_size']:.3g} after a burn-in of {settings['burn_in']} steps at "
-            f"{settings['burn_in_step_size']:.3g} and {settings['settle']} more, thin {settings['thin']} "
-            f"({settings['relax']:.0f} steps per relaxation time); runs: "
-            + ", ".join(
-                f"{r.num_samples} draws {r.seconds:.0f} s ({r.errors[0]:.2f} sd, {r.errors[1]:.0%}; other processes "
-                f"{_cores(r.foreign)})"
-                for r in runs
-            )
-            + f". NUTS step size after adaptation {nuts.step_size:.3g}; other processes used {_cores(nuts.foreign)} "
-            "during the NUTS run."
-        )
-    report += [
-        f"## 3. Time to accuracy against NUTS: logistic regression, d = {d}",
-        "",
-        f"Accurate = every posterior mean within {TOLERANCE_MEAN} reference sd and every sd within "
-        f"{TOLERANCE_SD:.0%} of the reference. NUTS: `pyro.infer.NUTS` (defaults, no JIT), full batch, one chain, "
-        f"{cfg['nuts_warmup']} warmup steps then {cfg['nuts_draws']} draws, accuracy checked every 25 draws, "
-        "times counted from the start of `MCMC.run` (warmup included). SGHMC: oracle-tuned from the reference's "
-        "Hessian (see notes); runs with twice as many draws each time until one is accurate; its time is that "
-        "run's wall clock (setup and burn-in included).",
-        "",
-        "| N | reference | NUTS, warmup + 500 draws (s) | NUTS time to accuracy (s) | SGHMC time to accuracy (s) "
-        "| SGHMC / NUTS-500 |",
-        "|---|---|---:|---:|---:|---:|",
-        *rows,
-        "",
-        *[f"- {note}" for note in notes],
-        "",
-    ]
-
-
 # ====================================================================================== report
 def targets(summary: dict) -> list[str]:
     lines = ["## Targets", "", "| target | measured | met? |", "|---|---|---|"]
@@ -731,30 +452,23 @@ def targets(summary: dict) -> list[str]:
         verdict = "met" if ok else f"missed ({by:.1f}× off)"
         lines.append(f"| {text} | {fmt.format(value)} | {verdict} |")
 
+    row("(a) ours ≤ 1.5× the hand-written loop", summary.get("hand_a"), 1.5, "{:.2f}×")
     row("(b) ours ≤ 1.2× the hand-written loop", summary.get("hand_b"), 1.2, "{:.2f}×")
-    row("(a) ours ≤ 2× the hand-written loop", summary.get("hand_a"), 2.0, "{:.2f}×")
     row("(a) faster than posteriors", summary.get("posteriors_a"), 1.0, "{:.2f}× posteriors' time")
     row("(b) faster than posteriors", summary.get("posteriors_b"), 1.0, "{:.2f}× posteriors' time")
-    row("(a) 16 vectorised chains ≥ 8× sequential", summary.get("chains_a"), 8.0, "{:.2f}×", higher_is_better=True)
-    row("(b) 16 vectorised chains ≥ 8× sequential", summary.get("chains_b"), 8.0, "{:.2f}×", higher_is_better=True)
     for key in ("a", "b"):
-        if f"chains_shared_{key}" in summary:
+        row(
+            f"({key}) 16 vectorised chains ≥ 0.75× the hand-written batched loop's throughput",
+            summary.get(f"chains_floor_{key}"),
+            0.75,
+            "{:.2f}×",
+            higher_is_better=True,
+        )
+        if f"chains_{key}" in summary:
             lines.append(
-                f"| ({key}) for reference: 16 vectorised chains sharing minibatches (`batches=`) against sequential "
-                f"| {summary[f'chains_shared_{key}']:.2f}× | (not the target's setting) |"
+                f"| ({key}) for reference: 16 vectorised chains against 16 sequential | "
+                f"{summary[f'chains_{key}']:.2f}× | (no target on a CPU) |"
             )
-    n5 = summary.get(f"nuts_{10**5}")
-    if n5 is not None:
-        verdict = "(no target)" if n5[1] else "(no target; not accurate within the budget)"
-        lines.append(f"| N=1e5: SGHMC time to accuracy / NUTS' warmup + 500 draws | {n5[0]:.2f} | {verdict} |")
-    n6 = summary.get(f"nuts_{10**6}")
-    text = "N=1e6: SGHMC time to accuracy ≤ 1/5 of NUTS' warmup + 500 draws"
-    if n6 is None:
-        lines.append(f"| {text} | not run (--quick runs N=1e5 only) | – |")
-    elif n6[1]:
-        row(text, n6[0], 0.2, "{:.2f} of NUTS' time")
-    else:
-        lines.append(f"| {text} | not accurate after {n6[0]:.2f} of NUTS' time | missed (> {n6[0] / 0.2:.1f}× off) |")
     return [*lines, ""]
 
 
@@ -765,16 +479,6 @@ CONFIGS = {
         "steps_1": {"a": (50, 2050), "b": (10, 310)},
         "steps_2": {"a": ((10, 310), (5, 65)), "b": ((5, 45), (5, 25))},
         "chains": 16,
-        "nuts_d": 10,
-        "nuts_sizes": [10**5, 10**6],
-        "nuts_reference": {10**5: (500, 3000)},
-        "nuts_warmup": 300,
-        "nuts_draws": 1000,
-        "nuts_batch": 10_000,
-        "nuts_chains": 16,
-        "noise_ratio": 0.05,
-        "sghmc_first": {10**5: 16, 10**6: 8},
-        "sghmc_budget": {10**5: 600.0, 10**6: 420.0},
     },
     "quick": {
         "reps": 3,
@@ -782,16 +486,6 @@ CONFIGS = {
         "steps_1": {"a": (20, 520), "b": (5, 65)},
         "steps_2": {"a": ((5, 155), (3, 43)), "b": ((3, 13), (2, 8))},
         "chains": 16,
-        "nuts_d": 10,
-        "nuts_sizes": [10**5],
-        "nuts_reference": {},
-        "nuts_warmup": 200,
-        "nuts_draws": 800,
-        "nuts_batch": 10_000,
-        "nuts_chains": 16,
-        "noise_ratio": 0.05,
-        "sghmc_first": {10**5: 16},
-        "sghmc_budget": {10**5: 45.0},
     },
 }
 
@@ -800,7 +494,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smaller run (about 2 minutes)")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
-    parser.add_argument("--parts", default="1,2,3", help="which parts to run, e.g. '1,2'")
+    parser.add_argument("--parts", default="1,2", help="which parts to run, e.g. '1'")
     parser.add_argument("--reps", type=int, default=None, help="repetitions of each timing (default 5, quick 3)")
     parser.add_argument(
         "--max-wait",
@@ -840,8 +534,6 @@ def main() -> None:
         part_cost_per_step(problems, cfg, report, summary)
     if 2 in parts:
         part_chains(problems, cfg, report, summary)
-    if 3 in parts:
-        part_nuts(cfg, report, summary)
     report += targets(summary)
     report.append(f"Total wall time {time.perf_counter() - start:.0f} s; load average at the end {load_average()}.")
     write_report("\n".join(report) + "\n", args.out)
