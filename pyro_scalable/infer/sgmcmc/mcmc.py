@@ -90,7 +90,8 @@ class StochasticMCMC(Draws):
 
     After ``run``, ``control_variate`` holds the kernel's control variate (its centre, unconstrained, and the
     full-data log joint and gradient there; ``None`` without one) and ``mode_search`` how its mode was found
-    (:mod:`pyro_scalable.infer.sgmcmc.control_variates`).
+    (:mod:`pyro_scalable.infer.sgmcmc.control_variates`); ``metric_map`` warm-up's metric θ = mean + L z (``None``
+    without one), in whose variables z the kernel's ``state`` then is.
 
     Example:
         >>> import pyro, pyro.distributions as dist, torch
@@ -187,7 +188,7 @@ class StochasticMCMC(Draws):
         self.results: RunRecord | None = None
         self.state: Any = None
         self.num_warmup_divergences = 0
-        self.control_variate = self.mode_search = None
+        self.control_variate = self.mode_search = self.metric_map = self._schedule = None
 
     # ------------------------------------------------------------------ running
     def run(self, *args: Any, batches: Iterable | None = None, **kwargs: Any) -> None:
@@ -218,7 +219,7 @@ class StochasticMCMC(Draws):
         )
         reducer = parallel if self.distributed == "data" else None
         # warm-up wraps a kernel that adapts; at its end the stepper unwraps it (the chains keep what it chose)
-        schedule = MetricSchedule.for_run(self.metric, self.kernel, self.num_warmup, latents)
+        schedule = self._schedule = MetricSchedule.for_run(self.metric, self.kernel, self.num_warmup, latents)
 
         def stage_stepper(start: Latents, method: str) -> ChainStepper:  # warm-up's stage (all of it without metric)
             program = Adaptation(self.kernel, schedule.stage_length(schedule.stage)) if schedule else self.kernel
@@ -391,6 +392,7 @@ class StochasticMCMC(Draws):
 
     def _truncate(self, kept: int, stepper: ChainStepper) -> None:
         self.state = stepper.final_state
+        self.metric_map = self._schedule.affine if self._schedule is not None else None
         if kept < self.num_samples:
             self.results.draws = {k: v[:, :kept] for k, v in self.results.draws.items()}
             self.results.stats = {k: v[:, :kept] for k, v in self.results.stats.items()}

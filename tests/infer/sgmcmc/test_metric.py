@@ -161,3 +161,4 @@ def test_scalar_and_matrix_sites_share_one_metric():
     )
     mcmc.run(x, x.sum(1) + 1.0)
     assert mcmc.get_samples()["b"].shape == (10,)
+    assert mcmc.metric_map is not None and mcmc.metric_map.scale.shape == (3, 3)  # dense over b and w
