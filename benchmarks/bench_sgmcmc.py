@@ -2,6 +2,7 @@
 
     python benchmarks/bench_sgmcmc.py            # full run (about 15 minutes on 2 quiet CPU cores)
     python benchmarks/bench_sgmcmc.py --quick    # smoke-sized run (about 2 minutes)
+    python benchmarks/bench_sgmcmc.py --device cuda --parts 2   # the chains on a GPU (posteriors not needed)
 
 Prints a markdown report and writes it to ``benchmarks/results/sgmcmc.md`` (``--out`` to change). Two parts:
 
@@ -60,6 +61,18 @@ MLP_DIMS = (100, 300, 200, 1)
 MLP_NOISE = 0.5
 TOLERANCE_MEAN = 0.1  # |mean - reference mean| / reference sd, every coordinate
 TOLERANCE_SD = 0.1  # |sd / reference sd - 1|, every coordinate
+DEVICE = torch.device("cpu")  # --device: where the data, the chains and the hand-written loops run
+
+
+def elapsed(start: float) -> float:
+    """Seconds since ``start``, after the device's queued work has finished."""
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize(DEVICE)
+    return time.perf_counter() - start
+
+
+def noise_generator(seed: int) -> torch.Generator:
+    return torch.Generator(device=DEVICE).manual_seed(seed)
 
 
 # ====================================================================================== problems
@@ -88,14 +101,14 @@ def logistic_data(n: int, d: int, seed: int) -> tuple[Tensor, Tensor]:
     x = torch.randn(n, d, generator=gen)
     true_w = torch.randn(d, generator=gen) * (1.5 / math.sqrt(d))
     y = torch.bernoulli(torch.sigmoid(x @ true_w), generator=gen)
-    return x, y
+    return x.to(DEVICE), y.to(DEVICE)
 
 
 def logistic_model(batch_size: int | None) -> Callable:
     """Bayesian logistic regression, w ~ N(0, I); ``batch_size=None`` is the full-data model NUTS runs."""
 
     def model(x: Tensor, y: Tensor) -> None:
-        w = pyro.sample("w", dist.Normal(torch.zeros(x.shape[1]), 1.0).to_event(1))
+        w = pyro.sample("w", dist.Normal(x.new_zeros(x.shape[1]), 1.0).to_event(1))
         if batch_size is None:
             with pyro.plate("data", x.shape[0]):
                 pyro.sample("obs", dist.Bernoulli(logits=x @ w), obs=y)
@@ -110,7 +123,7 @@ def make_logistic(n: int, d: int, batch_size: int, seed: int) -> Problem:
     x, y = logistic_data(n, d, seed)
 
     def loader_model(x: Tensor, y: Tensor, idx: Tensor | None = None) -> None:
-        w = pyro.sample("w", dist.Normal(torch.zeros(x.shape[1]), 1.0).to_event(1))
+        w = pyro.sample("w", dist.Normal(x.new_zeros(x.shape[1]), 1.0).to_event(1))
         with pyro.plate("data", n, subsample=idx):
             pyro.sample("obs", dist.Bernoulli(logits=x @ w), obs=y)
 
@@ -162,6 +175,7 @@ def make_mlp(n: int, batch_size: int, seed: int) -> Problem:
     scales = mlp_prior_scales()
     teacher = {k: torch.randn(shape, generator=gen) * scales[k] for k, shape in mlp_shapes().items()}
     y = mlp_forward(teacher, x) + MLP_NOISE * torch.randn(n, generator=gen)
+    x, y = x.to(DEVICE), y.to(DEVICE)
 
     def model(x: Tensor, y: Tensor) -> None:
         latents = {}
@@ -228,12 +242,12 @@ def epoch_batches(n: int, batch_size: int, gen: torch.Generator):
     while True:
         order = torch.randperm(n, generator=gen)
         for start in range(0, n - batch_size + 1, batch_size):
-            yield order[start : start + batch_size]
+            yield order[start : start + batch_size].to(DEVICE)
 
 
 def uniform_init(problem: Problem, gen: torch.Generator) -> dict[str, Tensor]:
     """Pyro's ``init_to_uniform`` in unconstrained space (every latent here is real): U(-2, 2)."""
-    return {name: torch.rand(shape, generator=gen) * 4.0 - 2.0 for name, shape in problem.shapes.items()}
+    return {name: (torch.rand(shape, generator=gen) * 4.0 - 2.0).to(DEVICE) for name, shape in problem.shapes.items()}
 
 
 class EpochLoader:
@@ -255,14 +269,13 @@ def run_ours(problem: Problem, num_steps: int, seed: int, shared: bool = False, 
     mcmc = StochasticMCMC(kernel, num_samples=1, num_warmup=num_steps - 1, seed=seed, progress_bar=False, **options)
     start = time.perf_counter()
     mcmc.run(problem.x, problem.y, batches=EpochLoader(problem, seed) if shared else None)
-    elapsed = time.perf_counter() - start
-    return elapsed, float(mcmc.sample_stats["lp"].float().mean())
+    return elapsed(start), float(mcmc.sample_stats["lp"].float().mean())
 
 
 def run_hand_written(problem: Problem, num_steps: int, seed: int) -> tuple[float, float]:
     """The loop a torch user writes: autograd, in-place updates, nothing else."""
     start = time.perf_counter()
-    gen = torch.Generator().manual_seed(seed)
+    gen, noise_gen = torch.Generator().manual_seed(seed), noise_generator(seed)
     latents = {name: value.requires_grad_() for name, value in uniform_init(problem, gen).items()}
     momenta = {name: torch.zeros_like(value) for name, value in latents.items()}
     eps, alpha = problem.step_size, problem.friction
@@ -275,17 +288,17 @@ def run_hand_written(problem: Problem, num_steps: int, seed: int) -> tuple[float
         grads = torch.autograd.grad(log_post, tuple(latents.values()))
         with torch.no_grad():
             for (name, value), grad in zip(latents.items(), grads):
-                noise = torch.randn(value.shape, generator=gen)
+                noise = torch.randn(value.shape, generator=noise_gen, device=DEVICE)
                 momenta[name].mul_(decay).add_(grad, alpha=eps).add_(noise, alpha=noise_scale)
                 value.add_(momenta[name], alpha=eps)
-    return time.perf_counter() - start, float(log_post.detach())
+    return elapsed(start), float(log_post.detach())
 
 
 def run_hand_batched(problem: Problem, num_steps: int, seed: int, chains: int) -> tuple[float, float]:
     """The compute-bound floor for many chains on a CPU: one batched (``torch.func.vmap``) log density, one backward
     for all chains, in-place updates; each chain its own epoch of minibatches, as ours."""
     start = time.perf_counter()
-    gen = torch.Generator().manual_seed(seed)
+    gen, noise_gen = torch.Generator().manual_seed(seed), noise_generator(seed)
     inits = [uniform_init(problem, gen) for _ in range(chains)]
     latents = {name: torch.stack([i[name] for i in inits]).requires_grad_() for name in problem.shapes}
     momenta = {name: torch.zeros_like(value) for name, value in latents.items()}
@@ -300,10 +313,10 @@ def run_hand_batched(problem: Problem, num_steps: int, seed: int, chains: int) -
         grads = torch.autograd.grad(log_post.sum(), tuple(latents.values()))
         with torch.no_grad():
             for (name, value), grad in zip(latents.items(), grads):
-                noise = torch.randn(value.shape, generator=gen)
+                noise = torch.randn(value.shape, generator=noise_gen, device=DEVICE)
                 momenta[name].mul_(decay).add_(grad, alpha=eps).add_(noise, alpha=noise_scale)
                 value.add_(momenta[name], alpha=eps)
-    return time.perf_counter() - start, float(log_post.detach().mean())
+    return elapsed(start), float(log_post.detach().mean())
 
 
 def run_posteriors(problem: Problem, num_steps: int, seed: int, inplace: bool = True) -> tuple[float, float]:
@@ -503,7 +516,10 @@ def main() -> None:
         help="before each repetition, wait up to this many seconds for other processes to go quiet (default 0)",
     )
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"markdown output (default {RESULTS})")
+    parser.add_argument("--device", default="cpu", help="where data, chains and loops run, e.g. 'cuda' (default cpu)")
     args = parser.parse_args()
+    global DEVICE
+    DEVICE = torch.device(args.device)
 
     torch.set_num_threads(args.threads)
     global MAX_WAIT
@@ -513,9 +529,13 @@ def main() -> None:
     if args.reps:
         cfg["reps"] = cfg["reps2"] = args.reps
     parts = {int(p) for p in args.parts.split(",")}
-    import posteriors  # (import cost outside the timings)
+    peers = ""
+    if 1 in parts:  # part 2 has no peer
+        import posteriors  # (import cost outside the timings)
 
-    peers = f"posteriors {getattr(posteriors, '__version__', '0.1.3')}"
+        peers = f"posteriors {getattr(posteriors, '__version__', '0.1.3')}"
+    if DEVICE.type == "cuda":
+        peers = ", ".join(filter(None, [peers, f"device {torch.cuda.get_device_name(DEVICE)}"]))
     command = " ".join(["python benchmarks/bench_sgmcmc.py", *sys.argv[1:]])
     report = [
         f"# SG-MCMC benchmark ({'quick' if args.quick else 'full'} run)",
