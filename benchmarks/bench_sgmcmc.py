@@ -262,13 +262,13 @@ class EpochLoader:
             yield self.problem.x[idx], self.problem.y[idx], idx
 
 
-def run_ours(problem: Problem, num_steps: int, seed: int, shared: bool = False, **options) -> tuple[float, float]:
-    """Our SGHMC; ``shared=True`` feeds one minibatch per step to every chain through ``run(..., batches=)``."""
-    model = options.pop("model", problem.loader_model if shared else problem.model)
+def run_ours(problem: Problem, num_steps: int, seed: int, loader: bool = False, **options) -> tuple[float, float]:
+    """Our SGHMC; ``loader=True`` feeds one minibatch per step to every chain through ``run(..., batches=)``."""
+    model = options.pop("model", problem.loader_model if loader else problem.model)
     kernel = SGHMC(model, step_size=problem.step_size, friction=problem.friction)
     mcmc = StochasticMCMC(kernel, num_samples=1, num_warmup=num_steps - 1, seed=seed, progress_bar=False, **options)
     start = time.perf_counter()
-    mcmc.run(problem.x, problem.y, batches=EpochLoader(problem, seed) if shared else None)
+    mcmc.run(problem.x, problem.y, batches=EpochLoader(problem, seed) if loader else None)
     return elapsed(start), float(mcmc.sample_stats["lp"].float().mean())
 
 
@@ -400,8 +400,7 @@ def part_chains(problems: dict[str, Problem], cfg: dict, report: list[str], summ
         "Throughput in chain-steps per second (median of clean repetitions); ratios are medians of per-repetition "
         'ratios (the methods interleaved). The "1 chain" column is part 1\'s time for ours. By default each chain '
         "draws its own minibatches (the plate's `subsample_size`); the last two columns feed one shared minibatch "
-        "per step to all chains instead, through `run(..., batches=loader)` and a plate with `subsample=idx` (the "
-        "documented DataLoader path).",
+        "per step to all chains instead (`StochasticMCMC(..., shared_minibatches=True)`).",
         "",
         f"| problem | 1 chain | {chains} sequential | {chains} vectorised "
         "| **vectorised / sequential** | vectorised / 1 chain | one-off setup, vectorised (s) "
@@ -416,7 +415,7 @@ def part_chains(problems: dict[str, Problem], cfg: dict, report: list[str], summ
             {
                 "vectorised": (lambda k, s, p=problem: run_ours(p, k, s, num_chains=chains), short_v, long_v),
                 "vectorised, shared": (
-                    lambda k, s, p=problem: run_ours(p, k, s, shared=True, num_chains=chains),
+                    lambda k, s, p=problem: run_ours(p, k, s, shared_minibatches=True, num_chains=chains),
                     short_v,
                     long_v,
                 ),

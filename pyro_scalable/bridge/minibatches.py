@@ -10,6 +10,11 @@ of every other minibatch. The gradient noise is then independent from step to st
 :math:`\mathrm{Cov}_i(g_i)/B`, which is what a noise correction can subtract; an epoch's minibatches are
 negatively correlated (at a fixed point their gradients sum to the full-data gradient), so a slowly moving
 chain sees less noise than one minibatch's spread suggests, and a correction computed from it over-corrects.
+
+With ``shared=True`` every chain gets the same minibatch each step (a ``(B,)`` index tensor instead of ``(C, B)``):
+the vectorised step then gathers the rows once and multiplies them with every chain's parameters in one batched
+product, instead of gathering ``C × B`` rows. Each chain is still a valid sampler; their gradient noise is the
+same draw, so the chains are not independent given the data, which between-chain diagnostics assume.
 """
 
 from __future__ import annotations
@@ -25,7 +30,10 @@ __all__ = ["EpochSampler", "chunks"]
 
 
 class EpochSampler:
-    """Per-chain shuffled minibatch indices for each subsampled plate: ``next(sampler) -> {plate: (C, B)}``."""
+    """Per-chain shuffled minibatch indices for each subsampled plate: ``next(sampler) -> {plate: (C, B)}``.
+
+    ``shared=True``: one stream for all chains, ``next(sampler) -> {plate: (B,)}``.
+    """
 
     def __init__(
         self,
@@ -35,10 +43,12 @@ class EpochSampler:
         device: torch.device,
         *,
         replacement: bool = False,
+        shared: bool = False,
     ):
         self.plates = plates
         self.replacement = replacement
-        self.num_chains = num_chains
+        self.shared = shared
+        self.num_chains = 1 if shared else num_chains
         self.generator = generator
         self.device = device
         self._orders: dict[str, Tensor] = {}
@@ -70,7 +80,7 @@ class EpochSampler:
                 start = 0
             batch[plate.name] = self._orders[plate.name][:, start : start + plate.subsample_size]
             self._position[plate.name] = start + plate.subsample_size
-        return batch
+        return {name: idx[0] for name, idx in batch.items()} if self.shared else batch
 
     def larger(self, size: int) -> dict[str, Tensor]:
         """``{plate: (1, m)}``: about ``size`` indices evenly spread over each plate (at least its minibatch).

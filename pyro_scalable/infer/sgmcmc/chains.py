@@ -52,7 +52,7 @@ class ChainStepper:
         self.mode = "vectorized" if method == "vectorized" and self.num_chains > 1 else "sequential"
         self.state: Any = None
         self._chains: list = []
-        self._vsteps: dict[Phase, Any] = {}
+        self._vsteps: dict[tuple, Any] = {}  # by phase and the indices' vmap dims
         if self.mode == "vectorized":
             self.state = vmap(program.init)(latents)
         else:
@@ -73,14 +73,16 @@ class ChainStepper:
     def _one(self, state: Any, indices: dict, args: tuple, kwargs: dict, phase: Phase):
         return self.program.step(state, Batch(indices, args, kwargs), self.log_posterior_fn, self.generator, phase)
 
-    def _vstep(self, phase: Phase):
-        if phase not in self._vsteps:
+    def _vstep(self, phase: Phase, indices: dict):
+        dims = index_dims(indices)
+        key = (phase, tuple(dims.items()))
+        if key not in self._vsteps:
 
             def one(state, indices, args, kwargs):
                 return self._one(state, indices, args, kwargs, phase)
 
-            self._vsteps[phase] = vmap(one, in_dims=(0, 0, None, None), randomness="different")
-        return self._vsteps[phase]
+            self._vsteps[key] = vmap(one, in_dims=(0, dims, None, None), randomness="different")
+        return self._vsteps[key]
 
     def step(self, batch: Batch, step_index: int):
         """Step every chain on ``batch``, the run's step ``step_index``; returns the stacked Info."""
@@ -89,7 +91,9 @@ class ChainStepper:
             return self._reduced_step(batch, phase)
         if self.mode == "vectorized":
             try:
-                self.state, info = self._vstep(phase)(self.state, batch.indices, batch.args, batch.kwargs)
+                self.state, info = self._vstep(phase, batch.indices)(
+                    self.state, batch.indices, batch.args, batch.kwargs
+                )
                 return info
             except (RuntimeError, NotImplementedError, ModelError) as error:
                 self._chains = [tree_map(lambda x, c=c: x[c], self.state) for c in range(self.num_chains)]
@@ -106,7 +110,7 @@ class ChainStepper:
     def _sequential(self, batch: Batch, phase: Phase):
         infos = []
         for c, chain_state in enumerate(self._chains):
-            indices = {k: v[c] for k, v in batch.indices.items()}
+            indices = chain_indices(batch.indices, c)
             self._chains[c], info = self._one(chain_state, indices, batch.args, batch.kwargs, phase)
             infos.append(info)
         return _stack(infos)
@@ -143,9 +147,8 @@ class ChainStepper:
 
         if self.mode == "vectorized":
             try:
-                return vmap(one, in_dims=(0, 0, None, None, None if direction is None else 0))(
-                    self.state, batch.indices, batch.args, batch.kwargs, direction
-                )
+                in_dims = (0, index_dims(batch.indices), None, None, None if direction is None else 0)
+                return vmap(one, in_dims=in_dims)(self.state, batch.indices, batch.args, batch.kwargs, direction)
             except (RuntimeError, NotImplementedError, ModelError) as error:
                 self._chains = [tree_map(lambda x, c=c: x[c], self.state) for c in range(self.num_chains)]
                 self.mode = "sequential"
@@ -162,7 +165,7 @@ class ChainStepper:
                 return estimate
         estimates = []
         for c, chain_state in enumerate(self._chains):
-            indices = {k: v[c] for k, v in batch.indices.items()}
+            indices = chain_indices(batch.indices, c)
             chain_direction = None if direction is None else {k: v[c] for k, v in direction.items()}
             estimates.append(one(chain_state, indices, batch.args, batch.kwargs, chain_direction))
         return _stack(estimates)
@@ -186,6 +189,16 @@ class ChainStepper:
             self.state = state
         else:
             self._chains = state
+
+
+def index_dims(indices: dict) -> dict:
+    """The ``in_dims`` for a step's indices: 0 for per-chain ``(C, B)``, None for a shared ``(B,)``."""
+    return {name: 0 if idx.dim() == 2 else None for name, idx in indices.items()}
+
+
+def chain_indices(indices: dict, chain: int) -> dict:
+    """Chain ``chain``'s minibatch indices (a shared minibatch is every chain's)."""
+    return {name: idx[chain] if idx.dim() == 2 else idx for name, idx in indices.items()}
 
 
 def _checked_latents(state: Any) -> Latents:

@@ -109,6 +109,8 @@ def run_fingerprint(run: Any, batches: Any = None) -> dict[str, str]:
         "device": bridge.device.type,
         "batches": None if batches is None else type(batches).__name__,
     }
+    if getattr(run, "shared_minibatches", False):  # only where on: checkpoints written before it stay valid
+        fields["shared_minibatches"] = True
     control = getattr(run.kernel, "control_variate", None)
     return {
         **{name: stable_repr(value) for name, value in fields.items()},

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-__all__ = ["cycle", "refuse_pyro_spellings"]
+__all__ = ["check_choices", "cycle", "refuse_pyro_spellings"]
 
 # pyro.infer.MCMC's (and NumPyro's) arguments: what to pass instead, or why there is no such thing here
 _PYRO_SPELLINGS = {
@@ -34,6 +34,28 @@ def refuse_pyro_spellings(unknown: dict[str, Any]) -> None:
             raise TypeError(f"StochasticMCMC has no argument {name}= (pyro.infer.MCMC's): {_PYRO_SPELLINGS[name]}.")
     if unknown:
         raise TypeError(f"StochasticMCMC got an unexpected keyword argument {next(iter(unknown))!r}.")
+
+
+def check_choices(kernel: Any, chain_method: str, on_divergence: str, minibatches: str | None) -> str:
+    """Check the driver's string choices; return the minibatch scheme.
+
+    ``minibatches=None`` is ``"independent"`` for a kernel that corrects its gradient noise, else ``"epoch"``.
+    """
+    if chain_method == "parallel":
+        raise ValueError(
+            "chain_method='parallel' (NumPyro's: one process per chain) is not supported: chains run together in "
+            "one process with 'vectorized'; use distributed='chains' to spread them over torchrun processes."
+        )
+    if chain_method not in ("vectorized", "sequential"):
+        raise ValueError(f"chain_method must be 'vectorized' or 'sequential', got {chain_method!r}.")
+    if on_divergence not in ("continue", "stop"):
+        raise ValueError(f"on_divergence must be 'continue' or 'stop', got {on_divergence!r}.")
+    if minibatches not in ("epoch", "independent", None):
+        raise ValueError(f"minibatches must be 'epoch', 'independent' or None, got {minibatches!r}.")
+    if minibatches is None:
+        noisy = getattr(kernel, "gradient_noise", "ignore") != "ignore"
+        minibatches = "independent" if noisy else "epoch"
+    return minibatches
 
 
 def cycle(batches: Iterable) -> Iterator[tuple[tuple, dict]]:
