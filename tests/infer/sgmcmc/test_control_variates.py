@@ -298,3 +298,20 @@ def test_auto_is_on_where_the_noise_bound_sets_the_step():
     assert choose(None, SGHMC(problem.model), bridge) is None
     wide = LinearRegression(num_data=1000, dim=2, batch_size=100)  # N/B = 10
     assert choose("auto", SGHMC(wide.model), ModelBridge(wide.model, (wide.x, wide.y))) is None
+
+
+def test_auto_is_off_for_group_level_latents():
+    """A hierarchy's joint mode is atypical (choose's docstring): 'auto' leaves the control variate off there."""
+
+    def hierarchical(x, group, y):
+        tau = pyro.sample("tau", dist.HalfNormal(x.new_ones(())))
+        with pyro.plate("groups", 5):
+            z = pyro.sample("z", dist.Normal(x.new_zeros(()), 1.0))
+        with pyro.plate("data", len(y), subsample_size=10) as idx:
+            pyro.sample("obs", dist.Normal(tau * z[group[idx]] + x[idx], 1.0), obs=y[idx])
+
+    x = torch.randn(1000)
+    group = torch.arange(1000) % 5
+    bridge = ModelBridge(hierarchical, (x, group, x.clone()))
+    assert choose("auto", SGHMC(hierarchical), bridge) is None
+    assert choose("map", SGHMC(hierarchical), bridge) == "map"  # asked for: kept
