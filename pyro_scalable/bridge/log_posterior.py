@@ -1,9 +1,23 @@
-"""A bridge's log posterior as an engine's ``log_posterior_fn``, able to split a minibatch into single examples."""
+r"""A bridge's log posterior as an engine's ``log_posterior_fn``, able to split a minibatch into groups of examples.
+
+The gradient-noise estimate needs the spread of the minibatch gradient. With :math:`B` examples split into
+:math:`G` groups of :math:`m = B/G` (consecutive positions of a minibatch drawn in random order, so a random
+partition), each group's estimate :math:`\log p(\theta) + \frac{N}{m}\sum_{i\in g}\log p(y_i\mid\theta)` has
+gradient :math:`h_g`, the mean of its :math:`g_i`. Over random partitions
+:math:`\mathbb{E}[\sum_g (h_g - \bar h)^2] = (G - 1)\,s^2/m` (:math:`s^2` the sample variance of the
+:math:`B` per-example gradients), so :math:`m\,\mathrm{var}_G(h_g)` estimates :math:`s^2` without bias from
+:math:`G` gradients instead of :math:`B`. Per example (:math:`m = 1`) costs :math:`B` gradients of one example
+each: on a 90,701-weight MLP at :math:`B = 1000`, 720 ms per step against 7 ms for the minibatch gradient; 25
+groups of 40 cost 17 ms (2 threads). The fewer degrees of freedom (:math:`G - 1` instead of :math:`B - 1`) are
+averaged away by the engines' moving average of the noise over about 50 steps. A minibatch of at most
+:data:`MAX_GROUPS` examples, or one whose size has no divisor between :data:`MIN_GROUPS` and :data:`MAX_GROUPS`,
+is split into single examples.
+"""
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from torch import Tensor
 
@@ -13,7 +27,35 @@ from pyro_scalable.bridge.records import Batch, Latents
 if TYPE_CHECKING:
     from pyro_scalable.bridge.model import ModelBridge
 
-__all__ = ["LogPosterior"]
+__all__ = ["MAX_GROUPS", "MIN_GROUPS", "Examples", "LogPosterior", "group_size"]
+
+MAX_GROUPS = 32  # groups per minibatch for the noise estimate (at most 31 degrees of freedom per step)
+MIN_GROUPS = 16  # fewer than this and the split is per example
+
+
+class Examples(NamedTuple):
+    """A minibatch split for ``torch.func.vmap``, each part an estimate of the log joint on its own.
+
+    ``batches`` stacked along ``in_dims``, each of ``group_size`` examples drawn from ``population_size`` data
+    points (``inf`` for draws with replacement).
+    """
+
+    batches: Batch
+    in_dims: Batch
+    population_size: float
+    group_size: int = 1
+
+
+def group_size(batch_size: int) -> int:
+    """Examples per group of a minibatch of ``batch_size`` (module docstring).
+
+    1, or ``batch_size / G`` with ``G`` the largest divisor of ``batch_size`` not above :data:`MAX_GROUPS`, when
+    that is at least :data:`MIN_GROUPS`.
+    """
+    if batch_size <= MAX_GROUPS:
+        return 1
+    groups = next(g for g in range(MAX_GROUPS, 0, -1) if batch_size % g == 0)
+    return batch_size // groups if groups >= MIN_GROUPS else 1
 
 
 class LogPosterior:
@@ -31,8 +73,8 @@ class LogPosterior:
     def __call__(self, latents: Latents, batch: Batch) -> Tensor:
         return self.bridge.log_posterior(latents, batch)
 
-    def examples(self, batch: Batch) -> tuple[Batch, Batch, float] | None:
-        """``(examples, in_dims, N)``: one batch per example of the subsampled plate, for ``torch.func.vmap``.
+    def examples(self, batch: Batch) -> Examples | None:
+        """The subsampled plate's minibatch split into groups of :func:`group_size` examples, for ``torch.func.vmap``.
 
         ``None`` where no plate is subsampled (the gradient has no noise); N is ``inf`` for minibatches drawn
         with replacement (no finite-population correction).
@@ -66,6 +108,9 @@ class LogPosterior:
                 f"plate '{plate.name}' has a minibatch of {indices.shape[-1]} point; estimating the gradient noise "
                 "needs subsample_size >= 2."
             )
-        split = {**batch.indices, plate.name: indices.unsqueeze(-1)}
+        size = indices.shape[-1]
+        group = group_size(size)
+        split = {**batch.indices, plate.name: indices.reshape(*indices.shape[:-1], size // group, group)}
         in_dims = Batch({name: 0 if name == plate.name else None for name in split}, None, None)
-        return Batch(split, batch.args, batch.kwargs), in_dims, math.inf if self.replacement else plate.size
+        population = math.inf if self.replacement else plate.size
+        return Examples(Batch(split, batch.args, batch.kwargs), in_dims, population, group)

@@ -32,6 +32,7 @@ from torch.distributions import biject_to
 from torch.distributions.transforms import ComposeTransform, IndependentTransform, Transform
 
 from pyro_scalable.bridge.checks import ModelError, check_inputs, named_tensors
+from pyro_scalable.bridge.densities import summed_log_prob
 from pyro_scalable.bridge.log_posterior import LogPosterior
 from pyro_scalable.bridge.observed import check_observed_values
 from pyro_scalable.bridge.plates import FullDataModel, plate_indices
@@ -84,10 +85,13 @@ class _Evaluate(Messenger):
     def _pyro_post_sample(self, msg) -> None:
         if site_is_subsample(msg) or msg["infer"].get("_deterministic"):
             return
-        log_prob = msg["fn"].log_prob(msg["value"], *msg["args"], **msg["kwargs"])
-        self.log_joint = self.log_joint + scale_and_mask(log_prob, msg["scale"], msg["mask"]).sum()
+        fn, value, args, kwargs = msg["fn"], msg["value"], msg["args"], msg["kwargs"]
         if self.pointwise and msg["is_observed"]:
+            log_prob = fn.log_prob(value, *args, **kwargs)
             self.log_likelihood[msg["name"]] = log_prob
+            self.log_joint = self.log_joint + scale_and_mask(log_prob, msg["scale"], msg["mask"]).sum()
+        else:
+            self.log_joint = self.log_joint + summed_log_prob(fn, value, msg["scale"], msg["mask"], args, kwargs)
 
 
 def _bounds(support) -> list[Tensor]:

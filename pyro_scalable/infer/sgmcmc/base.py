@@ -21,7 +21,10 @@ points drawn without replacement, the minibatch gradient is the mean of the per-
 :math:`V = (1 - B/N)\,\mathrm{Cov}_i(g_i) / B`. :func:`estimate_gradient` with ``noise=True`` evaluates the
 :math:`g_i` with one ``torch.func.vmap`` over single-example batches and returns the diagonal of the unbiased
 estimate :math:`\hat V = (1 - B/N)\, s^2 / B` (sample variance :math:`s^2` over the minibatch) next to their
-mean, which is the usual minibatch gradient. An engine that corrects for (or reports) the noise keeps a moving
+mean, which is the usual minibatch gradient. A log posterior may split a large minibatch into :math:`G` groups of
+:math:`m` examples instead (the bridge does above 32 examples): the groups' mean gradients :math:`h_g` give
+:math:`s^2 \approx m\,\mathrm{var}_G(h_g)`, unbiased over random partitions, at the cost of one batched
+gradient (:mod:`pyro_scalable.bridge.log_posterior`). An engine that corrects for (or reports) the noise keeps a moving
 average of :math:`\hat V` over about 50 steps in its State (:func:`average_noise`): steadier than one
 minibatch's estimate, whose clipping at 0 would bias the correction.
 """
@@ -69,10 +72,11 @@ NOISE_WINDOW = 50  # steps: the moving average of the gradient noise forgets old
 class LogPosteriorFn(Protocol):
     """``log_posterior_fn(latents, batch)``: an unbiased minibatch estimate of the full-data log joint.
 
-    For per-example gradients it may also offer ``examples(batch) -> (examples, in_dims, population_size)``: the
-    minibatch split into single-example batches along a leading dimension (``in_dims`` as for ``torch.func.vmap``),
-    each an estimate of the log joint on its own, and the number of data points N they are drawn from (``inf``
-    for draws with replacement); or ``None`` where the batch is the full data and the gradient exact.
+    For per-example gradients it may also offer ``examples(batch) -> (examples, in_dims, population_size[,
+    group_size])``: the minibatch split into batches of ``group_size`` examples (default 1) along a leading
+    dimension (``in_dims`` as for ``torch.func.vmap``), each an estimate of the log joint on its own, and the
+    number of data points N they are drawn from (``inf`` for draws with replacement); or ``None`` where the batch
+    is the full data and the gradient exact.
     """
 
     def __call__(self, latents: Latents, batch: Any) -> Tensor: ...
@@ -169,18 +173,28 @@ def estimate_gradient(
         zero = torch.zeros((), dtype=value.dtype, device=value.device)
         variance = {name: torch.zeros_like(g) for name, g in grads.items()}
         return GradientEstimate(grads, value, grad_norm, diverging, variance, zero, {})
-    examples, in_dims, population_size = parts
+    examples, in_dims, population_size, *group = parts
+    group = group[0] if group else 1
     per_grads, per_values = vmap(grad_and_value(log_posterior_fn), in_dims=(None, in_dims))(latents, examples)
-    size = per_values.shape[0]
+    size = per_values.shape[0] * group
     grads = {name: g.mean(0) for name, g in per_grads.items()}
     value = per_values.mean()
-    shrink = (1.0 - size / population_size) / size
-    variance = {name: g.var(0, correction=1) * shrink for name, g in per_grads.items()}
+    shrink = group * (1.0 - size / population_size) / size  # m var_G(h_g) estimates s^2 (bridge.log_posterior)
+    variance = {name: _spread(g, grads[name]) * shrink for name, g in per_grads.items()}
     grad_sq = sum(g.square().sum() for g in grads.values())
     finite_noise = torch.stack([torch.isfinite(v).all() for v in variance.values()]).all()
     diverging = ~(torch.isfinite(value) & torch.isfinite(grad_sq) & finite_noise)
     count = torch.full((), float(size), dtype=value.dtype, device=value.device)
     return GradientEstimate(grads, value, grad_sq.sqrt(), diverging, variance, count, {})
+
+
+def _spread(per_grads: Tensor, mean: Tensor) -> Tensor:
+    """``per_grads.var(0, correction=1)`` as a centred sum of squares.
+
+    torch's ``var`` over a leading dimension is an order of magnitude slower (6.7 ms against 0.4 ms, 50 x 30,000).
+    """
+    centred = per_grads - mean
+    return centred.mul_(centred).sum(0) / (per_grads.shape[0] - 1)
 
 
 def _under_transform(x: Tensor) -> bool:

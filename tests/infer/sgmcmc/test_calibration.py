@@ -148,3 +148,49 @@ def test_minibatch_of_10_in_1000_uncorrected_is_too_wide(cls):
     uncorrected, error, _ = sd_ratio(cls(problem.model, gradient_noise="estimate"), problem, *SIZES)
     assert bool((uncorrected - 1 > 4 * error).all()), f"uncorrected sd / exact sd = {uncorrected} ± {error}"
     print(f"uncorrected {uncorrected.tolist()}, MCSE {error.tolist()}")
+
+
+def test_group_size_rule():
+    from pyro_scalable.bridge.log_posterior import group_size
+
+    assert [group_size(b) for b in (2, 10, 32)] == [1, 1, 1]  # small minibatches: per example
+    assert [group_size(b) for b in (50, 100, 128, 1000, 1024, 4096)] == [2, 4, 4, 40, 32, 128]
+    assert [group_size(b) for b in (97, 134)] == [1, 1]  # no divisor in [16, 32]: per example
+
+
+def test_grouped_noise_estimate_is_unbiased_over_partitions(monkeypatch):
+    """Exact: averaged over all 720 orders of a minibatch of 6 (3 groups of 2), the grouped estimate is the
+    per-example one, and every order's gradient is the minibatch gradient."""
+    import itertools
+
+    from pyro_scalable.bridge import log_posterior
+
+    problem = LinearRegression(num_data=50, dim=3, batch_size=6)
+    bridge = ModelBridge(problem.model, (problem.x, problem.y))
+    fn = bridge.log_posterior_fn
+    w = torch.tensor([0.3, -0.2, 0.1], dtype=torch.float64)
+    idx = torch.tensor([0, 3, 7, 11, 20, 41])
+    per_example = -w + 50 * problem.x[idx] * (problem.y[idx] - problem.x[idx] @ w)[:, None]
+    expected = per_example.var(0) * (1 - 6 / 50) / 6
+    monkeypatch.setattr(log_posterior, "MAX_GROUPS", 3)
+    monkeypatch.setattr(log_posterior, "MIN_GROUPS", 2)
+    assert fn.examples(Batch({"data": idx}, bridge.args, bridge.kwargs)).group_size == 2
+    total = torch.zeros(3, dtype=torch.float64)
+    orders = list(itertools.permutations(range(6)))
+    for order in orders:
+        batch = Batch({"data": idx[list(order)]}, bridge.args, bridge.kwargs)
+        estimate = estimate_gradient(fn, {"w": w}, batch, noise=True)
+        torch.testing.assert_close(estimate.grads["w"], per_example.mean(0), rtol=1e-12, atol=1e-9)
+        total += estimate.noise_variance["w"]
+    torch.testing.assert_close(total / len(orders), expected, rtol=1e-10, atol=0.0)
+
+
+@pytest.mark.filterwarnings("ignore:in .* of the coordinates")
+@pytest.mark.parametrize("cls", [SGLD, SGHMC], ids=["sgld", "sghmc"])
+def test_minibatch_of_200_grouped_noise_estimate_is_calibrated(cls):
+    """At B = 200 the noise comes from 25 groups of 8 examples, not 200 single examples: still calibrated."""
+    problem = LinearRegression(num_data=4000, dim=2, batch_size=200)
+    corrected, error, mcmc = sd_ratio(cls(problem.model, control_variate=None), problem, *SIZES)
+    assert bool((4 * error < 0.08).all()), f"too few effective draws to resolve 10%: MCSE {error}"
+    assert bool(((corrected - 1).abs() < 4 * error + 0.03).all()), corrected
+    print(f"corrected {corrected.tolist()}, MCSE {error.tolist()}")
