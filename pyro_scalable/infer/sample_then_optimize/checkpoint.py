@@ -41,6 +41,7 @@ _SETTINGS = (
     "map_steps",
     "chunk_size",
     "seed",
+    "preconditioner",
 )
 
 

@@ -55,8 +55,11 @@ class Problem:
             torch.zeros(self.num_groups, dtype=theta.dtype, device=theta.device).index_add(0, self.groups, precision)
             / counts
         )
+        # diag(M), exact: the g-prior's scales and the solver's diagonal preconditioner (core)
+        need_diagonal = engine.g_prior or engine.preconditioner == "diagonal"
+        self.data_diagonal = _ggn_diagonal(net, theta) if need_diagonal else None
         if engine.g_prior:
-            diagonal = _ggn_diagonal(net, theta)
+            diagonal = self.data_diagonal
             mean = torch.zeros_like(self.alpha).index_add(0, self.groups, diagonal) / counts
             self.scale = (diagonal / mean[self.groups]).clamp_min(1e-6)
         else:
@@ -83,6 +86,12 @@ class Problem:
     @property
     def precision(self) -> Tensor:
         return self.alpha[self.groups] * self.scale
+
+    def inverse_preconditioner(self) -> Tensor | None:
+        """``P⁻¹ = 1 / (diag(M) + A)`` at the current prior (``None`` without preconditioning)."""
+        if self.data_diagonal is None or self.engine.preconditioner is None:
+            return None
+        return 1.0 / (self.data_diagonal + self.precision)
 
     def _prior_noise(self) -> Tensor:
         generator = torch.Generator(device=self.theta.device)
@@ -163,11 +172,14 @@ class Problem:
             1, self.theta.numel(), generator=generator, dtype=self.theta.dtype, device=self.theta.device
         )
         precision, largest = self.precision, 0.0
+        inverse = self.inverse_preconditioner()
+        root = torch.ones_like(precision) if inverse is None else inverse.sqrt()  # P^{-1/2} H_B P^{-1/2}
         for _ in range(4):
             batch = next(batches)
             for _ in range(8):
                 vector = vector / vector.norm()
-                product = self.data_scale * self.ggn_vp(vector, batch).detach() + precision * vector
+                scaled = root * vector
+                product = root * (self.data_scale * self.ggn_vp(scaled, batch).detach() + precision * scaled)
                 estimate = float((vector * product).sum())
                 vector = product
             largest = max(largest, estimate) if math.isfinite(estimate) else estimate
@@ -230,6 +242,7 @@ class Problem:
             state = state._replace(targets=targets)
         total = epochs * self.steps_per_epoch
         precision = self.precision
+        inverse = self.inverse_preconditioner()
         trace = engine.trace.setdefault("objective", []), engine.trace.setdefault("grad_norm", [])
         for t in range(done, total):
             if t % self.steps_per_epoch == 0 and self.steps_per_epoch > 1:
@@ -245,6 +258,7 @@ class Problem:
                 step_size=step_size * (1 - t / total),
                 momentum=engine.momentum,
                 max_grad_norm=engine.max_grad_norm,
+                inverse_preconditioner=inverse,
             )
             if t == 0:
                 first = info.grad_norm.max()
@@ -279,6 +293,12 @@ class Problem:
             "grad_norm": gradient[:-1].norm(dim=-1),
             "relative_grad_norm": gradient[:-1].norm(dim=-1) / (precision * state.targets[:-1]).norm(dim=-1),
         }
+        inverse = self.inverse_preconditioner()
+        if inverse is not None:
+            # a row's error e = H^{-1} g has e^T H e = g^T H^{-1} g ~ g^T P^{-1} g, against E[zeta^T H zeta] = d for
+            # a draw: the RMS error in posterior sds, as large in the prior's directions as anywhere
+            residual = ((gradient[:-1].square() * inverse).sum(-1) / rows.shape[-1]).sqrt()
+            self.final_stats["error_in_sds"] = residual
         self.engine.mean_grad_norm = float(gradient[-1].norm())
         mean = self.theta + rows[-1] if self.quadratic else self.theta
         return mean - self.prior_mean, rows[:-1], ggn
@@ -303,9 +323,24 @@ def _ggn_diagonal(net: NetworkFunction, theta: Tensor) -> Tensor:
     return ggn_pass(net, theta, GGNDiagonal()).curvature
 
 
-def warn_unconverged(relative_grad_norm: Tensor) -> None:
-    """Warn when the median relative gradient norm of the draws (full data) is above 0.1."""
-    worst = float(relative_grad_norm.median())
+def warn_unconverged(stats: dict[str, Tensor]) -> None:
+    """Warn when the draws have not converged (full-data gradients of the last solve).
+
+    With the preconditioner: the median RMS error of a draw in posterior sds above 0.1, estimated as
+    ``sqrt(gᵀ P⁻¹ g / d)`` (the relative gradient norm misses the directions the prior dominates: it read
+    0.01 while they were 19% off). Without: the median relative gradient norm above 0.1.
+    """
+    if "error_in_sds" in stats:
+        worst = float(stats["error_in_sds"].median())
+        if worst > 0.1:
+            warnings.warn(
+                f"the samples have not converged: a draw is off by about {worst:.2g} posterior sds (RMS over the "
+                "coordinates, median over the draws; sample_stats['error_in_sds']). Raise num_epochs (or "
+                "em_epochs), or use variance_reduction='all'.",
+                stacklevel=4,
+            )
+        return
+    worst = float(stats["relative_grad_norm"].median())
     if worst > 0.1:
         warnings.warn(
             f"the samples have not converged: the median relative gradient norm (full data) is {worst:.2g}. Raise "

@@ -59,7 +59,7 @@ def assert_same_run(run, reference):
 # run goes back to the end of the second solve (before its EM update).
 @pytest.mark.parametrize(
     "kill, step_size, em_step",
-    [(7, None, 0), (18, None, 1), (23, 2e-3, 1)],
+    [(7, None, 0), (18, None, 1), (23, 0.3, 1)],  # a given step size is for the preconditioned gradient
     ids=["first-solve", "em-solve", "end-of-solve"],
 )
 def test_resume_equals_the_uninterrupted_run(tmp_path, monkeypatch, kill, step_size, em_step):
