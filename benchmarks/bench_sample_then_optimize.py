@@ -249,19 +249,22 @@ def part_a(cfg: dict, max_wait: float, report: list[str], summary: dict) -> None
         "preconditioner, rel. grad. above 0.1);",
         "- *preconditioner*: `diagonal` (the default, P = diag(M) + A) or `none` (plain SGD, as before 2026-11-24).",
         "",
-        "| d | preconditioner | variance_reduction | epochs | momentum | engine (s) | exact (s) | engine / exact | mean error, max (sd) "
-        "| mean error, rms (sd) | **cov. error, same noise** | sd error, same noise | sample error, data / prior "
-        "directions | cov. error vs H⁻¹ (MC expectation) | rel. grad. | error in sds | warned | other processes (cores) |",
+        "| d | preconditioner | variance_reduction | epochs | momentum | engine (s) | exact (s) | engine / exact "
+        "| mean error, max (sd) | mean error, rms (sd) | **cov. error, same noise** | sd error, same noise "
+        "| sample error, data / prior directions | cov. error vs H⁻¹ (MC expectation) | rel. grad. | error in sds "
+        "| warned | other processes (cores) |",
         "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['d']:,} | `{r['preconditioner']}` | `{r['mode']}` | {r['epochs']} | {r['momentum']:g} | {r['seconds']:.1f} "
+            f"| {r['d']:,} | `{r['preconditioner']}` | `{r['mode']}` | {r['epochs']} | {r['momentum']:g} "
+            f"| {r['seconds']:.1f} "
             f"| {r['exact_seconds']:.2f} "
             f"| {r['seconds'] / r['exact_seconds']:.0f}× | {r['mean_err_max']:.3f} | {r['mean_err_rms']:.4f} "
             f"| **{r['cov_err_same']:.3f}** | {r['sd_err_same']:.3f} | {r['sample_err_data']:.3f} / "
             f"{r['sample_err_prior']:.3f} | {r['cov_err_exact']:.2f} ({r['cov_err_exact_mc']:.2f}) "
-            f"| {r['relative_grad_norm']:.2g} | {r['error_in_sds']:.3g} | {'yes' if r['warned'] else 'no'} | {_load(r['foreign'])} / "
+            f"| {r['relative_grad_norm']:.2g} | {r['error_in_sds']:.3g} | {'yes' if r['warned'] else 'no'} "
+            f"| {_load(r['foreign'])} / "
             f"{_load(r['exact_foreign'])} |"
         )
     eigs = sorted({(r["d"], r["eig_min"], r["eig_max"], r["prior_share"]) for r in rows})

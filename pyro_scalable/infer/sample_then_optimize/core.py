@@ -108,8 +108,8 @@ def step(
         data_scale: N / |batch|, so that ``data_scale * ggn_vp`` estimates the full-data product without bias.
         max_grad_norm: clip each sample's (preconditioned) step direction to this Euclidean norm (``None``: no
             clipping).
-        inverse_preconditioner: :math:`P^{-1}` (diagonal, shape ``(d,)``): the step follows :math:`P^{-1}\nabla`
-            (``None``: the identity).
+        inverse_preconditioner: ``P⁻¹`` (diagonal, shape ``(d,)``): the step follows ``P⁻¹ ∇`` (``None``: the
+            identity).
 
     """
     z = state.samples

@@ -94,7 +94,7 @@ class SampleThenOptimize(SampleThenOptimizePredictives, Draws):
         variance_reduction: which rows get an SVRG control variate (re-anchored every epoch with one full-data
             pass): the mean only (``"mean"``), or every row (``"all"``: twice the products per step, linear
             convergence instead of SGD's ``O(1/sqrt(T))``: samples accurate to many digits).
-        preconditioner: ``"diagonal"`` steps along :math:`(\\mathrm{diag}(M) + A)^{-1}\\nabla` (one extra pass over
+        preconditioner: ``"diagonal"`` steps along ``(diag(M) + A)⁻¹ ∇`` (one extra pass over
             the data for the exact GGN diagonal), so that directions the prior dominates and features of
             different scales converge at the rate of the rest; ``None``: plain SGD (:mod:`.core`).
         map_steps: Adam steps to find the MAP when ``linearize_at`` is needed and not given.
