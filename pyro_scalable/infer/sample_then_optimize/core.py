@@ -40,6 +40,7 @@ The optimiser is SGD with Nesterov momentum, per-sample gradient clipping and a 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -101,6 +102,9 @@ def step(
     momentum: float = 0.9,
     max_grad_norm: float | None = None,
     inverse_preconditioner: Tensor | None = None,
+    inplace: bool = False,
+    objective: bool = True,
+    check: Callable[[Tensor], None] | None = None,
 ) -> tuple[SampleState, SampleInfo]:
     """One Nesterov SGD step of every sample on ``batch``.
 
@@ -110,26 +114,39 @@ def step(
             clipping).
         inverse_preconditioner: ``P⁻¹`` (diagonal, shape ``(d,)``): the step follows ``P⁻¹ ∇`` (``None``: the
             identity).
+        inplace: update ``state.samples`` and ``state.velocity`` in place (the returned state holds the same
+            tensors): no K x d allocation beyond the products and one offset. The arithmetic is the same either way.
+        objective: compute ``SampleInfo.objective`` (two more K x d temporaries); ``False`` gives NaNs.
+        check: called with the gradient norms before anything is updated; may raise to keep the state as it was.
 
     """
     z = state.samples
-    anchored = state.anchor.shape[0]
-    products = data_scale * ggn_vp(torch.cat([z, state.anchor]) if anchored else z, batch)
-    data_term = products[: z.shape[0]]
+    k, anchored = z.shape[0], state.anchor.shape[0]
+    gradient = ggn_vp(torch.cat([z, state.anchor]) if anchored else z, batch)
+    gradient.mul_(data_scale)  # a fresh tensor: the data term of every row, then the anchors' products
     if anchored:
-        correction = state.anchor_product - products[z.shape[0] :]
-        data_term = torch.cat([data_term[:-anchored], data_term[-anchored:] + correction])
+        correction = state.anchor_product - gradient[k:]
+        gradient = gradient[:k]
+        gradient[k - anchored :].add_(correction)
     offset = z - state.targets
-    gradient = data_term + prior_precision * offset
-    objective = 0.5 * (z * data_term).sum(-1) + 0.5 * (prior_precision * offset**2).sum(-1)
+    if objective:
+        value = 0.5 * (z * gradient).sum(-1) + 0.5 * (prior_precision * offset.square()).sum(-1)
+    else:
+        value = torch.full((k,), math.nan, dtype=z.dtype, device=z.device)
+    gradient.addcmul_(offset, prior_precision)
+    del offset
     grad_norm = gradient.norm(dim=-1)
+    if check is not None:
+        check(grad_norm)
     if inverse_preconditioner is not None:
-        gradient = gradient * inverse_preconditioner
+        gradient.mul_(inverse_preconditioner)
     if max_grad_norm is not None:
         norm = gradient.norm(dim=-1)
-        gradient = gradient * (max_grad_norm / norm.clamp_min(max_grad_norm)).unsqueeze(-1)
-    velocity = momentum * state.velocity + gradient
-    update = gradient + momentum * velocity
+        gradient.mul_((max_grad_norm / norm.clamp_min(max_grad_norm)).unsqueeze(-1))
+    samples, velocity = (z, state.velocity) if inplace else (z.clone(), state.velocity.clone())
+    velocity.mul_(momentum).add_(gradient)
+    update = gradient.add_(velocity, alpha=momentum)
     step_size = torch.as_tensor(step_size, dtype=z.dtype, device=z.device)
-    new = state._replace(samples=z - step_size * update, velocity=velocity, step_count=state.step_count + 1)
-    return new, SampleInfo(objective.detach(), grad_norm.detach(), step_size)
+    samples.sub_(update.mul_(step_size))
+    new = state._replace(samples=samples, velocity=velocity, step_count=state.step_count + 1)
+    return new, SampleInfo(value.detach(), grad_norm.detach(), step_size)

@@ -247,9 +247,22 @@ class Problem:
         for t in range(done, total):
             if t % self.steps_per_epoch == 0 and self.steps_per_epoch > 1:
                 # re-anchor the control variate once per epoch: one full pass for the anchored rows
-                anchor = state.samples[-self.anchored :].detach()
+                anchor = state.samples[-self.anchored :].detach().clone()  # the samples are updated in place
                 state = core.with_anchor(state, anchor, self.full_ggn_vp(anchor))
-            new, info = core.step(
+
+            def diverged(grad_norm: Tensor, t: int = t, before: core.SampleState = state) -> None:
+                nonlocal first
+                first = grad_norm.max() if t == 0 else first
+                if not bool(torch.isfinite(grad_norm).all()) or bool(grad_norm.max() > 1e6 * first):
+                    engine.state = before  # checked before the in-place update: the state as it was
+                    raise RuntimeError(
+                        f"the optimisation diverged at step {t} (the gradient norm grew from {float(first):.3g} to "
+                        f"{float(grad_norm.max()):.3g}, or it is not finite) with step_size={step_size:.3g}; pass "
+                        "a smaller step_size or max_grad_norm. The state before that step is kept in .state."
+                    )
+
+            end_of_epoch = (t + 1) % self.steps_per_epoch == 0
+            state, info = core.step(
                 state,
                 next(batches),
                 self.ggn_vp,
@@ -259,19 +272,11 @@ class Problem:
                 momentum=engine.momentum,
                 max_grad_norm=engine.max_grad_norm,
                 inverse_preconditioner=inverse,
+                inplace=True,  # the state is this loop's own (a resumed one is loaded fresh)
+                objective=end_of_epoch,
+                check=diverged,
             )
-            if t == 0:
-                first = info.grad_norm.max()
-            if not bool(torch.isfinite(new.samples).all()) or bool(info.grad_norm.max() > 1e6 * first):
-                engine.state = state
-                raise RuntimeError(
-                    f"the optimisation diverged at step {t} (the gradient norm grew from {float(first):.3g} to "
-                    f"{float(info.grad_norm.max()):.3g}, or the iterates are not finite) with "
-                    f"step_size={step_size:.3g}; pass a smaller step_size or max_grad_norm. The state before that "
-                    "step is kept in .state."
-                )
-            state = new
-            if (t + 1) % self.steps_per_epoch == 0:
+            if end_of_epoch:
                 trace[0].append(info.objective.detach().cpu())
                 trace[1].append(info.grad_norm.detach().cpu())
             bar.update()
