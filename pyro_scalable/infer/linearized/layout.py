@@ -46,7 +46,7 @@ class ParameterLayout:
 
     def flatten(self, values: dict[str, Tensor], batch_dims: int = 0) -> Tensor:
         """The flat vector of ``values`` (each with ``batch_dims`` leading dims)."""
-        parts = [values[name].flatten(batch_dims) for name in self.slots]
+        parts = [values[name].reshape(values[name].shape[:batch_dims] + (-1,)) for name in self.slots]
         return torch.cat(parts, dim=-1)
 
     def index(self, name: str, device=None) -> Tensor:
