@@ -7,6 +7,7 @@ this module builds one from
 * a finished :class:`~pyro_scalable.infer.StochasticMCMC` or :class:`~pyro_scalable.infer.SampleThenOptimize`
   (its own record; ``args=`` may supply the full data a DataLoader run was not given);
 * a fitted :class:`~pyro_scalable.infer.LaplacePosterior` (``num_samples`` draws);
+* a :class:`~pyro_scalable.infer.SWAGPosterior` (``num_samples`` draws, spread over its runs, one chain per run);
 * Pyro's ``pyro.infer.MCMC`` after NUTS/HMC (draws, and ``diverging`` from its diagnostics);
 * any Pyro guide — an ``AutoGuide`` after SVI, or a callable guide with ``model=`` (``num_samples`` calls of it);
 * a dict of draws ``{site: (S, ...)}``, e.g. ``pyro.infer.Predictive``'s output or ``mcmc.get_samples()``, with
@@ -32,12 +33,14 @@ from pyro_scalable.bridge import FullDataModel, ModelBridge
 from pyro_scalable.bridge.guides import guide_draws
 from pyro_scalable.infer.laplace import LaplacePosterior
 from pyro_scalable.infer.results import Draws, RunRecord
+from pyro_scalable.infer.swag import SWAGPosterior
 
 __all__ = ["run_record"]
 
 _KINDS = (
-    "a finished StochasticMCMC or SampleThenOptimize run, a LaplacePosterior, a pyro.infer.MCMC run, a Pyro guide "
-    "(an AutoGuide, or a callable with model=), or a dict of draws {site: (num_draws, ...)} with model="
+    "a finished StochasticMCMC or SampleThenOptimize run, a LaplacePosterior, a SWAGPosterior, a pyro.infer.MCMC "
+    "run, a Pyro guide (an AutoGuide, or a callable with model=), or a dict of draws {site: (num_draws, ...)} "
+    "with model="
 )
 
 
@@ -68,6 +71,10 @@ def run_record(
         _no_model(source, model)
         draws = source.get_samples(num_samples, seed=seed)
         return _record(source.bridge, {k: v.unsqueeze(0) for k, v in draws.items()}), {}
+    if isinstance(source, SWAGPosterior):  # one chain per run: MultiSWAG's runs stay apart
+        _no_model(source, model)
+        per_run = -(-num_samples // source.num_runs)
+        return _record(source.bridge, source.get_samples(per_run, seed=seed, group_by_run=True)), {}
     if isinstance(source, pyro.infer.MCMC):
         _no_model(source, model)
         return _from_pyro_mcmc(source, args, kwargs), {}

@@ -17,6 +17,7 @@ from pyro_scalable.infer.sgmcmc import (
     sgld,
     sgnht,
 )
+from pyro_scalable.infer.swag import SWAG, SWAGPosterior
 
 __all__ = [
     "BAOAB",
@@ -32,6 +33,8 @@ __all__ = [
     "PolynomialDecay",
     "SampleThenOptimize",
     "StochasticMCMC",
+    "SWAG",
+    "SWAGPosterior",
     "baoab",
     "sghmc",
     "psgld",

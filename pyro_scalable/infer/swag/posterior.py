@@ -1,0 +1,149 @@
+"""The SWAG posterior of a Pyro model: draws, a Pyro guide, predictions and ArviZ, like the Laplace posterior's.
+
+Every latent site is in the SWAG Gaussian, in unconstrained space (a scale site's draws are log-normal). With
+several runs (MultiSWAG) the posterior is their equal-weight mixture; ``get_samples(group_by_run=True)`` and the
+ArviZ conversion keep the runs apart as chains.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pyro
+import pyro.distributions as dist
+import torch
+from torch import Tensor
+
+from pyro_scalable.arguments import check_count, check_flag, check_seed
+from pyro_scalable.bridge.model import Latents, ModelBridge
+from pyro_scalable.infer.linearized.layout import ParameterLayout
+from pyro_scalable.infer.predictive import sample_posterior_predictive
+from pyro_scalable.infer.swag.moments import SWAGMoments, dense_covariance, sample_flat
+
+__all__ = ["SWAGPosterior"]
+
+
+class SWAGPosterior:
+    """A SWAG (or MultiSWAG) Gaussian over every latent site, in unconstrained space. Built by :meth:`SWAG.run`.
+
+    Calling it like the model samples every latent site: it is a Pyro guide, so
+    ``Predictive(FullDataModel(model), guide=posterior, num_samples=S)`` gives the sampled-weights predictive.
+    """
+
+    def __init__(
+        self, bridge: ModelBridge, layout: ParameterLayout, moments: SWAGMoments, covariance: str, stats: dict
+    ):
+        self.bridge, self.layout, self.moments = bridge, layout, moments
+        self.covariance = covariance
+        self.stats = stats
+
+    # ------------------------------------------------------------------ state
+    @property
+    def sites(self) -> list[str]:
+        return self.layout.names
+
+    @property
+    def num_params(self) -> int:
+        return self.layout.num_params
+
+    @property
+    def num_runs(self) -> int:
+        return self.moments.mean.shape[0]
+
+    @property
+    def rank(self) -> int:
+        """K: the deviations kept per run (the low-rank part's rank)."""
+        return self.moments.deviations.shape[1]
+
+    @property
+    def mean(self) -> Tensor:
+        """Each run's SWA mean, flat and unconstrained, ``(runs, d)``."""
+        return self.moments.mean
+
+    @property
+    def variance(self) -> Tensor:
+        """The marginal variances of each run's Gaussian, ``(runs, d)`` (half the snapshots' with ``low_rank``)."""
+        if self.covariance == "diagonal":
+            return self.moments.variance
+        k = self.rank
+        return 0.5 * self.moments.variance + 0.5 * self.moments.deviations.square().sum(1) / (k - 1)
+
+    def covariance_matrix(self, run: int = 0) -> Tensor:
+        """Run ``run``'s covariance as a dense ``(d, d)`` matrix (for small models: it takes d² numbers)."""
+        check_count("run", run, 0)
+        if run >= self.num_runs:
+            raise ValueError(f"run must be below num_runs = {self.num_runs}, got {run}.")
+        return dense_covariance(self.moments, self.covariance, run)
+
+    # ------------------------------------------------------------------ samples and guide
+    def sample(self, num_samples: int, generator: torch.Generator | None = None) -> Tensor:
+        """Flat unconstrained draws ``(num_samples, d)``; draw ``s`` is from run ``s mod num_runs``."""
+        check_count("num_samples", num_samples)
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}.")
+        return sample_flat(self.moments, num_samples, self.covariance, generator)
+
+    def _generator(self, seed: int | None) -> torch.Generator | None:
+        check_seed("seed", seed)
+        return None if seed is None else torch.Generator(device=self.mean.device).manual_seed(seed)
+
+    def get_samples(self, num_samples: int, seed: int | None = None, group_by_run: bool = False) -> dict[str, Tensor]:
+        """Constrained draws of every latent site, ``(num_samples, *shape)``, or ``(runs, num_samples, *shape)``."""
+        check_count("num_samples", num_samples)
+        check_flag("group_by_run", group_by_run)
+        total = num_samples * (self.num_runs if group_by_run else 1)
+        theta = self.sample(total, self._generator(seed))
+        if group_by_run:  # draw s is from run s mod R: (S, R) -> (R, S)
+            theta = theta.reshape(num_samples, self.num_runs, -1).transpose(0, 1)
+        return self.bridge.constrain(self.layout.unflatten(theta))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict[str, Tensor]:
+        values = self.bridge.constrain(self.layout.unflatten(self.sample(1)[0]))
+        for name, value in values.items():
+            pyro.sample(name, dist.Delta(value, event_dim=value.dim()))
+        return values
+
+    def median(self, *args: Any, **kwargs: Any) -> Latents:
+        """The constrained values at the first run's SWA mean (SWA's point estimate)."""
+        return self.bridge.constrain(self.layout.unflatten(self.mean[0]))
+
+    # ------------------------------------------------------------------ predictions and ArviZ
+    def posterior_predictive(
+        self,
+        *args: Any,
+        num_samples: int = 1000,
+        seed: int | None = None,
+        return_sites: list[str] | None = None,
+        **kwargs: Any,
+    ) -> dict[str, Tensor]:
+        """``num_samples`` draws of the observed site with sampled weights (Bayesian model averaging).
+
+        ``args``: the model's arguments at new inputs (none: the training data, ``y`` redrawn).
+        Returns ``{site: (num_samples, *site shape)}``.
+        """
+        check_count("num_samples", num_samples)
+        generator = self._generator(seed)
+        if not args and not kwargs:
+            args, kwargs = self.bridge.args, self.bridge.kwargs
+        samples = self.bridge.constrain(self.layout.unflatten(self.sample(num_samples, generator)))
+        draws_seed = None
+        if generator is not None:
+            draws_seed = int(torch.randint(0, 2**62, (), generator=generator, device=generator.device))
+        return sample_posterior_predictive(
+            self.bridge.model, samples, *args, seed=draws_seed, return_sites=return_sites, **kwargs
+        )
+
+    def to_inference_data(self, num_samples: int = 1000, seed: int | None = None, **kwargs: Any):
+        """``num_samples`` draws per run (runs as chains) with the full-data log-likelihood, as ArviZ data.
+
+        Keyword arguments go to :func:`pyro_scalable.to_inference_data` (e.g. ``posterior_predictive=True``).
+        """
+        from pyro_scalable.inference_data import to_inference_data
+
+        return to_inference_data(self, num_samples=num_samples, seed=seed, **kwargs)
+
+    def __repr__(self) -> str:
+        return (
+            f"SWAGPosterior(covariance={self.covariance!r}, runs={self.num_runs}, rank={self.rank}, "
+            f"d={self.num_params}, snapshots={self.moments.num_snapshots})"
+        )
