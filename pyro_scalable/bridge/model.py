@@ -386,6 +386,10 @@ class ModelBridge:
                 )
         return {name: torch.stack([c[name] for c in chains]) for name in self.sites}
 
+    def support(self, name: str):
+        """The support of latent site ``name``'s prior (its constraint)."""
+        return self._supports[name]
+
     def constrain(self, latents: Latents) -> Latents:
         """Map unconstrained latents (any leading batch dims) to the model's constrained values."""
         return {name: self.sites[name].transform(value) for name, value in latents.items()}

@@ -128,7 +128,13 @@ class AutoLinearizedLaplace(AutoLaplaceApproximation):
         net = NetworkFunction(
             bridge, site, layout, theta, latents, heteroscedastic=heteroscedastic, chunk_size=chunk_size
         )
-        precision, mean = net.prior(theta)
+        precision, mean = net.prior(theta, joint=True)
+        if precision.dim() == 2 and structure != "full" and prior_precision is None:
+            raise ModelError(
+                f"the Laplace sites have a correlated Gaussian prior (a posterior's as_prior), which structure="
+                f"'{structure}' cannot hold (its prior precision is diagonal); use structure='full', or make the "
+                "previous posterior's prior with a diagonal structure (structure='diag': the EWC update)."
+            )
         if prior_precision is not None:
             check_tensor("prior_precision", prior_precision, nonnegative=True, shape=theta.shape)
             precision = torch.broadcast_to(

@@ -43,6 +43,7 @@ from torch import Tensor
 from pyro_scalable.arguments import check_choice, check_count, check_flag, check_number, check_seed, check_tensor
 from pyro_scalable.bridge.checks import ModelError
 from pyro_scalable.bridge.model import ModelBridge
+from pyro_scalable.infer.gaussian_prior import GaussianPriorModel, JointGaussian, site_specs
 from pyro_scalable.infer.laplace.curvature import CurvatureError, Precision, Structure
 from pyro_scalable.infer.laplace.evidence import maximize_evidence
 from pyro_scalable.infer.laplace.predictive import LaplacePredictives
@@ -51,6 +52,8 @@ from pyro_scalable.infer.linearized.glm import GLMPredictive
 from pyro_scalable.infer.linearized.network import NetworkFunction
 
 __all__ = ["GLMPredictive", "LaplacePosterior"]
+
+_DENSE_PRIOR_LIMIT = 5000
 
 
 class LaplacePosterior(LaplacePredictives):
@@ -153,8 +156,14 @@ class LaplacePosterior(LaplacePredictives):
         return 1.0 if noise is None else (self._map_noise / noise) ** 2
 
     def _precision(self, prior_precision: Tensor, noise: Tensor | None) -> Precision:
+        if prior_precision.dim() == 2:  # a correlated prior (as_prior): the jitter on its diagonal
+            prior_precision = prior_precision + self.jitter * torch.eye(
+                prior_precision.shape[-1], dtype=prior_precision.dtype, device=prior_precision.device
+            )
+        else:
+            prior_precision = prior_precision + self.jitter
         try:
-            return self.fit.curvature.precision(prior_precision + self.jitter, self._scale(noise))
+            return self.fit.curvature.precision(prior_precision, self._scale(noise))
         except CurvatureError as error:
             if error.index is not None and error.index.numel():
                 names = sorted({self.net.layout.site_of(int(i)) for i in error.index[:100]})
@@ -169,7 +178,7 @@ class LaplacePosterior(LaplacePredictives):
         return self._cache["precision"]
 
     def _log_joint_gradient(self, prior_precision: Tensor, noise: Tensor | None) -> Tensor:
-        return self.fit.gradient * self._scale(noise) - prior_precision * (self.theta_star - self.prior_mean)
+        return self.fit.gradient * self._scale(noise) - _prior_times(prior_precision, self.theta_star - self.prior_mean)
 
     @property
     def mean(self) -> Tensor:
@@ -193,7 +202,9 @@ class LaplacePosterior(LaplacePredictives):
         if observation_noise is not None and not _traced(observation_noise):
             check_number("observation_noise", observation_noise, positive=True)
         precision = self._prior_precision if prior_precision is None else prior_precision
-        precision = torch.broadcast_to(torch.as_tensor(precision, dtype=theta.dtype, device=theta.device), theta.shape)
+        if precision.dim() != 2:
+            precision = torch.as_tensor(precision, dtype=theta.dtype, device=theta.device)
+            precision = torch.broadcast_to(precision, theta.shape)
         noise = (
             self._observation_noise
             if observation_noise is None
@@ -208,7 +219,8 @@ class LaplacePosterior(LaplacePredictives):
             log_likelihood = self.fit.log_likelihood
         H = self._precision(precision, noise)
         r = theta - self.prior_mean
-        evidence = log_likelihood - 0.5 * (r * precision * r).sum() + 0.5 * precision.log().sum() - 0.5 * H.logdet()
+        evidence = log_likelihood - 0.5 * (r * _prior_times(precision, r)).sum() + 0.5 * _prior_logdet(precision)
+        evidence = evidence - 0.5 * H.logdet()
         if self.recenter:
             b = self._log_joint_gradient(precision, noise)
             evidence = evidence + 0.5 * (b * H.solve(b)).sum()
@@ -236,6 +248,11 @@ class LaplacePosterior(LaplacePredictives):
         check_flag("observation_noise", observation_noise, optional=True)
         check_count("max_iter", max_iter)
         check_count("em_steps", em_steps, 0)
+        if self._prior_precision.dim() == 2:
+            raise ModelError(
+                "the prior is a previous posterior (as_prior): its precision is the last episode's, not a "
+                "hyper-parameter to tune. Tune the prior precision in the first episode."
+            )
         if not self._structure.has_evidence:
             curvature = self.fit.curvature.tune_prior(method, observation_noise, em_steps, self._prior_precision)
             self.fit = dataclasses.replace(self.fit, curvature=curvature)
@@ -298,6 +315,37 @@ class LaplacePosterior(LaplacePredictives):
         """The constrained values at the posterior mean (the MAP at the fitted prior)."""
         return self.bridge.constrain(self._all_latents(self.mean))
 
+    # ------------------------------------------------------------------ the next episode
+    def as_prior(self, model: Any = None) -> GaussianPriorModel:
+        r"""The model with the posterior :math:`\mathcal N(\bar\theta, H^{-1})` as the joint prior of the Laplace sites.
+
+        Fit the next episode's data with any engine on the returned model: the correlations are kept (``full`` as
+        a dense Gaussian, ``low_rank`` in its precision form, ``diag`` as independent Normals — the EWC update).
+        The sites held at their MAP values (e.g. a noise scale) keep the model's own priors.
+        ``kron`` and ``sampled`` posteriors are made dense, which this allows up to 5,000 parameters.
+
+        Args:
+            model: the model the prior goes into (default: the one this posterior was fitted on); it must sample
+                the same latent sites, in the same order.
+
+        """
+        precision = self.precision
+        specs = site_specs(self.bridge, self.sites)
+        mean = self.mean.detach()
+        if hasattr(precision, "joint_gaussian"):
+            joint = precision.joint_gaussian(specs, mean)
+        elif self.num_params <= _DENSE_PRIOR_LIMIT:
+            dense = precision.to_dense().detach().double()
+            covariance = torch.cholesky_inverse(torch.linalg.cholesky(dense)).to(mean.dtype)
+            joint = JointGaussian.dense(specs, mean, covariance)
+        else:
+            raise ModelError(
+                f"as_prior of a '{self.structure}' posterior with {self.num_params} parameters would form a dense "
+                f"covariance (it does so up to {_DENSE_PRIOR_LIMIT}); fit structure='diag' or 'low_rank' for a "
+                "prior of this size."
+            )
+        return GaussianPriorModel(self.bridge.model if model is None else model, joint)
+
     # ------------------------------------------------------------------ ArviZ
     def to_inference_data(self, num_samples: int = 1000, seed: int | None = None, **kwargs: Any):
         """``num_samples`` posterior draws (chain=1) with the full-data log-likelihood, as ArviZ data.
@@ -320,7 +368,8 @@ class LaplacePosterior(LaplacePredictives):
         """
         prior = self._prior_precision if prior_precision is None else prior_precision
         like = {"dtype": self.theta_star.dtype, "device": self.theta_star.device}
-        prior = torch.broadcast_to(torch.as_tensor(prior, **like), self.theta_star.shape)
+        if not (isinstance(prior, Tensor) and prior.dim() == 2):
+            prior = torch.broadcast_to(torch.as_tensor(prior, **like), self.theta_star.shape)
         noise = self._observation_noise if observation_noise is None else torch.as_tensor(observation_noise, **like)
         with torch.no_grad():
             b = self._log_joint_gradient(prior, noise)
@@ -339,6 +388,17 @@ class LaplacePosterior(LaplacePredictives):
                 + ("; the posterior mean is moved by that Newton step." if self.recenter else "."),
                 stacklevel=3,
             )
+
+
+def _prior_times(precision: Tensor, v: Tensor) -> Tensor:
+    """The prior precision (a diagonal, or a dense matrix from ``as_prior``) times ``v``."""
+    return v @ precision if precision.dim() == 2 else precision * v
+
+
+def _prior_logdet(precision: Tensor) -> Tensor:
+    if precision.dim() == 2:
+        return (2 * torch.linalg.cholesky(precision.double()).diagonal().log().sum()).to(precision.dtype)
+    return precision.log().sum()
 
 
 def _traced(value: Any) -> bool:

@@ -31,6 +31,7 @@ from pyro_scalable.bridge.minibatches import chunks
 from pyro_scalable.bridge.model import Batch, Latents, ModelBridge
 from pyro_scalable.bridge.outputs import ModelOutputs, model_outputs
 from pyro_scalable.infer.autodiff import jvp
+from pyro_scalable.infer.gaussian_prior import JointGaussian, SiteGaussian
 from pyro_scalable.infer.linearized.layout import ParameterLayout
 from pyro_scalable.infer.linearized.likelihoods import Likelihood, likelihood_of
 
@@ -152,12 +153,19 @@ class NetworkFunction:
         return out
 
     # ------------------------------------------------------------------ prior
-    def prior(self, theta: Tensor) -> tuple[Tensor, Tensor]:
-        """Diagonal prior precision ``P`` and mean ``m`` (flat) of the Gaussian prior in unconstrained space."""
+    def prior(self, theta: Tensor, *, joint: bool = False) -> tuple[Tensor, Tensor]:
+        """Diagonal prior precision ``P`` and mean ``m`` (flat) of the Gaussian prior in unconstrained space.
+
+        With ``joint=True``, a correlated Gaussian prior (a posterior's ``as_prior``) is read as a dense ``d x d``
+        precision; otherwise it is an error naming the engines that read it.
+        """
         theta = theta.detach().requires_grad_(True)
         raw = model_outputs(
             self.bridge, self.latents(theta), self._head(self.bridge.args, self.bridge.kwargs), site=self.site
         )
+        joints = {id(fn.joint): fn.joint for fn in raw.priors.values() if isinstance(fn, SiteGaussian)}
+        if joints:
+            return self._joint_prior(theta, list(joints.values()), joint)
         precision, mean = torch.empty_like(theta), torch.empty_like(theta)
         for name, slot in self.layout.slots.items():
             fn = raw.priors.get(name)
@@ -169,6 +177,22 @@ class NetworkFunction:
             value = theta[slot.start : slot.stop].reshape(slot.shape)
             precision[slot.start : slot.stop], mean[slot.start : slot.stop] = self._site_prior(name, fn, value)
         return precision.detach(), mean.detach()
+
+    def _joint_prior(self, theta: Tensor, joints: list[JointGaussian], allowed: bool) -> tuple[Tensor, Tensor]:
+        names = [s.name for s in joints[0].sites]
+        if not allowed:
+            raise ModelError(
+                f"the latent sites {names} have a correlated Gaussian prior (a posterior's as_prior); this engine "
+                "reads a factorised prior. Use AutoLinearizedLaplace with structure='full', an SG-MCMC kernel, SWAG "
+                "or NUTS on this model, or pass the previous posterior with a diagonal structure."
+            )
+        if len(joints) > 1 or names != self.layout.names:
+            raise ModelError(
+                f"the Laplace sites {self.layout.names} must be exactly the sites of the correlated prior {names} "
+                "(in that order): pass sites=[...] naming them."
+            )
+        joint = joints[0]
+        return joint.precision_matrix().to(theta.dtype), joint.mean.to(theta.dtype)
 
     def _site_prior(self, name: str, fn, value: Tensor) -> tuple[Tensor, Tensor]:
         site = self.bridge.sites[name]

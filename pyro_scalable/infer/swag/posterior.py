@@ -7,6 +7,7 @@ ArviZ conversion keep the runs apart as chains.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pyro
@@ -16,6 +17,7 @@ from torch import Tensor
 
 from pyro_scalable.arguments import check_count, check_flag, check_seed
 from pyro_scalable.bridge.model import Latents, ModelBridge
+from pyro_scalable.infer.gaussian_prior import GaussianPriorModel, JointGaussian, site_specs
 from pyro_scalable.infer.linearized.layout import ParameterLayout
 from pyro_scalable.infer.predictive import sample_posterior_predictive
 from pyro_scalable.infer.swag.moments import SWAGMoments, dense_covariance, sample_flat
@@ -106,6 +108,36 @@ class SWAGPosterior:
     def median(self, *args: Any, **kwargs: Any) -> Latents:
         """The constrained values at the first run's SWA mean (SWA's point estimate)."""
         return self.bridge.constrain(self.layout.unflatten(self.mean[0]))
+
+    # ------------------------------------------------------------------ the next episode
+    def as_prior(self, model: Any = None) -> GaussianPriorModel:
+        r"""The model with this SWAG Gaussian as the joint prior of its latent sites (the next episode's prior).
+
+        One run: :math:`\mathcal N(\bar\theta, \tfrac12\Sigma_{\rm diag} + \tfrac{1}{2(K-1)}DD^\top)` in its
+        low-rank form (rank K, no ``d x d``). Several runs (MultiSWAG): the Gaussian with the mixture's mean and
+        covariance (rank R(K+1)); a mixture is not a Gaussian, so this keeps its first two moments only.
+
+        Args:
+            model: the model the prior goes into (default: the one SWAG ran on); same latent sites, same order.
+
+        """
+        moments, runs = self.moments, self.num_runs
+        mean = moments.mean.mean(0)
+        low_rank = self.covariance == "low_rank"
+        diag = (0.5 if low_rank else 1.0) * moments.variance.mean(0)
+        diag = diag.clamp_min(float(diag.max()) * torch.finfo(diag.dtype).eps * diag.shape[-1])
+        columns = []
+        if low_rank:
+            columns.append((moments.deviations / math.sqrt(2 * (self.rank - 1) * runs)).reshape(-1, self.num_params))
+        if runs > 1:
+            columns.append((moments.mean - mean) / math.sqrt(runs))
+        specs = site_specs(self.bridge, self.sites)
+        if not columns:
+            joint = JointGaussian.diagonal(specs, mean, diag)
+        else:
+            factor = torch.cat(columns, 0).mT.contiguous()
+            joint = JointGaussian.low_rank_covariance(specs, mean, diag, factor)
+        return GaussianPriorModel(self.bridge.model if model is None else model, joint)
 
     # ------------------------------------------------------------------ predictions and ArviZ
     def posterior_predictive(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from pyro_scalable.infer.gaussian_prior import JointGaussian
 from pyro_scalable.infer.laplace.curvature import FitRequest, PassStructure, check_positive, gaussian_noise
 from pyro_scalable.infer.linearized.ggn import GGNDiagonal
 from pyro_scalable.infer.linearized.glm import Moments
@@ -69,6 +70,10 @@ class DiagPrecision:
 
     def inverse_diagonal(self) -> Tensor:
         return self.diagonal.reciprocal()
+
+    def joint_gaussian(self, sites, mean: Tensor) -> JointGaussian:
+        r""":math:`\mathcal N(\text{mean}, H^{-1})` as a prior: independent Normals (the EWC prior)."""
+        return JointGaussian.diagonal(sites, mean, self.diagonal.detach().reciprocal())
 
     def to_dense(self) -> Tensor:
         return torch.diag_embed(self.diagonal)

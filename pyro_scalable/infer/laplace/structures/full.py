@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from pyro_scalable.infer.gaussian_prior import JointGaussian
 from pyro_scalable.infer.laplace.curvature import (
     CurvatureError,
     FitRequest,
@@ -51,7 +52,8 @@ class FullCurvature(PassStructure):
         return self.matrix.to(self.dtype)
 
     def precision(self, prior_precision: Tensor, scale: Tensor | float = 1.0) -> FullPrecision:
-        matrix = scale * self.matrix + torch.diag_embed(prior_precision.to(self.matrix.dtype))
+        prior = prior_precision.to(self.matrix.dtype)
+        matrix = scale * self.matrix + (prior if prior.dim() == 2 else torch.diag_embed(prior))
         return FullPrecision(matrix, prior_precision.dtype)
 
     @classmethod
@@ -113,6 +115,10 @@ class FullPrecision:
 
     def inverse_diagonal(self) -> Tensor:
         return torch.cholesky_inverse(self.cholesky).diagonal().to(self.dtype)
+
+    def joint_gaussian(self, sites, mean: Tensor) -> JointGaussian:
+        r""":math:`\mathcal N(\text{mean}, H^{-1})` as a prior (dense: ``d x d``, as this structure is)."""
+        return JointGaussian.dense(sites, mean, torch.cholesky_inverse(self.cholesky).to(self.dtype))
 
     def to_dense(self) -> Tensor:
         return self.matrix.to(self.dtype)

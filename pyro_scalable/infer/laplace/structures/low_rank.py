@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from pyro_scalable.infer.gaussian_prior import JointGaussian
 from pyro_scalable.infer.laplace.curvature import FitRequest, PassStructure, check_positive, gaussian_noise
 from pyro_scalable.infer.linearized.ggn import Chunk
 from pyro_scalable.infer.linearized.glm import Moments
@@ -102,6 +103,11 @@ class LowRankPrecision:
     def sample(self, num_samples: int, generator=None) -> Tensor:
         noise = gaussian_noise((num_samples, self.curvature.num_params), self.prior_precision, generator)
         return self._inner(noise, -0.5) / self.root_prior
+
+    def joint_gaussian(self, sites, mean: Tensor) -> JointGaussian:
+        r""":math:`\mathcal N(\text{mean}, H^{-1})` as a prior, in the precision form :math:`P + VV^\top` (rank k)."""
+        factor = self.curvature.eigenvectors * (self.scale * self.curvature.eigenvalues).sqrt()
+        return JointGaussian.low_rank_precision(sites, mean, self.prior_precision.detach(), factor.detach())
 
     def inverse_diagonal(self) -> Tensor:
         shrink = (self.basis**2 * (self.squares / (1 + self.squares))).sum(-1)

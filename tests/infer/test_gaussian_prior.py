@@ -1,0 +1,288 @@
+"""A Gaussian posterior as the next episode's prior (``as_prior``): gold tests against closed forms.
+
+* the chain of per-site conditionals has the joint's log-density, for every form, with a constrained site;
+* its draws have the joint's mean and covariance (Monte-Carlo tolerances);
+* two episodes — the first's Laplace posterior as the second's prior — give the posterior on both episodes' data,
+  to rounding (``full``, ``kron`` where K-FAC is exact, ``low_rank`` at full rank), and ``diag`` gives EWC;
+* SWAG's and MultiSWAG's prior has their (mixture's) mean and covariance; the engines read the prior (NUTS).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro.infer import MCMC, NUTS
+from torch.distributions import biject_to, constraints
+
+from pyro_scalable.bridge.checks import ModelError
+from pyro_scalable.bridge.model import ModelBridge
+from pyro_scalable.infer import SWAG, AutoLinearizedLaplace, SampleThenOptimize
+from pyro_scalable.infer.gaussian_prior import GaussianPriorModel, JointGaussian, SiteSpec
+
+D = torch.float64
+
+# three sites: a real vector, a positive scalar (a Jacobian), a real matrix
+SPECS = [
+    SiteSpec("a", torch.Size([3]), torch.Size([3]), constraints.independent(constraints.real, 1)),
+    SiteSpec("s", torch.Size([]), torch.Size([]), constraints.positive),
+    SiteSpec("m", torch.Size([2, 2]), torch.Size([2, 2]), constraints.independent(constraints.real, 2)),
+]
+
+
+def three_sites():
+    pyro.sample("a", dist.Normal(torch.zeros(3, dtype=D), 1.0).to_event(1))
+    pyro.sample("s", dist.LogNormal(torch.tensor(0.0, dtype=D), 1.0))
+    pyro.sample("m", dist.Normal(torch.zeros(2, 2, dtype=D), 1.0).to_event(2))
+
+
+def random_joint(kind: str, seed: int = 0) -> tuple[JointGaussian, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    d = 8
+    mean = torch.randn(d, generator=g, dtype=D)
+    diag = torch.rand(d, generator=g, dtype=D) + 0.2
+    factor = torch.randn(d, 3, generator=g, dtype=D)
+    if kind == "dense":
+        root = torch.randn(d, d, generator=g, dtype=D)
+        covariance = root @ root.T / d + torch.diag(diag)
+        return JointGaussian.dense(SPECS, mean, covariance), covariance
+    if kind == "diagonal":
+        return JointGaussian.diagonal(SPECS, mean, diag), torch.diag(diag)
+    if kind == "low_rank_covariance":
+        return JointGaussian.low_rank_covariance(SPECS, mean, diag, factor), torch.diag(diag) + factor @ factor.T
+    precision = torch.diag(diag) + factor @ factor.T
+    return JointGaussian.low_rank_precision(SPECS, mean, diag, factor), torch.linalg.inv(precision)
+
+
+KINDS = ["dense", "diagonal", "low_rank_covariance", "low_rank_precision"]
+
+
+def flat_unconstrained(values: dict) -> torch.Tensor:
+    parts = [
+        biject_to(spec.support)
+        .inv(values[spec.name])
+        .reshape(values[spec.name].shape[: -len(spec.shape) or None] + (-1,))
+        for spec in SPECS
+    ]
+    return torch.cat(parts, -1)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_chain_of_conditionals_is_the_joint_density(kind):
+    joint, covariance = random_joint(kind)
+    prior = GaussianPriorModel(three_sites, joint)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        values = {"a": torch.randn(3, generator=g, dtype=D), "s": torch.rand((), generator=g, dtype=D) + 0.1}
+        values["m"] = torch.randn(2, 2, generator=g, dtype=D)
+        trace = pyro.poutine.trace(pyro.poutine.condition(prior, values)).get_trace()
+        total = trace.log_prob_sum()
+        u = flat_unconstrained(values)
+        # the Gaussian in unconstrained space, less log|det J| of the positive site (u_s = log s)
+        expected = dist.MultivariateNormal(joint.mean, covariance).log_prob(u) - values["s"].log()
+        assert torch.allclose(total, expected, rtol=1e-10, atol=1e-10)
+    assert torch.allclose(joint.covariance_matrix(), covariance, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_drawing_the_sites_in_turn_draws_the_joint(kind):
+    joint, covariance = random_joint(kind, seed=2)
+    prior = GaussianPriorModel(three_sites, joint)
+    n = 4000
+    pyro.set_rng_seed(0)
+    draws = pyro.infer.Predictive(prior, num_samples=n, parallel=True)()  # vectorised: expand() works
+    u = flat_unconstrained(draws)
+    sd = covariance.diagonal().sqrt()
+    # means within 4.5 Monte-Carlo standard errors; covariances within 4.5 of their standard errors
+    assert ((u.mean(0) - joint.mean).abs() <= 4.5 * sd / math.sqrt(n)).all()
+    empirical = torch.cov(u.T)
+    error = (covariance.diagonal()[:, None] * covariance.diagonal()[None, :] + covariance**2).sqrt() / math.sqrt(n)
+    assert ((empirical - covariance).abs() <= 4.5 * error).all()
+
+
+# ---------------------------------------------------------------------------- two episodes, Laplace
+P, SIGMA, PRIOR_W, PRIOR_B = 3, 0.5, 1.3, 2.0
+
+
+def linear_model(x, y=None):
+    w = pyro.sample("w", dist.Normal(torch.zeros(P, dtype=x.dtype), PRIOR_W).to_event(1))
+    b = pyro.sample("b", dist.Normal(torch.tensor(0.0, dtype=x.dtype), PRIOR_B))
+    with pyro.plate("data", x.shape[0], subsample_size=20) as idx:
+        pyro.sample("obs", dist.Normal(x[idx] @ w + b, SIGMA), obs=None if y is None else y[idx])
+
+
+def episodes(dtype=D):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(160, P, generator=g, dtype=D)
+    y = x @ torch.tensor([1.0, -2.0, 0.5], dtype=D) + 0.7 + SIGMA * torch.randn(160, generator=g, dtype=D)
+    x[80:] += 1.5  # the second episode's inputs are shifted
+    return (x[:80].to(dtype), y[:80].to(dtype)), (x[80:].to(dtype), y[80:].to(dtype))
+
+
+def exact_posterior(*data):
+    precision = torch.diag(torch.tensor([PRIOR_W**-2] * P + [PRIOR_B**-2], dtype=D))
+    rhs = torch.zeros(P + 1, dtype=D)
+    for x, y in data:
+        design = torch.cat([x.to(D), torch.ones(len(x), 1, dtype=D)], 1)
+        precision = precision + design.T @ design / SIGMA**2
+        rhs = rhs + design.T @ y.to(D) / SIGMA**2
+    return torch.linalg.solve(precision, rhs), precision
+
+
+def at(mean):
+    return {"w": mean[:P], "b": mean[P]}
+
+
+@pytest.mark.parametrize("structure", ["full", "kron", "low_rank"])
+def test_two_episodes_give_the_posterior_on_both(structure):
+    first, second = episodes()
+    mean1, _ = exact_posterior(first)
+    options = {"rank": P + 1} if structure == "low_rank" else {}
+    posterior1 = AutoLinearizedLaplace(linear_model).laplace_approximation(
+        *first, structure=structure, map_latents=at(mean1), **options
+    )
+    prior = posterior1.as_prior()
+    # started away from the answer: the full structure's Newton-moved mean is exact for a linear-Gaussian model
+    posterior2 = AutoLinearizedLaplace(prior).laplace_approximation(
+        *second, structure="full", map_latents=at(torch.zeros(P + 1, dtype=D)), check_map=False
+    )
+    mean, precision = exact_posterior(first, second)
+    assert torch.allclose(posterior2.mean, mean, rtol=1e-9, atol=1e-9)
+    assert torch.allclose(posterior2.precision.to_dense(), precision, rtol=1e-9, atol=1e-9)
+
+
+def test_two_episodes_in_float32():
+    first, second = episodes(torch.float32)
+    mean1, _ = exact_posterior(first)
+    posterior1 = AutoLinearizedLaplace(linear_model).laplace_approximation(
+        *first, structure="full", map_latents=at(mean1.float())
+    )
+    posterior2 = AutoLinearizedLaplace(posterior1.as_prior()).laplace_approximation(
+        *second, structure="full", map_latents=at(torch.zeros(P + 1)), check_map=False
+    )
+    mean, precision = exact_posterior(first, second)
+    sd = torch.linalg.inv(precision).diagonal().sqrt()
+    assert posterior2.mean.dtype == torch.float32
+    assert ((posterior2.mean.double() - mean).abs() / sd).max() < 1e-3
+
+
+def test_diag_as_prior_is_the_ewc_update():
+    first, second = episodes()
+    mean1, _ = exact_posterior(first)
+    posterior1 = AutoLinearizedLaplace(linear_model).laplace_approximation(
+        *first, structure="diag", map_latents=at(mean1)
+    )
+    posterior2 = AutoLinearizedLaplace(posterior1.as_prior()).laplace_approximation(
+        *second, structure="diag", map_latents=at(mean1), check_map=False
+    )
+    # the second prior is N(mean1, diag(H1)^-1); the second precision the diagonal of the joint Hessian
+    assert torch.allclose(posterior2.prior_precision, posterior1.precision.diagonal, rtol=1e-12)
+    assert torch.allclose(posterior2.prior_mean, mean1, rtol=1e-12)
+    _, precision = exact_posterior(first, second)
+    assert torch.allclose(posterior2.precision.diagonal, precision.diagonal(), rtol=1e-10)
+
+
+def test_a_correlated_prior_needs_a_structure_that_holds_it():
+    first, second = episodes()
+    mean1, _ = exact_posterior(first)
+    posterior1 = AutoLinearizedLaplace(linear_model).laplace_approximation(
+        *first, structure="full", map_latents=at(mean1)
+    )
+    prior = posterior1.as_prior()
+    with pytest.raises(ModelError, match="structure='full'"):
+        AutoLinearizedLaplace(prior).laplace_approximation(*second, structure="diag", map_latents=at(mean1))
+    posterior2 = AutoLinearizedLaplace(prior).laplace_approximation(
+        *second, structure="full", map_latents=at(mean1), check_map=False
+    )
+    with pytest.raises(ModelError, match="previous posterior"):
+        posterior2.optimize_prior_precision()
+    engine = SampleThenOptimize(prior, num_samples=4, num_epochs=1)
+    with pytest.raises(ModelError, match="factorised prior"):
+        engine.run(*second)
+
+
+def test_the_next_model_must_sample_the_same_sites_in_order():
+    first, second = episodes()
+    mean1, _ = exact_posterior(first)
+    posterior1 = AutoLinearizedLaplace(linear_model).laplace_approximation(
+        *first, structure="full", map_latents=at(mean1)
+    )
+
+    def swapped(x, y=None):
+        b = pyro.sample("b", dist.Normal(torch.tensor(0.0, dtype=D), PRIOR_B))
+        w = pyro.sample("w", dist.Normal(torch.zeros(P, dtype=D), PRIOR_W).to_event(1))
+        pyro.sample("obs", dist.Normal(x @ w + b, SIGMA).to_event(1), obs=y)
+
+    def wider(x, y=None):
+        w = pyro.sample("w", dist.Normal(torch.zeros(P + 1, dtype=D), PRIOR_W).to_event(1))
+        b = pyro.sample("b", dist.Normal(torch.tensor(0.0, dtype=D), PRIOR_B))
+        pyro.sample("obs", dist.Normal(x @ w[:P] + b, SIGMA).to_event(1), obs=y)
+
+    with pytest.raises(ModelError, match="came in the model before 'w'"):
+        posterior1.as_prior(swapped)(*second)
+    with pytest.raises(ModelError, match="same latent sites"):
+        posterior1.as_prior(wider)(*second)
+
+
+def test_nuts_on_the_prior_model_samples_the_posterior_on_both_episodes():
+    first, second = episodes()
+    mean1, _ = exact_posterior(first)
+    posterior1 = AutoLinearizedLaplace(linear_model).laplace_approximation(
+        *first, structure="full", map_latents=at(mean1)
+    )
+
+    def episode_two(x, y):  # NUTS reads the likelihood on all of the data: no subsampled plate
+        w = pyro.sample("w", dist.Normal(torch.zeros(P, dtype=D), PRIOR_W).to_event(1))
+        b = pyro.sample("b", dist.Normal(torch.tensor(0.0, dtype=D), PRIOR_B))
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Normal(x @ w + b, SIGMA), obs=y)
+
+    pyro.set_rng_seed(0)
+    n = 600
+    mcmc = MCMC(NUTS(posterior1.as_prior(episode_two)), num_samples=n, warmup_steps=300, disable_progbar=True)
+    mcmc.run(*second)
+    samples = mcmc.get_samples()
+    draws = torch.cat([samples["w"], samples["b"][:, None]], 1)
+    mean, precision = exact_posterior(first, second)
+    sd = torch.linalg.inv(precision).diagonal().sqrt()
+    # NUTS on a Gaussian is near-independent; allow an ESS of n/3 per coordinate
+    assert ((draws.mean(0) - mean).abs() <= 4.5 * sd / math.sqrt(n / 3)).all()
+    assert ((draws.std(0) / sd - 1).abs() < 0.2).all()
+
+
+def test_the_bridge_reads_the_prior_under_vmap():
+    joint, covariance = random_joint("low_rank_covariance", seed=4)
+
+    def model(y):
+        three_sites()
+        pyro.sample("obs", dist.Normal(torch.tensor(0.0, dtype=D), 1.0), obs=y)
+
+    bridge = ModelBridge(GaussianPriorModel(model, joint), (torch.tensor(0.3, dtype=D),))
+    u = torch.randn(5, 8, dtype=D, generator=torch.Generator().manual_seed(5))
+
+    def log_joint(flat):
+        latents = {"a": flat[:3], "s": flat[3], "m": flat[4:].reshape(2, 2)}
+        return bridge.log_posterior(latents, bridge.full_batch())
+
+    values = torch.func.vmap(log_joint)(u)
+    expected = dist.MultivariateNormal(joint.mean, covariance).log_prob(u) + dist.Normal(0.0, 1.0).log_prob(
+        torch.tensor(0.3, dtype=D)
+    )
+    assert torch.allclose(values, expected, rtol=1e-10)
+
+
+# ---------------------------------------------------------------------------- SWAG
+def test_swag_and_multiswag_priors_keep_their_mean_and_covariance():
+    first, _ = episodes()
+    for runs in (1, 3):
+        posterior = SWAG(linear_model, num_epochs=6, rank=5, num_runs=runs, seed=0, progress_bar=False).run(*first)
+        joint = posterior.as_prior().joint
+        means = posterior.mean
+        mixture = sum(posterior.covariance_matrix(r) for r in range(runs)) / runs
+        spread = means - means.mean(0)
+        mixture = mixture + spread.T @ spread / runs
+        assert torch.allclose(joint.mean, means.mean(0).to(joint.mean.dtype), rtol=1e-6, atol=1e-8)
+        assert torch.allclose(joint.covariance_matrix().double(), mixture.double(), rtol=1e-5, atol=1e-8)
