@@ -211,6 +211,10 @@ class JointGaussian:
         """The dense ``d x d`` precision (read by the ``full`` Laplace structure)."""
         return torch.cholesky_inverse(torch.linalg.cholesky(self.covariance_matrix().double())).to(self.mean.dtype)
 
+    def precision_diagonal(self) -> Tensor:
+        """The diagonal of the precision: one over each coordinate's variance given all the others."""
+        raise NotImplementedError
+
     @staticmethod
     def diagonal(sites, mean: Tensor, variance: Tensor) -> JointGaussian:
         return _Diagonal(sites, mean, variance)
@@ -241,6 +245,9 @@ class _Diagonal(JointGaussian):
     def precision_matrix(self):
         return torch.diag(self.scale.pow(-2))
 
+    def precision_diagonal(self):
+        return self.scale.pow(-2)
+
 
 def _concatenate(parts: list[Tensor]) -> Tensor:
     """Flat pieces with (possibly different) leading batch dimensions, joined along the last."""
@@ -255,29 +262,31 @@ class _Dense(JointGaussian):
         super().__init__(sites, mean)
         covariance = covariance.detach()
         self.covariance = covariance
-        self.scale_tril = torch.linalg.cholesky(covariance.double()).to(covariance.dtype)
+        tril = torch.linalg.cholesky(covariance.double()).to(covariance.dtype)
+        # per site, contiguous: a strided slice would be copied by every triangular solve
+        self.blocks = [(tril[rows, rows].contiguous(), tril[rows, : rows.start].contiguous()) for rows in self.slices]
 
     def start(self):
         return []
 
     def conditional(self, s, state):
-        rows = self.slices[s]
-        block = self.scale_tril[rows, rows]
-        loc = self.mean[rows]
+        block, before = self.blocks[s]
+        loc = self.mean[self.slices[s]]
         if state:
-            loc = loc + _mv(self.scale_tril[rows, : rows.start], _concatenate(state))
+            loc = loc + _mv(before, _concatenate(state))
         return _Tril(loc, block)
 
     def update(self, s, state, delta):
-        rows = self.slices[s]
-        rest = delta
-        if state:
-            rest = delta - _mv(self.scale_tril[rows, : rows.start], _concatenate(state))
-        z = torch.linalg.solve_triangular(self.scale_tril[rows, rows], rest.unsqueeze(-1), upper=False).squeeze(-1)
+        block, before = self.blocks[s]
+        rest = delta - _mv(before, _concatenate(state)) if state else delta
+        z = torch.linalg.solve_triangular(block, rest.unsqueeze(-1), upper=False).squeeze(-1)
         return [*state, z]
 
     def covariance_matrix(self):
         return self.covariance
+
+    def precision_diagonal(self):
+        return torch.linalg.inv(self.covariance.double()).diagonal().to(self.mean.dtype)
 
 
 class _LowRankCovarianceJoint(JointGaussian):
@@ -315,6 +324,13 @@ class _LowRankCovarianceJoint(JointGaussian):
     def covariance_matrix(self):
         return torch.diag(self.diag) + self.factor @ self.factor.mT
 
+    def precision_diagonal(self):
+        # Woodbury: (D + UU^T)^{-1} = D^{-1} - D^{-1} U C^{-1} U^T D^{-1}, C = I + U^T D^{-1} U
+        scaled = self.factor / self.diag.unsqueeze(-1)
+        capacitance = torch.eye(scaled.shape[-1], dtype=scaled.dtype, device=scaled.device) + self.factor.mT @ scaled
+        whitened = torch.linalg.solve_triangular(torch.linalg.cholesky(capacitance), scaled.mT, upper=False)
+        return self.diag.reciprocal() - whitened.square().sum(0)
+
 
 class _LowRankPrecisionJoint(JointGaussian):
     kind = "low_rank_precision"
@@ -347,6 +363,9 @@ class _LowRankPrecisionJoint(JointGaussian):
 
     def precision_matrix(self):
         return torch.diag(self.precision) + self.factor @ self.factor.mT
+
+    def precision_diagonal(self):
+        return self.precision + self.factor.square().sum(-1)
 
     def covariance_matrix(self):
         precision = self.precision_matrix().double()
@@ -497,6 +516,41 @@ class GaussianPriorModel:
 
     def __repr__(self) -> str:
         return f"GaussianPriorModel({self.__name__}, {self.joint.kind}, sites={[s.name for s in self.joint.sites]})"
+
+
+def prior_variances(bridge, names: list[str], latents: dict[str, Tensor]) -> Tensor:
+    """Per flat coordinate of ``names``, the inverse curvature of the model's own prior at unconstrained ``latents``.
+
+    The diagonal of :math:`-\\nabla^2\\log p(u)` (with the Jacobian of the site's bijection), from one
+    Hessian-vector product with a vector of ones per site, which is the diagonal for a factorised prior; ``inf``
+    where the curvature is not positive (a flat or improper prior). The priors are read in one trace of the model
+    at ``latents`` on one data point.
+    """
+    import pyro  # noqa: PLC0415  (the module is imported by pyro-facing code only)
+
+    values = bridge.constrain({k: v.detach() for k, v in latents.items()})
+    indices = {plate.name: torch.arange(1, device=bridge.device) for plate in bridge.plates.values()}
+    with pyro.poutine.condition(data=values):
+        trace = bridge.trace_at(indices)
+    parts = []
+    for name in names:
+        fn, site = trace.nodes[name]["fn"], bridge.sites[name]
+        point = latents[name].detach()
+        if isinstance(fn, SiteGaussian):  # a correlated prior: each coordinate's variance given the others
+            parts.append(fn.joint.precision_diagonal()[fn.joint.slices[fn.joint.index[name]]].reciprocal())
+            continue
+
+        def log_density(u, fn=fn, site=site):
+            constrained = site.transform(u)
+            log_prob = fn.log_prob(constrained).sum()
+            if site.has_jacobian:
+                log_prob = log_prob + site.transform.log_abs_det_jacobian(u, constrained).sum()
+            return log_prob
+
+        _, curvature = torch.func.jvp(torch.func.grad(log_density), (point,), (torch.ones_like(point),))
+        precision = -curvature.flatten()
+        parts.append(torch.where(precision > 0, precision.reciprocal(), torch.full_like(precision, math.inf)))
+    return torch.cat(parts)
 
 
 def site_specs(bridge, names: list[str]) -> list[SiteSpec]:

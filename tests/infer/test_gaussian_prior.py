@@ -286,3 +286,26 @@ def test_swag_and_multiswag_priors_keep_their_mean_and_covariance():
         mixture = mixture + spread.T @ spread / runs
         assert torch.allclose(joint.mean, means.mean(0).to(joint.mean.dtype), rtol=1e-6, atol=1e-8)
         assert torch.allclose(joint.covariance_matrix().double(), mixture.double(), rtol=1e-5, atol=1e-8)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_precision_diagonal(kind):
+    joint, covariance = random_joint(kind, seed=6)
+    assert torch.allclose(joint.precision_diagonal(), torch.linalg.inv(covariance).diagonal(), rtol=1e-9)
+
+
+def test_swag_gives_unmoved_coordinates_the_prior_variance():
+    first, _ = episodes()
+    x = torch.cat([first[0], torch.zeros(len(first[0]), 1, dtype=D)], 1)  # a fourth input that is always zero
+
+    def model(x, y=None):
+        w = pyro.sample("w", dist.Normal(torch.zeros(P + 1, dtype=x.dtype), PRIOR_W).to_event(1))
+        b = pyro.sample("b", dist.Normal(torch.tensor(0.0, dtype=x.dtype), PRIOR_B))
+        with pyro.plate("data", x.shape[0], subsample_size=20) as idx:
+            pyro.sample("obs", dist.Normal(x[idx] @ w + b, SIGMA), obs=None if y is None else y[idx])
+
+    posterior = SWAG(model, num_epochs=4, rank=5, seed=0, progress_bar=False).run(x, first[1])
+    assert float(posterior.variance[0, P]) < 1e-6 * PRIOR_W**2  # SGD never moved the weight of the zero input
+    joint = posterior.as_prior().joint
+    assert posterior.stats["prior_coordinates"] == 1
+    assert torch.allclose(joint.covariance_matrix()[P, P], torch.tensor(PRIOR_W**2, dtype=joint.mean.dtype))

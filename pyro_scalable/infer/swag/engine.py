@@ -14,8 +14,11 @@ covariance :math:`C` that solves :math:`HC + CH = \frac{\eta}{1-\mu}S`, :math:`S
 gradient. Mandt, Hoffman & Blei (2017, "Stochastic gradient descent as approximate Bayesian inference", Thm. 2)
 give the constant step whose stationary Gaussian is closest in KL to the posterior among isotropic steps:
 :math:`\eta/(1-\mu) = 2d/\mathrm{tr}\,S`. ``lr="auto"`` uses it, with :math:`\mathrm{tr}\,S` estimated from
-:data:`NOISE_PROBES` minibatch gradients at the first run's start. SWAG's paper sets the step by hand per data
-set; a given ``lr`` is used as is.
+:data:`NOISE_PROBES` minibatch gradients at the first run's start, capped at half the stability bound of
+heavy-ball SGD, :math:`\eta \le (1+\mu)/\lambda_{\max}` (:math:`\lambda_{\max}` the largest curvature of the
+minibatch log joint there, by power iteration on Hessian-vector products): Mandt's rate looks at the noise only,
+and a stiff direction without noise (a sharp prior, e.g. the previous episode's posterior from ``as_prior``) would
+make it diverge. SWAG's paper sets the step by hand per data set; a given ``lr`` is used as is.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from typing import Any, Literal
 import torch
 from pyro.infer.autoguide.initialization import init_to_uniform
 from torch import Tensor
-from torch.func import grad
+from torch.func import grad, jvp
 from tqdm.auto import tqdm
 
 from pyro_scalable.arguments import check_choice, check_count, check_flag, check_seed
@@ -49,6 +52,7 @@ from pyro_scalable.infer.swag.posterior import SWAGPosterior
 __all__ = ["SWAG"]
 
 NOISE_PROBES = 32  # minibatch gradients that estimate tr S for lr="auto"
+POWER_ITERATIONS = 30  # Hessian-vector products that find the stiffest direction for lr="auto"
 
 
 @dataclass(frozen=True)
@@ -67,7 +71,8 @@ class SWAG:
     Args:
         model: the Pyro model, as written for SVI or SG-MCMC (``subsample_size`` on the data plate).
         lr: SGD's learning rate on the negative log joint (a sum over the data: a mean-loss rate divided by N);
-            ``"auto"``: :math:`2(1-\mu)d/\mathrm{tr}\,S` (module docstring).
+            ``"auto"``: :math:`2(1-\mu)d/\mathrm{tr}\,S`, at most :math:`(1+\mu)/\lambda_{\max}` (module
+            docstring); ``stats`` records both.
         momentum: SGD's momentum μ in [0, 1).
         cycle_length: steps per cosine cycle of the learning rate (from ``lr`` down to near 0), with a snapshot
             at the end of each cycle, where the rate is lowest; ``None``: a constant rate.
@@ -177,6 +182,7 @@ class SWAG:
         sampler = EpochSampler(
             bridge.plates, self.num_runs, generator, bridge.device, replacement=self.minibatches == "independent"
         )
+        self._rates = (math.nan, math.nan)
         lr = self._learning_rate(bridge, layout, {k: v[0] for k, v in starts.items()}, seed)
         per_epoch = -(-plate.size // plate.subsample_size)
         every = self.snapshot_every or self.cycle_length or per_epoch
@@ -231,6 +237,8 @@ class SWAG:
             raise FloatingPointError(f"SWAG's snapshots are not finite (the SGD diverged); {advice}")
         self.stats = {
             "lr": lr,
+            "lr_noise": self._rates[0],
+            "lr_stability": self._rates[1],
             "momentum": self.momentum,
             "steps": total,
             "burn_in_steps": burn_in,
@@ -280,4 +288,36 @@ class SWAG:
             raise ModelError(
                 f"lr='auto' found no minibatch gradient noise at the start (tr S = {trace:.3g}); pass lr= by hand."
             )
-        return 2.0 * (1.0 - self.momentum) * layout.num_params / trace
+        noise_rate = 2.0 * (1.0 - self.momentum) * layout.num_params / trace
+        # heavy-ball SGD is stable on curvature λ iff lr·λ < 2(1 + μ); half that bound at the stiffest direction
+        batch = Batch({name: idx[0] for name, idx in next(sampler).items()}, bridge.args, bridge.kwargs)
+        stiffest = _largest_curvature(lambda flat: bridge.log_posterior(layout.unflatten(flat), batch), point, layout)
+        self._rates = (noise_rate, (1.0 + self.momentum) / stiffest if stiffest > 0 else math.inf)
+        if self._rates[1] < self._rates[0] / 10:
+            warnings.warn(
+                f"lr='auto': Mandt's rate {noise_rate:.3g} is above the stable step {self._rates[1]:.3g} (curvature "
+                f"{stiffest:.3g} in the stiffest direction), so SGD runs at the latter, and SWAG's covariance, which "
+                f"grows with the step, comes out about {self._rates[0] / self._rates[1]:.3g} times narrower than "
+                "Mandt's in the noisy directions. A sharp prior (e.g. a previous posterior) causes this; SWAG cannot "
+                "adapt its step per direction.",
+                stacklevel=3,
+            )
+        return min(self._rates)
+
+
+def _largest_curvature(log_joint, point: Latents, layout: ParameterLayout, iterations: int = POWER_ITERATIONS) -> float:
+    """The largest eigenvalue of the negative Hessian of ``log_joint`` at ``point``, by power iteration on HVPs."""
+    flat = layout.flatten(point).detach()
+    gradient = grad(log_joint)
+    vector = torch.randn(flat.shape, generator=torch.Generator(device=flat.device).manual_seed(0), dtype=flat.dtype)
+    vector = vector.to(flat.device) / vector.norm()
+    value = 0.0
+    for _ in range(iterations):
+        _, product = jvp(gradient, (flat,), (vector,))
+        product = -product.detach()
+        value = float(vector @ product)
+        norm = product.norm()
+        if not bool(torch.isfinite(norm)) or float(norm) == 0.0:
+            break
+        vector = product / norm
+    return value

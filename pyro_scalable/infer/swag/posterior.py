@@ -17,12 +17,14 @@ from torch import Tensor
 
 from pyro_scalable.arguments import check_count, check_flag, check_seed
 from pyro_scalable.bridge.model import Latents, ModelBridge
-from pyro_scalable.infer.gaussian_prior import GaussianPriorModel, JointGaussian, site_specs
+from pyro_scalable.infer.gaussian_prior import GaussianPriorModel, JointGaussian, prior_variances, site_specs
 from pyro_scalable.infer.linearized.layout import ParameterLayout
 from pyro_scalable.infer.predictive import sample_posterior_predictive
 from pyro_scalable.infer.swag.moments import SWAGMoments, dense_covariance, sample_flat
 
 __all__ = ["SWAGPosterior"]
+
+UNMOVED = 1e-6  # a SWAG variance below this fraction of the prior's: SGD did not move that coordinate
 
 
 class SWAGPosterior:
@@ -117,6 +119,11 @@ class SWAGPosterior:
         low-rank form (rank K, no ``d x d``). Several runs (MultiSWAG): the Gaussian with the mixture's mean and
         covariance (rank R(K+1)); a mixture is not a Gaussian, so this keeps its first two moments only.
 
+        SGD does not move a coordinate that no example's gradient reaches (a weight on an input that is always
+        zero): SWAG's variance there is zero, while the posterior's is the prior's. Those coordinates (variance
+        below :data:`UNMOVED` times the prior's, read from the prior's curvature at the SWA mean) get the prior's
+        variance; ``stats["prior_coordinates"]`` counts them.
+
         Args:
             model: the model the prior goes into (default: the one SWAG ran on); same latent sites, same order.
 
@@ -125,7 +132,11 @@ class SWAGPosterior:
         mean = moments.mean.mean(0)
         low_rank = self.covariance == "low_rank"
         diag = (0.5 if low_rank else 1.0) * moments.variance.mean(0)
-        diag = diag.clamp_min(float(diag.max()) * torch.finfo(diag.dtype).eps * diag.shape[-1])
+        # where SGD never moved (no gradient noise: a weight on an always-zero input) the posterior is the prior
+        prior = prior_variances(self.bridge, self.sites, self.layout.unflatten(mean)).to(diag.dtype)
+        still = diag < UNMOVED * prior
+        diag = torch.where(still, prior, diag)
+        self.stats["prior_coordinates"] = int(still.sum())
         columns = []
         if low_rank:
             columns.append((moments.deviations / math.sqrt(2 * (self.rank - 1) * runs)).reshape(-1, self.num_params))
