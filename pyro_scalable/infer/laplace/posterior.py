@@ -202,7 +202,7 @@ class LaplacePosterior(LaplacePredictives):
         if observation_noise is not None and not _traced(observation_noise):
             check_number("observation_noise", observation_noise, positive=True)
         precision = self._prior_precision if prior_precision is None else prior_precision
-        if precision.dim() != 2:
+        if not isinstance(precision, Tensor) or precision.dim() != 2:
             precision = torch.as_tensor(precision, dtype=theta.dtype, device=theta.device)
             precision = torch.broadcast_to(precision, theta.shape)
         noise = (

@@ -1,58 +1,22 @@
-r"""A Gaussian posterior as the joint prior of a Pyro model's latent sites: ``posterior.as_prior(model)``.
+r"""The joint Gaussian over a model's flat unconstrained latent sites, as a chain of per-site conditionals.
 
-A Gaussian over the flat unconstrained vector :math:`u = (u_1, \dots, u_S)` of the sites :math:`1..S` (in the order
-the model samples them) is written as the chain of its conditionals,
-
-.. math::
-
-    \mathcal N(u;\ \mu, \Sigma) = \prod_s p(u_s \mid u_{<s}),
-
-and site :math:`s` of the model gets :math:`p(u_s\mid u_{<s})`, pushed through the site's bijection to its support
-(the log-density subtracts :math:`\log|\det J|`, so an engine that works in unconstrained space sees the Gaussian
-itself). Drawing the sites in turn draws the joint; the sum of the sites' log-densities is the joint's. Every engine
-that reads the model's log-density (SG-MCMC, SWAG, Pyro's NUTS) therefore reads the posterior as the prior, with
-its correlations. The conditionals never form a ``d x d`` matrix for the structured forms:
-
-* **diagonal** :math:`\Sigma = \mathrm{diag}(v)`: independent Normals (Pyro's own, so the Laplace and
-  sample-then-optimise engines read them as their usual diagonal prior — the EWC update).
-* **dense** :math:`\Sigma = LL^\top`: with :math:`z_{<s} = L_{<s,<s}^{-1}(u_{<s}-\mu_{<s})`,
-  :math:`u_s \mid u_{<s} \sim \mathcal N(\mu_s + L_{s,<s} z_{<s},\ L_{ss}L_{ss}^\top)`.
-* **low-rank covariance** :math:`\Sigma = D + UU^\top` (SWAG; rank :math:`k`): with
-  :math:`C_s = I + \sum_{t<s} U_t^\top D_t^{-1} U_t` and :math:`r_s = \sum_{t<s} U_t^\top D_t^{-1}\delta_t`
-  (:math:`\delta = u - \mu`), Woodbury gives
-  :math:`u_s \mid u_{<s} \sim \mathcal N(\mu_s + U_s C_s^{-1} r_s,\ D_s + U_s C_s^{-1} U_s^\top)`, again rank k.
-* **low-rank precision** :math:`\Lambda = P + VV^\top` (the Laplace ``low_rank`` structure): integrating out the
-  later sites leaves the precision :math:`P + V M_s V^\top` on :math:`u_{\le s}`, with
-  :math:`M_s = (I + \sum_{t>s} V_t^\top P_t^{-1} V_t)^{-1}`, so
-  :math:`u_s \mid u_{<s}` has precision :math:`\Lambda_s = P_s + V_s M_s V_s^\top` and mean
-  :math:`\mu_s - \Lambda_s^{-1} V_s M_s \sum_{t<s} V_t^\top \delta_t`.
-
-A site inside a (non-subsampled) plate keeps the plate as its batch shape; its joint log-density is spread evenly
-over the plate's elements, so the model's total is exact (a plate claims independence the prior no longer has:
-do not subsample such a plate, and do not enumerate it).
+The forms and the conditionals each one gives are derived in :mod:`pyro_scalable.infer.gaussian_prior`.
 """
 
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass
 from typing import Any
 
-import pyro.distributions as dist
 import torch
-from pyro.distributions.torch_distribution import TorchDistribution
-from pyro.poutine.messenger import Messenger
 from torch import Tensor
 from torch.distributions import biject_to, constraints
-from torch.distributions.transforms import IndependentTransform, Transform
+from torch.distributions.transforms import Transform
 
-from pyro_scalable.bridge.checks import ModelError
-
-__all__ = ["GaussianPriorModel", "JointGaussian", "SiteGaussian", "SiteSpec"]
+__all__ = ["JointGaussian", "SiteSpec"]
 
 _LOG_2PI = math.log(2 * math.pi)
-_SCALAR = torch.Size()
 
 
 @dataclass(frozen=True)
@@ -370,192 +334,3 @@ class _LowRankPrecisionJoint(JointGaussian):
     def covariance_matrix(self):
         precision = self.precision_matrix().double()
         return torch.cholesky_inverse(torch.linalg.cholesky(precision)).to(self.mean.dtype)
-
-
-# ---------------------------------------------------------------------------- the site distribution
-def _elementwise(transform: Transform) -> Transform | None:
-    while isinstance(transform, IndependentTransform):
-        transform = transform.base_transform
-    return transform if transform.domain.event_dim == 0 and transform.codomain.event_dim == 0 else None
-
-
-class SiteGaussian(TorchDistribution):
-    r"""One site's conditional :math:`p(u_s\mid u_{<s})`, pushed to the site's support.
-
-    ``joint`` and ``name`` say which joint prior it belongs to (the Laplace engine reads the joint from them).
-    """
-
-    arg_constraints: dict = {}
-    has_rsample = True
-
-    def __init__(
-        self, flat: _Flat, spec: SiteSpec, joint: JointGaussian, plate_shape: torch.Size = _SCALAR, extra=_SCALAR
-    ):
-        self.flat, self.spec, self.joint, self.name = flat, spec, joint, spec.name
-        self.plate_shape = torch.Size(plate_shape)
-        event_shape = spec.shape[len(plate_shape) :]
-        super().__init__(batch_shape=torch.Size(extra) + self.plate_shape, event_shape=event_shape, validate_args=False)
-
-    @constraints.dependent_property
-    def support(self):
-        return self.spec.support
-
-    def expand(self, batch_shape, _instance=None):
-        """Independent copies along new leading dimensions (e.g. ``Predictive(..., parallel=True)``)."""
-        batch_shape = torch.Size(batch_shape)
-        if batch_shape == self.batch_shape:
-            return self
-        plate = self.plate_shape
-        if len(batch_shape) < len(plate) or batch_shape[len(batch_shape) - len(plate) :] != plate:
-            raise ModelError(
-                f"latent site '{self.name}' has a correlated prior (as_prior) over its whole value; it cannot be "
-                f"broadcast to the batch shape {tuple(batch_shape)}. Sample it outside that plate."
-            )
-        extra = batch_shape[: len(batch_shape) - len(plate)]
-        flat = copy.copy(self.flat)
-        flat.loc = self.flat.loc.expand(torch.broadcast_shapes(extra + self.flat.loc.shape[-1:], self.flat.loc.shape))
-        return SiteGaussian(flat, self.spec, self.joint, plate, extra)
-
-    def rsample(self, sample_shape=_SCALAR):
-        flat = self.flat.rsample(torch.Size(sample_shape))
-        u = flat.reshape(flat.shape[:-1] + self.spec.unconstrained_shape)
-        return self.spec.transform(u)
-
-    def log_prob(self, value: Tensor) -> Tensor:
-        transform = self.spec.transform
-        u = transform.inv(value)
-        outer = u.shape[: u.dim() - len(self.spec.unconstrained_shape)]
-        log_prob = self.flat.log_prob(u.reshape(outer + (-1,)))
-        if self.spec.has_jacobian:
-            jacobian = transform.log_abs_det_jacobian(u, value)
-            log_prob = log_prob - jacobian.reshape(outer + (-1,)).sum(-1)
-        if self.plate_shape:  # a site inside a plate: its joint log-density spread over the plate's elements
-            log_prob = (log_prob / self.plate_shape.numel()).reshape(outer + (1,) * len(self.plate_shape))
-            log_prob = log_prob.expand(outer + self.plate_shape)
-        return log_prob
-
-
-def _site_distribution(joint: JointGaussian, s: int, state: Any, batch_shape: torch.Size):
-    spec = joint.sites[s]
-    if joint.kind == "diagonal":  # Pyro's own distributions: the Laplace and STO engines read them as usual
-        rows = joint.slices[s]
-        loc = joint.mean[rows].reshape(spec.unconstrained_shape)
-        scale = joint.scale[rows].reshape(spec.unconstrained_shape)
-        base = dist.Normal(loc, scale)
-        if not spec.has_jacobian:
-            return base.to_event(len(spec.shape) - len(batch_shape))
-        elementwise = _elementwise(spec.transform)
-        if elementwise is not None and spec.shape == spec.unconstrained_shape:
-            return dist.TransformedDistribution(base, elementwise).to_event(len(spec.shape) - len(batch_shape))
-        flat = _Tril(joint.mean[rows], torch.diag(joint.scale[rows]))
-        return SiteGaussian(flat, spec, joint, batch_shape)
-    return SiteGaussian(joint.conditional(s, state), spec, joint, batch_shape)
-
-
-class _JointPriorMessenger(Messenger):
-    """Replaces the priors of the joint's sites by their conditionals, in the order the model samples them."""
-
-    def __init__(self, joint: JointGaussian):
-        super().__init__()
-        self.joint = joint
-        self.state = joint.start()
-        self.next = 0
-        self.pending = None
-
-    def _pyro_sample(self, msg):
-        s = self.joint.index.get(msg["name"])
-        if s is None or msg["is_observed"]:
-            return
-        spec = self.joint.sites[s]
-        if s != self.next:
-            expected = self.joint.sites[self.next].name if self.next < len(self.joint.sites) else "none"
-            raise ModelError(
-                f"latent site '{msg['name']}' came in the model before '{expected}': the prior from the posterior "
-                "follows the order the model sampled its sites in when the posterior was fitted. Keep that order."
-            )
-        fn = msg["fn"]
-        shape = torch.Size(fn.batch_shape + fn.event_shape)
-        if shape != spec.shape:
-            raise ModelError(
-                f"latent site '{msg['name']}' has shape {tuple(shape)} here and {tuple(spec.shape)} in the posterior "
-                "used as its prior: the next episode's model must have the same latent sites."
-            )
-        msg["fn"] = _site_distribution(self.joint, s, self.state, fn.batch_shape)
-        self.pending = msg["name"]
-
-    def _pyro_post_sample(self, msg):
-        # by name: an outer condition() may have marked the site observed since, and a plate expanded its fn
-        s = self.joint.index.get(msg["name"])
-        if s is None or msg["name"] != self.pending:
-            return
-        self.pending = None
-        spec = self.joint.sites[s]
-        u = spec.transform.inv(msg["value"])
-        u = u.reshape(u.shape[: u.dim() - len(spec.unconstrained_shape)] + (-1,))
-        if self.joint.kind != "diagonal":
-            self.state = self.joint.update(s, self.state, u - self.joint.mean[self.joint.slices[s]])
-        self.next += 1
-
-
-class GaussianPriorModel:
-    """``model`` with a Gaussian (a previous episode's posterior) as the joint prior of its latent sites.
-
-    Call it like the model. Latent sites outside the Gaussian keep the model's own priors. ``joint`` is the prior
-    (a :class:`JointGaussian` over the flat unconstrained sites).
-    """
-
-    def __init__(self, model, joint: JointGaussian):
-        if not callable(model):
-            raise TypeError(f"model must be a callable Pyro model, got {type(model).__name__}.")
-        self.model, self.joint = model, joint
-        self.__name__ = getattr(model, "__name__", type(model).__name__)
-
-    def __call__(self, *args, **kwargs):
-        with _JointPriorMessenger(self.joint):
-            return self.model(*args, **kwargs)
-
-    def __repr__(self) -> str:
-        return f"GaussianPriorModel({self.__name__}, {self.joint.kind}, sites={[s.name for s in self.joint.sites]})"
-
-
-def prior_variances(bridge, names: list[str], latents: dict[str, Tensor]) -> Tensor:
-    """Per flat coordinate of ``names``, the inverse curvature of the model's own prior at unconstrained ``latents``.
-
-    The diagonal of :math:`-\\nabla^2\\log p(u)` (with the Jacobian of the site's bijection), from one
-    Hessian-vector product with a vector of ones per site, which is the diagonal for a factorised prior; ``inf``
-    where the curvature is not positive (a flat or improper prior). The priors are read in one trace of the model
-    at ``latents`` on one data point.
-    """
-    import pyro  # noqa: PLC0415  (the module is imported by pyro-facing code only)
-
-    values = bridge.constrain({k: v.detach() for k, v in latents.items()})
-    indices = {plate.name: torch.arange(1, device=bridge.device) for plate in bridge.plates.values()}
-    with pyro.poutine.condition(data=values):
-        trace = bridge.trace_at(indices)
-    parts = []
-    for name in names:
-        fn, site = trace.nodes[name]["fn"], bridge.sites[name]
-        point = latents[name].detach()
-        if isinstance(fn, SiteGaussian):  # a correlated prior: each coordinate's variance given the others
-            parts.append(fn.joint.precision_diagonal()[fn.joint.slices[fn.joint.index[name]]].reciprocal())
-            continue
-
-        def log_density(u, fn=fn, site=site):
-            constrained = site.transform(u)
-            log_prob = fn.log_prob(constrained).sum()
-            if site.has_jacobian:
-                log_prob = log_prob + site.transform.log_abs_det_jacobian(u, constrained).sum()
-            return log_prob
-
-        _, curvature = torch.func.jvp(torch.func.grad(log_density), (point,), (torch.ones_like(point),))
-        precision = -curvature.flatten()
-        parts.append(torch.where(precision > 0, precision.reciprocal(), torch.full_like(precision, math.inf)))
-    return torch.cat(parts)
-
-
-def site_specs(bridge, names: list[str]) -> list[SiteSpec]:
-    """The :class:`SiteSpec` of each named latent site of a bridged model, in the given order."""
-    return [
-        SiteSpec(name, bridge.sites[name].shape, bridge.sites[name].unconstrained_shape, bridge.support(name))
-        for name in names
-    ]
