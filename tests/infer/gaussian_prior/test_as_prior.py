@@ -309,3 +309,20 @@ def test_swag_gives_unmoved_coordinates_the_prior_variance():
     joint = posterior.as_prior().joint
     assert posterior.stats["prior_coordinates"] == 1
     assert torch.allclose(joint.covariance_matrix()[P, P], torch.tensor(PRIOR_W**2, dtype=joint.mean.dtype))
+
+
+def test_swag_as_prior_warns_when_its_step_was_capped():
+    """A stiff direction without noise (a sharp prior on b) caps lr='auto'; the narrowed Gaussian is named."""
+    first, _ = episodes()
+
+    def model(x, y=None):
+        w = pyro.sample("w", dist.Normal(torch.zeros(P, dtype=x.dtype), PRIOR_W).to_event(1))
+        b = pyro.sample("b", dist.Normal(torch.tensor(0.0, dtype=x.dtype), 1e-3))
+        with pyro.plate("data", x.shape[0], subsample_size=20) as idx:
+            pyro.sample("obs", dist.Normal(x[idx] @ w + b, SIGMA), obs=None if y is None else y[idx])
+
+    with pytest.warns(UserWarning, match="lr='auto': Mandt's rate"):
+        posterior = SWAG(model, num_epochs=4, rank=5, seed=0, progress_bar=False).run(*first)
+    assert posterior.stats["lr"] < posterior.stats["lr_noise"] / 10
+    with pytest.warns(UserWarning, match="as_prior: SWAG ran at lr="):
+        posterior.as_prior()
