@@ -16,11 +16,14 @@ import pyro.distributions as dist
 import torch
 from torch import Tensor
 
-from pyro_scalable.arguments import check_count, check_flag, check_seed
+from pyro_scalable.arguments import check_choice, check_count, check_flag, check_seed
 from pyro_scalable.bridge.model import Latents, ModelBridge
 from pyro_scalable.infer.gaussian_prior import GaussianPriorModel, JointGaussian, prior_variances, site_specs
+from pyro_scalable.infer.linearized.glm import GLMPredictive
 from pyro_scalable.infer.linearized.layout import ParameterLayout
+from pyro_scalable.infer.linearized.likelihoods import LinkApprox
 from pyro_scalable.infer.predictive import sample_posterior_predictive
+from pyro_scalable.infer.swag.linearized import linearized_predictive
 from pyro_scalable.infer.swag.moments import SWAGMoments, dense_covariance, sample_flat
 
 __all__ = ["SWAGPosterior"]
@@ -75,10 +78,26 @@ class SWAGPosterior:
 
     def covariance_matrix(self, run: int = 0) -> Tensor:
         """Run ``run``'s covariance as a dense ``(d, d)`` matrix (for small models: it takes d² numbers)."""
+        self._check_run(run)
+        return dense_covariance(self.moments, self.covariance, run)
+
+    def covariance_factors(self, run: int = 0) -> tuple[Tensor, Tensor]:
+        r"""Run ``run``'s covariance as :math:`\mathrm{diag}(D) + AA^\top`.
+
+        Returns:
+            ``D`` ``(d,)`` and ``A`` ``(d, K)`` (``(d, 0)`` for ``covariance="diagonal"``).
+
+        """
+        self._check_run(run)
+        variance, deviations = self.moments.variance[run], self.moments.deviations[run]
+        if self.covariance == "diagonal":
+            return variance, deviations.new_zeros(variance.shape[0], 0)
+        return 0.5 * variance, deviations.T / math.sqrt(2 * (self.rank - 1))
+
+    def _check_run(self, run: int) -> None:
         check_count("run", run, 0)
         if run >= self.num_runs:
             raise ValueError(f"run must be below num_runs = {self.num_runs}, got {run}.")
-        return dense_covariance(self.moments, self.covariance, run)
 
     # ------------------------------------------------------------------ samples and guide
     def sample(self, num_samples: int, generator: torch.Generator | None = None) -> Tensor:
@@ -167,6 +186,51 @@ class SWAGPosterior:
         return GaussianPriorModel(self.bridge.model if model is None else model, joint)
 
     # ------------------------------------------------------------------ predictions and ArviZ
+    def predict(
+        self,
+        *args: Any,
+        run: int | None = None,
+        link_approx: LinkApprox = "probit",
+        num_samples: int = 100,
+        seed: int | None = None,
+        **kwargs: Any,
+    ) -> GLMPredictive:
+        r"""The linearised predictive at the model's inputs ``args`` (no ``y``; none: the training data).
+
+        The network linearised at the SWA mean, pushed through SWAG's Gaussian:
+        :math:`f \sim \mathcal N(f(x,\bar\theta),\ J\Sigma J^\top)`, then the law of ``y`` (module
+        :mod:`pyro_scalable.infer.swag.linearized`). Returns the outputs' ``mean`` ``(points, outputs)``, their
+        ``covariance`` ``(points, outputs, outputs)`` and the law of ``y`` (``distribution``), as the Laplace
+        posterior's ``predict`` does.
+
+        Args:
+            run: which run's Gaussian (MultiSWAG has one linearisation point per run; required when there are
+                several — mix the runs' laws yourself, or use :meth:`posterior_predictive` for the mixture).
+            link_approx: ``"probit"`` (closed form) or ``"mc"`` (``num_samples`` draws of the outputs per point)
+                for classification and count likelihoods; a Normal likelihood is always exact.
+
+        """
+        check_choice("link_approx", link_approx, ("probit", "mc"))
+        check_count("num_samples", num_samples)
+        if run is None:
+            if self.num_runs > 1:
+                raise ValueError(
+                    f"predict linearises the network at one SWA mean, and this MultiSWAG posterior has "
+                    f"{self.num_runs}: pass run= (0 to {self.num_runs - 1}) for one run's predictive, or call "
+                    "posterior_predictive() for the mixture's sampled-weights predictive."
+                )
+            run = 0
+        self._check_run(run)
+        return linearized_predictive(
+            self,
+            run,
+            args,
+            kwargs,
+            link_approx=link_approx,
+            num_samples=num_samples,
+            generator=self._generator(seed),
+        )
+
     def posterior_predictive(
         self,
         *args: Any,
