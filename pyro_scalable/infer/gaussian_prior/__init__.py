@@ -27,6 +27,9 @@ its correlations. The conditionals never form a ``d x d`` matrix for the structu
   :math:`u_s \mid u_{<s}` has precision :math:`\Lambda_s = P_s + V_s M_s V_s^\top` and mean
   :math:`\mu_s - \Lambda_s^{-1} V_s M_s \sum_{t<s} V_t^\top \delta_t`.
 
+* **K-FAC blocks** (the Laplace ``kron`` structure): one block per layer in its factors' eigenbases, a layer's
+  weight marginally and its bias given the weight (:mod:`pyro_scalable.infer.gaussian_prior.kron`).
+
 A site inside a (non-subsampled) plate keeps the plate as its batch shape; its joint log-density is spread evenly
 over the plate's elements, so the model's total is exact (a plate claims independence the prior no longer has:
 do not subsample such a plate, and do not enumerate it).

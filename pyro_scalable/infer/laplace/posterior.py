@@ -322,7 +322,8 @@ class LaplacePosterior(LaplacePredictives):
         Fit the next episode's data with any engine on the returned model: the correlations are kept (``full`` as
         a dense Gaussian, ``low_rank`` in its precision form, ``diag`` as independent Normals — the EWC update).
         The sites held at their MAP values (e.g. a noise scale) keep the model's own priors.
-        ``kron`` and ``sampled`` posteriors are made dense, which this allows up to 5,000 parameters.
+        ``kron`` keeps its layer blocks (a weight's marginal and its bias given it, in the factors' eigenbases: no
+        ``d x d``; :mod:`pyro_scalable.infer.gaussian_prior.kron`); ``sampled`` is made dense, up to 5,000 parameters.
 
         Args:
             model: the model the prior goes into (default: the one this posterior was fitted on); it must sample

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from pyro_scalable.infer.gaussian_prior.kron import KronFactors, KronJoint
 from pyro_scalable.infer.laplace.curvature import (
     CurvatureError,
     FitRequest,
@@ -193,6 +194,21 @@ class KronPrecision:
     def sample(self, num_samples: int, generator=None) -> Tensor:
         noise = gaussian_noise((num_samples, self.curvature.num_params), self.prior_precision, generator)
         return self._apply(noise, KronBlockPrecision.sample, self.rest.rsqrt())
+
+    def joint_gaussian(self, sites, mean: Tensor) -> KronJoint:
+        r""":math:`\mathcal N(\text{mean}, H^{-1})` as a prior, layer by layer in the factors' eigenbases."""
+        dtype = mean.dtype
+        blocks = [
+            KronFactors(
+                b.block.index,
+                b.block.output_eigenvectors.detach().to(dtype),
+                b.input_vectors.detach().to(dtype),
+                b.eigenvalues.detach().to(dtype),
+                torch.broadcast_to(b.root_prior.detach(), b.block.index.shape[-1:]).to(dtype),
+            )
+            for b in self.blocks
+        ]
+        return KronJoint(sites, mean, blocks, self.curvature.rest_index, self.rest.detach().to(dtype))
 
     def inverse_diagonal(self) -> Tensor:
         out = torch.empty_like(self.prior_precision)
