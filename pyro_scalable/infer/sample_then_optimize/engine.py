@@ -47,6 +47,7 @@ from pyro_scalable.arguments import (
 )
 from pyro_scalable.bridge.checks import ModelError
 from pyro_scalable.bridge.model import FullDataModel, ModelBridge
+from pyro_scalable.infer.gaussian_prior import GaussianPriorModel, JointGaussian, site_specs
 from pyro_scalable.infer.linearized.layout import ParameterLayout
 from pyro_scalable.infer.linearized.network import NetworkFunction, choose_sites, observed_site
 from pyro_scalable.infer.results import Draws, RunRecord
@@ -350,6 +351,27 @@ class SampleThenOptimize(SampleThenOptimizePredictives, Draws):
         if self.net is None:
             raise RuntimeError("call run(...) before asking for results.")
         return self.net
+
+    def as_prior(self, model: Any = None) -> GaussianPriorModel:
+        r"""The model with a diagonal Gaussian of this posterior as the prior of its sampled sites (the next episode).
+
+        :math:`\mathcal N(\bar\theta, \mathrm{diag}(\hat v))` with :math:`\hat v_i = \frac1K\sum_j \zeta_{ji}^2`,
+        the draws' estimate of each marginal variance of :math:`H^{-1}` (unbiased; relative sd
+        :math:`\sqrt{2/K}`). The draws hold :math:`H^{-1}` only through K directions, so the correlations are
+        dropped: this is the moment-matched diagonal, not EWC's :math:`1/\mathrm{diag}(H)` (which is narrower).
+        The prior is made of Pyro's own Normals, so every engine reads it, this one included (keep ``em_steps=0``
+        on the next episode to leave it as it is). The sites held fixed (a noise scale) keep the model's priors.
+
+        Args:
+            model: the model the prior goes into (default: the one this engine ran on); it must sample the same
+                latent sites, in the same order.
+
+        """
+        net = self._require_net()
+        variance = self.sample_offsets.square().mean(0)
+        specs = site_specs(self.bridge, net.layout.names)
+        joint = JointGaussian.diagonal(specs, self.mean_unconstrained.detach(), variance.detach())
+        return GaussianPriorModel(self.bridge.model if model is None else model, joint)
 
     def get_mean(self) -> dict[str, Tensor]:
         """The posterior mean of the sampled sites (constrained; the other sites at their fixed values)."""

@@ -415,3 +415,30 @@ def test_kron_as_prior_draws_and_vmap():
     values = torch.func.vmap(log_joint)(flats)
     one_by_one = torch.stack([log_joint(flat) for flat in flats])
     assert torch.allclose(values, one_by_one, rtol=1e-10, atol=1e-10)
+
+
+# ---------------------------------------------------------------------------- sample-then-optimise
+def test_sample_then_optimize_as_prior_is_the_draws_diagonal_and_feeds_the_next_run():
+    """N(mean, diag(mean ζ²)): the exact mean, the marginal variances within Monte-Carlo error; read by the next run."""
+    first, second = episodes()
+    num_samples = 1000
+    options = {"num_epochs": 150, "variance_reduction": "all", "seed": 0, "progress_bar": False}
+    engine = SampleThenOptimize(linear_model, num_samples=num_samples, **options)
+    engine.run(*first)
+    mean1, precision1 = exact_posterior(first)
+    joint = engine.as_prior().joint
+    assert joint.kind == "diagonal"
+    assert torch.allclose(joint.mean, mean1, rtol=1e-9, atol=1e-9)
+    variance = joint.covariance_matrix().diagonal()
+    assert torch.allclose(variance, engine.sample_offsets.square().mean(0), rtol=1e-12)
+    exact = torch.linalg.inv(precision1).diagonal()
+    assert ((variance - exact).abs() <= 4.5 * exact * math.sqrt(2 / num_samples)).all(), variance / exact
+    # the next episode's run reads it as the model's prior: its mean is the conjugate posterior under that prior
+    engine2 = SampleThenOptimize(engine.as_prior(), num_samples=4, **options)
+    engine2.run(*second)
+    x, y = second
+    design = torch.cat([x, torch.ones(len(x), 1, dtype=D)], 1)
+    precision = torch.diag(variance.reciprocal()) + design.T @ design / SIGMA**2
+    expected = torch.linalg.solve(precision, mean1 / variance + design.T @ y / SIGMA**2)
+    got = engine2.get_mean()
+    assert torch.allclose(torch.cat([got["w"], got["b"].reshape(1)]), expected, rtol=1e-8, atol=1e-9)
