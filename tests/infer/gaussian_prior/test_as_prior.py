@@ -331,14 +331,15 @@ def test_swag_as_prior_warns_when_its_step_was_capped():
 
 # ---------------------------------------------------------------------------- kron, without d x d
 class _TwoLayer(PyroModule):
-    """2-5-1 tanh net in float64, weights sampled before biases, and a scalar ``shift`` outside any layer."""
+    """2-5-1 tanh net in float64, weights sampled before biases (one layer with a bias prior of its own), and a
+    scalar ``shift`` outside any layer."""
 
     def __init__(self):
         super().__init__()
         zero = torch.tensor(0.0, dtype=D)
         self.hidden = PyroModule[torch.nn.Linear](2, 5)
         self.hidden.weight = PyroSample(dist.Normal(zero, 1.0).expand([5, 2]).to_event(2))
-        self.hidden.bias = PyroSample(dist.Normal(zero, 1.0).expand([5]).to_event(1))
+        self.hidden.bias = PyroSample(dist.Normal(zero, 2.0).expand([5]).to_event(1))  # a prior of its own
         self.out = PyroModule[torch.nn.Linear](5, 1)
         self.out.weight = PyroSample(dist.Normal(zero, 0.7).expand([1, 5]).to_event(2))
         self.out.bias = PyroSample(dist.Normal(zero, 0.7).expand([1]).to_event(1))
