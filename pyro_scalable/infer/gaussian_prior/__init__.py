@@ -36,6 +36,20 @@ do not subsample such a plate, and do not enumerate it).
 """
 
 from pyro_scalable.infer.gaussian_prior.joint import JointGaussian, SiteSpec
-from pyro_scalable.infer.gaussian_prior.model import GaussianPriorModel, SiteGaussian, prior_variances, site_specs
+from pyro_scalable.infer.gaussian_prior.model import (
+    GaussianPriorModel,
+    SiteGaussian,
+    prior_mode,
+    prior_variances,
+    site_specs,
+)
 
-__all__ = ["GaussianPriorModel", "JointGaussian", "SiteGaussian", "SiteSpec", "prior_variances", "site_specs"]
+__all__ = [
+    "GaussianPriorModel",
+    "JointGaussian",
+    "SiteGaussian",
+    "SiteSpec",
+    "prior_mode",
+    "prior_variances",
+    "site_specs",
+]

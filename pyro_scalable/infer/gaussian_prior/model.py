@@ -19,7 +19,7 @@ from pyro_scalable.bridge.checks import ModelError
 from pyro_scalable.infer.autodiff import hvp
 from pyro_scalable.infer.gaussian_prior.joint import JointGaussian, SiteSpec, _Flat, _Tril
 
-__all__ = ["GaussianPriorModel", "SiteGaussian", "prior_variances", "site_specs"]
+__all__ = ["prior_mode", "GaussianPriorModel", "SiteGaussian", "prior_variances", "site_specs"]
 
 _SCALAR = torch.Size()
 
@@ -170,24 +170,17 @@ class GaussianPriorModel:
         return f"GaussianPriorModel({self.__name__}, {self.joint.kind}, sites={[s.name for s in self.joint.sites]})"
 
 
-def prior_variances(bridge, names: list[str], latents: dict[str, Tensor]) -> Tensor:
-    r"""Per flat coordinate of ``names``, the inverse curvature of the model's own prior at unconstrained ``latents``.
-
-    The diagonal of :math:`-\nabla^2\log p(u)` (with the Jacobian of the site's bijection), from one
-    Hessian-vector product with a vector of ones per site, which is the diagonal for a factorised prior; ``inf``
-    where the curvature is not positive (a flat or improper prior). The priors are read in one trace of the model
-    at ``latents`` on one data point.
-    """
+def _prior_densities(bridge, names: list[str], latents: dict[str, Tensor]) -> dict[str, Any]:
+    """Each named site's prior at ``latents``: a ``SiteGaussian`` (a correlated prior), or its log-density in u."""
     values = bridge.constrain({k: v.detach() for k, v in latents.items()})
     indices = {plate.name: torch.arange(1, device=bridge.device) for plate in bridge.plates.values()}
     with pyro.poutine.condition(data=values):
         trace = bridge.trace_at(indices)
-    parts = []
+    out: dict[str, Any] = {}
     for name in names:
         fn, site = trace.nodes[name]["fn"], bridge.sites[name]
-        point = latents[name].detach()
-        if isinstance(fn, SiteGaussian):  # a correlated prior: each coordinate's variance given the others
-            parts.append(fn.joint.precision_diagonal()[fn.joint.slices[fn.joint.index[name]]].reciprocal())
+        if isinstance(fn, SiteGaussian):
+            out[name] = fn
             continue
 
         def log_density(u, fn=fn, site=site):
@@ -197,10 +190,58 @@ def prior_variances(bridge, names: list[str], latents: dict[str, Tensor]) -> Ten
                 log_prob = log_prob + site.transform.log_abs_det_jacobian(u, constrained).sum()
             return log_prob
 
-        (curvature,) = hvp(log_density, (point,), (torch.ones_like(point),))
+        out[name] = log_density
+    return out
+
+
+def prior_variances(bridge, names: list[str], latents: dict[str, Tensor]) -> Tensor:
+    r"""Per flat coordinate of ``names``, the inverse curvature of the model's own prior at unconstrained ``latents``.
+
+    The diagonal of :math:`-\nabla^2\log p(u)` (with the Jacobian of the site's bijection), from one
+    Hessian-vector product with a vector of ones per site, which is the diagonal for a factorised prior; ``inf``
+    where the curvature is not positive (a flat or improper prior). The priors are read in one trace of the model
+    at ``latents`` on one data point.
+    """
+    parts = []
+    for name, density in _prior_densities(bridge, names, latents).items():
+        if isinstance(density, SiteGaussian):  # a correlated prior: each coordinate's variance given the others
+            parts.append(
+                density.joint.precision_diagonal()[density.joint.slices[density.joint.index[name]]].reciprocal()
+            )
+            continue
+        point = latents[name].detach()
+        (curvature,) = hvp(density, (point,), (torch.ones_like(point),))
         precision = -curvature.flatten()
         parts.append(torch.where(precision > 0, precision.reciprocal(), torch.full_like(precision, math.inf)))
     return torch.cat(parts)
+
+
+def prior_mode(bridge, names: list[str], latents: dict[str, Tensor], steps: int = 50) -> dict[str, Tensor]:
+    r"""The mode of each named site's prior in unconstrained space, by diagonal Newton steps from ``latents``.
+
+    One step lands on the mean of a Normal prior (to rounding); a scale's log-space prior takes a few. A correlated
+    prior (``as_prior``) gives its joint mean. Returns unconstrained values by site name.
+    """
+    out = {}
+    for name, density in _prior_densities(bridge, names, latents).items():
+        if isinstance(density, SiteGaussian):
+            joint = density.joint
+            out[name] = joint.mean[joint.slices[joint.index[name]]].reshape(bridge.sites[name].unconstrained_shape)
+            continue
+        point = latents[name].detach()
+        for _ in range(steps):
+            gradient, curvature = torch.func.grad(density)(point), hvp(density, (point,), (torch.ones_like(point),))[0]
+            if not bool((curvature < 0).all()):
+                raise ModelError(
+                    f"the prior of latent site '{name}' has no positive curvature at {point.flatten()[:4].tolist()}... "
+                    "(a flat or improper prior); give it a proper prior."
+                )
+            step = -gradient / curvature
+            point = (point + step).detach()
+            if bool((step.abs() <= 1e-12 * (1 + point.abs())).all()):
+                break
+        out[name] = point
+    return out
 
 
 def site_specs(bridge, names: list[str]) -> list[SiteSpec]:
