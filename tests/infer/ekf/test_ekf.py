@@ -48,7 +48,7 @@ def conjugate(*episodes):
 @pytest.mark.parametrize("shuffle", [True, False])
 def test_one_pass_is_the_exact_posterior_when_its_precision_is_diagonal(shuffle):
     x, y = data()
-    posterior = DiagonalEKF(model, shuffle=shuffle, seed=1, progress_bar=False).run(x, y)
+    posterior = DiagonalEKF(model, curvature="ggn", shuffle=shuffle, seed=1, progress_bar=False).run(x, y)
     mean, variance = conjugate((x, y))
     assert isinstance(posterior, EKFPosterior) and posterior.stats["steps"] == 8
     assert torch.allclose(posterior.mean[0], mean, rtol=1e-10, atol=1e-12)
@@ -57,18 +57,19 @@ def test_one_pass_is_the_exact_posterior_when_its_precision_is_diagonal(shuffle)
 
 def test_two_episodes_through_as_prior_are_the_posterior_on_both():
     first, second = data(seed=0), data(seed=1)
-    one = DiagonalEKF(model, seed=0, progress_bar=False).run(*first)
-    two = DiagonalEKF(one.as_prior(), seed=0, progress_bar=False).run(*second)
+    one = DiagonalEKF(model, curvature="ggn", seed=0, progress_bar=False).run(*first)
+    two = DiagonalEKF(one.as_prior(), curvature="ggn", seed=0, progress_bar=False).run(*second)
     mean, variance = conjugate(first, second)
     assert torch.allclose(two.mean[0], mean, rtol=1e-10, atol=1e-12)
     assert torch.allclose(two.variance[0], variance, rtol=1e-10, atol=1e-14)
 
 
 def test_the_empirical_fisher_is_not_the_kalman_filter():
-    """curvature='ef' (posteriors' choice) uses squared scores: on the same data its variances differ from exact."""
+    """curvature='ef' (the default, posteriors' choice) uses squared scores: its variances are not the exact ones."""
     x, y = data()
     _, variance = conjugate((x, y))
-    posterior = DiagonalEKF(model, curvature="ef", seed=1, progress_bar=False).run(x, y)
+    posterior = DiagonalEKF(model, seed=1, progress_bar=False).run(x, y)  # the default
+    assert posterior.stats["curvature"] == "ef"
     assert not torch.allclose(posterior.variance[0], variance, rtol=1e-2)
 
 
