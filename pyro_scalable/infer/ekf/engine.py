@@ -48,7 +48,7 @@ from pyro_scalable.infer.gaussian_prior import (
     prior_variances,
     site_specs,
 )
-from pyro_scalable.infer.linearized.ggn import Chunk, GGNDiagonal
+from pyro_scalable.infer.linearized.ggn import GGNDiagonal, fit_chunk
 from pyro_scalable.infer.linearized.jacobians import layer_plan
 from pyro_scalable.infer.linearized.layout import ParameterLayout
 from pyro_scalable.infer.linearized.network import NetworkFunction, choose_sites, observed_site
@@ -92,6 +92,22 @@ class DiagonalEKF:
         start: the starting mean: ``"prior"`` (the prior's mode: the Bayesian filter, exact where the module
             docstring says), ``"sample"`` (a draw from the prior, with the prior's variance: for a network, whose
             prior mode — all weights zero — is a saddle the filter cannot leave), or a dict of constrained values.
+
+    Example:
+        >>> import pyro, pyro.distributions as dist, torch
+        >>> from pyro_scalable.infer import DiagonalEKF
+        >>> def model(x, y=None):
+        ...     w = pyro.sample("w", dist.Normal(torch.zeros(2), 1.0).to_event(1))
+        ...     with pyro.plate("data", x.shape[0], subsample_size=50) as idx:
+        ...         pyro.sample("y", dist.Bernoulli(logits=x[idx] @ w), obs=None if y is None else y[idx])
+        >>> x = torch.randn(500, 2); y = torch.bernoulli(torch.sigmoid(x @ torch.tensor([1.0, -1.0])))
+        >>> posterior = DiagonalEKF(model, seed=0, progress_bar=False).run(x, y)
+        >>> posterior.get_samples(100, seed=0)["w"].shape
+        torch.Size([100, 2])
+        >>> x_new = torch.randn(300, 2); y_new = torch.bernoulli(torch.sigmoid(x_new @ torch.tensor([1.0, -1.0])))
+        >>> later = DiagonalEKF(posterior.as_prior(), seed=0, progress_bar=False).run(x_new, y_new)
+        >>> bool((later.variance < posterior.variance).all())  # more data, narrower
+        True
 
     """
 
@@ -162,7 +178,7 @@ class DiagonalEKF:
         if not bool(torch.isfinite(variance).all()):
             flat = sorted({layout.site_of(int(i)) for i in (~torch.isfinite(variance)).nonzero().flatten()[:50]})
             raise ModelError(
-                f"the prior of latent site(s) {flat} has no positive curvature at its median (a flat or improper "
+                f"the prior of latent site(s) {flat} has no positive curvature at its mode (a flat or improper "
                 "prior): the filter starts from the prior. Give them a proper prior."
             )
         net = NetworkFunction(bridge, site, layout, mean, start, heteroscedastic=heteroscedastic)
@@ -208,13 +224,8 @@ class DiagonalEKF:
 
 def _batch_terms(net: NetworkFunction, theta: Tensor, batch: Batch, plans, rest, curvature: str) -> tuple[Tensor, ...]:
     """The gradient of the batch's log-likelihood at ``theta`` and the diagonal of its GGN (or empirical Fisher)."""
-    leaf = theta.detach().requires_grad_(True)
-    out = net.outputs(leaf, batch, layers=True)
-    f, likelihood = out.f, out.likelihood
-    log_prob = likelihood.log_prob(f, out.value)
-    gradient, grad_f = torch.autograd.grad(log_prob, [leaf, f], retain_graph=True)
-    roots = likelihood.hessian_sqrt(f.detach()) if curvature == "ggn" else grad_f.detach().unsqueeze(-1)
+    chunk, _, gradient = fit_chunk(net, theta, batch, plans, rest, curvature)
     accumulator = GGNDiagonal()
-    accumulator.start(net, leaf, plans, rest)
-    accumulator.accumulate(Chunk(net, leaf, batch, out, roots, plans, rest))
-    return gradient.detach(), accumulator.finish(f.shape[0]).detach()
+    accumulator.start(net, theta, plans, rest)
+    accumulator.accumulate(chunk)
+    return gradient.detach(), accumulator.finish(chunk.f.shape[0]).detach()

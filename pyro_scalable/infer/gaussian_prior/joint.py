@@ -167,13 +167,14 @@ class JointGaussian:
     def update(self, s: int, state: Any, delta: Tensor) -> Any:
         return state
 
+    # a form defines at least one of these two; the other inverts it
     def covariance_matrix(self) -> Tensor:
         """The dense ``d x d`` covariance (for tests and small models)."""
-        raise NotImplementedError
+        return _inverse(self.precision_matrix())
 
     def precision_matrix(self) -> Tensor:
         """The dense ``d x d`` precision (read by the ``full`` Laplace structure)."""
-        return torch.cholesky_inverse(torch.linalg.cholesky(self.covariance_matrix().double())).to(self.mean.dtype)
+        return _inverse(self.covariance_matrix())
 
     def precision_diagonal(self) -> Tensor:
         """The diagonal of the precision: one over each coordinate's variance given all the others."""
@@ -211,6 +212,11 @@ class _Diagonal(JointGaussian):
 
     def precision_diagonal(self):
         return self.scale.pow(-2)
+
+
+def _inverse(matrix: Tensor) -> Tensor:
+    """The inverse of a symmetric positive-definite matrix, through its Cholesky factor in float64."""
+    return torch.cholesky_inverse(torch.linalg.cholesky(matrix.double())).to(matrix.dtype)
 
 
 def _concatenate(parts: list[Tensor]) -> Tensor:
@@ -330,7 +336,3 @@ class _LowRankPrecisionJoint(JointGaussian):
 
     def precision_diagonal(self):
         return self.precision + self.factor.square().sum(-1)
-
-    def covariance_matrix(self):
-        precision = self.precision_matrix().double()
-        return torch.cholesky_inverse(torch.linalg.cholesky(precision)).to(self.mean.dtype)

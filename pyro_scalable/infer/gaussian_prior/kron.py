@@ -290,10 +290,6 @@ class KronJoint(JointGaussian):
         out[self.rest_index, self.rest_index] = self.rest_precision
         return out
 
-    def covariance_matrix(self):
-        precision = self.precision_matrix().double()
-        return torch.cholesky_inverse(torch.linalg.cholesky(precision)).to(self.mean.dtype)
-
     def precision_diagonal(self):
         out = torch.empty_like(self.mean)
         for factors in self.blocks:

@@ -19,7 +19,7 @@ from pyro_scalable.bridge.checks import ModelError
 from pyro_scalable.infer.autodiff import hvp
 from pyro_scalable.infer.gaussian_prior.joint import JointGaussian, SiteSpec, _Flat, _Tril
 
-__all__ = ["prior_mode", "GaussianPriorModel", "SiteGaussian", "prior_variances", "site_specs"]
+__all__ = ["GaussianPriorModel", "SiteGaussian", "prior_mode", "prior_variances", "site_specs"]
 
 _SCALAR = torch.Size()
 

@@ -35,7 +35,7 @@ from pyro_scalable.infer.linearized.jacobians import (
 )
 from pyro_scalable.infer.linearized.network import NetworkFunction, Outputs
 
-__all__ = ["Accumulator", "Chunk", "DataFit", "GGNDiagonal", "ggn_pass"]
+__all__ = ["Accumulator", "Chunk", "DataFit", "GGNDiagonal", "fit_chunk", "ggn_pass"]
 
 _REST_WARNING = 2048
 
@@ -106,6 +106,22 @@ class Accumulator(Protocol):
     def finish(self, num_points: int) -> Any: ...
 
 
+def fit_chunk(
+    net: NetworkFunction, theta: Tensor, batch: Batch, plans, rest: Tensor, curvature: Literal["ggn", "ef"]
+) -> tuple[Chunk, Tensor, Tensor]:
+    r"""The :class:`Chunk` of ``batch`` at ``theta``, with its log-likelihood and the gradient of that in theta.
+
+    The chunk's roots are :math:`\Lambda^{1/2}` (``"ggn"``) or the score (``"ef"``, the empirical Fisher).
+    """
+    leaf = theta.detach().requires_grad_(True)
+    out = net.outputs(leaf, batch, layers=True)
+    f, likelihood = out.f, out.likelihood
+    log_prob = likelihood.log_prob(f, out.value)
+    grad_theta, grad_f = torch.autograd.grad(log_prob, [leaf, f], retain_graph=True)
+    roots = likelihood.hessian_sqrt(f.detach()) if curvature == "ggn" else grad_f.detach().unsqueeze(-1)
+    return Chunk(net, leaf, batch, out, roots, plans, rest), log_prob, grad_theta
+
+
 def ggn_pass(
     net: NetworkFunction,
     theta: Tensor,
@@ -129,21 +145,17 @@ def ggn_pass(
     log_likelihood, gradient = theta.new_zeros(()), theta.new_zeros(net.layout.num_params)
     sum_squares, num_observations, num_points = theta.new_zeros(()), theta.new_zeros(()), 0
     for batch in net.batches():
-        leaf = theta.detach().requires_grad_(True)
-        out = net.outputs(leaf, batch, layers=True)
-        f, likelihood = out.f, out.likelihood
+        chunk, log_prob, grad_theta = fit_chunk(net, theta, batch, plans, rest, curvature)
+        f, likelihood = chunk.f, chunk.out.likelihood
         num_points += f.shape[0]
-        log_prob = likelihood.log_prob(f, out.value)
-        grad_theta, grad_f = torch.autograd.grad(log_prob, [leaf, f], retain_graph=True)
         log_likelihood = log_likelihood + log_prob.detach()
         gradient = gradient + grad_theta
         if likelihood.name == "Normal" and not likelihood.heteroscedastic:
             keep = likelihood._mask_outputs(f) if likelihood.mask is not None else torch.ones_like(f)
-            residual = likelihood._flatten(out.value) - f.detach()
+            residual = likelihood._flatten(chunk.out.value) - f.detach()
             sum_squares = sum_squares + (keep * residual**2).sum()
             num_observations = num_observations + keep.sum()
-        roots = likelihood.hessian_sqrt(f.detach()) if curvature == "ggn" else grad_f.detach().unsqueeze(-1)
-        accumulator.accumulate(Chunk(net, leaf, batch, out, roots, plans, rest))
+        accumulator.accumulate(chunk)
     normal = sum_squares if num_observations > 0 else None
     return DataFit(
         accumulator.finish(num_points),

@@ -366,6 +366,20 @@ class SampleThenOptimize(SampleThenOptimizePredictives, Draws):
             model: the model the prior goes into (default: the one this engine ran on); it must sample the same
                 latent sites, in the same order.
 
+        Example:
+            >>> import pyro, pyro.distributions as dist, torch
+            >>> from pyro_scalable.infer import SampleThenOptimize
+            >>> def model(x, y=None):
+            ...     w = pyro.sample("w", dist.Normal(torch.zeros(3), 1.0).to_event(1))
+            ...     with pyro.plate("data", x.shape[0], subsample_size=50) as idx:
+            ...         pyro.sample("y", dist.Normal(x[idx] @ w, 0.5), obs=None if y is None else y[idx])
+            >>> x = torch.randn(200, 3); y = x @ torch.tensor([1.0, 0.0, -1.0]) + 0.5 * torch.randn(200)
+            >>> engine = SampleThenOptimize(model, num_samples=16, seed=0, progress_bar=False)
+            >>> engine.run(x, y)
+            >>> prior = engine.as_prior()  # the next episode's model: N(mean, diag(v)) on "w"
+            >>> prior.joint.kind, prior.joint.mean.shape
+            ('diagonal', torch.Size([3]))
+
         """
         net = self._require_net()
         variance = self.sample_offsets.square().mean(0)

@@ -32,12 +32,13 @@ equal-weight mixture; draws are spread evenly over the runs (draw ``s`` from run
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-__all__ = ["MomentAccumulator", "SWAGMoments", "dense_covariance", "sample_flat"]
+__all__ = ["MomentAccumulator", "SWAGMoments", "covariance_factors", "dense_covariance", "sample_flat"]
 
 
 class SWAGMoments(NamedTuple):
@@ -106,10 +107,18 @@ def sample_flat(
     return mean[run] + (variance[run] / 2).sqrt() * z + spread
 
 
-def dense_covariance(moments: SWAGMoments, covariance: str, run: int = 0) -> Tensor:
-    """One run's SWAG covariance as a ``(d, d)`` matrix (for small models and tests)."""
+def covariance_factors(moments: SWAGMoments, covariance: str, run: int = 0) -> tuple[Tensor, Tensor]:
+    r"""One run's SWAG covariance as :math:`\mathrm{diag}(D) + AA^\top`: ``D`` ``(d,)`` and ``A`` ``(d, K)``.
+
+    ``covariance="diagonal"``: ``A`` is ``(d, 0)``.
+    """
     variance, deviations = moments.variance[run], moments.deviations[run]
     if covariance == "diagonal":
-        return torch.diag(variance)
-    k = deviations.shape[0]
-    return 0.5 * torch.diag(variance) + deviations.T @ deviations / (2 * (k - 1))
+        return variance, deviations.new_zeros(variance.shape[0], 0)
+    return 0.5 * variance, deviations.T / math.sqrt(2 * (deviations.shape[0] - 1))
+
+
+def dense_covariance(moments: SWAGMoments, covariance: str, run: int = 0) -> Tensor:
+    """One run's SWAG covariance as a ``(d, d)`` matrix (for small models and tests)."""
+    diagonal, factor = covariance_factors(moments, covariance, run)
+    return torch.diag(diagonal) + factor @ factor.T

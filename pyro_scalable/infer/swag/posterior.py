@@ -24,7 +24,7 @@ from pyro_scalable.infer.linearized.layout import ParameterLayout
 from pyro_scalable.infer.linearized.likelihoods import LinkApprox
 from pyro_scalable.infer.predictive import sample_posterior_predictive
 from pyro_scalable.infer.swag.linearized import linearized_predictive
-from pyro_scalable.infer.swag.moments import SWAGMoments, dense_covariance, sample_flat
+from pyro_scalable.infer.swag.moments import SWAGMoments, covariance_factors, dense_covariance, sample_flat
 
 __all__ = ["SWAGPosterior"]
 
@@ -89,10 +89,7 @@ class SWAGPosterior:
 
         """
         self._check_run(run)
-        variance, deviations = self.moments.variance[run], self.moments.deviations[run]
-        if self.covariance == "diagonal":
-            return variance, deviations.new_zeros(variance.shape[0], 0)
-        return 0.5 * variance, deviations.T / math.sqrt(2 * (self.rank - 1))
+        return covariance_factors(self.moments, self.covariance, run)
 
     def _check_run(self, run: int) -> None:
         check_count("run", run, 0)
@@ -208,6 +205,19 @@ class SWAGPosterior:
                 several — mix the runs' laws yourself, or use :meth:`posterior_predictive` for the mixture).
             link_approx: ``"probit"`` (closed form) or ``"mc"`` (``num_samples`` draws of the outputs per point)
                 for classification and count likelihoods; a Normal likelihood is always exact.
+
+        Example:
+            >>> import pyro, pyro.distributions as dist, torch
+            >>> from pyro_scalable.infer import SWAG
+            >>> def model(x, y=None):
+            ...     w = pyro.sample("w", dist.Normal(torch.zeros(2), 1.0).to_event(1))
+            ...     with pyro.plate("data", x.shape[0], subsample_size=50) as idx:
+            ...         pyro.sample("y", dist.Normal(x[idx] @ w, 0.5), obs=None if y is None else y[idx])
+            >>> x = torch.randn(500, 2); y = x @ torch.tensor([1.0, -1.0]) + 0.5 * torch.randn(500)
+            >>> posterior = SWAG(model, num_epochs=10, rank=5, seed=0, progress_bar=False).run(x, y)
+            >>> prediction = posterior.predict(torch.randn(7, 2))
+            >>> prediction.mean.shape, prediction.covariance.shape  # f's mean and J Σ Jᵀ, per point
+            (torch.Size([7, 1]), torch.Size([7, 1, 1]))
 
         """
         check_choice("link_approx", link_approx, ("probit", "mc"))
