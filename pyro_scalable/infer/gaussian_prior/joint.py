@@ -142,6 +142,7 @@ class JointGaussian:
     """
 
     kind: str
+    shrinkage: float | None = None  # from draws: the intensity towards the diagonal (gaussian_prior.shrinkage)
 
     def __init__(self, sites: list[SiteSpec], mean: Tensor):
         self.sites, self.mean = list(sites), mean.detach()

@@ -184,7 +184,8 @@ class NetworkFunction:
             raise ModelError(
                 f"the latent sites {names} have a correlated Gaussian prior (a posterior's as_prior); this engine "
                 "reads a factorised prior. Use AutoLinearizedLaplace with structure='full', an SG-MCMC kernel, SWAG "
-                "or NUTS on this model, or pass the previous posterior with a diagonal structure."
+                "or NUTS on this model, or pass the previous posterior with a diagonal structure (a "
+                "sample-then-optimise posterior: as_prior(correlations='diagonal'))."
             )
         if len(joints) > 1 or names != self.layout.names:
             raise ModelError(

@@ -47,7 +47,8 @@ from pyro_scalable.arguments import (
 )
 from pyro_scalable.bridge.checks import ModelError
 from pyro_scalable.bridge.model import FullDataModel, ModelBridge
-from pyro_scalable.infer.gaussian_prior import GaussianPriorModel, JointGaussian, site_specs
+from pyro_scalable.infer.gaussian_prior import GaussianPriorModel, site_specs
+from pyro_scalable.infer.gaussian_prior.shrinkage import gaussian_from_draws
 from pyro_scalable.infer.linearized.layout import ParameterLayout
 from pyro_scalable.infer.linearized.network import NetworkFunction, choose_sites, observed_site
 from pyro_scalable.infer.results import Draws, RunRecord
@@ -352,19 +353,26 @@ class SampleThenOptimize(SampleThenOptimizePredictives, Draws):
             raise RuntimeError("call run(...) before asking for results.")
         return self.net
 
-    def as_prior(self, model: Any = None) -> GaussianPriorModel:
-        r"""The model with a diagonal Gaussian of this posterior as the prior of its sampled sites (the next episode).
+    def as_prior(
+        self, model: Any = None, *, correlations: Literal["shrinkage", "diagonal"] = "shrinkage"
+    ) -> GaussianPriorModel:
+        r"""The model with this posterior's Gaussian as the joint prior of its sampled sites (the next episode).
 
-        :math:`\mathcal N(\bar\theta, \mathrm{diag}(\hat v))` with :math:`\hat v_i = \frac1K\sum_j \zeta_{ji}^2`,
-        the draws' estimate of each marginal variance of :math:`H^{-1}` (unbiased; relative sd
-        :math:`\sqrt{2/K}`). The draws hold :math:`H^{-1}` only through K directions, so the correlations are
-        dropped: this is the moment-matched diagonal, not EWC's :math:`1/\mathrm{diag}(H)` (which is narrower).
-        The prior is made of Pyro's own Normals, so every engine reads it, this one included (keep ``em_steps=0``
-        on the next episode to leave it as it is). The sites held fixed (a noise scale) keep the model's priors.
+        :math:`\mathcal N(\bar\theta, \hat\Sigma)` from the draws' offsets :math:`\zeta_j \sim \mathcal N(0, H^{-1})`,
+        whose covariance :math:`S = \frac1K\sum_j \zeta_j\zeta_j^\top` is unbiased but of rank K. The default keeps
+        the variances and shrinks every correlation by the Schäfer-Strimmer intensity :math:`\rho` (``joint.shrinkage``:
+        near 0 when K is large against d, near 1 when the draws' correlations are noise):
+        :math:`\hat\Sigma = \rho\,\mathrm{diag}(S) + (1-\rho) S`, rank K plus diagonal, no ``d x d``
+        (:mod:`~pyro_scalable.infer.gaussian_prior.shrinkage`); SG-MCMC, SWAG, SVI, NUTS and the ``full`` Laplace
+        read it. ``"diagonal"`` gives :math:`\mathrm{diag}(S)` as Pyro Normals, which every engine reads (this one
+        too: keep ``em_steps=0`` next time). Both keep the marginals, not EWC's narrower :math:`1/\mathrm{diag}(H)`;
+        the sites held fixed (a noise scale) keep the model's priors.
 
         Args:
             model: the model the prior goes into (default: the one this engine ran on); it must sample the same
                 latent sites, in the same order.
+            correlations: ``"shrinkage"`` (the correlated estimate) or ``"diagonal"`` (for a next episode run by an
+                engine that reads a factorised prior: sample-then-optimise, Laplace ``diag``/``kron``).
 
         Example:
             >>> import pyro, pyro.distributions as dist, torch
@@ -373,18 +381,19 @@ class SampleThenOptimize(SampleThenOptimizePredictives, Draws):
             ...     w = pyro.sample("w", dist.Normal(torch.zeros(3), 1.0).to_event(1))
             ...     with pyro.plate("data", x.shape[0], subsample_size=50) as idx:
             ...         pyro.sample("y", dist.Normal(x[idx] @ w, 0.5), obs=None if y is None else y[idx])
-            >>> x = torch.randn(200, 3); y = x @ torch.tensor([1.0, 0.0, -1.0]) + 0.5 * torch.randn(200)
+            >>> x = torch.randn(200, 3); x[:, 1] += x[:, 0]  # correlated features: a correlated posterior
+            >>> y = x @ torch.tensor([1.0, 0.0, -1.0]) + 0.5 * torch.randn(200)
             >>> engine = SampleThenOptimize(model, num_samples=16, seed=0, progress_bar=False)
             >>> engine.run(x, y)
-            >>> prior = engine.as_prior()  # the next episode's model: N(mean, diag(v)) on "w"
-            >>> prior.joint.kind, prior.joint.mean.shape
-            ('diagonal', torch.Size([3]))
+            >>> engine.as_prior().joint.kind  # the next episode's model: N(mean, rho diag(S) + (1 - rho) S) on "w"
+            'low_rank_covariance'
+            >>> engine.as_prior(correlations="diagonal").joint.kind  # N(mean, diag(S)), for a factorised engine
+            'diagonal'
 
         """
-        net = self._require_net()
-        variance = self.sample_offsets.square().mean(0)
-        specs = site_specs(self.bridge, net.layout.names)
-        joint = JointGaussian.diagonal(specs, self.mean_unconstrained.detach(), variance.detach())
+        check_choice("correlations", correlations, ("shrinkage", "diagonal"))
+        specs = site_specs(self.bridge, self._require_net().layout.names)
+        joint = gaussian_from_draws(specs, self.mean_unconstrained.detach(), self.sample_offsets, correlations)
         return GaussianPriorModel(self.bridge.model if model is None else model, joint)
 
     def get_mean(self) -> dict[str, Tensor]:
