@@ -42,6 +42,8 @@ _SETTINGS = (
     "chunk_size",
     "seed",
     "preconditioner",
+    "refine_passes",
+    "tolerance",
 )
 
 

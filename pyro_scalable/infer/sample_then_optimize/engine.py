@@ -47,8 +47,6 @@ from pyro_scalable.arguments import (
 )
 from pyro_scalable.bridge.checks import ModelError
 from pyro_scalable.bridge.model import FullDataModel, ModelBridge
-from pyro_scalable.infer.gaussian_prior import GaussianPriorModel, site_specs
-from pyro_scalable.infer.gaussian_prior.shrinkage import gaussian_from_draws
 from pyro_scalable.infer.linearized.layout import ParameterLayout
 from pyro_scalable.infer.linearized.network import NetworkFunction, choose_sites, observed_site
 from pyro_scalable.infer.results import Draws, RunRecord
@@ -99,6 +97,11 @@ class SampleThenOptimize(SampleThenOptimizePredictives, Draws):
         preconditioner: ``"diagonal"`` steps along ``(diag(M) + A)⁻¹ ∇`` (one extra pass over
             the data for the exact GGN diagonal), so that directions the prior dominates and features of
             different scales converge at the rate of the rest; ``None``: plain SGD (:mod:`.core`).
+        refine_passes: after each solve's epochs, at most this many conjugate-gradient iterations on the full data
+            (one pass each), stopped as soon as every row (each draw and the mean) is within ``tolerance`` posterior
+            sds of its exact solution in every direction, by CG's energy-error estimate (:mod:`.krylov`); a run
+            whose budget ends first warns with the estimate. ``0``: the epochs only.
+        tolerance: the error allowed, in posterior sds along any direction (the energy norm ``‖z − z*‖_H``).
         map_steps: Adam steps to find the MAP when ``linearize_at`` is needed and not given.
         chunk_size: points per chunk in the full-data passes (default: max(B, 1024)).
         seed: seeds the prior draws, the perturbations, the minibatches; ``None`` draws one from torch.
@@ -123,6 +126,9 @@ class SampleThenOptimize(SampleThenOptimizePredictives, Draws):
         state: the solver's last :class:`~pyro_scalable.infer.sample_then_optimize.core.SampleState`: one row per
             sample, then the mean row.
         mean_unconstrained: the flat posterior mean the draws are centred at.
+        cg_passes: the refinement's conjugate-gradient passes in each solve (the first, then one per EM step).
+        mean_error: CG's estimate of the mean row's error in posterior sds along any direction (after a
+            refinement; the draws' are ``sample_stats["cg_error"]``).
         newton_step: the mean row's solution, the Newton step from ``net.theta_star`` (a check that it is a MAP).
         data_gradient: the full-data gradient of the log-likelihood at ``net.theta_star`` (flat).
         em_history: the prior precision and effective dimension of every EM step.
@@ -162,6 +168,8 @@ class SampleThenOptimize(SampleThenOptimizePredictives, Draws):
         em_epochs: int | None = None,
         variance_reduction: Literal["mean", "all"] = "mean",
         preconditioner: Literal["diagonal"] | None = "diagonal",
+        refine_passes: int = 100,
+        tolerance: float = 0.1,
         map_steps: int = 2000,
         chunk_size: int | None = None,
         seed: int | None = None,
@@ -180,6 +188,7 @@ class SampleThenOptimize(SampleThenOptimizePredictives, Draws):
             ("em_steps", em_steps, 0),
             ("em_epochs", num_epochs if em_epochs is None else em_epochs, 1),
             ("map_steps", map_steps, 0),
+            ("refine_passes", refine_passes, 0),
             ("checkpoint_every", checkpoint_every, 1),
         ):
             if isinstance(value, bool) or not hasattr(value, "__index__") or operator.index(value) < least:
@@ -188,6 +197,7 @@ class SampleThenOptimize(SampleThenOptimizePredictives, Draws):
         if not 0 <= check_number("momentum", momentum) < 1:
             raise ValueError(f"momentum must be in [0, 1), got {momentum!r}.")
         check_number("max_grad_norm", max_grad_norm, positive=True, optional=True)
+        check_number("tolerance", tolerance, positive=True)
         check_choice("variance_reduction", variance_reduction, ("mean", "all"))
         if preconditioner not in ("diagonal", None):
             raise ValueError(f"preconditioner must be 'diagonal' or None, got {preconditioner!r}.")
@@ -226,6 +236,10 @@ class SampleThenOptimize(SampleThenOptimizePredictives, Draws):
         self.em_epochs = self.num_epochs if em_epochs is None else operator.index(em_epochs)
         self.variance_reduction = variance_reduction
         self.preconditioner = preconditioner
+        self.refine_passes = operator.index(refine_passes)
+        self.tolerance = float(tolerance)
+        self.mean_error: float | None = None
+        self.cg_passes: list[int] = []
         self.map_steps = operator.index(map_steps)
         self.chunk_size = chunk_size
         self.seed = seed
@@ -290,7 +304,7 @@ class SampleThenOptimize(SampleThenOptimizePredictives, Draws):
         self.state = state
         if not parallel.is_main:
             self.num_samples = parallel.num_local
-        warn_unconverged(problem.final_stats)
+        warn_unconverged(problem.final_stats, self)
         self.em_history = {
             "groups": problem.group_names,
             "prior_precision": torch.stack(alphas).to(self.draws_device),
@@ -352,49 +366,6 @@ class SampleThenOptimize(SampleThenOptimizePredictives, Draws):
         if self.net is None:
             raise RuntimeError("call run(...) before asking for results.")
         return self.net
-
-    def as_prior(
-        self, model: Any = None, *, correlations: Literal["shrinkage", "diagonal"] = "shrinkage"
-    ) -> GaussianPriorModel:
-        r"""The model with this posterior's Gaussian as the joint prior of its sampled sites (the next episode).
-
-        :math:`\mathcal N(\bar\theta, \hat\Sigma)` from the draws' offsets :math:`\zeta_j \sim \mathcal N(0, H^{-1})`,
-        whose covariance :math:`S = \frac1K\sum_j \zeta_j\zeta_j^\top` is unbiased but of rank K. The default keeps
-        the variances and shrinks every correlation by the Schäfer-Strimmer intensity :math:`\rho` (``joint.shrinkage``:
-        near 0 when K is large against d, near 1 when the draws' correlations are noise):
-        :math:`\hat\Sigma = \rho\,\mathrm{diag}(S) + (1-\rho) S`, rank K plus diagonal, no ``d x d``
-        (:mod:`~pyro_scalable.infer.gaussian_prior.shrinkage`); SG-MCMC, SWAG, SVI, NUTS and the ``full`` Laplace
-        read it. ``"diagonal"`` gives :math:`\mathrm{diag}(S)` as Pyro Normals, which every engine reads (this one
-        too: keep ``em_steps=0`` next time). Both keep the marginals, not EWC's narrower :math:`1/\mathrm{diag}(H)`;
-        the sites held fixed (a noise scale) keep the model's priors.
-
-        Args:
-            model: the model the prior goes into (default: the one this engine ran on); it must sample the same
-                latent sites, in the same order.
-            correlations: ``"shrinkage"`` (the correlated estimate) or ``"diagonal"`` (for a next episode run by an
-                engine that reads a factorised prior: sample-then-optimise, Laplace ``diag``/``kron``).
-
-        Example:
-            >>> import pyro, pyro.distributions as dist, torch
-            >>> from pyro_scalable.infer import SampleThenOptimize
-            >>> def model(x, y=None):
-            ...     w = pyro.sample("w", dist.Normal(torch.zeros(3), 1.0).to_event(1))
-            ...     with pyro.plate("data", x.shape[0], subsample_size=50) as idx:
-            ...         pyro.sample("y", dist.Normal(x[idx] @ w, 0.5), obs=None if y is None else y[idx])
-            >>> x = torch.randn(200, 3); x[:, 1] += x[:, 0]  # correlated features: a correlated posterior
-            >>> y = x @ torch.tensor([1.0, 0.0, -1.0]) + 0.5 * torch.randn(200)
-            >>> engine = SampleThenOptimize(model, num_samples=16, seed=0, progress_bar=False)
-            >>> engine.run(x, y)
-            >>> engine.as_prior().joint.kind  # the next episode's model: N(mean, rho diag(S) + (1 - rho) S) on "w"
-            'low_rank_covariance'
-            >>> engine.as_prior(correlations="diagonal").joint.kind  # N(mean, diag(S)), for a factorised engine
-            'diagonal'
-
-        """
-        check_choice("correlations", correlations, ("shrinkage", "diagonal"))
-        specs = site_specs(self.bridge, self._require_net().layout.names)
-        joint = gaussian_from_draws(specs, self.mean_unconstrained.detach(), self.sample_offsets, correlations)
-        return GaussianPriorModel(self.bridge.model if model is None else model, joint)
 
     def get_mean(self) -> dict[str, Tensor]:
         """The posterior mean of the sampled sites (constrained; the other sites at their fixed values)."""

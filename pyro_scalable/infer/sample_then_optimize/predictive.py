@@ -1,8 +1,9 @@
-r"""The predictive surface of sample-then-optimise: the linearised predictive from the draws, and draws of ``y``.
+r"""The result surface of sample-then-optimise: predictives from the draws, and the posterior as the next prior.
 
 :class:`SampleThenOptimizePredictives` is the part of
 :class:`~pyro_scalable.infer.sample_then_optimize.engine.SampleThenOptimize` that predicts, from the network
-linearised at :math:`\theta_*`, the draws' mean and their zero-mean offsets :math:`\zeta_j`.
+linearised at :math:`\theta_*`, the draws' mean and their zero-mean offsets :math:`\zeta_j`, and turns them into
+the next episode's prior (``as_prior``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from pyro_scalable.arguments import (
     check_flag,
     check_seed,
 )
+from pyro_scalable.infer.gaussian_prior import GaussianPriorModel, site_specs
+from pyro_scalable.infer.gaussian_prior.shrinkage import gaussian_from_draws
 from pyro_scalable.infer.linearized.glm import (
     GLMPredictive,
     draws_moments,
@@ -99,3 +102,46 @@ class SampleThenOptimizePredictives:
         if not group_by_chain:
             return draws
         return {k: v.unsqueeze(0) for k, v in draws.items()}
+
+    def as_prior(
+        self, model: Any = None, *, correlations: Literal["shrinkage", "diagonal"] = "shrinkage"
+    ) -> GaussianPriorModel:
+        r"""The model with this posterior's Gaussian as the joint prior of its sampled sites (the next episode).
+
+        :math:`\mathcal N(\bar\theta, \hat\Sigma)` from the draws' offsets :math:`\zeta_j \sim \mathcal N(0, H^{-1})`,
+        whose covariance :math:`S = \frac1K\sum_j \zeta_j\zeta_j^\top` is unbiased but of rank K. The default keeps
+        the variances and shrinks every correlation by the Schäfer-Strimmer intensity :math:`\rho` (``joint.shrinkage``:
+        near 0 when K is large against d, near 1 when the draws' correlations are noise):
+        :math:`\hat\Sigma = \rho\,\mathrm{diag}(S) + (1-\rho) S`, rank K plus diagonal, no ``d x d``
+        (:mod:`~pyro_scalable.infer.gaussian_prior.shrinkage`); SG-MCMC, SWAG, SVI, NUTS and the ``full`` Laplace
+        read it. ``"diagonal"`` gives :math:`\mathrm{diag}(S)` as Pyro Normals, which every engine reads (this one
+        too: keep ``em_steps=0`` next time). Both keep the marginals, not EWC's narrower :math:`1/\mathrm{diag}(H)`;
+        the sites held fixed (a noise scale) keep the model's priors.
+
+        Args:
+            model: the model the prior goes into (default: the one this engine ran on); it must sample the same
+                latent sites, in the same order.
+            correlations: ``"shrinkage"`` (the correlated estimate) or ``"diagonal"`` (for a next episode run by an
+                engine that reads a factorised prior: sample-then-optimise, Laplace ``diag``/``kron``).
+
+        Example:
+            >>> import pyro, pyro.distributions as dist, torch
+            >>> from pyro_scalable.infer import SampleThenOptimize
+            >>> def model(x, y=None):
+            ...     w = pyro.sample("w", dist.Normal(torch.zeros(3), 1.0).to_event(1))
+            ...     with pyro.plate("data", x.shape[0], subsample_size=50) as idx:
+            ...         pyro.sample("y", dist.Normal(x[idx] @ w, 0.5), obs=None if y is None else y[idx])
+            >>> x = torch.randn(200, 3); x[:, 1] += x[:, 0]  # correlated features: a correlated posterior
+            >>> y = x @ torch.tensor([1.0, 0.0, -1.0]) + 0.5 * torch.randn(200)
+            >>> engine = SampleThenOptimize(model, num_samples=16, seed=0, progress_bar=False)
+            >>> engine.run(x, y)
+            >>> engine.as_prior().joint.kind  # the next episode's model: N(mean, rho diag(S) + (1 - rho) S) on "w"
+            'low_rank_covariance'
+            >>> engine.as_prior(correlations="diagonal").joint.kind  # N(mean, diag(S)), for a factorised engine
+            'diagonal'
+
+        """
+        check_choice("correlations", correlations, ("shrinkage", "diagonal"))
+        specs = site_specs(self.bridge, self._require_net().layout.names)
+        joint = gaussian_from_draws(specs, self.mean_unconstrained.detach(), self.sample_offsets, correlations)
+        return GaussianPriorModel(self.bridge.model if model is None else model, joint)

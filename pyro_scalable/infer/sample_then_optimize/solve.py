@@ -1,6 +1,7 @@
 r"""A run's solves: the first one, then one warm-started solve per EM step, with a progress bar and checkpoints.
 
-Each solve minimises the batched quadratic of :mod:`.problem` for :math:`K` samples and the mean; between solves the
+Each solve minimises the batched quadratic of :mod:`.problem` for :math:`K` samples and the mean, by minibatch epochs
+and then conjugate gradients on the full data until every row has converged (:mod:`.krylov`); between solves the
 M-step of :mod:`.em` updates the prior precision :math:`\alpha` from the effective dimension :math:`\hat\gamma`
 (clipped to :math:`(0, d_g)`; a group whose raw estimate is not positive keeps its precision), and the solver's
 velocity restarts at zero. A run resumed from a checkpoint starts at the EM step and epoch it stopped at.
@@ -28,8 +29,10 @@ def solve_with_em(
 ) -> tuple[core.SampleState, list[Tensor], list[Tensor]]:
     """The first solve and ``engine.em_steps`` warm-started ones; the state and every step's ``alpha``, ``gamma``."""
     num_groups = problem.num_groups
+    engine.cg_passes = []
     alphas, gammas = [problem.alpha.clone()], []
-    total = (engine.num_epochs + engine.em_steps * engine.em_epochs) * problem.steps_per_epoch
+    epochs = engine.num_epochs + engine.em_steps * engine.em_epochs + (engine.em_steps + 1) * engine.refine_passes
+    total = epochs * problem.steps_per_epoch  # a refinement pass counts as an epoch
     checkpoint = None if engine.checkpoint is None else SolveCheckpoint(engine, problem, generator)
     saved = None if checkpoint is None else checkpoint.resume()
     first_em_step, done = 0, 0
@@ -46,6 +49,8 @@ def solve_with_em(
             progress = saved["progress"] if saved is not None and em_step == first_em_step else None
             on_epoch = None if checkpoint is None else checkpoint.on_epoch(em_step, epochs, alphas, gammas)
             state = parallel.agree(problem.solve(state, epochs, generator, bar, progress, on_epoch))
+            if engine.refine_passes:
+                state = problem.refine(state, engine.refine_passes, engine.tolerance, bar)
             engine.state = state
             mean_offset, samples, ggn = problem.finish(state)
             raw = effective_dimension(samples, ggn[:-1], problem.groups, num_groups)

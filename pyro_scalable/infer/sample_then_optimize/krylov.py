@@ -1,0 +1,116 @@
+r"""Conjugate-gradient refinement of every row on the full data, and an error estimate that sees every direction.
+
+Every row :math:`z_k` of a solve (each draw and the mean) minimises a quadratic with Hessian :math:`H = M + A` and
+solves :math:`Hz_k = A\theta^n_k`. Minibatch SGD moves along an eigenvector of :math:`P^{-1}H` with eigenvalue
+:math:`\lambda` by a factor :math:`1 - \eta\lambda` per step, with :math:`\eta` bounded by a *minibatch's* largest
+eigenvalue; when the features are correlated, the diagonal preconditioner :math:`P` leaves small eigenvalues
+(measured: :math:`\kappa(P^{-1}H) \approx 1{,}900` on a d = 200 regression) and the draws stay several posterior sds
+off after 50 epochs. Its gradient norm does not show it: a residual :math:`g = Hz - A\theta^n` is small in a
+direction of small curvature even where the error :math:`e = H^{-1}g` is large.
+
+**The error in posterior sds.** For any direction :math:`u`, the error of a row along :math:`u` in units of the
+posterior sd along :math:`u` is at most the row's error in the energy norm,
+
+.. math::
+
+    \frac{|u^\top e|}{\sqrt{u^\top H^{-1} u}} \le \lVert e\rVert_H = \sqrt{e^\top H e} = \sqrt{g^\top H^{-1} g}
+
+(Cauchy-Schwarz in the :math:`H` inner product), so :math:`\lVert e\rVert_H \le \varepsilon` says the row is within
+:math:`\varepsilon` posterior sds in *every* direction, a coordinate or a prediction alike. Two estimates of it:
+
+* an upper bound for free: :math:`H \succeq A` gives :math:`\lVert e\rVert_H^2 \le g^\top A^{-1} g`, tight where the
+  prior dominates, loose (by up to the ratio of data to prior curvature) where the data do;
+* the conjugate-gradient estimate (Hestenes & Stiefel 1952; Strakoš & Tichý 2002): preconditioned CG on
+  :math:`Hz = b` from :math:`z_0` has :math:`\lVert e_j\rVert_H^2 - \lVert e_{j+1}\rVert_H^2 = \alpha_j\, r_j^\top
+  P^{-1} r_j` exactly, so :math:`\sum_{j=i}^{i+\ell-1}\alpha_j r_j^\top P^{-1}r_j` is a lower bound on
+  :math:`\lVert e_i\rVert_H^2` that is tight once the iterations converge faster than over :math:`\ell` steps; the
+  energy error decreases monotonically, so iterate :math:`i + \ell` is at least as good.
+
+**The refinement.** After the minibatch epochs, CG continues every row on full-data products (one batched JVP and
+VJP per chunk, the cost of an epoch), preconditioned by the same :math:`P`, from the rows SGD reached. It stops when
+the estimate for iterate :math:`i = n - \ell` is below the tolerance for every row, and returns iterate :math:`n`;
+or when its budget of passes ends, when the engine warns with the estimate. CG needs no step size and no minibatch
+noise floor; it converges in :math:`O(\sqrt{\kappa(P^{-1}H)})` passes where SGD needs :math:`O(\kappa)` steps'
+worth, and its iterates are exact full-data solves (no variance reduction needed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+__all__ = ["RefineResult", "conjugate_gradient"]
+
+
+class RefineResult(NamedTuple):
+    """The refined rows, the passes made and each row's estimated energy-norm error (posterior sds)."""
+
+    rows: Tensor  # (R, d)
+    passes: int
+    error: Tensor  # (R,): sqrt of the CG estimate of ||e||_H^2 for the returned rows (an upper estimate: see above)
+    converged: bool
+
+
+def conjugate_gradient(
+    product: Callable[[Tensor], Tensor],
+    rhs: Tensor,
+    start: Tensor,
+    inverse_preconditioner: Tensor | None,
+    *,
+    max_passes: int,
+    tolerance: float,
+    delay: int = 5,
+    on_pass: Callable[[int], None] | None = None,
+) -> RefineResult:
+    r"""Preconditioned CG on :math:`Hz_r = b_r` for every row ``r`` at once, stopped by the energy-error estimate.
+
+    Args:
+        product: ``v (R, d) -> H v`` for every row.
+        rhs: the right-hand sides ``b`` ``(R, d)``.
+        start: the rows to start from ``(R, d)``.
+        inverse_preconditioner: :math:`P^{-1}` ``(d,)`` (``None``: no preconditioning).
+        max_passes: the most products with :math:`H` (one full-data pass each).
+        tolerance: stop once every row's estimated :math:`\lVert e\rVert_H` is below it.
+        delay: :math:`\ell`, the iterations the estimate looks ahead.
+        on_pass: called with the pass count after every product (a progress bar).
+
+    Returns the rows reached, the passes made, each row's estimate for the rows returned — the sum of the
+    last :math:`\ell` terms (the bound of iterate :math:`n - \ell`, which the returned iterate improves on) — and
+    whether the tolerance was met.
+
+    """
+    x = start.clone()
+    r = rhs - product(x)
+    z = r if inverse_preconditioner is None else r * inverse_preconditioner
+    p = z.clone()
+    rz = (r * z).sum(-1)
+    terms: list[Tensor] = []
+    passes, converged = 1, False
+    if on_pass is not None:
+        on_pass(passes)
+    tiny = torch.finfo(x.dtype).tiny
+    while passes < max_passes:
+        hp = product(p)
+        passes += 1
+        if on_pass is not None:
+            on_pass(passes)
+        curvature = (p * hp).sum(-1)
+        done = curvature <= tiny  # a row already solved (r = 0) keeps its iterate
+        alpha = torch.where(done, torch.zeros_like(rz), rz / curvature.clamp_min(tiny))
+        x.add_(alpha.unsqueeze(-1) * p)
+        r.sub_(alpha.unsqueeze(-1) * hp)
+        terms.append(alpha * rz)
+        z = r if inverse_preconditioner is None else r * inverse_preconditioner
+        new_rz = (r * z).sum(-1)
+        beta = torch.where(done, torch.zeros_like(rz), new_rz / rz.clamp_min(tiny))
+        p = z + beta.unsqueeze(-1) * p
+        rz = new_rz
+        if len(terms) >= delay and bool((torch.stack(terms[-delay:]).sum(0) <= tolerance**2).all()):
+            converged = True
+            break
+    window = terms[-delay:] if terms else [torch.full_like(rz, float("inf"))]
+    error = torch.stack(window).sum(0).clamp_min(0).sqrt()
+    return RefineResult(x, passes, error, converged)
