@@ -67,6 +67,7 @@ class NetworkFunction:
         self.fixed = {k: v.detach() for k, v in fixed.items()}
         self.heteroscedastic = heteroscedastic
         self.chunk_size = chunk_size
+        self.noise: Tensor | None = None  # a homoscedastic Normal's scale in place of the model's (EM sets it)
 
     # ------------------------------------------------------------------ forward
     def latents(self, theta: Tensor) -> Latents:
@@ -77,6 +78,8 @@ class NetworkFunction:
         likelihood = likelihood_of(
             self.site, raw.fn, raw.mask, heteroscedastic=self.heteroscedastic, raw_logits=raw.raw_logits
         )
+        if self.noise is not None:
+            likelihood = likelihood.with_noise(self.noise)
         return Outputs(likelihood, likelihood.outputs(), raw.value, raw)
 
     def f(self, theta: Tensor, batch: Batch) -> Tensor:

@@ -22,9 +22,10 @@ from pyro_scalable.infer.sample_then_optimize import core
 
 __all__ = ["FORMAT", "SolveCheckpoint"]
 
-FORMAT = 2  # bumped when the layout changes (2: the kind, the model's code and the data's values in the fingerprint)
+FORMAT = 3  # bumped when the layout changes (2: the kind, the model's code and the data's values in the fingerprint;
+# 3: the EM noise scales)
 KIND = "SampleThenOptimize"
-_KEYS = ("fingerprint", "em_step", "progress", "generator", "alpha", "alphas", "gammas", "trace")
+_KEYS = ("fingerprint", "em_step", "progress", "generator", "alpha", "alphas", "gammas", "noises", "trace")
 
 _SETTINGS = (
     "num_samples",
@@ -44,6 +45,7 @@ _SETTINGS = (
     "preconditioner",
     "refine_passes",
     "tolerance",
+    "em_noise",
 )
 
 
@@ -86,9 +88,12 @@ class SolveCheckpoint:
         self.engine.trace = {name: list(values) for name, values in saved["trace"].items()}
         saved["alphas"] = [a.to(device) for a in saved["alphas"]]
         saved["gammas"] = [g.to(device) for g in saved["gammas"]]
+        saved["noises"] = [s.to(device) for s in saved["noises"]]
+        if saved["noises"]:
+            self.problem.net.noise = saved["noises"][-1]
         return saved
 
-    def on_epoch(self, em_step: int, epochs: int, alphas: list, gammas: list):
+    def on_epoch(self, em_step: int, epochs: int, alphas: list, gammas: list, noises: list):
         """The ``on_epoch`` of ``Problem.solve`` in EM step ``em_step``: write every ``every`` epochs and at the end."""
         steps_per_epoch, every = self.problem.steps_per_epoch, self.engine.checkpoint_every
 
@@ -109,6 +114,7 @@ class SolveCheckpoint:
                     "alpha": self.problem.alpha.cpu(),
                     "alphas": [a.cpu() for a in alphas],
                     "gammas": [g.cpu() for g in gammas],
+                    "noises": [s.cpu() for s in noises],
                     "trace": self.engine.trace,
                 },
             )

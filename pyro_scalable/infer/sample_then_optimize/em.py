@@ -24,14 +24,29 @@ carries its samples' coupling to the other groups through :math:`M`, so it is no
 :math:`(0, d_g)`, where the true value lies; it is clipped to that interval. The E-step (samples and mean at
 :math:`\alpha`) and this M-step alternate; the samples' prior draws are kept and rescaled
 (:math:`\theta^0 = A^{-1/2}\varepsilon` with fixed :math:`\varepsilon`), and each solve starts from the last.
+
+**The noise precision** (``em_noise=True``; a Normal likelihood with one scalar scale :math:`\sigma`,
+:math:`\beta = \sigma^{-2}`): the evidence is stationary in :math:`\beta` where (MacKay 1992)
+
+.. math::
+
+    \beta = \frac{n - \gamma}{\lVert y - f_{\rm lin}(\bar\theta)\rVert^2}, \qquad
+    \gamma = \sum_g \gamma_g,
+
+with :math:`n` the observed values and :math:`f_{\rm lin}(\bar\theta) = f(\theta_*) + J(\bar\theta - \theta_*)`
+the linearised fit at the posterior mean (one JVP pass). A new :math:`\beta` scales the data's curvature
+:math:`M`, its gradient :math:`b` and the perturbations' :math:`B^{1/2}` by :math:`\beta/\beta_0`,
+:math:`\beta/\beta_0` and :math:`\sqrt{\beta/\beta_0}` exactly, so nothing is recomputed but the next solve.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
-__all__ = ["effective_dimension", "mackay_update"]
+__all__ = ["effective_dimension", "linearized_sum_squares", "mackay_noise_update", "mackay_update"]
 
 
 def effective_dimension(samples: Tensor, ggn_samples: Tensor, groups: Tensor, num_groups: int) -> Tensor:
@@ -47,3 +62,22 @@ def mackay_update(gamma: Tensor, offset: Tensor, scale: Tensor, groups: Tensor) 
     # gamma_g lies in (0, d_g); a group's estimate can leave it (the cross-group terms of M are noisy), the total
     # cannot fall below 0
     return gamma.clamp(min=1e-3, max=None).minimum(sizes) / norms
+
+
+def mackay_noise_update(gamma: Tensor, sum_squares: Tensor, num_observations: Tensor) -> Tensor:
+    r"""The new noise scale :math:`\sigma = (\lVert y - f\rVert^2 / (n - \gamma))^{1/2}` (:math:`n - \gamma \ge 1`)."""
+    dof = (num_observations - gamma).clamp(min=1.0)
+    return (sum_squares / dof).sqrt()
+
+
+def linearized_sum_squares(net: Any, theta: Tensor, step: Tensor, batches: list[Any]) -> Tensor:
+    """``[‖y − f(θ*) − J step‖², n]`` over ``batches`` (observed outputs only): one JVP per batch."""
+    total = theta.new_zeros(2)
+    for batch in batches:
+        out = net.outputs(theta, batch)
+        f, tangent = net.jvp(theta, step.unsqueeze(0), batch)
+        likelihood = out.likelihood
+        keep = likelihood._mask_outputs(f) if likelihood.mask is not None else torch.ones_like(f)
+        residual = likelihood._flatten(out.value) - (f + tangent[0]).detach()
+        total = total + torch.stack([(keep * residual**2).sum(), keep.sum()])
+    return total

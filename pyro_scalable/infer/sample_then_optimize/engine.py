@@ -53,9 +53,10 @@ from pyro_scalable.infer.results import Draws, RunRecord
 from pyro_scalable.infer.sample_then_optimize import core
 from pyro_scalable.infer.sample_then_optimize.distributed import DistributedMode, OneProcess
 from pyro_scalable.infer.sample_then_optimize.distributed import setup as setup_parallel
+from pyro_scalable.infer.sample_then_optimize.krylov import warn_unconverged
 from pyro_scalable.infer.sample_then_optimize.linearization import is_linear, linearization_point
 from pyro_scalable.infer.sample_then_optimize.predictive import SampleThenOptimizePredictives
-from pyro_scalable.infer.sample_then_optimize.problem import Problem, warn_unconverged
+from pyro_scalable.infer.sample_then_optimize.problem import Problem
 from pyro_scalable.infer.sample_then_optimize.solve import solve_with_em
 
 __all__ = ["SampleThenOptimize"]
@@ -91,6 +92,9 @@ class SampleThenOptimize(SampleThenOptimizePredictives, Draws):
         em_steps: MacKay updates of the prior precision; ``0`` keeps the model's prior.
         em_groups: one precision for all parameters (``"scalar"``) or one per Pyro site (``"site"``).
         em_epochs: epochs of each warm-started solve after the first (default ``num_epochs``).
+        em_noise: also update a Normal likelihood's scalar noise scale at every EM step (MacKay's
+            ``beta = (n - gamma) / |y - f|^2``, :mod:`.em`); it then replaces the model's value
+            (a latent site held fixed, or a constant) in the draws, the predictions and ``noise_scale``.
         variance_reduction: which rows get an SVRG control variate (re-anchored every epoch with one full-data
             pass): the mean only (``"mean"``), or every row (``"all"``: twice the products per step, linear
             convergence instead of SGD's ``O(1/sqrt(T))``: samples accurate to many digits).
@@ -131,7 +135,9 @@ class SampleThenOptimize(SampleThenOptimizePredictives, Draws):
             refinement; the draws' are ``sample_stats["cg_error"]``).
         newton_step: the mean row's solution, the Newton step from ``net.theta_star`` (a check that it is a MAP).
         data_gradient: the full-data gradient of the log-likelihood at ``net.theta_star`` (flat).
-        em_history: the prior precision and effective dimension of every EM step.
+        em_history: the prior precision and effective dimension of every EM step (and with ``em_noise`` the noise
+            scale, ``"noise_scale"``).
+        noise_scale: with ``em_noise``, the fitted noise scale of the Normal likelihood (else ``None``).
 
     Example:
         >>> import pyro, pyro.distributions as dist, torch
@@ -166,6 +172,7 @@ class SampleThenOptimize(SampleThenOptimizePredictives, Draws):
         em_steps: int = 0,
         em_groups: Literal["scalar", "site"] = "scalar",
         em_epochs: int | None = None,
+        em_noise: bool = False,
         variance_reduction: Literal["mean", "all"] = "mean",
         preconditioner: Literal["diagonal"] | None = "diagonal",
         refine_passes: int = 100,
@@ -212,6 +219,9 @@ class SampleThenOptimize(SampleThenOptimizePredictives, Draws):
         if prior_precision is not None:
             check_tensor("prior_precision", prior_precision, positive=True)
         check_flag("g_prior", g_prior)
+        check_flag("em_noise", em_noise)
+        if em_noise and not em_steps:
+            raise ValueError("em_noise=True updates the noise scale at each EM step: give em_steps >= 1.")
         check_count("chunk_size", chunk_size, optional=True)
         check_seed("seed", seed)
         draws_device = check_device("draws_device", draws_device)
@@ -234,6 +244,8 @@ class SampleThenOptimize(SampleThenOptimizePredictives, Draws):
         self.em_steps = operator.index(em_steps)
         self.em_groups = em_groups
         self.em_epochs = self.num_epochs if em_epochs is None else operator.index(em_epochs)
+        self.em_noise = em_noise
+        self.noise_scale: Tensor | None = None
         self.variance_reduction = variance_reduction
         self.preconditioner = preconditioner
         self.refine_passes = operator.index(refine_passes)
@@ -287,18 +299,24 @@ class SampleThenOptimize(SampleThenOptimizePredictives, Draws):
             map_steps=self.map_steps,
             quiet=not self.progress_bar or not parallel.is_main,
         )
-        chosen, heteroscedastic, _, _ = choose_sites(bridge, site, latents, self.sites)
+        chosen, heteroscedastic, noise_site, noise = choose_sites(bridge, site, latents, self.sites)
+        if self.em_noise and noise is None:
+            raise ModelError(
+                f"em_noise=True needs observed site '{site}' to be a Normal with one scalar scale (a constant or a "
+                "latent site held fixed); drop em_noise."
+            )
+        self._noise_site = noise_site
         layout = ParameterLayout({name: bridge.sites[name].unconstrained_shape for name in chosen})
         theta = layout.flatten(latents).detach()
         self._linear = is_linear(bridge, site, chosen, latents, generator)
         self.net = net = NetworkFunction(
             bridge, site, layout, theta, latents, heteroscedastic=heteroscedastic, chunk_size=self.chunk_size
         )
-        problem = Problem(self, net, theta, generator, parallel)
+        problem = Problem(self, net, theta, generator, parallel, noise=noise)
         self._solve_all(problem, generator)
 
     def _solve_all(self, problem: Problem, generator: torch.Generator) -> None:
-        state, alphas, gammas = solve_with_em(self, problem, generator)
+        state, alphas, gammas, noises = solve_with_em(self, problem, generator)
         parallel = problem.parallel
         state, problem.final_stats, self.trace = parallel.gather(state, problem.final_stats, self.trace)
         self.state = state
@@ -310,6 +328,14 @@ class SampleThenOptimize(SampleThenOptimizePredictives, Draws):
             "prior_precision": torch.stack(alphas).to(self.draws_device),
             "effective_dimension": torch.stack(gammas).to(self.draws_device),
         }
+        if noises:
+            self.em_history["noise_scale"] = torch.stack(noises).to(self.draws_device)
+            self.noise_scale = noises[-1]
+            if self._noise_site is not None:  # the draws and the mean carry the fitted scale
+                fitted = self.bridge.unconstrain(
+                    {self._noise_site: noises[-1].reshape(self.net.fixed[self._noise_site].shape)}
+                )
+                self.net.fixed[self._noise_site] = fitted[self._noise_site]
         self._keep(problem, state)
 
     def _keep(self, problem: Problem, state: core.SampleState) -> None:

@@ -20,6 +20,7 @@ from pyro_scalable.infer.linearized.ggn import GGNDiagonal, ggn_pass
 from pyro_scalable.infer.linearized.network import NetworkFunction
 from pyro_scalable.infer.sample_then_optimize import core, krylov
 from pyro_scalable.infer.sample_then_optimize.distributed import OneProcess, local_batch
+from pyro_scalable.infer.sample_then_optimize.em import linearized_sum_squares, mackay_noise_update
 
 
 class Problem:
@@ -36,6 +37,7 @@ class Problem:
         theta: Tensor,
         generator: torch.Generator,
         parallel: OneProcess | None = None,
+        noise: Tensor | None = None,
     ):
         self.engine, self.net, self.theta = engine, net, theta
         bridge = net.bridge
@@ -57,9 +59,10 @@ class Problem:
         )
         # diag(M), exact: the g-prior's scales and the solver's diagonal preconditioner (core)
         need_diagonal = engine.g_prior or engine.preconditioner == "diagonal"
-        self.data_diagonal = _ggn_diagonal(net, theta) if need_diagonal else None
+        self._data_diagonal = _ggn_diagonal(net, theta) if need_diagonal else None
+        self.noise0 = noise  # a homoscedastic Normal's scale in the model at theta_* (the data pass's; update_noise)
         if engine.g_prior:
-            diagonal = self.data_diagonal
+            diagonal = self._data_diagonal
             mean = torch.zeros_like(self.alpha).index_add(0, self.groups, diagonal) / counts
             self.scale = (diagonal / mean[self.groups]).clamp_min(1e-6)
         else:
@@ -71,7 +74,7 @@ class Problem:
         self.noise_state = generator.get_state()
         self.prior_noise_shape = (self.num_samples, theta.numel())
         torch.randn(self.prior_noise_shape, generator=generator, dtype=theta.dtype, device=theta.device)
-        self.perturbation, self.gradient = self._data_pass(generator)
+        self._perturbation, self._gradient = self._data_pass(generator)
         self.final_stats: dict[str, Tensor] = {}
         self.refinement: krylov.RefineResult | None = None
 
@@ -87,6 +90,30 @@ class Problem:
     @property
     def precision(self) -> Tensor:
         return self.alpha[self.groups] * self.scale
+
+    # the data terms at the current noise precision beta: M, b and B^{1/2} scale by beta / beta_0 (.em)
+    def _noise_ratio(self) -> Tensor | float:
+        return 1.0 if self.net.noise is None else (self.noise0 / self.net.noise) ** 2
+
+    @property
+    def data_diagonal(self) -> Tensor | None:
+        return None if self._data_diagonal is None else self._data_diagonal * self._noise_ratio()
+
+    @property
+    def perturbation(self) -> Tensor:
+        ratio = self._noise_ratio()
+        return self._perturbation * (ratio.sqrt() if isinstance(ratio, Tensor) else ratio)
+
+    @property
+    def gradient(self) -> Tensor:
+        return self._gradient * self._noise_ratio()
+
+    def update_noise(self, gamma: Tensor, step: Tensor) -> Tensor:
+        """MacKay's update of a homoscedastic Normal's scale from the linearised fit at the mean ``θ* + step``."""
+        batches = [b for b in map(self._local, self.net.batches()) if b is not None]
+        sums = self.parallel.sum_over_data(linearized_sum_squares(self.net, self.theta, step.detach(), batches))
+        self.net.noise = mackay_noise_update(gamma.sum(), sums[0], sums[1]).to(self.theta.dtype)
+        return self.net.noise
 
     def inverse_preconditioner(self) -> Tensor | None:
         """``P⁻¹ = 1 / (diag(M) + A)`` at the current prior (``None`` without preconditioning)."""
@@ -357,45 +384,6 @@ class Problem:
 
 def _ggn_diagonal(net: NetworkFunction, theta: Tensor) -> Tensor:
     return ggn_pass(net, theta, GGNDiagonal()).curvature
-
-
-def warn_unconverged(stats: dict[str, Tensor], engine: Any) -> None:
-    """Warn when the draws have not converged (full-data gradients of the last solve).
-
-    After the conjugate-gradient refinement: when it ended before every row was within ``tolerance`` posterior sds
-    in every direction (CG's energy-error estimate, :mod:`.krylov`). Without it, with the preconditioner: the
-    median RMS error of a draw in posterior sds above 0.1, estimated as ``sqrt(gᵀ P⁻¹ g / d)`` (blind to the
-    directions the correlations slow down: it read 0.05 while the mean was 7.5 sds off). Without either: the median
-    relative gradient norm above 0.1 (blind to the directions the prior dominates).
-    """
-    if "cg_error" in stats:
-        worst, mean = float(stats["cg_error"].max()), engine.mean_error
-        if max(worst, mean) > engine.tolerance:
-            warnings.warn(
-                f"the samples have not converged in refine_passes={engine.refine_passes} conjugate-gradient passes: "
-                f"a draw may be up to {worst:.2g} posterior sds off its exact value along some direction, the mean "
-                f"{mean:.2g} (tolerance={engine.tolerance:g}; sample_stats['cg_error']). Raise refine_passes.",
-                stacklevel=4,
-            )
-        return
-    if "error_in_sds" in stats:
-        worst = float(stats["error_in_sds"].median())
-        if worst > 0.1:
-            warnings.warn(
-                f"the samples have not converged: a draw is off by about {worst:.2g} posterior sds (RMS over the "
-                "coordinates, median over the draws; sample_stats['error_in_sds']). Raise refine_passes or "
-                "num_epochs (or em_epochs), or use variance_reduction='all'.",
-                stacklevel=4,
-            )
-        return
-    worst = float(stats["relative_grad_norm"].median())
-    if worst > 0.1:
-        warnings.warn(
-            f"the samples have not converged: the median relative gradient norm (full data) is {worst:.2g}. Raise "
-            "refine_passes or num_epochs (or em_epochs), or use variance_reduction='all'; see "
-            "sample_stats['relative_grad_norm'].",
-            stacklevel=4,
-        )
 
 
 def _check_finite(value: Tensor, site: str, what: str) -> None:

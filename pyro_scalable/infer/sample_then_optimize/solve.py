@@ -2,7 +2,8 @@ r"""A run's solves: the first one, then one warm-started solve per EM step, with
 
 Each solve minimises the batched quadratic of :mod:`.problem` for :math:`K` samples and the mean, by minibatch epochs
 and then conjugate gradients on the full data until every row has converged (:mod:`.krylov`); between solves the
-M-step of :mod:`.em` updates the prior precision :math:`\alpha` from the effective dimension :math:`\hat\gamma`
+M-step of :mod:`.em` updates the prior precision :math:`\alpha` (and with ``em_noise`` a Normal's noise scale)
+from the effective dimension :math:`\hat\gamma`
 (clipped to :math:`(0, d_g)`; a group whose raw estimate is not positive keeps its precision), and the solver's
 velocity restarts at zero. A run resumed from a checkpoint starts at the EM step and epoch it stopped at.
 """
@@ -26,18 +27,22 @@ __all__ = ["solve_with_em"]
 
 def solve_with_em(
     engine: Any, problem: Problem, generator: torch.Generator
-) -> tuple[core.SampleState, list[Tensor], list[Tensor]]:
-    """The first solve and ``engine.em_steps`` warm-started ones; the state and every step's ``alpha``, ``gamma``."""
+) -> tuple[core.SampleState, list[Tensor], list[Tensor], list[Tensor]]:
+    """The first solve and ``engine.em_steps`` warm-started ones; the state, every step's ``alpha`` and ``gamma``.
+
+    With ``em_noise`` also every step's noise scale (else an empty list).
+    """
     num_groups = problem.num_groups
     engine.cg_passes = []
     alphas, gammas = [problem.alpha.clone()], []
+    noises = [problem.noise0] if engine.em_noise else []
     epochs = engine.num_epochs + engine.em_steps * engine.em_epochs + (engine.em_steps + 1) * engine.refine_passes
     total = epochs * problem.steps_per_epoch  # a refinement pass counts as an epoch
     checkpoint = None if engine.checkpoint is None else SolveCheckpoint(engine, problem, generator)
     saved = None if checkpoint is None else checkpoint.resume()
     first_em_step, done = 0, 0
     if saved is not None:
-        first_em_step, alphas, gammas = saved["em_step"], saved["alphas"], saved["gammas"]
+        first_em_step, alphas, gammas, noises = saved["em_step"], saved["alphas"], saved["gammas"], saved["noises"]
         done = min(first_em_step, 1) * engine.num_epochs + max(first_em_step - 1, 0) * engine.em_epochs
         done = done * problem.steps_per_epoch + saved["progress"]["t"]
     parallel = problem.parallel
@@ -47,7 +52,7 @@ def solve_with_em(
         for em_step in range(first_em_step, engine.em_steps + 1):
             epochs = engine.num_epochs if em_step == 0 else engine.em_epochs
             progress = saved["progress"] if saved is not None and em_step == first_em_step else None
-            on_epoch = None if checkpoint is None else checkpoint.on_epoch(em_step, epochs, alphas, gammas)
+            on_epoch = None if checkpoint is None else checkpoint.on_epoch(em_step, epochs, alphas, gammas, noises)
             state = parallel.agree(problem.solve(state, epochs, generator, bar, progress, on_epoch))
             if engine.refine_passes:
                 state = problem.refine(state, engine.refine_passes, engine.tolerance, bar)
@@ -70,7 +75,9 @@ def solve_with_em(
                         "at the prior mean in some group); keep em_steps=0 or use em_groups='scalar'."
                     )
                 alphas.append(problem.alpha.clone())
+                if engine.em_noise:
+                    noises.append(problem.update_noise(gamma, state.samples[-1]))
                 state = state._replace(velocity=torch.zeros_like(state.velocity))
     finally:
         bar.close()
-    return state, alphas, gammas
+    return state, alphas, gammas, noises

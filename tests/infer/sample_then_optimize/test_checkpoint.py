@@ -49,7 +49,7 @@ def assert_same_run(run, reference):
         assert torch.equal(run.get_unconstrained_samples(group_by_chain=True)[name], value), name
     for name, value in reference.sample_stats.items():
         assert torch.equal(run.sample_stats[name], value), name
-    for name in ("prior_precision", "effective_dimension"):
+    for name in reference.em_history.keys() - {"groups"}:  # the prior precision, gamma (and the noise scale)
         assert torch.equal(run.em_history[name], reference.em_history[name]), name
     for name, values in reference.trace.items():
         assert torch.equal(torch.stack(run.trace[name]), torch.stack(values)), name
@@ -58,23 +58,25 @@ def assert_same_run(run, reference):
 # steps per epoch: 200 // 50 = 4; solves of 3, 2 and 2 epochs: steps 1-12, 13-20 and 21-28. Killed at step 23, the
 # run goes back to the end of the second solve (before its EM update).
 @pytest.mark.parametrize(
-    "kill, step_size, em_step",
-    [(7, None, 0), (18, None, 1), (23, 0.3, 1)],  # a given step size is for the preconditioned gradient
-    ids=["first-solve", "em-solve", "end-of-solve"],
+    "kill, step_size, em_step, em_noise",
+    [(7, None, 0, False), (18, None, 1, False), (23, 0.3, 1, False), (23, None, 1, True)],
+    ids=["first-solve", "em-solve", "end-of-solve", "em-noise"],  # a given step size: for the preconditioned gradient
 )
-def test_resume_equals_the_uninterrupted_run(tmp_path, monkeypatch, kill, step_size, em_step):
+def test_resume_equals_the_uninterrupted_run(tmp_path, monkeypatch, kill, step_size, em_step, em_noise):
     problem = LinearRegression(num_data=200, dim=3, batch_size=50)
-    reference = engine(problem, step_size=step_size)
+    reference = engine(problem, step_size=step_size, em_noise=em_noise)
     reference.run(problem.x, problem.y)
     path = tmp_path / "run.pt"
     with monkeypatch.context() as patch:
         kill_at(patch, kill)
         with pytest.raises(Killed):
-            engine(problem, path, step_size=step_size).run(problem.x, problem.y)
+            engine(problem, path, step_size=step_size, em_noise=em_noise).run(problem.x, problem.y)
     assert load(path)["em_step"] == em_step
-    resumed = engine(problem, path, step_size=step_size)
+    resumed = engine(problem, path, step_size=step_size, em_noise=em_noise)
     resumed.run(problem.x, problem.y)
     assert_same_run(resumed, reference)
+    if em_noise:  # the noise the killed run had fitted is put back: the resumed run's draws equal the reference's
+        assert float(resumed.noise_scale) != 1.0 and torch.equal(resumed.noise_scale, reference.noise_scale)
 
 
 @pytest.mark.filterwarnings("ignore:the samples have not converged:UserWarning")  # a few epochs: not the point here
@@ -132,7 +134,7 @@ def test_an_edited_model_or_changed_data_is_refused(tmp_path):
     [
         ({"a": 1}, r"is not a pyro_scalable checkpoint \(a torch file holding a dict\)"),
         ({"kind": "StochasticMCMC", "format": 3}, "was written by StochasticMCMC, not by SampleThenOptimize"),
-        ({"kind": "SampleThenOptimize", "format": 1}, "checkpoint format 1 .*this version reads format 2"),
+        ({"kind": "SampleThenOptimize", "format": 2}, "checkpoint format 2 .*this version reads format 3"),
     ],
     ids=["foreign", "another-engine", "old-format"],
 )
