@@ -142,12 +142,13 @@ print(f"N = {N}, D = {D}: H at α = 1 has eigenvalues from {eigenvalues.min() + 
 # on a minibatch. `variance_reduction="all"` gives every draw an SVRG control variate (twice the products per
 # step), so each draw converges to its quadratic's minimiser instead of stalling at the SGD noise floor; the
 # default, `"mean"`, gives it to the mean only. H is ill-conditioned here (its eigenvalues are printed above), and
-# the slow directions are combinations of correlated features of one scale: the solver's default diagonal
-# preconditioner, which evens out features of different scales, cannot reach them (measured: the same 0.8 posterior
-# sd off in the worst coordinate with or without it after 60 epochs, and the engine's `error_in_sds` diagnostic
-# reads 0.01 — it does not see such directions either). `momentum=0.98` (instead of 0.9) is what gets them converged
-# in 60 epochs, so this run sets it, without the preconditioner. The output is linear in
-# `w`, so no linearisation point is needed.
+# the slow directions are combinations of correlated features of one scale: the solver's diagonal preconditioner,
+# which evens out features of different scales, cannot reach them, and after the 60 minibatch epochs the mean is
+# still about 0.8 posterior sd off in the worst coordinate (measured with `refine_passes=0`). The default
+# refinement then runs conjugate gradients on the full data until every draw and the mean are within 0.1
+# posterior sd of their exact solutions along *every* direction, by CG's own error estimate (`sample_stats
+# ["cg_error"]`, `engine.mean_error`), and warns if its budget (`refine_passes=100`) ends first. The output is
+# linear in `w`, so no linearisation point is needed.
 #
 # The checks, with tolerances from the Monte-Carlo error of K draws: the mean of the draws is off the exact mean
 # by a z-score ~ N(0, 1) per weight, and the sd of the draws over the exact sd is 1 ± 1/√(2K) per weight. Over D
@@ -159,17 +160,17 @@ print(f"N = {N}, D = {D}: H at α = 1 has eigenvalues from {eigenvalues.min() + 
 # %%
 sto_start = time.perf_counter()
 engine = SampleThenOptimize(
-    linear_model,
-    num_samples=K1,
-    num_epochs=60,
-    momentum=0.98,
-    preconditioner=None,
-    variance_reduction="all",
-    seed=0,
-    progress_bar=False,
+    linear_model, num_samples=K1, num_epochs=60, variance_reduction="all", seed=0, progress_bar=False
 )
 engine.run(x, y)
-print(f"{K1} draws of {D} weights, 60 epochs: {time.perf_counter() - sto_start:.0f} s")
+print(
+    f"{K1} draws of {D} weights, 60 epochs + {engine.cg_passes[0]} conjugate-gradient passes: "
+    f"{time.perf_counter() - sto_start:.0f} s"
+)
+print(
+    f"CG's error estimate (posterior sds along any direction): draws ≤ {engine.sample_stats['cg_error'].max():.3f}, "
+    f"mean {engine.mean_error:.3f}"
+)
 draws = engine.get_samples()["w"].double()  # (K1, D), constrained (here: the same) values
 mean, cov = exact_posterior(1.0)
 sd = cov.diagonal().sqrt()
@@ -204,8 +205,6 @@ em = SampleThenOptimize(
     linear_model,
     num_samples=K_EM,
     num_epochs=40,
-    momentum=0.98,
-    preconditioner=None,
     em_steps=5,
     em_epochs=10,
     variance_reduction="all",
@@ -368,15 +367,21 @@ print(
     f"relative gradient norm over the {K2} draws: median {relative.median():.3f}, max {relative.max():.3f}"
     f"   (epochs per solve: {EPOCHS}, then {EM_EPOCHS})"
 )
+print(
+    f"conjugate-gradient passes per solve: {sto.cg_passes}; CG's error estimate: draws ≤ "
+    f"{sto.sample_stats['cg_error'].max():.3f}, mean {sto.mean_error:.3f} posterior sds"
+)
 objective_trace = torch.stack(sto.trace["objective"])  # (epochs over all solves, K2 + 1)
 solve_ends = [EPOCHS - 1 + step * EM_EPOCHS for step in range(4)]
 print("minibatch objective of draw 0 at the end of each solve:", objective_trace[solve_ends, 0].round().tolist())
 
 # %% [markdown]
-# On this network the quadratic is ill-conditioned, and the default step size is 0.5 / λ_max(H): a prior
-# precision that EM has driven up (the output bias's, above) raises λ_max and slows every other direction. A
-# residual of 0.1–0.3 means the draws are still moving. An unconverged draw has not yet shrunk along the
-# directions the data determine, so its γ̂ is too *large*: read `relative_grad_norm` before trusting γ̂.
+# On this network the quadratic is ill-conditioned: after the minibatch epochs alone the relative residual was
+# 0.1–0.3 (the draws still moving, measured with `refine_passes=0`), and an unconverged draw, not yet shrunk along
+# the directions the data determine, gives too *large* a γ̂. The conjugate-gradient refinement after each solve
+# brings every draw within 0.1 posterior sd of its exact solution along every direction (`cg_error`, CG's estimate
+# of that error, is in `sample_stats`; `cg_passes` says how many passes each solve took), which the dense check
+# below confirms: ζᵀHζ averages the dimension.
 #
 # ### ArviZ
 # One chain of independent draws (no r_hat or ESS to diagnose), with the diagnostics as `sample_stats`. The

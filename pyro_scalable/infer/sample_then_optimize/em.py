@@ -25,6 +25,14 @@ carries its samples' coupling to the other groups through :math:`M`, so it is no
 :math:`\alpha`) and this M-step alternate; the samples' prior draws are kept and rescaled
 (:math:`\theta^0 = A^{-1/2}\varepsilon` with fixed :math:`\varepsilon`), and each solve starts from the last.
 
+**Damping where the iteration oscillates.** With several groups the update is a coupled map whose slope at the
+fixed point (in :math:`\log\alpha`) can be near or below :math:`-1`: on a 64-300-200-10 MLP the first layer's
+:math:`\alpha` went 13.1, 2.7, 8.0, 3.9, 6.5, 4.5 and the second's 2.0, 1.5, 2.3, 1.4, 2.3 (a period-2 cycle). Each
+group's step in :math:`\log\alpha` is therefore scaled by :math:`2^{-c}`, :math:`c` the number of sign changes of
+that group's steps so far: a monotone run is MacKay's iteration unchanged, and a slope :math:`s < 0` becomes
+:math:`1 - 2^{-c}(1 - s)`, which stops the sign changes once :math:`2^{-c} \le 1/(1-s)`. The fixed point is the
+same. :math:`c` is read from the history of :math:`\alpha`, so a resumed run needs no more state.
+
 **The noise precision** (``em_noise=True``; a Normal likelihood with one scalar scale :math:`\sigma`,
 :math:`\beta = \sigma^{-2}`): the evidence is stationary in :math:`\beta` where (MacKay 1992)
 
@@ -46,7 +54,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["effective_dimension", "linearized_sum_squares", "mackay_noise_update", "mackay_update"]
+__all__ = ["damp_oscillation", "effective_dimension", "linearized_sum_squares", "mackay_noise_update", "mackay_update"]
 
 
 def effective_dimension(samples: Tensor, ggn_samples: Tensor, groups: Tensor, num_groups: int) -> Tensor:
@@ -81,3 +89,15 @@ def linearized_sum_squares(net: Any, theta: Tensor, step: Tensor, batches: list[
         residual = likelihood._flatten(out.value) - (f + tangent[0]).detach()
         total = total + torch.stack([(keep * residual**2).sum(), keep.sum()])
     return total
+
+
+def damp_oscillation(history: list[Tensor], proposal: Tensor) -> Tensor:
+    """The next ``alpha`` per group: the step from ``history[-1]`` to ``proposal`` in log space, halved per sign change.
+
+    ``history`` holds every ``alpha`` so far ``(groups,)`` each, ``proposal`` MacKay's update.
+    """
+    logs = torch.stack(history).log()
+    step = proposal.log() - logs[-1]
+    steps = torch.cat([logs.diff(dim=0), step.unsqueeze(0)])
+    changes = (steps[1:] * steps[:-1] < 0).sum(0)
+    return (logs[-1] + step * 0.5**changes).exp()

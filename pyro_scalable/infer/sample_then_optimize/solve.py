@@ -2,7 +2,8 @@ r"""A run's solves: the first one, then one warm-started solve per EM step, with
 
 Each solve minimises the batched quadratic of :mod:`.problem` for :math:`K` samples and the mean, by minibatch epochs
 and then conjugate gradients on the full data until every row has converged (:mod:`.krylov`); between solves the
-M-step of :mod:`.em` updates the prior precision :math:`\alpha` (and with ``em_noise`` a Normal's noise scale)
+M-step of :mod:`.em` updates the prior precision :math:`\alpha` (damped where it oscillates; with ``em_noise`` also
+a Normal's noise scale)
 from the effective dimension :math:`\hat\gamma`
 (clipped to :math:`(0, d_g)`; a group whose raw estimate is not positive keeps its precision), and the solver's
 velocity restarts at zero. A run resumed from a checkpoint starts at the EM step and epoch it stopped at.
@@ -19,7 +20,7 @@ from tqdm.auto import tqdm
 from pyro_scalable.bridge.checks import ModelError
 from pyro_scalable.infer.sample_then_optimize import core
 from pyro_scalable.infer.sample_then_optimize.checkpoint import SolveCheckpoint
-from pyro_scalable.infer.sample_then_optimize.em import effective_dimension, mackay_update
+from pyro_scalable.infer.sample_then_optimize.em import damp_oscillation, effective_dimension, mackay_update
 from pyro_scalable.infer.sample_then_optimize.problem import Problem
 
 __all__ = ["solve_with_em"]
@@ -65,7 +66,7 @@ def solve_with_em(
             if em_step == 0:
                 problem.check_map(state)
             if em_step < engine.em_steps:
-                update = mackay_update(gamma, mean_offset, problem.scale, problem.groups)
+                update = damp_oscillation(alphas, mackay_update(gamma, mean_offset, problem.scale, problem.groups))
                 # a group whose estimate is <= 0 (pure noise from its coupling to other groups) keeps its
                 # precision: clipping it would all but flatten its prior, and nothing would bring it back
                 problem.alpha = torch.where(raw > 0, update, problem.alpha)

@@ -131,3 +131,28 @@ def test_em_noise_is_refused_where_it_does_not_apply():
         SampleThenOptimize(logistic, num_samples=2, em_steps=1, em_noise=True, progress_bar=False).run(x, labels)
     with pytest.raises(ValueError, match="em_steps >= 1"):
         SampleThenOptimize(logistic, em_noise=True)
+
+
+# ------------------------------------------------------------------------------------------ damping the M-step
+def _iterate(fixed_point: float, slope: float, steps: int, damped: bool) -> list[float]:
+    """x_{t+1} = F(x_t) in log alpha with F(x) = x* + slope (x - x*), the update damped or not."""
+    from pyro_scalable.infer.sample_then_optimize.em import damp_oscillation
+
+    history = [torch.tensor([1.0], dtype=F64)]
+    for _ in range(steps):
+        x = math.log(float(history[-1]))
+        proposal = torch.tensor([math.exp(fixed_point + slope * (x - fixed_point))], dtype=F64)
+        history.append(damp_oscillation(history, proposal) if damped else proposal)
+    return [math.log(float(a)) for a in history]
+
+
+@pytest.mark.parametrize("slope", [-1.0, -0.7, -0.3])
+def test_damping_stops_an_oscillating_iteration(slope):
+    plain, damped = _iterate(1.5, slope, 6, False), _iterate(1.5, slope, 6, True)
+    assert abs(damped[-1] - 1.5) < 0.05 * 1.5  # within 5% of log alpha* after 6 steps
+    assert abs(damped[-1] - 1.5) < abs(plain[-1] - 1.5) or slope > -0.5
+
+
+@pytest.mark.parametrize("slope", [0.0, 0.3, 0.8])
+def test_damping_leaves_a_monotone_iteration_alone(slope):
+    assert _iterate(1.5, slope, 6, True) == pytest.approx(_iterate(1.5, slope, 6, False), rel=1e-12)
