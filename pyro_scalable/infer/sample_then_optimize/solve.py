@@ -2,11 +2,10 @@ r"""A run's solves: the first one, then one warm-started solve per EM step, with
 
 Each solve minimises the batched quadratic of :mod:`.problem` for :math:`K` samples and the mean, by minibatch epochs
 and then conjugate gradients on the full data until every row has converged (:mod:`.krylov`); between solves the
-M-step of :mod:`.em` updates the prior precision :math:`\alpha` (damped where it oscillates; with ``em_noise`` also
-a Normal's noise scale)
-from the effective dimension :math:`\hat\gamma`
-(clipped to :math:`(0, d_g)`; a group whose raw estimate is not positive keeps its precision), and the solver's
-velocity restarts at zero. A run resumed from a checkpoint starts at the EM step and epoch it stopped at.
+M-step of :mod:`.em` updates the prior precision :math:`\alpha` from the effective dimension :math:`\hat\gamma`
+(clipped to :math:`(0, d_g)`; a group whose raw estimate is not positive keeps its precision; a group's step damped
+where it changes sign), with ``em_noise`` also a Normal's noise scale, and the solver's velocity restarts at zero.
+A run resumed from a checkpoint starts at the EM step and epoch it stopped at.
 """
 
 from __future__ import annotations
