@@ -13,6 +13,7 @@ __all__ = [
     "ModelError",
     "check_inputs",
     "named_tensors",
+    "one_subsampled_plate",
 ]
 
 
@@ -65,3 +66,18 @@ def check_inputs(model: Callable, args: tuple, kwargs: Mapping[str, Any]) -> tor
                     "drop or impute them before sampling, or mask them with `poutine.mask` in the model."
                 )
     return device
+
+
+def one_subsampled_plate(bridge: Any, purpose: str) -> Any:
+    """The model's one subsampled plate (its ``DataPlate``), or a ``ModelError`` saying ``purpose`` needs one.
+
+    ``purpose`` completes "... needs the likelihood in exactly one subsampled plate", e.g. "SWAG (its snapshots spread
+    by the minibatch noise)".
+    """
+    plates = list(bridge.plates.values())
+    if len(plates) != 1:
+        raise ModelError(
+            f"{purpose} needs the likelihood in exactly one subsampled plate (pyro.plate('data', N, "
+            f"subsample_size=B)); the model has {len(plates)}."
+        )
+    return plates[0]

@@ -39,7 +39,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from pyro_scalable.arguments import check_choice, check_count, check_flag, check_number, check_seed
-from pyro_scalable.bridge.checks import ModelError
+from pyro_scalable.bridge.checks import ModelError, one_subsampled_plate
 from pyro_scalable.bridge.model import Batch, FullDataModel, ModelBridge
 from pyro_scalable.infer.gaussian_prior import (
     GaussianPriorModel,
@@ -142,13 +142,7 @@ class DiagonalEKF:
         seed = int(torch.randint(0, 2**62, ())) if self.seed is None else self.seed
         bridge = ModelBridge(FullDataModel(self.model), args, kwargs)
         site = observed_site(bridge, "the diagonal EKF")
-        plates = list(bridge.plates.values())
-        if len(plates) != 1:
-            raise ModelError(
-                "the diagonal EKF walks the data in the minibatches of one subsampled plate (pyro.plate('data', N, "
-                f"subsample_size=B)); the model has {len(plates)}."
-            )
-        plate = plates[0]
+        plate = one_subsampled_plate(bridge, "the diagonal EKF (it walks the data in the plate's minibatches)")
         start = {k: v[0].detach() for k, v in bridge.init_latents(1, init_to_median, seed=seed).items()}
         chosen, heteroscedastic, _, _ = choose_sites(bridge, site, start, None)
         held = [name for name in bridge.sites if name not in chosen]

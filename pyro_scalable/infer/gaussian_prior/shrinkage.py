@@ -68,7 +68,17 @@ def shrinkage_intensity(offsets: Tensor) -> float:
 
 
 def shrink_to_diagonal(offsets: Tensor, rho: float | None = None) -> ShrunkCovariance:
-    """The shrunk covariance of zero-mean draws ``offsets`` ``(K, d)`` (``rho``: the estimate, or a given value)."""
+    """The shrunk covariance of zero-mean draws ``offsets`` ``(K, d)`` (``rho``: the estimate, or a given value).
+
+    Example:
+        >>> import torch
+        >>> from pyro_scalable.infer.gaussian_prior.shrinkage import shrink_to_diagonal
+        >>> line = torch.randn(500, 1) * torch.ones(1, 4)  # four perfectly correlated coordinates
+        >>> shrunk = shrink_to_diagonal(line + 0.01 * torch.randn(500, 4))
+        >>> shrunk.rho < 0.01, shrunk.factor.shape  # the correlations are kept: rank K plus a diagonal
+        (True, torch.Size([4, 500]))
+
+    """
     num = offsets.shape[0]
     if rho is None:
         rho = min(1.0, max(shrinkage_intensity(offsets), 1.0 / num))
@@ -82,10 +92,10 @@ def gaussian_from_draws(sites: list[SiteSpec], mean: Tensor, offsets: Tensor, co
 
     ``joint.shrinkage`` records the intensity (1 for the diagonal).
     """
-    shrunk = shrink_to_diagonal(offsets.detach()) if correlations == "shrinkage" else None
-    if shrunk is None or shrunk.rho >= 1.0:
-        joint = JointGaussian.diagonal(sites, mean, offsets.detach().square().mean(0))
+    shrunk = shrink_to_diagonal(offsets.detach(), rho=1.0 if correlations == "diagonal" else None)
+    if shrunk.rho >= 1.0:  # diag = the draws' variances
+        joint = JointGaussian.diagonal(sites, mean, shrunk.diag)
     else:
         joint = JointGaussian.low_rank_covariance(sites, mean, shrunk.diag, shrunk.factor)
-    joint.shrinkage = 1.0 if shrunk is None else shrunk.rho
+    joint.shrinkage = shrunk.rho
     return joint

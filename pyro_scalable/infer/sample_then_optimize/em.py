@@ -95,6 +95,14 @@ def damp_oscillation(history: list[Tensor], proposal: Tensor) -> Tensor:
     """The next ``alpha`` per group: the step from ``history[-1]`` to ``proposal`` in log space, halved per sign change.
 
     ``history`` holds every ``alpha`` so far ``(groups,)`` each, ``proposal`` MacKay's update.
+
+    Example:
+        >>> import torch
+        >>> from pyro_scalable.infer.sample_then_optimize.em import damp_oscillation
+        >>> history = [torch.tensor([1.0]), torch.tensor([4.0])]  # one step up ...
+        >>> damp_oscillation(history, torch.tensor([1.0]))  # ... then a proposal back down: half the step in log
+        tensor([2.])
+
     """
     logs = torch.stack(history).log()
     step = proposal.log() - logs[-1]

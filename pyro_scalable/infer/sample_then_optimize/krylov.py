@@ -82,6 +82,15 @@ def conjugate_gradient(
     last :math:`\ell` terms (the bound of iterate :math:`n - \ell`, which the returned iterate improves on) — and
     whether the tolerance was met.
 
+    Example:
+        >>> import torch
+        >>> from pyro_scalable.infer.sample_then_optimize.krylov import conjugate_gradient
+        >>> h = torch.tensor([[4.0, 1.0], [1.0, 3.0]], dtype=torch.float64)
+        >>> b = torch.tensor([[1.0, 2.0]], dtype=torch.float64)
+        >>> out = conjugate_gradient(lambda v: v @ h, b, 0 * b, None, max_passes=20, tolerance=1e-8, delay=1)
+        >>> out.converged, torch.allclose(out.rows[0], torch.linalg.solve(h, b[0]))
+        (True, True)
+
     """
     x = start.clone()
     r = rhs - product(x)

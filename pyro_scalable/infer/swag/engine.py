@@ -40,7 +40,7 @@ from torch.func import grad
 from tqdm.auto import tqdm
 
 from pyro_scalable.arguments import check_choice, check_count, check_flag, check_seed
-from pyro_scalable.bridge.checks import ModelError
+from pyro_scalable.bridge.checks import ModelError, one_subsampled_plate
 from pyro_scalable.bridge.minibatches import EpochSampler
 from pyro_scalable.bridge.model import Batch, Latents, ModelBridge
 from pyro_scalable.bridge.plates import FullDataModel
@@ -167,13 +167,7 @@ class SWAG:
         began = time.perf_counter()
         seed = int(torch.randint(0, 2**62, ())) if self.seed is None else self.seed
         bridge = ModelBridge(FullDataModel(self.model), args, kwargs)
-        plates = list(bridge.plates.values())
-        if len(plates) != 1:
-            raise ModelError(
-                "SWAG needs the likelihood in exactly one subsampled plate (pyro.plate('data', N, "
-                f"subsample_size=B)): its snapshots spread by the minibatch noise; the model has {len(plates)}."
-            )
-        plate = plates[0]
+        plate = one_subsampled_plate(bridge, "SWAG (its snapshots spread by the minibatch noise)")
         if plate.subsample_size >= plate.size:
             raise ModelError(
                 f"the plate '{plate.name}' is not subsampled (subsample_size {plate.subsample_size} of {plate.size}): "
