@@ -43,7 +43,6 @@ from torch import Tensor
 from pyro_scalable.arguments import check_choice, check_count, check_flag, check_number, check_seed, check_tensor
 from pyro_scalable.bridge.checks import ModelError
 from pyro_scalable.bridge.model import ModelBridge
-from pyro_scalable.infer.gaussian_prior import GaussianPriorModel, JointGaussian, site_specs
 from pyro_scalable.infer.laplace.curvature import CurvatureError, Precision, Structure
 from pyro_scalable.infer.laplace.evidence import maximize_evidence
 from pyro_scalable.infer.laplace.predictive import LaplacePredictives
@@ -52,8 +51,6 @@ from pyro_scalable.infer.linearized.glm import GLMPredictive
 from pyro_scalable.infer.linearized.network import NetworkFunction
 
 __all__ = ["GLMPredictive", "LaplacePosterior"]
-
-_DENSE_PRIOR_LIMIT = 5000
 
 
 class LaplacePosterior(LaplacePredictives):
@@ -314,38 +311,6 @@ class LaplacePosterior(LaplacePredictives):
     def median(self, *args: Any, **kwargs: Any) -> dict[str, Tensor]:
         """The constrained values at the posterior mean (the MAP at the fitted prior)."""
         return self.bridge.constrain(self._all_latents(self.mean))
-
-    # ------------------------------------------------------------------ the next episode
-    def as_prior(self, model: Any = None) -> GaussianPriorModel:
-        r"""The model with the posterior :math:`\mathcal N(\bar\theta, H^{-1})` as the joint prior of the Laplace sites.
-
-        Fit the next episode's data with any engine on the returned model: the correlations are kept (``full`` as
-        a dense Gaussian, ``low_rank`` in its precision form, ``diag`` as independent Normals — the EWC update).
-        The sites held at their MAP values (e.g. a noise scale) keep the model's own priors.
-        ``kron`` keeps its layer blocks (a weight's marginal and its bias given it, in the factors' eigenbases: no
-        ``d x d``; :mod:`pyro_scalable.infer.gaussian_prior.kron`); ``sampled`` is made dense, up to 5,000 parameters.
-
-        Args:
-            model: the model the prior goes into (default: the one this posterior was fitted on); it must sample
-                the same latent sites, in the same order.
-
-        """
-        precision = self.precision
-        specs = site_specs(self.bridge, self.sites)
-        mean = self.mean.detach()
-        if hasattr(precision, "joint_gaussian"):
-            joint = precision.joint_gaussian(specs, mean)
-        elif self.num_params <= _DENSE_PRIOR_LIMIT:
-            dense = precision.to_dense().detach().double()
-            covariance = torch.cholesky_inverse(torch.linalg.cholesky(dense)).to(mean.dtype)
-            joint = JointGaussian.dense(specs, mean, covariance)
-        else:
-            raise ModelError(
-                f"as_prior of a '{self.structure}' posterior with {self.num_params} parameters would form a dense "
-                f"covariance (it does so up to {_DENSE_PRIOR_LIMIT}); fit structure='diag' or 'low_rank' for a "
-                "prior of this size."
-            )
-        return GaussianPriorModel(self.bridge.model if model is None else model, joint)
 
     # ------------------------------------------------------------------ ArviZ
     def to_inference_data(self, num_samples: int = 1000, seed: int | None = None, **kwargs: Any):

@@ -1,9 +1,10 @@
-r"""The predictive surface of a Laplace posterior: the linearised GLM predictive and draws of ``y``.
+r"""The result surface of a Laplace posterior: the linearised GLM predictive, draws of ``y``, the next prior.
 
 :class:`LaplacePredictives` is the part of :class:`~pyro_scalable.infer.laplace.posterior.LaplacePosterior` that
 predicts; it reads the posterior's point :math:`\theta_*`, mean, precision, network function and fitted noise.
 ``predict`` gives the closed-form (or probit / Monte-Carlo) law of ``y`` from :math:`J H^{-1} J^\top`;
-``posterior_predictive`` draws ``y``; ``linearized_model`` is the linearised network as a Pyro model.
+``posterior_predictive`` draws ``y``; ``linearized_model`` is the linearised network as a Pyro model; ``as_prior``
+makes the posterior the joint prior of the next episode's model.
 """
 
 from __future__ import annotations
@@ -16,12 +17,17 @@ import torch
 from torch import Tensor
 
 from pyro_scalable.arguments import check_choice, check_count, check_flag, check_seed
+from pyro_scalable.bridge.checks import ModelError
 from pyro_scalable.bridge.model import Batch
+from pyro_scalable.infer.gaussian_prior import GaussianPriorModel, JointGaussian, site_specs
 from pyro_scalable.infer.linearized.glm import GLMPredictive, Moments, glm_predictive, linearized_posterior_predictive
 from pyro_scalable.infer.linearized.likelihoods import Likelihood, LinkApprox
 from pyro_scalable.infer.predictive import sample_posterior_predictive
 
 __all__ = ["LaplacePredictives"]
+
+
+_DENSE_PRIOR_LIMIT = 5000  # as_prior of a structure without a structured Gaussian: dense up to this many parameters
 
 
 class LaplacePredictives:
@@ -145,3 +151,35 @@ class LaplacePredictives:
         if self._map_noise is not None and self._observation_noise is not None:
             return likelihood.with_noise(self._observation_noise)
         return likelihood
+
+    # ------------------------------------------------------------------ the next episode
+    def as_prior(self, model: Any = None) -> GaussianPriorModel:
+        r"""The model with the posterior :math:`\mathcal N(\bar\theta, H^{-1})` as the joint prior of the Laplace sites.
+
+        Fit the next episode's data with any engine on the returned model: the correlations are kept (``full`` as
+        a dense Gaussian, ``low_rank`` in its precision form, ``diag`` as independent Normals — the EWC update).
+        The sites held at their MAP values (e.g. a noise scale) keep the model's own priors.
+        ``kron`` keeps its layer blocks (a weight's marginal and its bias given it, in the factors' eigenbases: no
+        ``d x d``; :mod:`pyro_scalable.infer.gaussian_prior.kron`); ``sampled`` is made dense, up to 5,000 parameters.
+
+        Args:
+            model: the model the prior goes into (default: the one this posterior was fitted on); it must sample
+                the same latent sites, in the same order.
+
+        """
+        precision = self.precision
+        specs = site_specs(self.bridge, self.sites)
+        mean = self.mean.detach()
+        if hasattr(precision, "joint_gaussian"):
+            joint = precision.joint_gaussian(specs, mean)
+        elif self.num_params <= _DENSE_PRIOR_LIMIT:
+            dense = precision.to_dense().detach().double()
+            covariance = torch.cholesky_inverse(torch.linalg.cholesky(dense)).to(mean.dtype)
+            joint = JointGaussian.dense(specs, mean, covariance)
+        else:
+            raise ModelError(
+                f"as_prior of a '{self.structure}' posterior with {self.num_params} parameters would form a dense "
+                f"covariance (it does so up to {_DENSE_PRIOR_LIMIT}); fit structure='diag' or 'low_rank' for a "
+                "prior of this size."
+            )
+        return GaussianPriorModel(self.bridge.model if model is None else model, joint)
