@@ -8,7 +8,12 @@ engine's ``as_prior`` builds from them (``pyro_scalable.infer.gaussian_prior.shr
 same function) is compared with the exact posterior (KL divergence), and episode 2's ``full`` Laplace under that
 prior with the exact posterior on both episodes (the worst coordinate's mean error in posterior sds, and the worst
 sd ratio). Exact draws separate the estimator's error from the solver's; ``--engine`` adds the end-to-end run of
-``SampleThenOptimize`` with its defaults, whose draws carry its solver's error too.
+``SampleThenOptimize`` with its defaults, whose draws carry its solver's error too. ``--convergence`` runs the
+engine on episode 1 alone (K = 64) with the minibatch epochs only (``refine_passes=0``: 20, 50, 200 epochs), and
+with the conjugate-gradient refinement (budgets 100 and 200): the worst coordinate of the mean in posterior sds
+against the exact one, the engine's diagnostics, and whether it warned.
+
+    python benchmarks/bench_as_prior.py --convergence     # about 30 s
 
 Prints a markdown table (accuracy, not speed: one run each, no timing).
 """
@@ -16,6 +21,7 @@ Prints a markdown table (accuracy, not speed: one run each, no timing).
 from __future__ import annotations
 
 import argparse
+import time
 import warnings
 
 import pyro
@@ -74,10 +80,44 @@ def second_episode(prior: GaussianPriorModel, second, start, both_mean, both_cov
     return error, float((ratio.log().abs()).max().exp())
 
 
+def convergence() -> None:
+    first, _, _ = problem()
+    mean1, cov1 = exact(first)
+    sds = cov1.diagonal().sqrt()
+    rows = [
+        "| epochs | refine_passes | CG passes | worst mean error (sd) | `error_in_sds` (median) | CG estimate, draws / "
+        "mean | warned | seconds |",
+        "|---:|---:|---:|---:|---:|---|---|---:|",
+    ]
+    for epochs, refine in ((20, 0), (50, 0), (200, 0), (20, 100), (20, 200)):
+        engine = SampleThenOptimize(
+            model, num_samples=64, num_epochs=epochs, refine_passes=refine, seed=0, progress_bar=False
+        )
+        start = time.perf_counter()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            engine.run(*first)
+        seconds = time.perf_counter() - start
+        error = float(((engine.mean_unconstrained - mean1) / sds).abs().max())
+        stats = engine.sample_stats
+        cg = f"{float(stats['cg_error'].max()):.3f} / {engine.mean_error:.3f}" if refine else "–"
+        warned = "yes" if any("not converged" in str(w.message) for w in caught) else "no"
+        passes = engine.cg_passes[0] if refine else 0
+        rows.append(
+            f"| {epochs} | {refine} | {passes} | {error:.3f} | {float(stats['error_in_sds'].median()):.3f} | {cg} "
+            f"| {warned} | {seconds:.1f} |"
+        )
+    print("\n".join(rows))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--engine", action="store_true", help="also the end-to-end SampleThenOptimize run")
+    parser.add_argument("--convergence", action="store_true", help="only the engine's convergence on episode 1")
     options = parser.parse_args()
+    if options.convergence:
+        convergence()
+        return
     warnings.filterwarnings("ignore", message="the samples have not converged")
     first, second, g = problem()
     mean1, cov1 = exact(first)

@@ -73,6 +73,19 @@ def one_subsampled_plate(bridge: Any, purpose: str) -> Any:
 
     ``purpose`` completes "... needs the likelihood in exactly one subsampled plate", e.g. "SWAG (its snapshots spread
     by the minibatch noise)".
+
+    Example:
+        >>> import pyro, pyro.distributions as dist, torch
+        >>> from pyro_scalable.bridge.model import ModelBridge
+        >>> from pyro_scalable.bridge.checks import one_subsampled_plate
+        >>> def model(x):
+        ...     w = pyro.sample("w", dist.Normal(0.0, 1.0))
+        ...     with pyro.plate("data", 100, subsample_size=10) as idx:
+        ...         pyro.sample("y", dist.Normal(w * x[idx], 1.0), obs=x[idx])
+        >>> plate = one_subsampled_plate(ModelBridge(model, (torch.randn(100),), {}), "this engine")
+        >>> plate.name, plate.size, plate.subsample_size
+        ('data', 100, 10)
+
     """
     plates = list(bridge.plates.values())
     if len(plates) != 1:
