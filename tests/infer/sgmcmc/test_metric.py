@@ -1,5 +1,6 @@
-"""Warm-up's metric: the change of variables is exact, the first dense metric is the inverse Hessian, an
-ill-conditioned posterior mixes with the defaults, and a run resumed across the metric's stages is the same run.
+"""Warm-up's metric: the change of variables is exact, each dense metric is the inverse Hessian bounded by the
+chains' spread, an ill-conditioned posterior mixes with the defaults, and a run resumed across the metric's stages
+is the same run.
 
 The statistical test's tolerances are Monte-Carlo standard errors from the draws' ESS: a mean to sd/√ESS, an sd to
 a relative 1/√(2 ESS), four of them, plus the 3% the warm-up's step-size rule allows for discretisation.
@@ -15,7 +16,7 @@ import torch
 from pyro_scalable.bridge.model import Batch, ModelBridge
 from pyro_scalable.infer import SGHMC, SGLD, StochasticMCMC
 from pyro_scalable.infer.health import effective_sample_size
-from pyro_scalable.infer.sgmcmc.metric import AffineLogPosterior, AffineMap, Layout, MetricSchedule
+from pyro_scalable.infer.sgmcmc.metric import SPREAD_LIMIT, AffineLogPosterior, AffineMap, Layout, MetricSchedule
 
 from .test_checkpoint import Killed, assert_same_run, stop_at
 
@@ -57,17 +58,46 @@ def test_the_change_of_variables_is_exact():
     torch.testing.assert_close(grad_z, lower.T @ grad_theta, rtol=1e-12, atol=1e-10)  # ∇z = Lᵀ ∇θ
 
 
-def test_the_first_dense_metric_is_the_inverse_hessian():
-    """On a Gaussian posterior the Hessian is the exact precision: the first map whitens it, to rounding."""
+def test_every_dense_metric_is_the_inverse_hessian_where_the_chains_explored_enough():
+    """On a Gaussian posterior the Hessian is the exact precision: each stage's map whitens it, to rounding, though
+    the window's chains explored a tenth of its variance (they had not mixed), and in each stage, not only the first.
+    """
     model, x, y, mean, covariance, _ = ill_conditioned(num_data=300, dim=4, batch_size=20)
     bridge = ModelBridge(model, (x, y))
     schedule = MetricSchedule("dense", 200, {"w": torch.zeros(1, 4, dtype=torch.float64)})
-    for step in range(schedule.ends[0]):
-        schedule.observe(step, {"w": mean + 0.01 * torch.randn(3, 4, dtype=torch.float64)})
     full = Batch({"data": torch.arange(300)}, bridge.args, {})
-    affine = schedule.next_map(mean, schedule.hessian(bridge.log_posterior, full))
-    torch.testing.assert_close(affine.scale @ affine.scale.T, covariance, rtol=1e-8, atol=1e-12)
-    assert schedule.stage == 1 and schedule.count == 0
+    root = torch.linalg.cholesky(0.1 * covariance)
+    g = torch.Generator().manual_seed(0)
+    for stage in range(2):
+        for step in range(schedule.stage_start(), schedule.ends[stage]):
+            schedule.observe(step, {"w": mean + torch.randn(3, 4, generator=g, dtype=torch.float64) @ root.T})
+        affine = schedule.next_map(mean, schedule.hessian(bridge.log_posterior, full))
+        torch.testing.assert_close(affine.scale @ affine.scale.T, covariance, rtol=1e-8, atol=1e-12)
+        assert schedule.stage == stage + 1 and schedule.count == 0
+
+
+def test_a_flat_direction_of_the_hessian_is_bounded_by_the_window_spread():
+    """Where the Hessian at the window's mean is flat (or a saddle), the metric's variance along that eigenvector
+    is SPREAD_LIMIT times the window's (shrunk) variance along it: never an unbounded width."""
+    schedule = MetricSchedule("dense", 200, {"w": torch.zeros(1, 2, dtype=torch.float64)})
+    g = torch.Generator().manual_seed(1)
+    positions = torch.randn(schedule.ends[0], 3, 2, generator=g, dtype=torch.float64) * torch.tensor([0.2, 0.05])
+    for step in range(schedule.ends[0]):
+        schedule.observe(step, {"w": positions[step]})
+    kept = positions[schedule.stage_length(0) // 2 :].reshape(-1, 2)
+    n, window = kept.shape[0], torch.cov(kept.T)
+    floor = 1e-3 * window.diagonal().mean()
+    shrunk = n / (n + 5) * window + 5 / (n + 5) * floor * torch.eye(2, dtype=torch.float64)
+    rotation = torch.tensor([[0.6, -0.8], [0.8, 0.6]], dtype=torch.float64)
+    hessian = rotation @ torch.diag(torch.tensor([1e-12, -50.0], dtype=torch.float64)) @ rotation.T
+    affine = schedule.next_map(torch.zeros(2, dtype=torch.float64), lambda flat: hessian)
+    metric = affine.scale @ affine.scale.T
+    flat, saddle = rotation[:, 0], rotation[:, 1]
+    expected_flat = SPREAD_LIMIT * float(flat @ shrunk @ flat)
+    torch.testing.assert_close(float(flat @ metric @ flat), expected_flat, rtol=1e-10, atol=0)
+    expected_saddle = min(1 / 50.0, SPREAD_LIMIT * float(saddle @ shrunk @ saddle))  # |h|, or the bound
+    torch.testing.assert_close(float(saddle @ metric @ saddle), expected_saddle, rtol=1e-10, atol=0)
+    torch.testing.assert_close(affine.mean, kept.mean(0), rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("cls", [SGHMC, pytest.param(SGLD, marks=pytest.mark.slow)], ids=["sghmc", "sgld"])
