@@ -15,7 +15,7 @@ Three models (float32 data, synthetic, of the sizes a user brings):
    α_g = μ + τ z_g with z_g ~ N(0, 1); minibatch 256.
 
 **Ours**: ``StochasticMCMC(SGHMC(model), num_chains=4)`` with every default (warm-up chooses the step size and
-friction, corrects the gradient noise, learns the metric; the control variate where N/B ≥ 20). **NUTS**:
+friction, corrects the gradient noise, learns the metric; the control variate "auto" chooses). **NUTS**:
 ``pyro.infer.NUTS`` (its defaults: diagonal mass adaptation, no JIT), full batch, one chain (Pyro runs more chains
 in processes, which this 2-core machine cannot run side by side). Both: 1,000 warm-up steps then 1,000 draws per
 chain (``--quick``: 300 and 300). ESS: Pyro's estimator over all chains, the smallest over every unconstrained
@@ -144,7 +144,9 @@ def run_ours(model, data, warmup: int, draws: int) -> dict:
         "ess": ess,
         "r_hat": r_hat,
         "foreign": probe.cores(),
-        "cv": mcmc.control_variate is not None,
+        "cv": "off"
+        if mcmc.control_variate is None
+        else ("at the mode" if mcmc.mode_search is not None else "at warm-up's window means"),
     }
 
 
@@ -194,7 +196,7 @@ def main() -> None:
         cell = "{r_hat:.3f} / {ess:.0f} / {seconds:.0f}"
         report.append(f"| {name} | {cell.format(**ours)} | {cell.format(**nuts)} | **{ratio:.2f}** |")
         notes.append(
-            f"- {name}: control variate {'on' if ours['cv'] else 'off'} (N/B); other processes used "
+            f"- {name}: control variate {ours['cv']} (auto); other processes used "
             f"{ours['foreign'] or 0:.2f} cores during ours, {nuts['foreign'] or 0:.2f} during NUTS."
         )
     report += ["", "Notes (load average at the end: " + load_average() + "):", "", *notes, ""]

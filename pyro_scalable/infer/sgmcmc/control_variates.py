@@ -35,7 +35,9 @@ twice (at :math:`\theta` and :math:`\hat\theta`, on the same minibatch).
 
 **The centre.** ``control_variate="map"`` finds :math:`\hat\theta` by :func:`find_mode`: minibatch Adam on the
 same minibatch estimate (the T = 0 path), then L-BFGS on full-data passes until the full gradient is at rounding
-level; a dict of constrained values, or a trained guide (its ``median()``), is used as given. Far from
+level; ``"warmup"`` centres it at the mean of each of warm-up's metric windows in turn (the posterior's bulk,
+where a hierarchy's joint mode is not; :mod:`.control_choice`); a dict of constrained values, or a trained guide
+(its ``median()``), is used as given. Far from
 :math:`\hat\theta` (another mode of a multimodal posterior) the estimate stays unbiased but its noise grows with
 :math:`\lVert\theta-\hat\theta\rVert^2`; the noise estimate sees that, so the draws stay calibrated, only the
 steps get smaller.
@@ -60,14 +62,12 @@ __all__ = [
     "ControlVariate",
     "ControlledLogPosterior",
     "check_control_variate",
-    "choose",
     "find_mode",
     "full_data_gradient",
     "prepare",
 ]
 
-CHOICES = (None, "auto", "map")
-AUTO_RATIO = 20  # "auto": a control variate where N/B reaches this (measured: see choose())
+CHOICES = (None, "auto", "map", "warmup")  # "auto": see control_choice.choose
 MODE_ADAM_STEPS = 300  # minibatch Adam steps before L-BFGS (a few epochs' worth where N/B is small)
 MODE_LBFGS_ITERATIONS = 200
 CHUNK_SIZE = 2**14  # data points per chunk of a full-data pass (at least the minibatch size)
@@ -102,39 +102,6 @@ def check_control_variate(control_variate: Any) -> Any:
     return control_variate
 
 
-def choose(option: Any, kernel: Any, bridge: ModelBridge) -> Any:
-    """What ``"auto"`` means for this kernel on this model: ``"map"`` or ``None`` (other options as they are).
-
-    ``"map"`` where warm-up chooses the step size (so the noise bound sets it), the gradient noise is corrected, and
-    one plate is subsampled with ``N / B ≥`` :data:`AUTO_RATIO`. There the plain estimate's noise bound makes the
-    step about ``B/N`` of the curvature bound and a relaxation time about ``N/B`` steps; the control variate lifts
-    that bound for twice the work per step. Measured (``benchmarks/bench_accuracy.py``, logistic regression, d = 10,
-    B = 1,000, 4 chains): at ``N/B = 100`` accurate in 14 s with it, not within 80 s without; at ``N/B = 10`` no
-    gain. At ``N/B = 20`` on a linear regression with condition number 1,500 and warm-up's dense metric (d = 10,
-    4 × 1,000 draws): r_hat 1.01 and ESS 347 with it, r_hat 1.13 and ESS 26 without. Off for a hand-set step (the
-    step is the user's; the noise is then not the bound), for a loader's plate (no full data to centre on unless
-    given) and for several subsampled plates.
-
-    Off, too, for a model with a latent site inside a plate (group-level latents: a hierarchy). There the joint
-    mode is not where the posterior's mass is: in a non-centred hierarchy with G group effects z ~ N(0, 1) the mode
-    wants every z near 0 and a large group scale τ, while the draws hold ‖z‖² ≈ G. Measured
-    (``benchmarks/bench_conditioning.py``, 60 groups, 6,366 rows): the mode has τ = 2.4 where the posterior holds
-    τ in [0.65, 0.9]; centred there, the estimator's noise at the draws is larger than the plain one's and the
-    chains, too hot where no correction is possible, ran off to τ → 0. Pass ``control_variate="map"`` (or a
-    centre) to use it anyway.
-    """
-    if option != "auto":
-        return option
-    plates = list(getattr(bridge, "plates", {}).values())
-    if getattr(kernel, "step_size", 0) is not None or getattr(kernel, "gradient_noise", None) != "correct":
-        return None
-    if len(plates) != 1 or plates[0].size < AUTO_RATIO * plates[0].subsample_size:
-        return None
-    if any(name is not None for site in getattr(bridge, "sites", {}).values() for name in site.plates):
-        return None  # group-level latents: the joint mode is atypical (docstring)
-    return "map"
-
-
 class ControlledLogPosterior:
     """The controlled minibatch log joint (module docstring) as an engine's ``log_posterior_fn``.
 
@@ -157,9 +124,10 @@ class ControlledLogPosterior:
 
     """
 
-    def __init__(self, inner: Callable, control: ControlVariate):
+    def __init__(self, inner: Callable, control: ControlVariate | None):
         self.inner = inner
-        self.control = control
+        self.control = control  # None: the plain estimate (a warm-up centre not chosen yet)
+        self.active = True  # False: the plain estimate (burn-in, for a centre warm-up chooses)
 
     @property
     def replacement(self) -> bool:
@@ -175,6 +143,8 @@ class ControlledLogPosterior:
         return None if split is None else split(batch)
 
     def __call__(self, latents: Latents, batch: Batch) -> Tensor:
+        if self.control is None or not self.active:
+            return self.inner(latents, batch)
         centre, full_gradient, full_value = self.control
         at_centre, value_at_centre = _gradient_and_value(self.inner, centre, batch)
         value = self.inner(latents, batch) - value_at_centre + full_value

@@ -36,7 +36,7 @@ from pyro_scalable.infer.results import Draws, RunRecord
 from pyro_scalable.infer.sgmcmc.adaptation import Adaptation
 from pyro_scalable.infer.sgmcmc.chains import ChainStepper, first_line
 from pyro_scalable.infer.sgmcmc.checkpoint import RunCheckpoint
-from pyro_scalable.infer.sgmcmc.control_variates import ControlledLogPosterior, choose, prepare
+from pyro_scalable.infer.sgmcmc.control_choice import attach, choose, recentre
 from pyro_scalable.infer.sgmcmc.distributed import DistributedMode
 from pyro_scalable.infer.sgmcmc.distributed import setup as setup_parallel
 from pyro_scalable.infer.sgmcmc.metric import MetricSchedule, check_metric
@@ -250,16 +250,10 @@ class StochasticMCMC(Draws):
             stepper = checkpoint.stepper  # in a later stage of warm-up's metric, the stage's
             for _ in range(start if batch_iter is not None else 0):
                 next(batch_iter)  # exact only where iterating `batches` again yields the same sequence
-        option = choose(getattr(self.kernel, "control_variate", None), self.kernel, bridge)
-        if option is not None:
-            if self.control_variate is None:
-                start_point = {name: x[0] for name, x in latents.items()}
-                self.control_variate, self.mode_search = prepare(
-                    option, bridge, self.results.full_bridge, start_point, seed, reducer=reducer
-                )
-                if checkpoint is not None:
-                    checkpoint.write()  # the centre and its full-data pass are not redone on resume
-            base = ControlledLogPosterior(base, self.control_variate)
+        option = choose(
+            getattr(self.kernel, "control_variate", None), self.kernel, bridge, windows=schedule is not None
+        )
+        base = attach(self, option, base, {name: x[0] for name, x in latents.items()}, seed, reducer, checkpoint)
         stepper.log_posterior_fn = schedule.wrap(base) if schedule else base
         quiet = not self.progress_bar or (parallel is not None and not parallel.is_main)
         bar = tqdm(total=total, initial=start, disable=quiet, desc="Warmup" if start < self.num_warmup else "Sample")
@@ -270,6 +264,8 @@ class StochasticMCMC(Draws):
                     batch = Batch({}, step_args, step_kwargs)
                 else:
                     batch = Batch(next(sampler), bridge.args, bridge.kwargs)
+                if option == "warmup":  # plain in burn-in: the controlled noise grows with the distance to the centre
+                    base.active = t >= self.num_warmup or not stepper.program.phase(t - schedule.stage_start()).burn_in
                 info = stepper.step(batch, t - (schedule.stage_start() if schedule else 0))
                 if schedule is not None and t < self.num_warmup:
                     schedule.observe(t, schedule.to_theta(stepper.latents()))
@@ -281,7 +277,10 @@ class StochasticMCMC(Draws):
                             else {k: v[0] for k, v in sampler.larger(4096).items()}
                         )
                         curvature = schedule.hessian(base, Batch(big, batch.args, batch.kwargs))
-                        if schedule.next_map(next(iter(theta.values())), curvature) is not None:
+                        next_map = schedule.next_map(next(iter(theta.values())), curvature)
+                        if option == "warmup":  # recentred at each window's mean: one full-data pass
+                            self.control_variate = base.control = recentre(self.results.full_bridge, schedule, reducer)
+                        if next_map is not None:
                             stepper = stage_stepper(schedule.to_z(theta), stepper.mode)
                             stepper.log_posterior_fn = schedule.wrap(base)
                             if checkpoint is not None:

@@ -212,6 +212,7 @@ class MetricSchedule:
         """
         n = self.count
         mean = self.total / n
+        self.window_mean = mean.to(like)
         if self.outer.dim() == 2:
             covariance = (self.outer - n * torch.outer(mean, mean)) / max(n - 1, 1)
         else:

@@ -71,6 +71,7 @@ from pyro_scalable.infer.sgmcmc.base import (
     noise_in_step,
     noise_start,
     scalar_like,
+    zero_where_diverging,
 )
 from pyro_scalable.infer.sgmcmc.control_variates import check_control_variate
 
@@ -128,7 +129,7 @@ def update(
     diverging = gradient.diverging
     latents = keep_where_finite(diverging, proposal, state.checked_latents)
     previous = keep_where_finite(diverging, state.latents, state.checked_latents)
-    momenta = {name: torch.where(diverging, p.new_zeros(()), p) for name, p in momenta.items()}
+    momenta = zero_where_diverging(diverging, momenta)
     info = SGHMCInfo(
         gradient.log_posterior,
         gradient.grad_norm,

@@ -72,6 +72,7 @@ from pyro_scalable.infer.sgmcmc.base import (
     noise_in_step,
     noise_start,
     scalar_like,
+    zero_where_diverging,
 )
 from pyro_scalable.infer.sgmcmc.control_variates import check_control_variate
 
@@ -141,7 +142,7 @@ def update(
     thermostat = torch.where(diverging, xi, integrators.thermostat(xi, momenta, step_size_now, temperature_now))
     latents = keep_where_finite(diverging, proposal, state.checked_latents)
     previous = keep_where_finite(diverging, state.latents, state.checked_latents)
-    momenta = {name: torch.where(diverging, p.new_zeros(()), p) for name, p in momenta.items()}
+    momenta = zero_where_diverging(diverging, momenta)
     info = SGNHTInfo(
         gradient.log_posterior,
         gradient.grad_norm,

@@ -56,6 +56,11 @@ def scenarios() -> dict[str, tuple[object, dict]]:
             SGHMC(model, control_variate="map"),
             dict(num_samples=6, num_warmup=6, num_chains=2, **common),
         ),
+        # the control variate recentred at each of warm-up's metric windows (full-data passes all-reduced)
+        "sghmc_warmup_centre": (
+            SGHMC(model, control_variate="warmup"),
+            dict(num_samples=6, num_warmup=20, num_chains=2, metric="dense", **common),
+        ),
         "sgld_sequential": (
             SGLD(model, step_size=1e-3),
             dict(num_samples=6, num_warmup=0, num_chains=2, chain_method="sequential", **common),

@@ -21,9 +21,9 @@ from pyro_scalable.bridge.model import Batch, ModelBridge
 from pyro_scalable.infer import BAOAB, PSGLD, SGHMC, SGLD, SGNHT, StochasticMCMC
 from pyro_scalable.infer.checkpoint import load
 from pyro_scalable.infer.sgmcmc.base import estimate_gradient
+from pyro_scalable.infer.sgmcmc.control_choice import choose
 from pyro_scalable.infer.sgmcmc.control_variates import (
     ControlledLogPosterior,
-    choose,
     find_mode,
     full_data_gradient,
 )
@@ -117,20 +117,23 @@ def test_the_mode_search_finds_the_conjugate_posterior_mean():
 
 
 CALIBRATED = {
-    "sghmc": SGHMC,
+    "sghmc-map": (SGHMC, "map"),
+    "sghmc-warmup": (SGHMC, "warmup"),
     **{
-        name: pytest.param(cls, marks=pytest.mark.slow)
+        f"{name}-map": pytest.param((cls, "map"), marks=pytest.mark.slow)
         for name, cls in (("sgld", SGLD), ("psgld", PSGLD), ("sgnht", SGNHT))
     },
 }
 
 
 @pytest.mark.filterwarnings("ignore:in .* of the coordinates")
-@pytest.mark.parametrize("cls", CALIBRATED.values(), ids=CALIBRATED.keys())
-def test_minibatch_of_10_in_1000_with_the_control_variate_is_calibrated(cls):
-    """Issue 7's calibration test, control variate on: the step is no longer bounded by the gradient noise."""
+@pytest.mark.parametrize("case", CALIBRATED.values(), ids=CALIBRATED.keys())
+def test_minibatch_of_10_in_1000_with_the_control_variate_is_calibrated(case):
+    """Issue 7's calibration test, control variate on (at the mode, or at warm-up's window means): the step is no
+    longer bounded by the gradient noise."""
+    cls, centre = case
     problem = LinearRegression(num_data=1000, dim=2, batch_size=10)
-    corrected, error, mcmc = sd_ratio(cls(problem.model, control_variate="map"), problem, 256, 300, 600)
+    corrected, error, mcmc = sd_ratio(cls(problem.model, control_variate=centre), problem, 256, 300, 600)
     assert bool((4 * error < 0.08).all()), f"too few effective draws to resolve 10%: MCSE {error}"
     assert bool(((corrected - 1).abs() < 4 * error + 0.03).all()), corrected
     plain = StochasticMCMC(
@@ -144,7 +147,7 @@ def test_minibatch_of_10_in_1000_with_the_control_variate_is_calibrated(cls):
     plain.run(problem.x, problem.y)
     # the noise bound no longer sets the step: several times larger than without the control variate
     assert float(mcmc.sample_stats["step_size"].mean()) > 3 * float(plain.sample_stats["step_size"].mean())
-    assert mcmc.mode_search is not None and mcmc.control_variate is not None
+    assert mcmc.control_variate is not None and (mcmc.mode_search is not None) == (centre == "map")
 
 
 KERNELS = {"sgld": SGLD, "sghmc": SGHMC, "psgld": PSGLD, "sgnht": SGNHT, "baoab": BAOAB}
@@ -300,18 +303,83 @@ def test_auto_is_on_where_the_noise_bound_sets_the_step():
     assert choose("auto", SGHMC(wide.model), ModelBridge(wide.model, (wide.x, wide.y))) is None
 
 
-def test_auto_is_off_for_group_level_latents():
-    """A hierarchy's joint mode is atypical (choose's docstring): 'auto' leaves the control variate off there."""
+def hierarchical(x, group, y, batch=10):
+    """Group effects z_g ~ N(0, 1) scaled by a latent τ: a latent site inside a plate (a hierarchy), float32."""
+    tau = pyro.sample("tau", dist.HalfNormal(x.new_ones(())))
+    with pyro.plate("groups", 5):
+        z = pyro.sample("z", dist.Normal(x.new_zeros(()), 1.0))
+    with pyro.plate("data", len(y), subsample_size=batch) as idx:
+        pyro.sample("obs", dist.Normal(tau * z[group[idx]] + x[idx], 1.0), obs=y[idx])
 
-    def hierarchical(x, group, y):
-        tau = pyro.sample("tau", dist.HalfNormal(x.new_ones(())))
-        with pyro.plate("groups", 5):
-            z = pyro.sample("z", dist.Normal(x.new_zeros(()), 1.0))
-        with pyro.plate("data", len(y), subsample_size=10) as idx:
-            pyro.sample("obs", dist.Normal(tau * z[group[idx]] + x[idx], 1.0), obs=y[idx])
 
-    x = torch.randn(1000)
-    group = torch.arange(1000) % 5
-    bridge = ModelBridge(hierarchical, (x, group, x.clone()))
-    assert choose("auto", SGHMC(hierarchical), bridge) is None
+def hierarchical_data(n=1000):
+    g = torch.Generator().manual_seed(5)
+    x, group = torch.randn(n, generator=g), torch.arange(n) % 5
+    z = torch.tensor([-1.0, -0.5, 0.0, 0.5, 1.2])
+    return x, group, x + 0.8 * z[group] + torch.randn(n, generator=g)
+
+
+def test_auto_centres_a_hierarchy_at_warmups_windows():
+    """A hierarchy's joint mode is atypical (choose's docstring): 'auto' centres on warm-up's window means there,
+    where warm-up has them and N/B reaches HIERARCHY_RATIO; 'warmup' without windows is refused with the fix."""
+    bridge = ModelBridge(hierarchical, hierarchical_data())
+    assert choose("auto", SGHMC(hierarchical), bridge) == "warmup"
+    assert choose("auto", SGHMC(hierarchical), bridge, windows=False) is None
     assert choose("map", SGHMC(hierarchical), bridge) == "map"  # asked for: kept
+    wide = ModelBridge(lambda x, g, y: hierarchical(x, g, y, batch=300), hierarchical_data())  # N/B = 3.3
+    assert choose("auto", SGHMC(hierarchical), wide) is None
+    with pytest.raises(ValueError, match="metric='diagonal' or 'dense'"):
+        choose("warmup", SGHMC(hierarchical), bridge, windows=False)
+    with pytest.raises(ValueError, match="metric='diagonal' or 'dense'"):
+        StochasticMCMC(
+            SGHMC(hierarchical, control_variate="warmup"), num_samples=5, num_warmup=50, progress_bar=False
+        ).run(*hierarchical_data())  # "auto" keeps no metric for a warm-up under 200 steps
+
+
+def test_the_warmup_centre_is_each_windows_mean_and_burn_in_is_plain(monkeypatch):
+    """control_variate="warmup": off in every burn-in step and on in every calibrated and sampling step; recentred
+    at the end of each metric window at that window's mean, with the exact full-data gradient there."""
+    from pyro_scalable.infer.sgmcmc import control_choice, metric
+
+    flags, centres = [], []
+    monkeypatch.setattr(
+        ControlledLogPosterior,
+        "active",
+        property(lambda self: flags[-1] if flags else True, lambda self, v: flags.append(v)),
+        raising=False,
+    )
+    original = control_choice.recentre
+
+    def spy(full, schedule, reducer=None):
+        centres.append(schedule.window_mean.clone())
+        return original(full, schedule, reducer)
+
+    monkeypatch.setattr("pyro_scalable.infer.sgmcmc.mcmc.recentre", spy)
+    data = hierarchical_data()
+    num_warmup = 200
+    mcmc = StochasticMCMC(
+        SGHMC(hierarchical, control_variate="warmup"),
+        num_samples=20,
+        num_warmup=num_warmup,
+        num_chains=2,
+        seed=3,
+        progress_bar=False,
+        metric="dense",
+    )
+    mcmc.run(*data)
+    ends = [round(share * num_warmup) for share in metric.STAGES]
+    starts = [0, *ends]
+    lengths = [b - a for a, b in zip(starts, [*ends, num_warmup])]
+    # the first stage is warm-up's start as without a metric (its burn-in is half of num_warmup); each later
+    # stage is a warm-up of its own, burn-in first
+    lengths[0] = num_warmup
+    expected = [t - a >= n // 2 for a, n, end in zip(starts, lengths, [*ends, num_warmup]) for t in range(a, end)]
+    expected += [True] * 20
+    assert flags == [True, *expected]  # on as built; then one setting per step
+    assert len(centres) == len(ends)
+    layout = metric.Layout({k: v[0] for k, v in mcmc.state.kernel.latents.items()}, 0)
+    centre = mcmc.control_variate.centre
+    torch.testing.assert_close(layout.flatten(centre, 0), centres[-1])
+    exact = full_data_gradient(ModelBridge(hierarchical, data), centre)
+    for name, g in exact.gradient.items():
+        torch.testing.assert_close(mcmc.control_variate.gradient[name], g)

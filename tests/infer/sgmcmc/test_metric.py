@@ -121,12 +121,14 @@ def test_an_ill_conditioned_posterior_mixes_with_the_defaults(cls):
         unit.run(x, y)
 
 
-def test_a_run_resumed_across_the_metric_stages_is_the_same_run(tmp_path, monkeypatch):
+@pytest.mark.parametrize("control_variate", [None, "warmup"])
+def test_a_run_resumed_across_the_metric_stages_is_the_same_run(tmp_path, monkeypatch, control_variate):
+    """Bitwise, killed in the second stage and in the last; with "warmup", across its recentrings too."""
     model, x, y, *_ = ill_conditioned(num_data=200, dim=3, batch_size=10)
 
     def run(path=None, kill=None):
         mcmc = StochasticMCMC(
-            SGHMC(model, control_variate=None),
+            SGHMC(model, control_variate=control_variate),
             num_samples=6,
             num_warmup=40,
             num_chains=2,
@@ -151,6 +153,8 @@ def test_a_run_resumed_across_the_metric_stages_is_the_same_run(tmp_path, monkey
         run(path, kill=kill)
         resumed = run(path)
         assert_same_run(resumed, reference)
+        if control_variate is not None:
+            torch.testing.assert_close(resumed.control_variate.centre, reference.control_variate.centre, rtol=0, atol=0)
 
 
 def test_unit_is_no_metric_and_bad_choices_are_named():
