@@ -315,14 +315,22 @@ def main() -> None:
         "(and logistic regression with d = 10 at N = 10^6, which checks the extrapolation)",
     )
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "accuracy.md")
+    parser.add_argument(
+        "--problems", default="logistic10,logistic100,regression10", help="a subset, e.g. 'logistic100,regression10'"
+    )
+    parser.add_argument("--sizes", default=None, help="N values, e.g. '1e5,1e6' (default 1e5,1e6,1e7; quick 1e4,1e5)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     sizes = [10**4, 10**5] if args.quick else [10**5, 10**6, 10**7]
-    problems = [("logistic", 10, 1000), ("logistic", 100, 1000), ("regression", 10, 1000)]
+    if args.sizes:
+        sizes = [int(float(n)) for n in args.sizes.split(",")]
+    known = {"logistic10": ("logistic", 10, 1000), "logistic100": ("logistic", 100, 1000)}
+    known["regression10"] = ("regression", 10, 1000)
+    problems = [known[name] for name in args.problems.split(",")]
     report = [
         "# Time to accuracy against full-batch NUTS",
         "",
-        f"Command: `python benchmarks/bench_accuracy.py{' --quick' if args.quick else ''}`",
+        f"Command: `python {' '.join(['benchmarks/bench_accuracy.py', *sys.argv[1:]])}`",
         "",
         *machine(args.threads),
         "",
