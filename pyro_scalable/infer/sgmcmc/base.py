@@ -57,8 +57,6 @@ __all__ = [
     "extended_info",
     "gaussian_like",
     "injected_variance",
-    "keep_where_finite",
-    "zero_where_diverging",
     "mass_like",
     "noise_in_step",
     "noise_start",
@@ -274,25 +272,6 @@ def gaussian_like(latents: Latents, generator: torch.Generator | None, temperatu
     return {
         name: torch.randn(x.shape, generator=generator, dtype=x.dtype, device=x.device) for name, x in latents.items()
     }
-
-
-def keep_where_finite(diverging: Tensor, new: Latents, old: Latents) -> Latents:
-    """Select ``new`` where the step was finite and ``old`` where it diverged."""
-    if _finite_here(diverging):
-        return dict(new)
-    return {name: torch.where(diverging, old[name], new[name]) for name in new}
-
-
-def zero_where_diverging(diverging: Tensor, momenta: Latents) -> Latents:
-    """Momenta zeroed where the step diverged (the chain restarts at rest from its last finite point)."""
-    if _finite_here(diverging):
-        return momenta
-    return {name: torch.where(diverging, p.new_zeros(()), p) for name, p in momenta.items()}
-
-
-def _finite_here(diverging: Tensor) -> bool:
-    """Whether a plain CPU step is known finite, so that its rejection can be skipped (no device sync on a GPU)."""
-    return diverging.device.type == "cpu" and not _under_transform(diverging) and not bool(diverging.any())
 
 
 def scalar_like(value: float | Tensor, like: Tensor) -> Tensor:

@@ -21,6 +21,7 @@ from pyro_scalable.infer.sgmcmc.control_variates import (
     ControlVariate,
     full_data_gradient,
     prepare,
+    require_full_data,
 )
 
 __all__ = ["AUTO_RATIO", "HIERARCHY_RATIO", "attach", "choose", "recentre"]
@@ -101,6 +102,7 @@ def attach(run: Any, option: Any, base: Callable, start: Latents, seed: int, red
     """
     if option is None:
         return base
+    require_full_data(run.results.full_bridge)
     if run.control_variate is None and option != "warmup":
         bridge, full = run.results.bridge, run.results.full_bridge
         run.control_variate, run.mode_search = prepare(option, bridge, full, start, seed, reducer=reducer)

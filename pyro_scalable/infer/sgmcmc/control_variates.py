@@ -65,6 +65,7 @@ __all__ = [
     "find_mode",
     "full_data_gradient",
     "prepare",
+    "require_full_data",
 ]
 
 CHOICES = (None, "auto", "map", "warmup")  # "auto": see control_choice.choose
@@ -84,20 +85,20 @@ class ControlVariate(NamedTuple):
 
 
 def check_control_variate(control_variate: Any) -> Any:
-    """Validate a kernel's ``control_variate=``: ``None``, ``"auto"``, ``"map"``, a dict of values, or a guide."""
+    """Validate a kernel's ``control_variate=``: ``None``, ``"auto"``, ``"map"``, ``"warmup"``, a dict, or a guide."""
     if control_variate is None or isinstance(control_variate, Mapping):
         return control_variate
     if isinstance(control_variate, str):
         if control_variate not in CHOICES:
             raise ValueError(
-                f"control_variate must be None, 'auto', 'map', a dict of latent values by site, or a trained guide; "
-                f"got {control_variate!r}."
+                "control_variate must be None, 'auto', 'map', 'warmup', a dict of latent values by site, or a trained "
+                f"guide; got {control_variate!r}."
             )
         return control_variate
     if not callable(getattr(control_variate, "median", None)):
         raise TypeError(
-            "control_variate must be None, 'auto', 'map', a dict of latent values by site, or a trained autoguide "
-            f"(with median()); got {type(control_variate).__name__}."
+            "control_variate must be None, 'auto', 'map', 'warmup', a dict of latent values by site, or a trained "
+            f"autoguide (with median()); got {type(control_variate).__name__}."
         )
     return control_variate
 
@@ -285,6 +286,15 @@ def find_mode(
     return mode, ModeSearch(passes + 1, steps, norm, time.perf_counter() - began)
 
 
+def require_full_data(full: ModelBridge | None) -> None:
+    """Refuse a control variate without the full data (a ``batches=`` loader run given none), naming the fix."""
+    if full is None:
+        raise ValueError(
+            "control_variate needs the full data for its full-data passes: with batches=, also pass the full "
+            "data to run(*args, batches=loader)."
+        )
+
+
 def prepare(
     option: Any,
     bridge: ModelBridge,
@@ -300,11 +310,7 @@ def prepare(
     ``start`` is one chain's unconstrained initial point (where the mode search starts); the search draws its
     minibatches from its own generator, seeded from ``seed`` (the run's generator is untouched).
     """
-    if full is None:
-        raise ValueError(
-            "control_variate needs the full data for its one full-data pass: with batches=, also pass the full "
-            "data to run(*args, batches=loader)."
-        )
+    require_full_data(full)
     if option == "map":
         generator = torch.Generator(device=bridge.device).manual_seed(seed + 2)
         centre, search = find_mode(bridge, full, start, generator, chunk_size=chunk_size, reducer=reducer)

@@ -66,14 +66,13 @@ from pyro_scalable.infer.sgmcmc.base import (
     extended_info,
     gaussian_like,
     injected_variance,
-    keep_where_finite,
     mass_like,
     noise_in_step,
     noise_start,
     scalar_like,
-    zero_where_diverging,
 )
 from pyro_scalable.infer.sgmcmc.control_variates import check_control_variate
+from pyro_scalable.infer.sgmcmc.divergence import keep_where_finite, zero_where_diverging
 
 __all__ = ["SGHMC", "SGHMCInfo", "SGHMCState", "estimate", "init", "sgd_hyperparameters", "step", "update"]
 
@@ -202,8 +201,10 @@ class SGHMC(Kernel):
         gradient_noise: ``"correct"``, ``"estimate"`` or ``"ignore"``, as for :class:`~.sgld.SGLD` (default:
             ``"correct"`` when the step size is left to warm-up, else ``"ignore"``).
         control_variate: the centre of a control-variate gradient (:mod:`.control_variates`): ``"map"`` (found
-            before the run), a dict of latent values by site, or a trained autoguide; ``None``: plain minibatch
-            gradients; ``"auto"`` (the default): ``"map"`` where warm-up chooses the step and ``N/B ≥ 20``.
+            before the run), ``"warmup"`` (each of warm-up's metric windows' mean in turn), a dict of latent values
+            by site, or a trained autoguide; ``None``: plain minibatch gradients; ``"auto"`` (the default): ``"map"``
+            where warm-up chooses the step and ``N/B ≥ 20``, ``"warmup"`` for a hierarchy at ``N/B ≥ 4``
+            (:func:`~pyro_scalable.infer.sgmcmc.control_choice.choose`).
         init_strategy: a Pyro init strategy, one draw per chain.
 
     Example:

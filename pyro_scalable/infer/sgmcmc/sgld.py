@@ -49,11 +49,11 @@ from pyro_scalable.infer.sgmcmc.base import (
     estimate,
     gaussian_like,
     injected_variance,
-    keep_where_finite,
     noise_in_step,
     noise_start,
 )
 from pyro_scalable.infer.sgmcmc.control_variates import check_control_variate
+from pyro_scalable.infer.sgmcmc.divergence import keep_where_finite
 
 __all__ = ["SGLD", "SGLDState", "estimate", "init", "step", "update"]
 
@@ -142,8 +142,10 @@ class SGLD(Kernel):
             reports it in ``sample_stats.noise_ratio``, ``"ignore"`` does neither. Default: ``"correct"`` when
             the step size is left to warm-up, else ``"ignore"``.
         control_variate: the centre of a control-variate gradient (:mod:`.control_variates`): ``"map"`` (found
-            before the run), a dict of latent values by site, or a trained autoguide; ``None``: plain minibatch
-            gradients; ``"auto"`` (the default): ``"map"`` where warm-up chooses the step and ``N/B ≥ 20``.
+            before the run), ``"warmup"`` (each of warm-up's metric windows' mean in turn), a dict of latent values
+            by site, or a trained autoguide; ``None``: plain minibatch gradients; ``"auto"`` (the default): ``"map"``
+            where warm-up chooses the step and ``N/B ≥ 20``, ``"warmup"`` for a hierarchy at ``N/B ≥ 4``
+            (:func:`~pyro_scalable.infer.sgmcmc.control_choice.choose`).
         init_strategy: a Pyro init strategy (``pyro.infer.autoguide.init_to_*``), one draw per chain.
 
     Example:

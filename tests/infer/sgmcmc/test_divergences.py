@@ -126,11 +126,12 @@ def sqrt_scale_model(y):
         pyro.sample("obs", dist.Normal(y.new_tensor(0.0), v.sqrt()), obs=y[idx])
 
 
-def test_nan_gradient_is_rejected(small_y):
+@pytest.mark.parametrize("chain_method", ["vectorized", "sequential"])  # sequential: the CPU path that skips
+def test_nan_gradient_is_rejected(small_y, chain_method):  # the rejection when a step is finite
     # the proposal from a point with a NaN gradient is NaN: it must never reach the draws
     init = init_to_value(values={"v": torch.tensor(-0.5, dtype=F64)})
     kernel = SGHMC(sqrt_scale_model, step_size=0.01, friction=10.0, init_strategy=init)
-    mcmc = StochasticMCMC(kernel, num_samples=10, num_chains=2, seed=0, progress_bar=False)
+    mcmc = StochasticMCMC(kernel, num_samples=10, num_chains=2, seed=0, progress_bar=False, chain_method=chain_method)
     pyro.set_rng_seed(0)
     with pytest.warns(UserWarning, match=r"20 kept draws and 0 warmup steps diverged"):
         mcmc.run(small_y)
