@@ -98,9 +98,16 @@ def on_files(files: Files, config) -> Files:
         if files.get_file_from_path(path) is None:
             # A real source folder (the repository root), not File.generated: mkdocs-jupyter's wrapper recomputes
             # the source path from src_dir.
-            files.append(
-                File(path, src_dir=root, dest_dir=config.site_dir, use_directory_urls=config.use_directory_urls)
-            )
+            options = dict(src_dir=root, dest_dir=config.site_dir, use_directory_urls=config.use_directory_urls)
+            file = File(path, **options)
+            taken = {other.dest_uri for other in files}
+            if file.dest_uri in taken:
+                # a README is its folder's index page, which a docs page of the folder's name also is
+                # (benchmarks/README.md and docs/benchmarks.md): the README moves to <folder>/readme/
+                folder = posixpath.dirname(path)
+                moved = f"{folder}/readme/index.html" if config.use_directory_urls else f"{folder}/readme.html"
+                file = File(path, dest_uri=moved, **options)
+            files.append(file)
     return files
 
 
