@@ -30,8 +30,8 @@ from pyro_scalable.infer.sgmcmc.base import (
     estimate,
     gaussian_like,
     injected_variance,
-    keep_where_finite,
 )
+from pyro_scalable.infer.sgmcmc.divergence import keep_where_finite
 
 __all__ = ["Skeleton", "SkeletonState", "estimate", "init", "step", "update"]
 
