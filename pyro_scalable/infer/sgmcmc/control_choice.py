@@ -54,7 +54,7 @@ def choose(option: Any, kernel: Any, bridge: ModelBridge, *, windows: bool = Tru
       mode has τ = 2.4 where the posterior holds τ in [0.65, 0.9], and chains controlled there ran off to τ → 0.
       Warm-up's window means are in the posterior's bulk; and each group's effect is informed by its own rows only,
       so the plain estimate's noise binds even at a small ``N/B``. Measured on the same benchmark: a partial-pooling
-      regression at ``N/B = 5`` went from r_hat 1.053 / ESS 121 to 1.014 / 341 (1.5× the time), the hierarchical
+      regression at ``N/B = 5`` went from r_hat 1.053 / ESS 121 to 1.014 / 341 (1.4× the time), the hierarchical
       logistic regression at ``N/B = 25`` from 1.288 / 13 to 1.195 / 24.
 
     Example:
