@@ -101,8 +101,7 @@ class Problem:
 
     @property
     def perturbation(self) -> Tensor:
-        ratio = self._noise_ratio()
-        return self._perturbation * (ratio.sqrt() if isinstance(ratio, Tensor) else ratio)
+        return self._perturbation * self._noise_ratio() ** 0.5
 
     @property
     def gradient(self) -> Tensor:

@@ -287,7 +287,15 @@ def find_mode(
 
 
 def require_full_data(full: ModelBridge | None) -> None:
-    """Refuse a control variate without the full data (a ``batches=`` loader run given none), naming the fix."""
+    """Refuse a control variate without the full data (a ``batches=`` loader run given none), naming the fix.
+
+    Example:
+        >>> require_full_data(None)
+        Traceback (most recent call last):
+        ...
+        ValueError: control_variate needs the full data for its full-data passes: with batches=, also pass the full ...
+
+    """
     if full is None:
         raise ValueError(
             "control_variate needs the full data for its full-data passes: with batches=, also pass the full "
@@ -298,7 +306,7 @@ def require_full_data(full: ModelBridge | None) -> None:
 def prepare(
     option: Any,
     bridge: ModelBridge,
-    full: ModelBridge | None,
+    full: ModelBridge,
     start: Latents,
     seed: int,
     *,
@@ -308,9 +316,9 @@ def prepare(
     """The control variate a kernel's ``control_variate=`` option asks for, on the run's data.
 
     ``start`` is one chain's unconstrained initial point (where the mode search starts); the search draws its
-    minibatches from its own generator, seeded from ``seed`` (the run's generator is untouched).
+    minibatches from its own generator, seeded from ``seed`` (the run's generator is untouched). ``full`` is the
+    full-data model (:func:`require_full_data` refuses a run without one first).
     """
-    require_full_data(full)
     if option == "map":
         generator = torch.Generator(device=bridge.device).manual_seed(seed + 2)
         centre, search = find_mode(bridge, full, start, generator, chunk_size=chunk_size, reducer=reducer)

@@ -19,14 +19,30 @@ __all__ = ["keep_where_finite", "zero_where_diverging"]
 
 
 def keep_where_finite(diverging: Tensor, new: Latents, old: Latents) -> Latents:
-    """Select ``new`` where the step was finite and ``old`` where it diverged."""
+    """Select ``new`` where the step was finite and ``old`` where it diverged.
+
+    Example:
+        >>> import torch
+        >>> from pyro_scalable.infer.sgmcmc.divergence import keep_where_finite
+        >>> keep_where_finite(torch.tensor([True, False]), {"w": torch.tensor([9.0, 1.0])}, {"w": torch.zeros(2)})
+        {'w': tensor([0., 1.])}
+
+    """
     if _finite_here(diverging):
         return dict(new)
     return {name: torch.where(diverging, old[name], new[name]) for name in new}
 
 
 def zero_where_diverging(diverging: Tensor, momenta: Latents) -> Latents:
-    """Momenta zeroed where the step diverged (the chain restarts at rest from its last finite point)."""
+    """Momenta zeroed where the step diverged (the chain restarts at rest from its last finite point).
+
+    Example:
+        >>> import torch
+        >>> from pyro_scalable.infer.sgmcmc.divergence import zero_where_diverging
+        >>> zero_where_diverging(torch.tensor(False), {"w": torch.ones(2)})  # a finite CPU step: kept as it is
+        {'w': tensor([1., 1.])}
+
+    """
     if _finite_here(diverging):
         return momenta
     return {name: torch.where(diverging, p.new_zeros(()), p) for name, p in momenta.items()}

@@ -277,10 +277,10 @@ class StochasticMCMC(Draws):
                             else {k: v[0] for k, v in sampler.larger(4096).items()}
                         )
                         curvature = schedule.hessian(base, Batch(big, batch.args, batch.kwargs))
-                        next_map = schedule.next_map(next(iter(theta.values())), curvature)
+                        moved = schedule.next_map(next(iter(theta.values())), curvature)
                         if option == "warmup":  # recentred at each window's mean: one full-data pass
                             self.control_variate = base.control = recentre(self.results.full_bridge, schedule, reducer)
-                        if next_map is not None:
+                        if moved is not None:
                             stepper = stage_stepper(schedule.to_z(theta), stepper.mode)
                             stepper.log_posterior_fn = schedule.wrap(base)
                             if checkpoint is not None:

@@ -155,6 +155,7 @@ class MetricSchedule:
         self.kind = kind
         self.stage = 0
         self.affine: AffineMap | None = None
+        self.window_mean: Tensor | None = None  # the last window's mean (next_map), where "warmup" recentres
         self._reset()
 
     @classmethod
@@ -223,13 +224,13 @@ class MetricSchedule:
         if covariance.dim() == 2:
             covariance = weight * covariance + (1 - weight) * floor * torch.eye(len(mean), dtype=mean.dtype)
         if covariance.dim() == 2 and hessian is not None:
-            values, vectors = torch.linalg.eigh(hessian(mean.to(like)).double())
+            values, vectors = torch.linalg.eigh(hessian(self.window_mean).double())
             spread = ((covariance @ vectors) * vectors).sum(0)  # the window's variance along each eigenvector
             values = torch.maximum(values.abs(), 1.0 / (SPREAD_LIMIT * spread))
             if self.stage == 0 and self.kind == "auto" and float(values.max() / values.min()) < WORTHWHILE:
                 return self._stop()
-            precise = (vectors / values) @ vectors.T
-            return self._advance(mean.to(like), torch.linalg.cholesky(0.5 * (precise + precise.T)).to(like))
+            inverse = (vectors / values) @ vectors.T
+            return self._advance(torch.linalg.cholesky(0.5 * (inverse + inverse.T)).to(like))
         use_dense = covariance.dim() == 2 and (self.kind == "dense" or n >= 10 * self.layout.dim)
         if use_dense:
             scale = torch.linalg.cholesky(covariance)
@@ -239,13 +240,13 @@ class MetricSchedule:
             spread = scale.square()
             if float(spread.max() / spread.min()) < WORTHWHILE:
                 return self._stop()
-        return self._advance(mean.to(like), scale.to(like))
+        return self._advance(scale.to(like))
 
-    def _advance(self, mean: Tensor, scale: Tensor) -> AffineMap:
-        """The next stage runs in θ = mean + scale z; its window starts empty."""
+    def _advance(self, scale: Tensor) -> AffineMap:
+        """The next stage runs in θ = window mean + scale z; its window starts empty."""
         self.stage += 1
         self._reset()
-        self.affine = AffineMap(mean, scale)
+        self.affine = AffineMap(self.window_mean, scale)
         return self.affine
 
     def _stop(self) -> None:
