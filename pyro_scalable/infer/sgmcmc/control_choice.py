@@ -6,8 +6,8 @@ posterior in the chosen estimate, finding a ``"map"`` centre once (a resumed run
 the driver calls :func:`recentre` at the end of each of warm-up's metric windows (one full-data pass each) and
 switches the estimate off in burn-in (``ControlledLogPosterior.active``): a chain far from the centre sees noise
 growing with :math:`\lVert\theta-\hat\theta\rVert^2`, and burn-in, which does not bound the gradient noise, would
-amplify it (measured on the non-centred hierarchical logistic regression: chains ran off to a log density of
-:math:`10^{17}`).
+amplify it (seen on the non-centred hierarchical logistic regression, centred at its exact posterior mean: the
+burn-in chains ran away).
 """
 
 from __future__ import annotations

@@ -26,8 +26,9 @@ current metric), and its calibrated half's positions (pooled over chains, mean :
 
 **Dense metrics come from the curvature, bounded by the positions.** A stochastic-gradient chain moves by a random
 walk, so in a window of a few hundred steps chains that have not yet mixed explore a fraction of the posterior's
-slow directions — the ones the metric is for — and :math:`S` is too narrow there (measured on a partial-pooling
-regression: 137 times too narrow in variance along one direction, and the chains' between-chain offsets in it).
+slow directions — the ones the metric is for — and :math:`S` is too narrow there (``benchmarks/diagnose_metric.py``:
+137 times in variance along one direction of a partial-pooling regression, 600,000 times on a hierarchical logistic
+regression).
 So a dense stage takes the Hessian :math:`H = V\,\mathrm{diag}(h)\,V^\top` of the negative log joint at
 :math:`\hat\mu` (a large minibatch) and uses
 
