@@ -74,7 +74,11 @@ class NetworkFunction:
         return {**self.fixed, **self.layout.unflatten(theta)}
 
     def outputs(self, theta: Tensor, batch: Batch, *, layers: bool = False) -> Outputs:
-        raw = model_outputs(self.bridge, self.latents(theta), batch, site=self.site, layers=layers)
+        return self.outputs_at(self.layout.unflatten(theta), batch, layers=layers)
+
+    def outputs_at(self, values: Latents, batch: Batch, *, layers: bool = False) -> Outputs:
+        """:meth:`outputs` at the Laplace sites' values ``{site: value}`` rather than the flat ``theta``."""
+        raw = model_outputs(self.bridge, {**self.fixed, **values}, batch, site=self.site, layers=layers)
         likelihood = likelihood_of(
             self.site, raw.fn, raw.mask, heteroscedastic=self.heteroscedastic, raw_logits=raw.raw_logits
         )
@@ -126,33 +130,46 @@ class NetworkFunction:
 
     def vjp(self, theta: Tensor, cotangents: Tensor, batch: Batch) -> Tensor:
         """``J^T u`` for cotangents ``(k, points, outputs)``; returns ``(k, d)``."""
-        _, pullback = vjp(lambda t: self.f(t, batch), theta)
-        try:
-            return vmap(pullback)(cotangents)[0]
-        except RuntimeError:
-            return torch.stack([pullback(u)[0] for u in cotangents])
+        _, pullback = vjp(lambda values: self.outputs_at(values, batch).f, self.layout.unflatten(theta))
+        return self._pull(pullback, cotangents, theta)
 
     def batch_ggn_vp(self, theta: Tensor, vectors: Tensor, batch: Batch, root: Tensor | None = None) -> Tensor:
         r""":math:`\sum_{i\in B} J_i^\top \Lambda_i J_i v` on ``batch``, ``vectors`` ``(k, d)``: batched JVP and VJP."""
 
-        def forward(t):
-            out = self.outputs(t, batch)
+        def forward(values):
+            out = self.outputs_at(values, batch)
             return out.f, out.likelihood.hessian_sqrt(out.f.detach()) if root is None else root
 
-        _, pullback, lam_root = vjp(forward, theta, has_aux=True)
+        _, pullback, lam_root = vjp(forward, self.layout.unflatten(theta), has_aux=True)
         _, products = self.jvp(theta, vectors, batch)
         weighted = torch.einsum("pmr,pnr,kpn->kpm", lam_root, lam_root, products)
+        del products
+        return self._pull(pullback, weighted, theta)
+
+    def _pull(self, pullback, cotangents: Tensor, theta: Tensor) -> Tensor:
+        """The pullback of every row of ``cotangents`` as one flat ``(k, d)`` tensor.
+
+        The pullbacks are taken with respect to each site's value, not the flat ``theta``: the backward of a slice
+        of ``theta`` would zero-fill a ``(k, d)`` gradient for every site and add them up; here each site's piece is
+        written into its columns once (and freed as it is).
+        """
         try:
-            return vmap(pullback)(weighted)[0]
+            (pieces,) = vmap(pullback)(cotangents)
         except RuntimeError:
-            return torch.stack([pullback(u)[0] for u in weighted])
+            rows = [pullback(u)[0] for u in cotangents]
+            pieces = {name: torch.stack([row[name] for row in rows]) for name in self.layout.names}
+            del rows
+        out = theta.new_empty((cotangents.shape[0], self.layout.num_params))
+        for name, slot in self.layout.slots.items():
+            out[:, slot.start : slot.stop] = pieces.pop(name).reshape(out.shape[0], -1)
+        return out
 
     def ggn_vp(self, theta: Tensor, vectors: Tensor, roots: list[Tensor] | None = None) -> Tensor:
         r""":math:`G v = \sum_i J_i^\top \Lambda_i J_i v` on the full data for ``vectors`` ``(k, d)``."""
         out = torch.zeros_like(vectors)
         for number, batch in enumerate(self.batches()):
             root = roots[number] if roots is not None else None
-            out = out + self.batch_ggn_vp(theta, vectors, batch, root).detach()
+            out.add_(self.batch_ggn_vp(theta, vectors, batch, root).detach())
         return out
 
     # ------------------------------------------------------------------ prior

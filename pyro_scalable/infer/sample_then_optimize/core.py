@@ -47,7 +47,16 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-__all__ = ["SampleInfo", "SampleState", "init", "regularizer_targets", "step", "with_anchor"]
+__all__ = [
+    "SampleInfo",
+    "SampleState",
+    "init",
+    "joined_rows",
+    "regularizer_targets",
+    "row_slices",
+    "step",
+    "with_anchor",
+]
 
 # ggn_vp(vectors (K, d), batch) -> (K, d): sum over the minibatch's points of phi_i^T B_i phi_i v, unscaled
 GGNVectorProduct = Callable[[Tensor, Any], Tensor]
@@ -87,8 +96,61 @@ def init(targets: Tensor, samples: Tensor | None = None) -> SampleState:
 
 
 def with_anchor(state: SampleState, anchor: Tensor, anchor_product: Tensor) -> SampleState:
-    """Anchor the last ``len(anchor)`` rows at ``anchor``, whose full-data products are ``anchor_product``."""
-    return state._replace(anchor=anchor, anchor_product=anchor_product)
+    """Anchor the last ``len(anchor)`` rows at ``anchor``, whose full-data products are ``anchor_product``.
+
+    The anchors are copied into the rows below the samples in one buffer (made once, then reused), so that a step
+    hands the samples and the anchors to ``ggn_vp`` together without concatenating them; ``anchor`` may be a view of
+    the samples.
+
+    Example:
+        >>> import torch
+        >>> from pyro_scalable.infer.sample_then_optimize import core
+        >>> state = core.init(torch.zeros(3, 4))
+        >>> state = core.with_anchor(state, state.samples[-1:], torch.ones(1, 4))
+        >>> core.joined_rows(state).shape
+        torch.Size([4, 4])
+
+    """
+    z = state.samples
+    k, r = z.shape[0], anchor.shape[0]
+    rows = joined_rows(state) if state.anchor.shape[0] == r else None
+    if rows is None:
+        rows = z.new_empty((k + r, z.shape[-1]))
+        rows[:k] = z
+    rows[k:] = anchor
+    return state._replace(samples=rows[:k], anchor=rows[k:], anchor_product=anchor_product)
+
+
+def joined_rows(state: SampleState) -> Tensor | None:
+    """The samples and the anchors as one ``(K + R, d)`` tensor, a view, where they lie so in memory; else ``None``."""
+    z, anchor = state.samples, state.anchor
+    if anchor.shape[0] == 0:
+        return z
+    adjacent = (
+        z.is_contiguous()
+        and anchor.is_contiguous()
+        and z.untyped_storage().data_ptr() == anchor.untyped_storage().data_ptr()
+        and anchor.data_ptr() == z.data_ptr() + z.numel() * z.element_size()
+    )
+    if not adjacent:
+        return None
+    return z.as_strided((z.shape[0] + anchor.shape[0], z.shape[1]), z.stride(), z.storage_offset())
+
+
+def row_slices(rows: int, width: int, elements: int = 2**20) -> list[slice]:
+    """Slices of ``rows`` rows of ``width`` numbers, each at most ``elements`` numbers (at least one row).
+
+    Row-wise work on ``(K, d)`` tensors done a slice at a time keeps its temporaries at ``elements`` numbers (4 MB
+    in float32) rather than another ``K x d``.
+
+    Example:
+        >>> from pyro_scalable.infer.sample_then_optimize.core import row_slices
+        >>> row_slices(5, 2**19)
+        [slice(0, 2, None), slice(2, 4, None), slice(4, 5, None)]
+
+    """
+    size = max(1, elements // max(width, 1))
+    return [slice(start, min(start + size, rows)) for start in range(0, rows, size)]
 
 
 def step(
@@ -115,26 +177,28 @@ def step(
         inverse_preconditioner: ``P⁻¹`` (diagonal, shape ``(d,)``): the step follows ``P⁻¹ ∇`` (``None``: the
             identity).
         inplace: update ``state.samples`` and ``state.velocity`` in place (the returned state holds the same
-            tensors): no K x d allocation beyond the products and one offset. The arithmetic is the same either way.
-        objective: compute ``SampleInfo.objective`` (two more K x d temporaries); ``False`` gives NaNs.
+            tensors): the only ``K x d`` allocation is the product ``ggn_vp`` returns (the anchors' rows with it).
+            The arithmetic is the same either way.
+        objective: compute ``SampleInfo.objective``; ``False`` gives NaNs.
         check: called with the gradient norms before anything is updated; may raise to keep the state as it was.
 
     """
     z = state.samples
     k, anchored = z.shape[0], state.anchor.shape[0]
-    gradient = ggn_vp(torch.cat([z, state.anchor]) if anchored else z, batch)
+    rows = joined_rows(state)
+    gradient = ggn_vp(torch.cat([z, state.anchor]) if rows is None else rows, batch)
     gradient.mul_(data_scale)  # a fresh tensor: the data term of every row, then the anchors' products
     if anchored:
-        correction = state.anchor_product - gradient[k:]
+        correction = gradient[k:].neg_().add_(state.anchor_product)  # M anchor - its minibatch estimate
+        gradient[k - anchored : k].add_(correction)
         gradient = gradient[:k]
-        gradient[k - anchored :].add_(correction)
-    offset = z - state.targets
-    if objective:
-        value = 0.5 * (z * gradient).sum(-1) + 0.5 * (prior_precision * offset.square()).sum(-1)
-    else:
-        value = torch.full((k,), math.nan, dtype=z.dtype, device=z.device)
-    gradient.addcmul_(offset, prior_precision)
-    del offset
+    value = torch.full((k,), math.nan, dtype=z.dtype, device=z.device)
+    for part in row_slices(k, z.shape[-1]):  # the prior's term, a slice of rows at a time
+        offset = z[part] - state.targets[part]
+        if objective:
+            data = 0.5 * (z[part] * gradient[part]).sum(-1)
+            value[part] = data + 0.5 * (prior_precision * offset.square()).sum(-1)
+        gradient[part].addcmul_(offset, prior_precision)
     grad_norm = gradient.norm(dim=-1)
     if check is not None:
         check(grad_norm)

@@ -111,7 +111,8 @@ class SampleBlocks(OneProcess):
     def agree(self, state: core.SampleState) -> core.SampleState:
         mean = state.samples[-1:].clone()
         dist.broadcast(mean, src=0)
-        return state._replace(samples=torch.cat([state.samples[:-1], mean]))
+        state.samples[-1:] = mean  # in place: the rows keep their buffer (core.with_anchor)
+        return state
 
     def gather(self, state: core.SampleState, stats: dict[str, Tensor], trace: dict[str, list[Tensor]]):
         """Rows ``[:-1]`` of every rank in rank order, then rank 0's mean row (the same on every rank)."""

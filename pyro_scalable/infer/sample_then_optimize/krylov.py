@@ -43,6 +43,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from pyro_scalable.infer.sample_then_optimize.core import row_slices
+
 __all__ = ["RefineResult", "conjugate_gradient", "warn_unconverged"]
 
 
@@ -65,6 +67,7 @@ def conjugate_gradient(
     tolerance: float,
     delay: int = 5,
     on_pass: Callable[[int], None] | None = None,
+    overwrite: bool = False,
 ) -> RefineResult:
     r"""Preconditioned CG on :math:`Hz_r = b_r` for every row ``r`` at once, stopped by the energy-error estimate.
 
@@ -77,6 +80,8 @@ def conjugate_gradient(
         tolerance: stop once every row's estimated :math:`\lVert e\rVert_H` is below it.
         delay: :math:`\ell`, the iterations the estimate looks ahead.
         on_pass: called with the pass count after every product (a progress bar).
+        overwrite: iterate in ``start`` itself (the rows returned) and keep the residual in ``rhs``: the solver's
+            own memory is then the search directions and one product, ``2 R x d`` (else ``4 R x d``).
 
     Returns the rows reached, the passes made, each row's estimate for the rows returned — the sum of the
     last :math:`\ell` terms (the bound of iterate :math:`n - \ell`, which the returned iterate improves on) — and
@@ -92,11 +97,11 @@ def conjugate_gradient(
         (True, True)
 
     """
-    x = start.clone()
-    r = rhs - product(x)
-    z = r if inverse_preconditioner is None else r * inverse_preconditioner
-    p = z.clone()
-    rz = (r * z).sum(-1)
+    x = start if overwrite else start.clone()
+    r = (rhs if overwrite else rhs.clone()).sub_(product(x))
+    weight = inverse_preconditioner
+    p = r.clone() if weight is None else r * weight  # z = P^{-1} r, the first direction
+    rz = _weighted_dot(r, r, weight)
     terms: list[Tensor] = []
     passes, converged = 1, False
     if on_pass is not None:
@@ -107,16 +112,20 @@ def conjugate_gradient(
         passes += 1
         if on_pass is not None:
             on_pass(passes)
-        curvature = (p * hp).sum(-1)
+        curvature = _weighted_dot(p, hp)
         done = curvature <= tiny  # a row already solved (r = 0) keeps its iterate
-        alpha = torch.where(done, torch.zeros_like(rz), rz / curvature.clamp_min(tiny))
-        x.add_(alpha.unsqueeze(-1) * p)
-        r.sub_(alpha.unsqueeze(-1) * hp)
-        terms.append(alpha * rz)
-        z = r if inverse_preconditioner is None else r * inverse_preconditioner
-        new_rz = (r * z).sum(-1)
-        beta = torch.where(done, torch.zeros_like(rz), new_rz / rz.clamp_min(tiny))
-        p = z + beta.unsqueeze(-1) * p
+        alpha = torch.where(done, torch.zeros_like(rz), rz / curvature.clamp_min(tiny)).unsqueeze(-1)
+        x.addcmul_(alpha, p)
+        r.addcmul_(alpha, hp, value=-1)
+        del hp
+        terms.append(alpha.squeeze(-1) * rz)
+        new_rz = _weighted_dot(r, r, weight)
+        beta = torch.where(done, torch.zeros_like(rz), new_rz / rz.clamp_min(tiny)).unsqueeze(-1)
+        p.mul_(beta)  # p = z + beta p, with z = P^{-1} r never stored
+        if weight is None:
+            p.add_(r)
+        else:
+            p.addcmul_(r, weight)
         rz = new_rz
         if len(terms) >= delay and bool((torch.stack(terms[-delay:]).sum(0) <= tolerance**2).all()):
             converged = True
@@ -124,6 +133,15 @@ def conjugate_gradient(
     window = terms[-delay:] if terms else [torch.full_like(rz, float("inf"))]
     error = torch.stack(window).sum(0).clamp_min(0).sqrt()
     return RefineResult(x, passes, error, converged)
+
+
+def _weighted_dot(a: Tensor, b: Tensor, weight: Tensor | None = None) -> Tensor:
+    """``Σ_j a_rj w_j b_rj`` for every row ``r``, a few rows at a time (temporaries of a few MB, not ``R x d``)."""
+    out = a.new_empty(a.shape[0])
+    for part in row_slices(*a.shape):
+        product = a[part] * b[part]
+        out[part] = (product if weight is None else product.mul_(weight)).sum(-1)
+    return out
 
 
 def warn_unconverged(stats: dict[str, Tensor], engine: Any) -> None:

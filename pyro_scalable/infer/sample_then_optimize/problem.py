@@ -75,6 +75,7 @@ class Problem:
         self.prior_noise_shape = (self.num_samples, theta.numel())
         torch.randn(self.prior_noise_shape, generator=generator, dtype=theta.dtype, device=theta.device)
         self._perturbation, self._gradient = self._data_pass(generator)
+        self.last_solve = False  # set by the solve loop before its last solve (targets then drops the sum)
         self.final_stats: dict[str, Tensor] = {}
         self.refinement: krylov.RefineResult | None = None
 
@@ -101,7 +102,7 @@ class Problem:
 
     @property
     def perturbation(self) -> Tensor:
-        return self._perturbation * self._noise_ratio() ** 0.5
+        return self._perturbation if self.net.noise is None else self._perturbation * self._noise_ratio() ** 0.5
 
     @property
     def gradient(self) -> Tensor:
@@ -120,20 +121,28 @@ class Problem:
             return None
         return 1.0 / (self.data_diagonal + self.precision)
 
-    def _prior_noise(self) -> Tensor:
+    def _prior_noise(self, out: Tensor | None = None) -> Tensor:
+        """The standard normal noise of this rank's rows of the K prior draws, the same at every call (into ``out``)."""
         generator = torch.Generator(device=self.theta.device)
         generator.set_state(self.noise_state)
+        if out is not None and self.parallel.num_local == self.num_samples:  # drawn in place
+            return torch.randn(self.prior_noise_shape, generator=generator, out=out)
         noise = torch.randn(
             self.prior_noise_shape, generator=generator, dtype=self.theta.dtype, device=self.theta.device
         )
-        return noise[self.parallel.rows]
+        return noise[self.parallel.rows] if out is None else out.copy_(noise[self.parallel.rows])
 
     def targets(self) -> Tensor:
         """Regulariser centres: θⁿ for every sample row, and the mean row's ``A⁻¹b − (θ* − m)``."""
         precision = self.precision
-        samples = core.regularizer_targets(self._prior_noise() / precision.sqrt(), precision, self.perturbation)
-        mean = self.gradient / precision - (self.theta - self.prior_mean)
-        return torch.cat([samples, mean.unsqueeze(0)])
+        theta = self.theta
+        out = torch.empty((self.parallel.num_local + 1, theta.numel()), dtype=theta.dtype, device=theta.device)
+        samples = self._prior_noise(out=out[:-1]).div_(precision.sqrt())  # θ⁰, in place
+        samples.addcdiv_(self.perturbation, precision)  # θⁿ (core.regularizer_targets, without a K x d temporary)
+        if self.last_solve:  # no later solve needs the perturbation sum: K x d less from here on
+            self._perturbation = None
+        out[-1] = self.gradient / precision - (theta - self.prior_mean)
+        return out
 
     # ------------------------------------------------------------------ passes over the data
     def _local(self, batch: Batch) -> Batch | None:
@@ -171,7 +180,7 @@ class Problem:
             perturbation += net.vjp(theta, cotangents, batch).detach()
         perturbation = parallel.sum_over_data(perturbation)
         _check_finite(perturbation, net.site, "Jacobian-vector products")
-        return perturbation[:-1], perturbation[-1]
+        return perturbation[:-1], perturbation[-1].clone()  # apart: the sum alone may be dropped (targets)
 
     def ggn_vp(self, vectors: Tensor, batch: Batch) -> Tensor:
         """``Σ_i J_iᵀ Λ_i J_i v`` over the minibatch, for every row of ``vectors``: one JVP and one VJP, batched."""
@@ -180,12 +189,15 @@ class Problem:
         return self.parallel.sum_over_data(product)
 
     def full_ggn_vp(self, vectors: Tensor) -> Tensor:
-        out = torch.zeros_like(vectors)
+        """``M v`` on the full data (this rank's share), accumulated in place chunk by chunk."""
+        out = None
         for chunk in self.net.batches():
             batch = self._local(chunk)
             if batch is not None:
-                out = out + self.net.batch_ggn_vp(self.theta, vectors, batch).detach()
-        return self.parallel.sum_over_data(out)
+                product = self.net.batch_ggn_vp(self.theta, vectors, batch).detach()
+                out = product if out is None else out.add_(product)
+                del product
+        return self.parallel.sum_over_data(torch.zeros_like(vectors) if out is None else out)
 
     # ------------------------------------------------------------------ solving
     def _largest_eigenvalue(self, generator: torch.Generator, batches) -> float:
@@ -263,8 +275,10 @@ class Problem:
             # theta^0 (the mean row: theta_*) is close to the solution in every direction: the prior's where the
             # data say little, within O(A^{-1/2}) where the fast, data-dominated directions soon correct it; the
             # centre theta^n itself is O(sqrt(N)) away along those.
-            start = torch.cat([self._prior_noise() / self.precision.sqrt(), torch.zeros_like(targets[-1:])])
+            start = torch.zeros_like(targets)
+            self._prior_noise(out=start[:-1]).div_(self.precision.sqrt())
             state = core.init(targets, start)
+            del start
         elif progress is None:
             state = state._replace(targets=targets)
         total = epochs * self.steps_per_epoch
@@ -274,7 +288,7 @@ class Problem:
         for t in range(done, total):
             if t % self.steps_per_epoch == 0 and self.steps_per_epoch > 1:
                 # re-anchor the control variate once per epoch: one full pass for the anchored rows
-                anchor = state.samples[-self.anchored :].detach().clone()  # the samples are updated in place
+                anchor = state.samples[-self.anchored :].detach()  # with_anchor copies it below the samples
                 state = core.with_anchor(state, anchor, self.full_ggn_vp(anchor))
 
             def diverged(grad_norm: Tensor, t: int = t, before: core.SampleState = state) -> None:
@@ -331,6 +345,7 @@ class Problem:
             max_passes=max_passes,
             tolerance=tolerance,
             on_pass=on_pass,
+            overwrite=True,  # the rows are this run's own; the right-hand side above is a fresh tensor
         )
         self.refinement = result
         self.engine.cg_passes.append(result.passes)
@@ -343,25 +358,30 @@ class Problem:
         """Full-data diagnostics of every row; returns ``θ̄ − m``, the zero-mean samples and ``M`` times every row."""
         rows = state.samples.detach()
         ggn = self.full_ggn_vp(rows)
-        precision = self.precision
-        offset = rows - state.targets
-        gradient = ggn + precision * offset
-        objective = 0.5 * (rows * ggn).sum(-1) + 0.5 * (precision * offset**2).sum(-1)
+        precision, inverse = self.precision, self.inverse_preconditioner()
+        stats = torch.empty((4, rows.shape[0]), dtype=rows.dtype, device=rows.device)
+        for part in core.row_slices(*rows.shape):  # row by row slices: no K x d temporaries
+            offset = rows[part] - state.targets[part]
+            gradient = ggn[part] + precision * offset
+            stats[0, part] = 0.5 * (rows[part] * ggn[part]).sum(-1) + 0.5 * (precision * offset**2).sum(-1)
+            stats[1, part] = gradient.norm(dim=-1)
+            stats[2, part] = (precision * state.targets[part]).norm(dim=-1)
+            if inverse is not None:
+                # a row's error e = H^{-1} g has e^T H e = g^T H^{-1} g ~ g^T P^{-1} g, against E[zeta^T H zeta] = d
+                # for a draw: the RMS error in posterior sds, as large in the prior's directions as anywhere
+                stats[3, part] = ((gradient.square() * inverse).sum(-1) / rows.shape[-1]).sqrt()
+        objective, grad_norm, target_norm, residual = stats[:4, :-1]
         self.final_stats = {
-            "objective": objective[:-1],
-            "grad_norm": gradient[:-1].norm(dim=-1),
-            "relative_grad_norm": gradient[:-1].norm(dim=-1) / (precision * state.targets[:-1]).norm(dim=-1),
+            "objective": objective,
+            "grad_norm": grad_norm,
+            "relative_grad_norm": grad_norm / target_norm,
         }
-        inverse = self.inverse_preconditioner()
         if inverse is not None:
-            # a row's error e = H^{-1} g has e^T H e = g^T H^{-1} g ~ g^T P^{-1} g, against E[zeta^T H zeta] = d for
-            # a draw: the RMS error in posterior sds, as large in the prior's directions as anywhere
-            residual = ((gradient[:-1].square() * inverse).sum(-1) / rows.shape[-1]).sqrt()
             self.final_stats["error_in_sds"] = residual
         if self.refinement is not None:
             self.final_stats["cg_error"] = self.refinement.error[:-1]
             self.engine.mean_error = float(self.refinement.error[-1])
-        self.engine.mean_grad_norm = float(gradient[-1].norm())
+        self.engine.mean_grad_norm = float(stats[1, -1])
         mean = self.theta + rows[-1] if self.quadratic else self.theta
         return mean - self.prior_mean, rows[:-1], ggn
 

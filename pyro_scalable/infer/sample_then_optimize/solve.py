@@ -53,9 +53,13 @@ def solve_with_em(
             epochs = engine.num_epochs if em_step == 0 else engine.em_epochs
             progress = saved["progress"] if saved is not None and em_step == first_em_step else None
             on_epoch = None if checkpoint is None else checkpoint.on_epoch(em_step, epochs, alphas, gammas, noises)
+            problem.last_solve = em_step == engine.em_steps
             state = parallel.agree(problem.solve(state, epochs, generator, bar, progress, on_epoch))
             if engine.refine_passes:
+                # CG keeps no velocity: its K x d is freed for CG's own vectors, and comes back as zeros after
+                engine.state = state = state._replace(velocity=state.velocity.new_empty((0, state.velocity.shape[-1])))
                 state = problem.refine(state, engine.refine_passes, engine.tolerance, bar)
+                state = state._replace(velocity=torch.zeros_like(state.samples))
             engine.state = state
             mean_offset, samples, ggn = problem.finish(state)
             raw = effective_dimension(samples, ggn[:-1], problem.groups, num_groups)
@@ -77,7 +81,7 @@ def solve_with_em(
                 alphas.append(problem.alpha.clone())
                 if engine.em_noise:
                     noises.append(problem.update_noise(gamma, state.samples[-1]))
-                state = state._replace(velocity=torch.zeros_like(state.velocity))
+                state.velocity.zero_()  # in place: engine.state holds the same tensor (no second K x d)
     finally:
         bar.close()
     return state, alphas, gammas, noises
