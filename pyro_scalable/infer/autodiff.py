@@ -6,7 +6,7 @@ import warnings
 
 import torch
 
-__all__ = ["hvp", "jvp"]
+__all__ = ["hvp", "jvp", "row_slices"]
 
 
 def jvp(func, primals, tangents):
@@ -28,3 +28,19 @@ def hvp(func, primals, tangents):
     """
     _, pullback = torch.func.vjp(torch.func.grad(func), *primals)
     return pullback(*tangents)
+
+
+def row_slices(rows: int, width: int, elements: int = 2**20) -> list[slice]:
+    """Slices of ``rows`` rows of ``width`` numbers, each at most ``elements`` numbers (at least one row).
+
+    Row-wise work on ``(K, d)`` tensors done a slice at a time keeps its temporaries at ``elements`` numbers (4 MB
+    in float32) rather than another ``K x d``.
+
+    Example:
+        >>> from pyro_scalable.infer.autodiff import row_slices
+        >>> row_slices(5, 2**19)
+        [slice(0, 2, None), slice(2, 4, None), slice(4, 5, None)]
+
+    """
+    size = max(1, elements // max(width, 1))
+    return [slice(start, min(start + size, rows)) for start in range(0, rows, size)]

@@ -47,13 +47,14 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from pyro_scalable.infer.autodiff import row_slices
+
 __all__ = [
     "SampleInfo",
     "SampleState",
     "init",
     "joined_rows",
     "regularizer_targets",
-    "row_slices",
     "step",
     "with_anchor",
 ]
@@ -135,22 +136,6 @@ def joined_rows(state: SampleState) -> Tensor | None:
     if not adjacent:
         return None
     return z.as_strided((z.shape[0] + anchor.shape[0], z.shape[1]), z.stride(), z.storage_offset())
-
-
-def row_slices(rows: int, width: int, elements: int = 2**20) -> list[slice]:
-    """Slices of ``rows`` rows of ``width`` numbers, each at most ``elements`` numbers (at least one row).
-
-    Row-wise work on ``(K, d)`` tensors done a slice at a time keeps its temporaries at ``elements`` numbers (4 MB
-    in float32) rather than another ``K x d``.
-
-    Example:
-        >>> from pyro_scalable.infer.sample_then_optimize.core import row_slices
-        >>> row_slices(5, 2**19)
-        [slice(0, 2, None), slice(2, 4, None), slice(4, 5, None)]
-
-    """
-    size = max(1, elements // max(width, 1))
-    return [slice(start, min(start + size, rows)) for start in range(0, rows, size)]
 
 
 def step(

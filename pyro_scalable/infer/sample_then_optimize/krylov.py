@@ -43,9 +43,9 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from pyro_scalable.infer.sample_then_optimize.core import row_slices
+from pyro_scalable.infer.autodiff import row_slices
 
-__all__ = ["RefineResult", "conjugate_gradient", "warn_unconverged"]
+__all__ = ["RefineResult", "conjugate_gradient", "row_diagnostics", "warn_unconverged"]
 
 
 class RefineResult(NamedTuple):
@@ -141,6 +141,40 @@ def _weighted_dot(a: Tensor, b: Tensor, weight: Tensor | None = None) -> Tensor:
     for part in row_slices(*a.shape):
         product = a[part] * b[part]
         out[part] = (product if weight is None else product.mul_(weight)).sum(-1)
+    return out
+
+
+def row_diagnostics(
+    rows: Tensor, products: Tensor, targets: Tensor, precision: Tensor, inverse_preconditioner: Tensor | None
+) -> dict[str, Tensor]:
+    r"""Every row's objective, full-data gradient norm, relative gradient norm and (preconditioned) error in sds.
+
+    ``products`` is :math:`M z` for every row ``z`` of ``rows``; the gradient is :math:`g = Mz + A(z - \theta^n)`.
+    A row's error :math:`e = H^{-1}g` has :math:`e^\top He = g^\top H^{-1}g \approx g^\top P^{-1}g`, against
+    :math:`\mathrm E[\zeta^\top H\zeta] = d` for a draw: ``error_in_sds`` is the RMS error in posterior sds, as
+    large in the prior's directions as anywhere (only with a preconditioner). Computed a few rows at a time.
+
+    Example:
+        >>> import torch
+        >>> from pyro_scalable.infer.sample_then_optimize.krylov import row_diagnostics
+        >>> rows = torch.tensor([[1.0, 0.0]])
+        >>> stats = row_diagnostics(rows, 2 * rows, torch.zeros(1, 2), torch.ones(2), None)
+        >>> stats["objective"], stats["grad_norm"]
+        (tensor([1.5000]), tensor([3.]))
+
+    """
+    stats = torch.full((4, rows.shape[0]), float("nan"), dtype=rows.dtype, device=rows.device)
+    for part in row_slices(*rows.shape):
+        offset = rows[part] - targets[part]
+        gradient = products[part] + precision * offset
+        stats[0, part] = 0.5 * (rows[part] * products[part]).sum(-1) + 0.5 * (precision * offset**2).sum(-1)
+        stats[1, part] = gradient.norm(dim=-1)
+        stats[2, part] = (precision * targets[part]).norm(dim=-1)
+        if inverse_preconditioner is not None:
+            stats[3, part] = ((gradient.square() * inverse_preconditioner).sum(-1) / rows.shape[-1]).sqrt()
+    out = {"objective": stats[0], "grad_norm": stats[1], "relative_grad_norm": stats[1] / stats[2]}
+    if inverse_preconditioner is not None:
+        out["error_in_sds"] = stats[3]
     return out
 
 

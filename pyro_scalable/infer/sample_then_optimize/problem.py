@@ -190,14 +190,12 @@ class Problem:
 
     def full_ggn_vp(self, vectors: Tensor) -> Tensor:
         """``M v`` on the full data (this rank's share), accumulated in place chunk by chunk."""
-        out = None
+        out = torch.zeros_like(vectors)
         for chunk in self.net.batches():
             batch = self._local(chunk)
             if batch is not None:
-                product = self.net.batch_ggn_vp(self.theta, vectors, batch).detach()
-                out = product if out is None else out.add_(product)
-                del product
-        return self.parallel.sum_over_data(torch.zeros_like(vectors) if out is None else out)
+                self.net.batch_ggn_vp(self.theta, vectors, batch, out=out)
+        return self.parallel.sum_over_data(out)
 
     # ------------------------------------------------------------------ solving
     def _largest_eigenvalue(self, generator: torch.Generator, batches) -> float:
@@ -290,6 +288,7 @@ class Problem:
                 # re-anchor the control variate once per epoch: one full pass for the anchored rows
                 anchor = state.samples[-self.anchored :].detach()  # with_anchor copies it below the samples
                 state = core.with_anchor(state, anchor, self.full_ggn_vp(anchor))
+                del anchor  # a view: it would keep the rows' first buffer (init's) alive
 
             def diverged(grad_norm: Tensor, t: int = t, before: core.SampleState = state) -> None:
                 nonlocal first
@@ -358,30 +357,12 @@ class Problem:
         """Full-data diagnostics of every row; returns ``θ̄ − m``, the zero-mean samples and ``M`` times every row."""
         rows = state.samples.detach()
         ggn = self.full_ggn_vp(rows)
-        precision, inverse = self.precision, self.inverse_preconditioner()
-        stats = torch.empty((4, rows.shape[0]), dtype=rows.dtype, device=rows.device)
-        for part in core.row_slices(*rows.shape):  # row by row slices: no K x d temporaries
-            offset = rows[part] - state.targets[part]
-            gradient = ggn[part] + precision * offset
-            stats[0, part] = 0.5 * (rows[part] * ggn[part]).sum(-1) + 0.5 * (precision * offset**2).sum(-1)
-            stats[1, part] = gradient.norm(dim=-1)
-            stats[2, part] = (precision * state.targets[part]).norm(dim=-1)
-            if inverse is not None:
-                # a row's error e = H^{-1} g has e^T H e = g^T H^{-1} g ~ g^T P^{-1} g, against E[zeta^T H zeta] = d
-                # for a draw: the RMS error in posterior sds, as large in the prior's directions as anywhere
-                stats[3, part] = ((gradient.square() * inverse).sum(-1) / rows.shape[-1]).sqrt()
-        objective, grad_norm, target_norm, residual = stats[:4, :-1]
-        self.final_stats = {
-            "objective": objective,
-            "grad_norm": grad_norm,
-            "relative_grad_norm": grad_norm / target_norm,
-        }
-        if inverse is not None:
-            self.final_stats["error_in_sds"] = residual
+        stats = krylov.row_diagnostics(rows, ggn, state.targets, self.precision, self.inverse_preconditioner())
+        self.final_stats = {name: value[:-1] for name, value in stats.items()}
         if self.refinement is not None:
             self.final_stats["cg_error"] = self.refinement.error[:-1]
             self.engine.mean_error = float(self.refinement.error[-1])
-        self.engine.mean_grad_norm = float(stats[1, -1])
+        self.engine.mean_grad_norm = float(stats["grad_norm"][-1])
         mean = self.theta + rows[-1] if self.quadratic else self.theta
         return mean - self.prior_mean, rows[:-1], ggn
 
