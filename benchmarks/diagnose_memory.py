@@ -8,7 +8,7 @@ the resident memory is the memory in use. For each phase of a run: its peak abov
 figure is the difference between a run with K draws and one with 1, divided by K − 1: what one more draw costs,
 in units of d float32s.
 
-    python benchmarks/diagnose_memory.py                  # d = 1e6 (the MLP of part b, h = 950), K = 8: ~3 min
+    python benchmarks/diagnose_memory.py                  # d = 1e6 (the MLP of part b, h = 950), K = 8: ~4 min
     python benchmarks/diagnose_memory.py --width 280 --k 16
 
 Writes ``benchmarks/results/memory.md``.
@@ -110,7 +110,7 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=8, help="draws (compared with a run of 1)")
     parser.add_argument("--batch", type=int, default=500, help="minibatch and chunk size")
     parser.add_argument("--n", type=int, default=10_000, help="data points")
-    parser.add_argument("--refine", type=int, default=30, help="refine_passes of the refined run")
+    parser.add_argument("--refine", type=int, default=5, help="refine_passes of the refined run")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
