@@ -35,6 +35,7 @@ c. **EM and calibration on digits** (``sklearn.datasets.load_digits``, the 70/30
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
 import os
@@ -174,6 +175,7 @@ def accuracy(engine, exact: dict, alpha: float) -> dict:
 def part_a(cfg: dict, max_wait: float, report: list[str], summary: dict) -> None:
     log("part a: accuracy against the exact posterior")
     sto = _sto()
+    default_refine = inspect.signature(sto).parameters["refine_passes"].default
     estimates = record_step_size_estimates()
     alpha, n, batch, k = 1.0, cfg["a_n"], cfg["a_batch"], cfg["a_samples"]
     rows = []
@@ -263,7 +265,8 @@ def part_a(cfg: dict, max_wait: float, report: list[str], summary: dict) -> None
         "`correlated` (each feature a random mixture of all before scaling: the spread is in the correlations, "
         "which the diagonal preconditioner does not resolve);",
         "- *CG passes*: the refinement's full-data conjugate-gradient passes after the epochs (default "
-        "`refine_passes=100`, `tolerance=0.1`; `0`: the epochs only, as before 2026-11-25); *CG estimate*: its "
+        f"`refine_passes={default_refine}`, `tolerance=0.1`; `0`: the epochs only, as before 2026-11-25); *CG "
+        "estimate*: its "
         "estimate of the worst draw's / the mean's error in posterior sds along any direction.",
         "",
         "| d | features | preconditioner | variance_reduction | epochs | CG passes | momentum | engine (s) | exact (s) "

@@ -148,7 +148,7 @@ print(f"N = {N}, D = {D}: H at α = 1 has eigenvalues from {eigenvalues.min() + 
 # still about 0.8 posterior sd off in the worst coordinate (measured with `refine_passes=0`). The default
 # refinement then runs conjugate gradients on the full data until every draw and the mean are within 0.1
 # posterior sd of their exact solutions along *every* direction, by CG's own error estimate (`sample_stats
-# ["cg_error"]`, `engine.mean_error`), and warns if its budget (`refine_passes=100`) ends first. The output is
+# ["cg_error"]`, `engine.mean_error`), and warns if its budget (`refine_passes=200`) ends first. The output is
 # linear in `w`, so no linearisation point is needed.
 #
 # The checks, with tolerances from the Monte-Carlo error of K draws: the mean of the draws is off the exact mean

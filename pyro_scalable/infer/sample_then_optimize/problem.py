@@ -330,7 +330,7 @@ class Problem:
         precision = self.precision
 
         def product(vectors: Tensor) -> Tensor:
-            return self.full_ggn_vp(vectors) + precision * vectors
+            return self.full_ggn_vp(vectors).addcmul_(vectors, precision)  # (M + A) v with no K x d temporaries
 
         def on_pass(_: int) -> None:
             if bar is not None:
