@@ -104,9 +104,8 @@ class SampleThenOptimize(SampleThenOptimizePredictives, Draws):
         refine_passes: after each solve's epochs, at most this many conjugate-gradient iterations on the full data
             (one pass each), stopped as soon as every row (each draw and the mean) is within ``tolerance`` posterior
             sds of its exact solution in every direction, by CG's energy-error estimate (:mod:`.krylov`); a run
-            whose budget ends first warns with the estimate. ``0``: the epochs only. The budget is spent only where
-            the epochs left the draws off (a d = 200 regression of correlated features needed 109 passes; the
-            tutorial's MLP 52-79).
+            whose budget ends first warns with the estimate. ``0``: the epochs only. Passes are spent only where the
+            epochs left the draws off (110 on a correlated d = 200 regression: ``bench_as_prior.py --convergence``).
         tolerance: the error allowed, in posterior sds along any direction (the energy norm ``‖z − z*‖_H``).
         map_steps: Adam steps to find the MAP when ``linearize_at`` is needed and not given.
         chunk_size: points per chunk in the full-data passes (default: max(B, 1024)).
