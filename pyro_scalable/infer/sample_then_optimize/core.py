@@ -67,7 +67,7 @@ class SampleState(NamedTuple):
     """Everything the next step needs, for K samples optimised together. Every field is a tensor."""
 
     samples: Tensor  # (K, d): the current iterates z
-    velocity: Tensor  # (K, d): Nesterov momentum buffer
+    velocity: Tensor  # (K, d): Nesterov momentum buffer; (0, d) after a conjugate-gradient refinement (unused)
     targets: Tensor  # (K, d): theta^n, the centre of each sample's regulariser
     anchor: Tensor  # (R, d): control-variate anchors of the last R rows (R may be 0)
     anchor_product: Tensor  # (R, d): their full-data products M anchor

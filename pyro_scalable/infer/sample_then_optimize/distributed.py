@@ -133,7 +133,8 @@ class SampleBlocks(OneProcess):
             return torch.cat([*blocks, values[0].narrow(dim, values[0].shape[dim] - 1, 1)], dim).to(device)
 
         fields = dict(state._asdict())
-        per_row = ("samples", "velocity", "targets") + (("anchor", "anchor_product") if anchored_rows else ())
+        per_row = ("samples", "targets") + (("velocity",) if state.velocity.numel() else ())  # none after CG
+        per_row += ("anchor", "anchor_product") if anchored_rows else ()
         for name in per_row:
             fields[name] = rows([p["state"][name] for p in parts])
         stats = {k: torch.cat([p["stats"][k] for p in parts]).to(device) for k in stats}

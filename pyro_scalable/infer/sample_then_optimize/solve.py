@@ -56,10 +56,10 @@ def solve_with_em(
             problem.last_solve = em_step == engine.em_steps
             state = parallel.agree(problem.solve(state, epochs, generator, bar, progress, on_epoch))
             if engine.refine_passes:
-                # CG keeps no velocity: its K x d is freed for CG's own vectors, and comes back as zeros after
+                # CG keeps no velocity: its K x d is freed for CG's vectors and the diagnostics (an EM step's next
+                # solve restarts it at zero below)
                 engine.state = state = state._replace(velocity=state.velocity.new_empty((0, state.velocity.shape[-1])))
                 state = problem.refine(state, engine.refine_passes, engine.tolerance, bar)
-                state = state._replace(velocity=torch.zeros_like(state.samples))
             engine.state = state
             mean_offset, samples, ggn = problem.finish(state)
             raw = effective_dimension(samples, ggn[:-1], problem.groups, num_groups)
@@ -81,7 +81,10 @@ def solve_with_em(
                 alphas.append(problem.alpha.clone())
                 if engine.em_noise:
                     noises.append(problem.update_noise(gamma, state.samples[-1]))
-                state.velocity.zero_()  # in place: engine.state holds the same tensor (no second K x d)
+                if state.velocity.numel():
+                    state.velocity.zero_()  # in place: engine.state holds the same tensor (no second K x d)
+                else:
+                    state = state._replace(velocity=torch.zeros_like(state.samples))
     finally:
         bar.close()
     return state, alphas, gammas, noises
