@@ -37,7 +37,7 @@ from pyro_scalable.infer.linearized.likelihoods import Likelihood, likelihood_of
 
 __all__ = ["ROWS_PER_PASS", "NetworkFunction", "Outputs", "choose_sites", "first_batch", "observed_site"]
 
-# the most numbers (rows x d) a group of rows takes through the JVP and VJP at once (module doc of batch_ggn_vp)
+# the most numbers (rows x d) a group of rows takes through the JVP and VJP at once (see batch_ggn_vp)
 ROWS_PER_PASS = 2**22
 
 

@@ -123,7 +123,18 @@ def with_anchor(state: SampleState, anchor: Tensor, anchor_product: Tensor) -> S
 
 
 def joined_rows(state: SampleState) -> Tensor | None:
-    """The samples and the anchors as one ``(K + R, d)`` tensor, a view, where they lie so in memory; else ``None``."""
+    """The samples and the anchors as one ``(K + R, d)`` tensor, a view, where they lie so in memory; else ``None``.
+
+    Example:
+        >>> import torch
+        >>> from pyro_scalable.infer.sample_then_optimize import core
+        >>> state = core.init(torch.zeros(3, 4))
+        >>> core.joined_rows(state) is state.samples  # no anchors: the samples themselves
+        True
+        >>> core.joined_rows(state._replace(anchor=torch.zeros(1, 4))) is None  # anchors elsewhere in memory
+        True
+
+    """
     z, anchor = state.samples, state.anchor
     if anchor.shape[0] == 0:
         return z
