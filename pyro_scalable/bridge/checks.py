@@ -7,11 +7,14 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
+from pyro.poutine.util import site_is_subsample
 from torch import Tensor
 
 __all__ = [
     "ModelError",
     "check_inputs",
+    "explain_latent_in_plate",
+    "explain_mixed_dtypes",
     "named_tensors",
     "one_subsampled_plate",
 ]
@@ -94,3 +97,38 @@ def one_subsampled_plate(bridge: Any, purpose: str) -> Any:
             f"subsample_size=B)); the model has {len(plates)}."
         )
     return plates[0]
+
+
+def explain_latent_in_plate(trace, error: Exception) -> None:
+    """Raise a ModelError when the model failed after sampling a latent inside a subsampled plate."""
+    for name, node in trace.nodes.items():
+        if node["type"] != "sample" or node["is_observed"] or site_is_subsample(node):
+            continue
+        for frame in node["cond_indep_stack"]:
+            if frame.full_size is not None and frame.size < frame.full_size:
+                first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+                raise ModelError(
+                    f"the model failed ({first}) after sampling latent site '{name}' inside the subsampled plate "
+                    f"'{frame.name}', which gives it a batch dimension of the minibatch's size. Global latents "
+                    "must be sampled outside the plate; a PyroModule's PyroSample weights are sampled when the "
+                    "module runs, so run the network outside the `with plate` block: "
+                    "`data = pyro.plate(...); f = net(x[data.indices]); with data: pyro.sample(..., obs=...)`."
+                ) from error
+
+
+def explain_mixed_dtypes(trace, tensors: Iterator[tuple[str, Tensor]], error: Exception) -> None:
+    """Raise a ModelError when torch refused to mix float dtypes and a latent's dtype differs from the data's."""
+    if "dtype" not in str(error) and "Double" not in str(error):
+        return
+    data = {label: t.dtype for label, t in tensors if t.is_floating_point()}
+    for name, node in trace.nodes.items():
+        if node["type"] != "sample" or node["is_observed"] or site_is_subsample(node):
+            continue
+        value = node["value"]
+        other = next(((label, dtype) for label, dtype in data.items() if dtype != value.dtype), None)
+        if value.is_floating_point() and other is not None:
+            raise ModelError(
+                f"latent site '{name}' is {value.dtype} but {other[0]} is {other[1]}, and the model failed mixing "
+                f"them ({str(error).strip().splitlines()[0]}). Give the prior's parameters the data's dtype, e.g. "
+                f"dist.Normal(torch.zeros(d, dtype=x.dtype), 1.0), or convert the data."
+            ) from error

@@ -31,12 +31,19 @@ from torch import Tensor
 from torch.distributions import biject_to
 from torch.distributions.transforms import ComposeTransform, IndependentTransform, Transform
 
-from pyro_scalable.bridge.checks import ModelError, check_inputs, named_tensors
+from pyro_scalable.bridge.checks import (
+    ModelError,
+    check_inputs,
+    explain_latent_in_plate,
+    explain_mixed_dtypes,
+    named_tensors,
+)
 from pyro_scalable.bridge.densities import summed_log_prob
 from pyro_scalable.bridge.log_posterior import LogPosterior
 from pyro_scalable.bridge.observed import check_observed_values
 from pyro_scalable.bridge.plates import FullDataModel, plate_indices
 from pyro_scalable.bridge.records import Batch, DataPlate, Latents, LatentSite
+from pyro_scalable.bridge.traced import TracedLogDensity
 
 __all__ = ["Batch", "DataPlate", "FullDataModel", "LatentSite", "Latents", "LogPosterior", "ModelBridge"]
 
@@ -108,41 +115,6 @@ def _same_support(first, second) -> bool:
     return len(a) == len(b) and all(x.shape == y.shape and bool((x == y).all()) for x, y in zip(a, b))
 
 
-def _explain_latent_in_plate(trace, error: Exception) -> None:
-    """Raise a ModelError when the model failed after sampling a latent inside a subsampled plate."""
-    for name, node in trace.nodes.items():
-        if node["type"] != "sample" or node["is_observed"] or site_is_subsample(node):
-            continue
-        for frame in node["cond_indep_stack"]:
-            if frame.full_size is not None and frame.size < frame.full_size:
-                first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-                raise ModelError(
-                    f"the model failed ({first}) after sampling latent site '{name}' inside the subsampled plate "
-                    f"'{frame.name}', which gives it a batch dimension of the minibatch's size. Global latents "
-                    "must be sampled outside the plate; a PyroModule's PyroSample weights are sampled when the "
-                    "module runs, so run the network outside the `with plate` block: "
-                    "`data = pyro.plate(...); f = net(x[data.indices]); with data: pyro.sample(..., obs=...)`."
-                ) from error
-
-
-def _explain_mixed_dtypes(trace, tensors: Iterator[tuple[str, Tensor]], error: Exception) -> None:
-    """Raise a ModelError when torch refused to mix float dtypes and a latent's dtype differs from the data's."""
-    if "dtype" not in str(error) and "Double" not in str(error):
-        return
-    data = {label: t.dtype for label, t in tensors if t.is_floating_point()}
-    for name, node in trace.nodes.items():
-        if node["type"] != "sample" or node["is_observed"] or site_is_subsample(node):
-            continue
-        value = node["value"]
-        other = next(((label, dtype) for label, dtype in data.items() if dtype != value.dtype), None)
-        if value.is_floating_point() and other is not None:
-            raise ModelError(
-                f"latent site '{name}' is {value.dtype} but {other[0]} is {other[1]}, and the model failed mixing "
-                f"them ({str(error).strip().splitlines()[0]}). Give the prior's parameters the data's dtype, e.g. "
-                f"dist.Normal(torch.zeros(d, dtype=x.dtype), 1.0), or convert the data."
-            ) from error
-
-
 class ModelBridge:
     """A Pyro model bound to its data: unconstrained latents, log posterior, full-data log-likelihood.
 
@@ -180,6 +152,8 @@ class ModelBridge:
             self.device = next((v["value"].device for _, v in self._latent_nodes(trace)), torch.device("cpu"))
         self._check_plate_sizes(trace)
         check_observed_values(self)
+        sizes = {plate.name: plate.size for plate in self.plates.values()}
+        self.traced = TracedLogDensity(self._run_log_posterior, self._reference, sizes)  # bridge/traced.py
 
     # ------------------------------------------------------------------ discovery and checks
     def _trace(self, model: Callable, *, validate: bool, indices: Mapping[str, Tensor] | None = None):
@@ -204,8 +178,8 @@ class ModelBridge:
                 "Pass N = len(data) to pyro.plate, and data of one length."
             ) from error
         except (RuntimeError, ValueError) as error:
-            _explain_latent_in_plate(tracer.msngr.trace, error)
-            _explain_mixed_dtypes(tracer.msngr.trace, named_tensors(self.model, self.args, self.kwargs), error)
+            explain_latent_in_plate(tracer.msngr.trace, error)
+            explain_mixed_dtypes(tracer.msngr.trace, named_tensors(self.model, self.args, self.kwargs), error)
             raise
 
     def _latent_nodes(self, trace) -> Iterator[tuple[LatentSite, dict]]:
@@ -242,7 +216,7 @@ class ModelBridge:
                 stacklevel=4,
             )
         sites = {}
-        self._supports = {}
+        self._supports, self._reference = {}, {}
         for name, node in trace.nodes.items():
             if node["type"] != "sample" or node["is_observed"] or site_is_subsample(node):
                 continue
@@ -273,7 +247,7 @@ class ModelBridge:
                     "(torch.distributions.biject_to). Reparametrise it, e.g. a lower-Cholesky factor as "
                     "diag(positive scales) @ LKJCholesky, a covariance matrix from that factor."
                 ) from None
-            unconstrained = transform.inv(value)
+            unconstrained = self._reference[name] = transform.inv(value).detach()
             batch_dims = value.dim() - fn.event_dim
             plates = {batch_dims + f.dim: f.name for f in node["cond_indep_stack"] if batch_dims + f.dim >= 0}
             plates = tuple(plates.get(d) for d in range(value.dim()))
@@ -338,7 +312,14 @@ class ModelBridge:
 
     # ------------------------------------------------------------------ the log posterior
     def log_posterior(self, latents: Latents, batch: Batch) -> Tensor:
-        """Minibatch estimate of the log joint at unconstrained ``latents`` (N/B scaling by the plates)."""
+        """Minibatch estimate of the log joint at unconstrained ``latents`` (N/B scaling by the plates).
+
+        Replayed from a recorded graph of the model's tensor operations once a signature has passed the checks of
+        :mod:`pyro_scalable.bridge.traced`; the model runs through Pyro otherwise.
+        """
+        return self.traced(latents, batch)
+
+    def _run_log_posterior(self, latents: Latents, batch: Batch) -> Tensor:
         evaluate = _Evaluate(self.sites, latents)
         with _validation(False), plate_indices(batch.indices), evaluate:
             self.model(*batch.args, **batch.kwargs)

@@ -1,0 +1,323 @@
+r"""The model's log density recorded once as a graph of torch operations and replayed without Pyro.
+
+Each evaluation of :meth:`ModelBridge.log_posterior` runs the user's model in Python: every ``pyro.sample``
+builds a message and passes it through the handler stack, and the bridge's handler substitutes the latents and sums
+the log densities. On small models that is most of a step (about 0.3 ms per sample site under ``torch.func.vmap``
+on a 2-core CPU, against microseconds for the arithmetic). For one *signature* of the call — the shapes, dtypes and
+devices of the latents, the minibatch indices and the data tensors, and the values of every other argument — a
+model that does not branch on tensor values runs the same sequence of tensor operations on every call.
+:func:`torch.fx.experimental.proxy_tensor.make_fx` records that sequence below autograd, as ATen operations on the
+call's tensors; replaying it gives the same value and, through autograd or ``torch.func``, the same gradients,
+without running the model's Python. Data the model reads from its closure are held by reference.
+
+A signature is recorded after :data:`TRACE_AFTER` calls (short evaluations never pay for the recording), outside any
+``torch.func`` transform (in a separate thread, where no transform is active) and with the random number generator
+forked, and it is used only where it passed every check:
+
+1. **No branch on a value**: ``make_fx`` refuses ``bool(tensor)``, ``.item()`` and ``.tolist()`` on a recorded
+   tensor (the model branches on data or latents), and the signature stays on the Pyro path;
+2. **No shape that depends on values** (``nonzero``, ``unique``, boolean masks, ...): refused, since the recorded
+   operations after them hold the shapes of one call;
+3. **Agreement**: at a second point (other latents, other minibatch indices) the graph's value and gradients equal
+   the model's to rounding (:data:`RTOL`). This refuses a model that draws random numbers or whose recorded
+   Python-side state differs between the two points.
+
+What no check can see is Python state the model reads that changes *later* (a global the user edits between steps,
+an object passed as an argument whose tensors are swapped). :func:`model_tracing` turns the recording off for such
+a model; every refusal is kept with its reason in :attr:`TracedLogDensity.refused`.
+
+Before replaying, the graph drops operations that do nothing (``x * 1``, ``x + 0``, ``x - zeros`` from the bridge's
+running sum and from priors centred at zero) and, in a graph that mutates nothing, the per-call copies of
+constants the model created (``torch.tensor(0.)``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from pyro_scalable.bridge.records import Batch, Latents
+
+__all__ = ["RTOL", "TRACE_AFTER", "TracedLogDensity", "model_tracing"]
+
+TRACE_AFTER = 16  # calls of one signature on the Pyro path before it is recorded
+MAX_SIGNATURES = 16  # recorded (or refused) signatures per bridge; calls of further ones stay on the Pyro path
+RTOL = 1e-4  # the graph's value and gradients against the model's at the check point, relative
+
+_enabled = True
+_aten = torch.ops.aten
+# operations whose output shape depends on their input's values
+_VALUE_SHAPED = {"nonzero", "unique", "_unique", "_unique2", "unique_dim", "unique_consecutive", "masked_select"}
+_VALUE_SHAPED |= {"repeat_interleave", "bincount", "nonzero_static", "argwhere", "_local_scalar_dense"}
+
+
+@contextlib.contextmanager
+def model_tracing(enabled: bool) -> Iterator[None]:
+    """Record the model's log density as a graph (the default) or run the model on every call (``False``).
+
+    Turn it off for a model whose log density reads Python state that changes between steps.
+
+    >>> with model_tracing(False):
+    ...     pass  # engines built and run here evaluate the model through Pyro on every call
+    """
+    global _enabled
+    before, _enabled = _enabled, bool(enabled)
+    try:
+        yield
+    finally:
+        _enabled = before
+
+
+def _wrapped(x: Tensor) -> bool:
+    """Whether ``x`` is a torch.func (vmap/grad) wrapper, whose values cannot be read outside the transform."""
+    is_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+    return True if is_wrapped is None else bool(is_wrapped(x))
+
+
+def _flatten(tree: Any, slots: list, path: tuple = ()) -> Any:
+    """The structure of ``tree`` (dicts, lists, tuples) as a hashable spec; its leaves appended to ``slots``."""
+    if isinstance(tree, dict):
+        return ("dict", tuple((key, _flatten(value, slots, (*path, key))) for key, value in tree.items()))
+    if type(tree) in (tuple, list):
+        return (type(tree).__name__, tuple(_flatten(value, slots, (*path, i)) for i, value in enumerate(tree)))
+    slots.append((path, tree))
+    return None
+
+
+def _unflatten(spec: Any, leaves: Iterator) -> Any:
+    if spec is None:
+        return next(leaves)
+    kind, children = spec
+    if kind == "dict":
+        return {key: _unflatten(child, leaves) for key, child in children}
+    values = [_unflatten(child, leaves) for child in children]
+    return tuple(values) if kind == "tuple" else values
+
+
+class _Call:
+    """One call's arguments split into tensors (the graph's inputs) and everything else (part of the signature).
+
+    ``key`` is the signature, ``None`` where an argument cannot be hashed (such a call is never recorded).
+    """
+
+    def __init__(self, latents: Latents, batch: Batch):
+        self.slots: list = []
+        self.spec = _flatten((latents, batch.indices, batch.args, batch.kwargs), self.slots)
+        self.paths = [path for path, leaf in self.slots if isinstance(leaf, Tensor)]
+        self.tensors = [leaf for _, leaf in self.slots if isinstance(leaf, Tensor)]
+        described = tuple((tuple(t.shape), t.dtype, t.device) for t in self.tensors)
+        others = tuple((path, leaf) for path, leaf in self.slots if not isinstance(leaf, Tensor))
+        self.key: Any = (self.spec, described, others)
+        try:
+            hash(self.key)
+        except TypeError:
+            self.key = None
+
+    def rebuild(self, tensors) -> tuple[Latents, Batch]:
+        """The call's ``(latents, batch)`` with ``tensors`` in place of its tensors."""
+        values = iter(tensors)
+        leaves = (next(values) if isinstance(leaf, Tensor) else leaf for _, leaf in self.slots)
+        latents, indices, args, kwargs = _unflatten(self.spec, leaves)
+        return latents, Batch(indices, args, kwargs)
+
+
+class TracedLogDensity:
+    """``evaluate(latents, batch)`` replayed from a recorded graph for every signature that passed the checks.
+
+    ``reference`` is a point in the latents' space (the bridge's first prior draw) used for recording where the
+    call's latents are inside a transform; ``sizes`` maps each plate to the number of data points its indices
+    address, for the check point's indices.
+    """
+
+    def __init__(self, evaluate: Callable[[Latents, Batch], Tensor], reference: Latents, sizes: dict[str, int]):
+        self.evaluate = evaluate
+        self.reference = reference
+        self.sizes = sizes
+        self.graphs: dict[Any, Callable] = {}
+        self.refused: dict[Any, str] = {}  # signature -> why it stays on the Pyro path
+        self._calls: dict[Any, int] = {}
+
+    def __call__(self, latents: Latents, batch: Batch) -> Tensor:
+        if not _enabled:
+            return self.evaluate(latents, batch)
+        call = _Call(latents, batch)
+        graph = self.graphs.get(call.key)
+        if graph is not None:
+            return graph(*call.tensors)
+        if call.key is None or call.key in self.refused or len(self.graphs) + len(self.refused) >= MAX_SIGNATURES:
+            return self.evaluate(latents, batch)
+        if len(self._calls) > 64 * MAX_SIGNATURES:  # arguments that change on every call: forget the counts
+            self._calls.clear()
+        count = self._calls[call.key] = self._calls.get(call.key, 0) + 1
+        if count < TRACE_AFTER:
+            return self.evaluate(latents, batch)
+        del self._calls[call.key]
+        graph, reason = _in_thread(lambda: self._record(call))
+        if graph is None:
+            self.refused[call.key] = reason
+            return self.evaluate(latents, batch)
+        self.graphs[call.key] = graph
+        return graph(*call.tensors)
+
+    # ------------------------------------------------------------------ recording (in a thread of its own)
+    def _standins(self, call: _Call, generator: torch.Generator | None) -> list[Tensor]:
+        """Plain tensors for the call: its own where they are plain, else the reference point and index 0.
+
+        With a ``generator``, a second point: the latents moved by a standard normal draw, the indices redrawn.
+        """
+        out = []
+        for path, x in zip(call.paths, call.tensors, strict=True):
+            kind, name = path[0], path[1] if len(path) > 1 else None
+            if kind == 0 and name in self.reference and self.reference[name].shape == x.shape:
+                value = self.reference[name].to(dtype=x.dtype, device=x.device)
+                if generator is not None:
+                    value = value + torch.randn(x.shape, generator=generator, dtype=x.dtype).to(x.device)
+            elif kind == 1 and name in self.sizes and not x.is_floating_point():
+                if generator is None and not _wrapped(x):
+                    value = x
+                elif generator is None:
+                    value = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
+                else:
+                    draw = torch.randint(0, self.sizes[name], x.shape, generator=generator)
+                    value = draw.to(dtype=x.dtype, device=x.device)
+            elif _wrapped(x):
+                value = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
+            else:
+                value = x.detach()
+            out.append(value)
+        return out
+
+    def _record(self, call: _Call) -> tuple[Callable | None, str]:
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        def flat(*tensors):
+            return self.evaluate(*call.rebuild(tensors))
+
+        try:
+            graph = make_fx(flat)(*self._standins(call, None))
+        except Exception as error:  # noqa: BLE001 -- any failure to record leaves the signature on the Pyro path
+            return None, f"recording failed ({type(error).__name__}: {_first_line(error)})"
+        shaped = sorted(_value_shaped(graph))
+        if shaped:
+            return None, f"operations whose shapes depend on values: {', '.join(shaped)}"
+        _simplify(graph)
+        generator = torch.Generator().manual_seed(0)
+        check = self._standins(call, generator)
+        try:
+            mismatch = _disagreement(flat, graph.forward, check, call)
+        except Exception as error:  # noqa: BLE001 -- the model itself fails at the check point: stay on Pyro
+            return None, f"the check point failed ({type(error).__name__}: {_first_line(error)})"
+        if mismatch:
+            return None, mismatch
+        return graph.forward, ""
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else ""
+
+
+def _in_thread(work: Callable[[], tuple]) -> tuple:
+    """``work()`` in a fresh thread (no torch.func transform active there), the global random state left as it was."""
+    result: list = []
+
+    def run():
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_initialized() else []):
+            result.append(work())
+
+    thread = threading.Thread(target=run, name="pyro_scalable-trace")
+    thread.start()
+    thread.join()
+    return result[0] if result else (None, "recording failed (the thread raised)")
+
+
+def _value_shaped(graph) -> set[str]:
+    names = set()
+    for node in graph.graph.nodes:
+        if node.op != "call_function":
+            continue
+        name = getattr(getattr(node.target, "_schema", None), "name", "").split("::")[-1]
+        if name in _VALUE_SHAPED:
+            names.add(name)
+        if name == "index":  # a boolean mask as an index
+            for index in node.args[1]:
+                value = getattr(index, "meta", {}).get("val")
+                if value is not None and value.dtype == torch.bool:
+                    names.add("index with a boolean mask")
+    return names
+
+
+def _is_zero(node) -> bool:
+    """Whether an FX node is all zeros by construction (a zeros factory, or a view or copy of one)."""
+    name = getattr(getattr(node, "target", None), "_schema", None)
+    name = name.name.split("::")[-1] if name is not None else ""
+    if name in ("zeros", "new_zeros", "zeros_like"):
+        return True
+    if name in ("expand", "lift_fresh_copy", "clone", "view", "select", "unsqueeze", "_to_copy"):
+        return _is_zero(node.args[0])
+    if node.op == "get_attr":
+        value = getattr(node.graph.owning_module, node.target, None)
+        return isinstance(value, Tensor) and value.numel() <= 64 and not bool(value.any())
+    return False
+
+
+def _is_number(x: Any, number: int) -> bool:
+    return type(x) in (int, float) and x == number
+
+
+def _simplify(graph) -> None:
+    """Drop ``x * 1``, ``x + 0`` and ``x - zeros`` where the result is ``x`` itself, and constants' per-call copies."""
+    mutates = any(getattr(getattr(n.target, "_schema", None), "is_mutable", False) for n in graph.graph.nodes)
+    for node in list(graph.graph.nodes):
+        if node.op != "call_function" or not node.args:
+            continue
+        first, value = node.args[0], node.meta.get("val")
+        same = (
+            isinstance(first, torch.fx.Node)
+            and isinstance(value, Tensor)
+            and isinstance(first.meta.get("val"), Tensor)
+            and first.meta["val"].shape == value.shape
+            and first.meta["val"].dtype == value.dtype
+        )
+        other = node.args[1] if len(node.args) > 1 else None
+        keep_first = same and (
+            (node.target in (_aten.mul.Tensor, _aten.mul.Scalar) and _is_number(other, 1))
+            or (
+                node.target in (_aten.add.Tensor, _aten.sub.Tensor, _aten.add.Scalar, _aten.sub.Scalar)
+                and len(node.args) == 2
+                and not node.kwargs
+                and (_is_number(other, 0) or (isinstance(other, torch.fx.Node) and _is_zero(other)))
+            )
+        )
+        if keep_first:
+            node.replace_all_uses_with(first)
+        elif node.target is _aten.lift_fresh_copy.default and not mutates:
+            node.replace_all_uses_with(first)
+    graph.graph.eliminate_dead_code()
+    graph.recompile()
+
+
+def _disagreement(flat: Callable, graph: Callable, point: list[Tensor], call: _Call) -> str:
+    """Why the graph and the model differ at ``point`` (value or gradients beyond :data:`RTOL`), or ``""``."""
+    latent = [i for i, path in enumerate(call.paths) if path[0] == 0 and point[i].is_floating_point()]
+    results = []
+    for fn in (flat, graph):
+        inputs = [x.detach().requires_grad_() if i in latent else x for i, x in enumerate(point)]
+        with torch.enable_grad():
+            value = fn(*inputs)
+            wrt = [inputs[i] for i in latent]
+            grads = torch.autograd.grad(value, wrt, allow_unused=True, materialize_grads=True) if wrt else []
+        results.append([value.detach(), *grads])
+    for label, a, b in zip(["value", *[str(call.paths[i][1]) for i in latent]], *results, strict=True):
+        scale = a.abs().max() if a.numel() else a.new_zeros(())
+        atol = float(RTOL * scale) if torch.isfinite(scale) else 0.0
+        close = torch.isclose(a, b, rtol=RTOL, atol=atol, equal_nan=True)
+        if not bool(close.all()):
+            what = "the value" if label == "value" else f"the gradient of '{label}'"
+            return f"{what} differs between the graph and the model at the check point (random draws in the model?)"
+    return ""

@@ -1,0 +1,239 @@
+"""The recorded log density (bridge/traced.py) equals the model run through Pyro, and refuses what it cannot replay."""
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro.nn import PyroModule, PyroSample
+from torch import nn
+from torch.func import grad_and_value, vmap
+
+from pyro_scalable.infer import SGHMC, StochasticMCMC
+from pyro_scalable.bridge.model import ModelBridge
+from pyro_scalable.bridge.records import Batch
+from pyro_scalable.bridge.traced import TRACE_AFTER, model_tracing
+
+
+def logistic(x, y):
+    w = pyro.sample("w", dist.Normal(x.new_zeros(x.shape[1]), 1.0).to_event(1))
+    with pyro.plate("data", x.shape[0], subsample_size=16) as idx:
+        pyro.sample("obs", dist.Bernoulli(logits=x[idx] @ w), obs=y[idx])
+
+
+def hierarchy(group, y):
+    """Partial pooling with constrained scales (log and softplus-free transforms) and a plate over groups."""
+    mu = pyro.sample("mu", dist.Normal(0.0, 5.0))
+    tau = pyro.sample("tau", dist.HalfNormal(2.0))
+    sigma = pyro.sample("sigma", dist.LogNormal(0.0, 1.0))
+    with pyro.plate("groups", 6):
+        effect = pyro.sample("effect", dist.Normal(mu, tau))
+    with pyro.plate("data", y.shape[0], subsample_size=12) as idx:
+        pyro.sample("obs", dist.Normal(effect[group[idx]], sigma), obs=y[idx])
+
+
+class Net(PyroModule):
+    def __init__(self):
+        super().__init__()
+        self.hidden = PyroModule[nn.Linear](3, 8)
+        self.hidden.weight = PyroSample(dist.Normal(0.0, 1.0).expand([8, 3]).to_event(2))
+        self.hidden.bias = PyroSample(dist.Normal(0.0, 1.0).expand([8]).to_event(1))
+        self.out = PyroModule[nn.Linear](8, 1)
+        self.out.weight = PyroSample(dist.Normal(0.0, 1.0).expand([1, 8]).to_event(2))
+        self.out.bias = PyroSample(dist.Normal(0.0, 1.0).expand([1]).to_event(1))
+
+    def forward(self, x, y):
+        plate = pyro.plate("data", x.shape[0], subsample_size=10)
+        f = self.out(torch.tanh(self.hidden(x[plate.indices]))).squeeze(-1)
+        with plate as idx:
+            pyro.sample("obs", dist.Normal(f, 0.5), obs=y[idx])
+
+
+def data(kind: str, n: int = 60):
+    gen = torch.Generator().manual_seed(1)
+    if kind == "hierarchy":
+        group = torch.arange(n) % 6
+        return hierarchy, (group, torch.randn(n, generator=gen) + group.float()), {"group"}
+    x = torch.randn(n, 3, generator=gen)  # float32, as users' data are
+    if kind == "logistic":
+        return logistic, (x, torch.bernoulli(torch.sigmoid(x.sum(-1)), generator=gen)), set()
+    return Net(), (x, torch.randn(n, generator=gen)), set()
+
+
+def point(bridge: ModelBridge, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    return {k: v[0] + 0.3 * torch.randn(v[0].shape, generator=gen) for k, v in bridge.init_latents(1, seed=0).items()}
+
+
+def value_and_grads(bridge, latents, batch):
+    leaves = {k: v.detach().requires_grad_() for k, v in latents.items()}
+    value = bridge.log_posterior(leaves, batch)
+    return [value.detach(), *torch.autograd.grad(value, list(leaves.values()))]
+
+
+def recorded(bridge: ModelBridge, latents, batch) -> None:
+    for _ in range(TRACE_AFTER):
+        bridge.log_posterior(latents, batch)
+    assert len(bridge.traced.graphs) == 1, bridge.traced.refused
+
+
+@pytest.mark.parametrize("kind", ["logistic", "hierarchy", "pyro_module"])
+def test_replay_equals_the_model_value_and_gradients(kind):
+    model, args, _ = data(kind)
+    bridge = ModelBridge(model, args)
+    plate = next(iter(bridge.plates.values()))
+    batch = Batch({plate.name: torch.arange(plate.subsample_size)}, bridge.args, {})
+    recorded(bridge, point(bridge, 0), batch)
+    for seed in (1, 2, 3):  # other latents and other minibatches than the recording's
+        latents = point(bridge, seed)
+        batch = Batch({plate.name: torch.randperm(plate.size)[: plate.subsample_size]}, bridge.args, {})
+        replayed = value_and_grads(bridge, latents, batch)
+        with model_tracing(False):
+            expected = value_and_grads(bridge, latents, batch)
+        for a, b in zip(replayed, expected, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    assert len(bridge.traced.graphs) == 1
+
+
+@pytest.mark.parametrize("kind", ["logistic", "hierarchy"])
+def test_replay_under_vmap_over_chains_and_examples(kind):
+    """Recorded inside torch.func transforms (per chain; per example for the noise estimate), equal to the model."""
+    model, args, _ = data(kind)
+    bridge = ModelBridge(model, args)
+    plate = next(iter(bridge.plates.values()))
+    chains = {k: torch.stack([point(bridge, s)[k] for s in range(3)]) for k in bridge.sites}
+    indices = torch.stack([torch.randperm(plate.size)[: plate.subsample_size] for _ in range(3)])
+
+    def per_chain(latents, idx):
+        return grad_and_value(bridge.log_posterior)(latents, Batch({plate.name: idx}, bridge.args, {}))
+
+    def per_example(latents, idx):
+        split = idx.reshape(-1, 1)
+        examples = vmap(grad_and_value(bridge.log_posterior), in_dims=(None, Batch({plate.name: 0}, None, None)))
+        return examples(latents, Batch({plate.name: split}, bridge.args, {}))
+
+    for fn in (per_chain, per_example):
+        for _ in range(TRACE_AFTER + 1):
+            replayed = vmap(fn)(chains, indices)
+        with model_tracing(False):
+            expected = vmap(fn)(chains, indices)
+        torch.testing.assert_close(replayed, expected, rtol=1e-6, atol=1e-6)
+    assert len(bridge.traced.graphs) == 2, bridge.traced.refused  # one per signature: (B,) and (1,) indices
+
+
+def test_replay_does_not_run_the_model_and_holds_data_by_reference():
+    runs = []
+    x = torch.randn(40, 3)
+    y = (x.sum(-1) > 0).float()
+
+    def model():  # data from the closure, as many users write it
+        runs.append(1)
+        logistic(x, y)
+
+    bridge = ModelBridge(model)
+    latents, batch = point(bridge, 0), Batch({"data": torch.arange(16)}, (), {})
+    recorded(bridge, latents, batch)
+    before = len(runs)
+    for _ in range(5):
+        bridge.log_posterior(latents, batch)
+    assert len(runs) == before
+    graph = next(iter(bridge.traced.graphs.values())).__self__
+    pointers = {getattr(graph, n).data_ptr() for n in dir(graph) if n.startswith("_tensor_constant")}
+    assert x.data_ptr() in pointers and y.data_ptr() in pointers  # no copy of the data
+    x.mul_(2.0)  # an in-place change of the data is seen by the replay
+    with model_tracing(False):
+        expected = bridge.log_posterior(latents, batch)
+    torch.testing.assert_close(bridge.log_posterior(latents, batch), expected)
+
+
+def branching(x, y):
+    w = pyro.sample("w", dist.Normal(torch.zeros(3), 1.0).to_event(1))
+    scale = 2.0 if w.sum() > 0 else 0.5  # a branch on a latent's value
+    with pyro.plate("data", 40, subsample_size=16) as idx:
+        pyro.sample("obs", dist.Normal(x[idx] @ w, scale), obs=y[idx])
+
+
+def noisy(x, y):
+    w = pyro.sample("w", dist.Normal(torch.zeros(3), 1.0).to_event(1))
+    jitter = 0.01 * torch.randn(())  # a random draw inside the log density
+    with pyro.plate("data", 40, subsample_size=16) as idx:
+        pyro.sample("obs", dist.Normal(x[idx] @ w + jitter, 1.0), obs=y[idx])
+
+
+def masked(x, y):
+    w = pyro.sample("w", dist.Normal(torch.zeros(3), 1.0).to_event(1))
+    with pyro.plate("data", 40, subsample_size=16) as idx:
+        keep = y[idx] > 0  # a boolean mask: the number of points kept depends on the minibatch
+        pyro.factor("obs", dist.Normal(x[idx][keep] @ w, 1.0).log_prob(y[idx][keep]).sum())
+        pyro.sample("y", dist.Normal(0.0, 1.0), obs=y[idx])
+
+
+@pytest.mark.parametrize(
+    ("model", "reason"),
+    [
+        (branching, "recording failed"),
+        (noisy, "differs between the graph and the model"),
+        (masked, "shapes depend on values"),
+    ],
+)
+def test_what_cannot_be_replayed_stays_on_the_pyro_path(model, reason):
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(40, 3, generator=gen), torch.randn(40, generator=gen)
+    bridge = ModelBridge(model, (x, y))
+    batch = Batch({"data": torch.arange(16)}, bridge.args, {})
+    for _ in range(TRACE_AFTER + 2):
+        bridge.log_posterior(point(bridge, 0), batch)
+    assert not bridge.traced.graphs
+    (why,) = bridge.traced.refused.values()
+    assert reason in why
+    if model is branching:  # both branches still right: the model runs on every call
+        for sign in (1.0, -1.0):
+            w = {"w": sign * torch.ones(3)}
+            expected = dist.Normal(x[:16] @ w["w"], 2.0 if sign > 0 else 0.5).log_prob(y[:16]).sum() * 40 / 16
+            expected = expected + dist.Normal(0.0, 1.0).log_prob(w["w"]).sum()
+            torch.testing.assert_close(bridge.log_posterior(w, batch), expected)
+
+
+def test_recording_leaves_the_random_state_and_can_be_turned_off():
+    model, args, _ = data("hierarchy")
+    bridge = ModelBridge(model, args)
+    latents, batch = point(bridge, 0), Batch({"data": torch.arange(12)}, args, {})
+    with model_tracing(False):
+        for _ in range(TRACE_AFTER + 2):
+            bridge.log_posterior(latents, batch)
+    assert not bridge.traced.graphs and not bridge.traced.refused
+    state = torch.get_rng_state()
+    recorded(bridge, latents, batch)
+    assert torch.equal(state, torch.get_rng_state())
+
+
+@pytest.mark.parametrize("method", ["vectorized", "sequential"])
+def test_a_run_draws_the_same_with_and_without_recording(method):
+    """SGHMC with the gradient-noise estimate (vmap over examples) on the hierarchy: the same draws either way."""
+    model, args, _ = data("hierarchy", n=120)
+    runs = []
+
+    def counted(*args):
+        runs.append(1)
+        return model(*args)
+
+    def run():
+        runs.clear()
+        mcmc = StochasticMCMC(
+            SGHMC(counted, step_size=1e-3, friction=10.0),
+            num_samples=40,
+            num_warmup=40,
+            num_chains=2,
+            chain_method=method,
+            seed=3,
+            progress_bar=False,
+        )
+        mcmc.run(*args)
+        return mcmc
+
+    traced = run()
+    traced_runs = len(runs)
+    with model_tracing(False):
+        plain = run()
+    assert traced_runs < len(runs) / 2  # the replay stood in for most of the model's runs
+    for name, draws in plain.get_samples().items():
+        torch.testing.assert_close(traced.get_samples()[name], draws, rtol=1e-5, atol=1e-5)
