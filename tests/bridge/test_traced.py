@@ -8,10 +8,10 @@ from pyro.nn import PyroModule, PyroSample
 from torch import nn
 from torch.func import grad_and_value, vmap
 
-from pyro_scalable.infer import SGHMC, StochasticMCMC
 from pyro_scalable.bridge.model import ModelBridge
 from pyro_scalable.bridge.records import Batch
 from pyro_scalable.bridge.traced import TRACE_AFTER, model_tracing
+from pyro_scalable.infer import SGHMC, StochasticMCMC
 
 
 def logistic(x, y):
