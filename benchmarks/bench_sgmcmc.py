@@ -54,6 +54,7 @@ from harness import (  # benchmarks/ is on sys.path when a script runs
 from pyro.nn import PyroModule, PyroSample
 from torch import Tensor, nn
 
+from pyro_scalable import model_tracing
 from pyro_scalable.infer import SGHMC, StochasticMCMC
 from pyro_scalable.infer.health import HealthWarning
 
@@ -274,6 +275,12 @@ def run_ours(problem: Problem, num_steps: int, seed: int, loader: bool = False, 
     return elapsed(start), float(mcmc.sample_stats["lp"].float().mean())
 
 
+def run_untraced(problem: Problem, num_steps: int, seed: int) -> tuple[float, float]:
+    """Our SGHMC with the model run through Pyro on every step (the bridge's recorded log density off)."""
+    with model_tracing(False):
+        return run_ours(problem, num_steps, seed)
+
+
 def run_hand_written(problem: Problem, num_steps: int, seed: int) -> tuple[float, float]:
     """The loop a torch user writes: autograd, in-place updates, nothing else."""
     start = time.perf_counter()
@@ -374,6 +381,7 @@ def part_cost_per_step(problems: dict[str, Problem], cfg: dict, report: list[str
             short,
             long,
         )
+        runners["ours, model through Pyro"] = (lambda k, s, p=problem: run_untraced(p, k, s), short, long)
         if key == "b":
             module = PyroModuleMLP(problem.batch_size)
             runners["ours, PyroModule"] = (lambda k, s, p=problem, m=module: run_ours(p, k, s, model=m), short, long)
@@ -393,6 +401,14 @@ def part_cost_per_step(problems: dict[str, Problem], cfg: dict, report: list[str
             f"| {corrected.median * 1e3:.3f} | {hand.median * 1e3:.3f} | {post.median * 1e3:.3f} "
             f"| **{median_ratio(corrected, hand):.2f}×** | **{median_ratio(corrected, post):.2f}×** "
             f"| {corrected.median_setup:.2f} | (same) |"
+        )
+        untraced = res["ours, model through Pyro"]
+        summary[f"traced_{key}"] = median_ratio(ours, untraced)
+        report.append(
+            f"| ({key}‴) the same, the model run through Pyro on every step (`model_tracing(False)`) "
+            f"| {untraced.median * 1e3:.3f} | {hand.median * 1e3:.3f} | {post.median * 1e3:.3f} "
+            f"| **{median_ratio(untraced, hand):.2f}×** | **{median_ratio(untraced, post):.2f}×** "
+            f"| {untraced.median_setup:.2f} | (same) |"
         )
         if "ours, PyroModule" in res:
             pm = res["ours, PyroModule"]

@@ -1,11 +1,11 @@
 """pyro_scalable: scalable Bayesian inference for Pyro models (SG-MCMC, linearised Laplace, sample-then-optimise)."""
 
 from pyro_scalable import infer
-from pyro_scalable.bridge import FullDataModel, ModelError
+from pyro_scalable.bridge import FullDataModel, ModelError, model_tracing
 
 __version__ = "0.1.0"
 
-__all__ = ["FullDataModel", "ModelError", "__version__", "infer", "to_inference_data"]
+__all__ = ["FullDataModel", "ModelError", "__version__", "infer", "model_tracing", "to_inference_data"]
 
 
 def __getattr__(name: str):

@@ -26,9 +26,8 @@ What no check can see is Python state the model reads that changes *later* (a gl
 an object passed as an argument whose tensors are swapped). :func:`model_tracing` turns the recording off for such
 a model; every refusal is kept with its reason in :attr:`TracedLogDensity.refused`.
 
-Before replaying, the graph drops operations that do nothing (``x * 1``, ``x + 0``, ``x - zeros`` from the bridge's
-running sum and from priors centred at zero) and, in a graph that mutates nothing, the per-call copies of
-constants the model created (``torch.tensor(0.)``).
+Before replaying, the graph is rewritten without changing its values (:mod:`.graph_passes`): operations that do
+nothing, repeated operations and values the model builds from nothing but literals are dropped.
 """
 
 from __future__ import annotations
@@ -41,6 +40,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from pyro_scalable.bridge.graph_passes import simplify, value_shaped
 from pyro_scalable.bridge.records import Batch, Latents
 
 __all__ = ["RTOL", "TRACE_AFTER", "TracedLogDensity", "model_tracing"]
@@ -50,10 +50,6 @@ MAX_SIGNATURES = 16  # recorded (or refused) signatures per bridge; calls of fur
 RTOL = 1e-4  # the graph's value and gradients against the model's at the check point, relative
 
 _enabled = True
-_aten = torch.ops.aten
-# operations whose output shape depends on their input's values
-_VALUE_SHAPED = {"nonzero", "unique", "_unique", "_unique2", "unique_dim", "unique_consecutive", "masked_select"}
-_VALUE_SHAPED |= {"repeat_interleave", "bincount", "nonzero_static", "argwhere", "_local_scalar_dense"}
 
 
 @contextlib.contextmanager
@@ -202,10 +198,10 @@ class TracedLogDensity:
             graph = make_fx(flat)(*self._standins(call, None))
         except Exception as error:  # noqa: BLE001 -- any failure to record leaves the signature on the Pyro path
             return None, f"recording failed ({type(error).__name__}: {_first_line(error)})"
-        shaped = sorted(_value_shaped(graph))
+        shaped = sorted(value_shaped(graph))
         if shaped:
             return None, f"operations whose shapes depend on values: {', '.join(shaped)}"
-        _simplify(graph)
+        simplify(graph, self._standins(call, None))
         generator = torch.Generator().manual_seed(0)
         check = self._standins(call, generator)
         try:
@@ -234,72 +230,6 @@ def _in_thread(work: Callable[[], tuple]) -> tuple:
     thread.start()
     thread.join()
     return result[0] if result else (None, "recording failed (the thread raised)")
-
-
-def _value_shaped(graph) -> set[str]:
-    names = set()
-    for node in graph.graph.nodes:
-        if node.op != "call_function":
-            continue
-        name = getattr(getattr(node.target, "_schema", None), "name", "").split("::")[-1]
-        if name in _VALUE_SHAPED:
-            names.add(name)
-        if name == "index":  # a boolean mask as an index
-            for index in node.args[1]:
-                value = getattr(index, "meta", {}).get("val")
-                if value is not None and value.dtype == torch.bool:
-                    names.add("index with a boolean mask")
-    return names
-
-
-def _is_zero(node) -> bool:
-    """Whether an FX node is all zeros by construction (a zeros factory, or a view or copy of one)."""
-    name = getattr(getattr(node, "target", None), "_schema", None)
-    name = name.name.split("::")[-1] if name is not None else ""
-    if name in ("zeros", "new_zeros", "zeros_like"):
-        return True
-    if name in ("expand", "lift_fresh_copy", "clone", "view", "select", "unsqueeze", "_to_copy"):
-        return _is_zero(node.args[0])
-    if node.op == "get_attr":
-        value = getattr(node.graph.owning_module, node.target, None)
-        return isinstance(value, Tensor) and value.numel() <= 64 and not bool(value.any())
-    return False
-
-
-def _is_number(x: Any, number: int) -> bool:
-    return type(x) in (int, float) and x == number
-
-
-def _simplify(graph) -> None:
-    """Drop ``x * 1``, ``x + 0`` and ``x - zeros`` where the result is ``x`` itself, and constants' per-call copies."""
-    mutates = any(getattr(getattr(n.target, "_schema", None), "is_mutable", False) for n in graph.graph.nodes)
-    for node in list(graph.graph.nodes):
-        if node.op != "call_function" or not node.args:
-            continue
-        first, value = node.args[0], node.meta.get("val")
-        same = (
-            isinstance(first, torch.fx.Node)
-            and isinstance(value, Tensor)
-            and isinstance(first.meta.get("val"), Tensor)
-            and first.meta["val"].shape == value.shape
-            and first.meta["val"].dtype == value.dtype
-        )
-        other = node.args[1] if len(node.args) > 1 else None
-        keep_first = same and (
-            (node.target in (_aten.mul.Tensor, _aten.mul.Scalar) and _is_number(other, 1))
-            or (
-                node.target in (_aten.add.Tensor, _aten.sub.Tensor, _aten.add.Scalar, _aten.sub.Scalar)
-                and len(node.args) == 2
-                and not node.kwargs
-                and (_is_number(other, 0) or (isinstance(other, torch.fx.Node) and _is_zero(other)))
-            )
-        )
-        if keep_first:
-            node.replace_all_uses_with(first)
-        elif node.target is _aten.lift_fresh_copy.default and not mutates:
-            node.replace_all_uses_with(first)
-    graph.graph.eliminate_dead_code()
-    graph.recompile()
 
 
 def _disagreement(flat: Callable, graph: Callable, point: list[Tensor], call: _Call) -> str:

@@ -237,3 +237,37 @@ def test_a_run_draws_the_same_with_and_without_recording(method):
     assert traced_runs < len(runs) / 2  # the replay stood in for most of the model's runs
     for name, draws in plain.get_samples().items():
         torch.testing.assert_close(traced.get_samples()[name], draws, rtol=1e-5, atol=1e-5)
+
+
+class Scaled(PyroModule):
+    """A prior scale held in a buffer the user anneals in place between runs: never folded into a constant."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("prior_scale", torch.tensor(1.0))
+
+    def forward(self, x, y):
+        w = pyro.sample("w", dist.Normal(torch.zeros(3), self.prior_scale).to_event(1))
+        tau = pyro.sample("tau", dist.HalfNormal(1.0))  # literals: folded (ones, their log, zeros of log|det J|)
+        with pyro.plate("data", 40, subsample_size=16) as idx:
+            pyro.sample("obs", dist.Normal(x[idx] @ w, tau), obs=y[idx])
+
+
+def test_the_rewritten_graph_keeps_the_values_and_sees_state_read_from_outside():
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(40, 3, generator=gen), torch.randn(40, generator=gen)
+    model = Scaled()
+    bridge = ModelBridge(model, (x, y))
+    latents, batch = point(bridge, 0), Batch({"data": torch.arange(16)}, bridge.args, {})
+    recorded(bridge, latents, batch)
+    graph = next(iter(bridge.traced.graphs.values())).__self__
+    assert any(name.startswith("_folded_") for name, _ in graph.named_buffers())  # folding happened
+    names = [str(node.target) for node in graph.graph.nodes]
+    assert names.count("aten.exp.default") == 1  # tau's exp(u), once (value and log|det J| shared it)
+    for scale in (1.0, 0.25):
+        model.prior_scale.fill_(scale)
+        replayed = value_and_grads(bridge, latents, batch)
+        with model_tracing(False):
+            expected = value_and_grads(bridge, latents, batch)
+        for a, b in zip(replayed, expected, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
