@@ -153,7 +153,7 @@ class ModelBridge:
         self._check_plate_sizes(trace)
         check_observed_values(self)
         sizes = {plate.name: plate.size for plate in self.plates.values()}
-        self.traced = TracedLogDensity(self._run_log_posterior, self._reference, sizes)  # bridge/traced.py
+        self.traced = TracedLogDensity(self._run_log_posterior, sizes)  # bridge/traced.py
 
     # ------------------------------------------------------------------ discovery and checks
     def _trace(self, model: Callable, *, validate: bool, indices: Mapping[str, Tensor] | None = None):
@@ -216,7 +216,7 @@ class ModelBridge:
                 stacklevel=4,
             )
         sites = {}
-        self._supports, self._reference = {}, {}
+        self._supports = {}
         for name, node in trace.nodes.items():
             if node["type"] != "sample" or node["is_observed"] or site_is_subsample(node):
                 continue
@@ -247,7 +247,7 @@ class ModelBridge:
                     "(torch.distributions.biject_to). Reparametrise it, e.g. a lower-Cholesky factor as "
                     "diag(positive scales) @ LKJCholesky, a covariance matrix from that factor."
                 ) from None
-            unconstrained = self._reference[name] = transform.inv(value).detach()
+            unconstrained = transform.inv(value)
             batch_dims = value.dim() - fn.event_dim
             plates = {batch_dims + f.dim: f.name for f in node["cond_indep_stack"] if batch_dims + f.dim >= 0}
             plates = tuple(plates.get(d) for d in range(value.dim()))

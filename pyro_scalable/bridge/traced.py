@@ -125,14 +125,11 @@ class _Call:
 class TracedLogDensity:
     """``evaluate(latents, batch)`` replayed from a recorded graph for every signature that passed the checks.
 
-    ``reference`` is a point in the latents' space (the bridge's first prior draw) used for recording where the
-    call's latents are inside a transform; ``sizes`` maps each plate to the number of data points its indices
-    address, for the check point's indices.
+    ``sizes`` maps each plate to the number of data points its indices address, for the check point's indices.
     """
 
-    def __init__(self, evaluate: Callable[[Latents, Batch], Tensor], reference: Latents, sizes: dict[str, int]):
+    def __init__(self, evaluate: Callable[[Latents, Batch], Tensor], sizes: dict[str, int]):
         self.evaluate = evaluate
-        self.reference = reference
         self.sizes = sizes
         self.graphs: dict[Any, Callable] = {}
         self.refused: dict[Any, str] = {}  # signature -> why it stays on the Pyro path
@@ -162,15 +159,16 @@ class TracedLogDensity:
 
     # ------------------------------------------------------------------ recording (in a thread of its own)
     def _standins(self, call: _Call, generator: torch.Generator | None) -> list[Tensor]:
-        """Plain tensors for the call: its own where they are plain, else the reference point and index 0.
+        """Plain tensors for the call: its own where they are plain, else zeros (index 0, or latents at 0).
 
-        With a ``generator``, a second point: the latents moved by a standard normal draw, the indices redrawn.
+        Zero is a valid unconstrained point of every ``biject_to``: it maps inside the site's support. With a
+        ``generator``, a second point: the latents moved by a standard normal draw, the indices redrawn.
         """
         out = []
         for path, x in zip(call.paths, call.tensors, strict=True):
             kind, name = path[0], path[1] if len(path) > 1 else None
-            if kind == 0 and name in self.reference and self.reference[name].shape == x.shape:
-                value = self.reference[name].to(dtype=x.dtype, device=x.device)
+            if kind == 0 and x.is_floating_point():
+                value = torch.zeros(x.shape, dtype=x.dtype, device=x.device) if _wrapped(x) else x.detach()
                 if generator is not None:
                     value = value + torch.randn(x.shape, generator=generator, dtype=x.dtype).to(x.device)
             elif kind == 1 and name in self.sizes and not x.is_floating_point():
@@ -221,8 +219,11 @@ def _first_line(error: Exception) -> str:
 def _in_thread(work: Callable[[], tuple]) -> tuple:
     """``work()`` in a fresh thread (no torch.func transform active there), the global random state left as it was."""
     result: list = []
+    device = torch.get_default_device() if hasattr(torch, "get_default_device") else None  # thread-local
 
     def run():
+        if device is not None:
+            torch.set_default_device(device)
         with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_initialized() else []):
             result.append(work())
 
