@@ -207,8 +207,11 @@ def _checked_latents(state: Any) -> Latents:
 
 def _stack(records: list) -> Any:
     """Stack per-chain records (NamedTuples of tensors and dicts of tensors) on a new leading dimension."""
-    leaves = [tree_flatten(record)[0] for record in records]
-    return tree_unflatten([torch.stack(values) for values in zip(*leaves)], tree_flatten(records[0])[1])
+    first, spec = tree_flatten(records[0])
+    if len(records) == 1:  # one chain: a view with the leading dimension (a copy per field per step costs more)
+        return tree_unflatten([value.unsqueeze(0) for value in first], spec)
+    leaves = [first, *(tree_flatten(record)[0] for record in records[1:])]
+    return tree_unflatten([torch.stack(values) for values in zip(*leaves)], spec)
 
 
 def first_line(error: Exception) -> str:
