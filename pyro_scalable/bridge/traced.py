@@ -225,12 +225,15 @@ def _in_thread(work: Callable[[], tuple]) -> tuple:
         if device is not None:
             torch.set_default_device(device)
         with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_initialized() else []):
-            result.append(work())
+            try:
+                result.append(work())
+            except Exception as error:  # noqa: BLE001 -- the signature stays on the Pyro path, with the reason
+                result.append((None, f"recording failed ({type(error).__name__}: {_first_line(error)})"))
 
     thread = threading.Thread(target=run, name="pyro_scalable-trace")
     thread.start()
     thread.join()
-    return result[0] if result else (None, "recording failed (the thread raised)")
+    return result[0]
 
 
 def _disagreement(flat: Callable, graph: Callable, point: list[Tensor], call: _Call) -> str:
