@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -50,23 +51,28 @@ MAX_SIGNATURES = 16  # recorded (or refused) signatures per bridge; calls of fur
 RTOL = 1e-4  # the graph's value and gradients against the model's at the check point, relative
 
 _enabled = True
+_compile = False
 
 
 @contextlib.contextmanager
-def model_tracing(enabled: bool) -> Iterator[None]:
+def model_tracing(enabled: bool = True, *, compile: bool = False) -> Iterator[None]:  # noqa: A002 -- torch's word
     """Record the model's log density as a graph (the default) or run the model on every call (``False``).
 
-    Turn it off for a model whose log density reads Python state that changes between steps.
+    Turn it off for a model whose log density reads Python state that changes between steps. ``compile=True`` also
+    hands each recorded graph to ``torch.compile`` (an opt-in: seconds of compiling per signature, paid back over
+    thousands of steps; a graph that fails to compile, or whose compiled value or gradients differ from the graph's
+    at the check point, is replayed uncompiled).
 
     >>> with model_tracing(False):
     ...     pass  # engines built and run here evaluate the model through Pyro on every call
     """
-    global _enabled
-    before, _enabled = _enabled, bool(enabled)
+    global _enabled, _compile
+    before = _enabled, _compile
+    _enabled, _compile = bool(enabled), bool(compile)
     try:
         yield
     finally:
-        _enabled = before
+        _enabled, _compile = before
 
 
 def _wrapped(x: Tensor) -> bool:
@@ -133,6 +139,7 @@ class TracedLogDensity:
         self.sizes = sizes
         self.graphs: dict[Any, Callable] = {}
         self.refused: dict[Any, str] = {}  # signature -> why it stays on the Pyro path
+        self.uncompiled: dict[Any, str] = {}  # signature -> why its graph is replayed uncompiled (compile=True)
         self._calls: dict[Any, int] = {}
 
     def __call__(self, latents: Latents, batch: Batch) -> Tensor:
@@ -155,6 +162,8 @@ class TracedLogDensity:
             self.refused[call.key] = reason
             return self.evaluate(latents, batch)
         self.graphs[call.key] = graph
+        if reason:
+            self.uncompiled[call.key] = reason
         return graph(*call.tensors)
 
     # ------------------------------------------------------------------ recording (in a thread of its own)
@@ -208,7 +217,38 @@ class TracedLogDensity:
             return None, f"the check point failed ({type(error).__name__}: {_first_line(error)})"
         if mismatch:
             return None, mismatch
+        if _compile:
+            return _compiled(graph, check, call)
         return graph.forward, ""
+
+
+def _compiled(graph, check: list[Tensor], call: _Call) -> tuple[Callable, str]:
+    """``torch.compile`` of the checked ``graph``, compiled here at the check point; the graph itself if that fails."""
+    try:
+        with warnings.catch_warnings():  # torch's compiler imports scripted modules: a torch internal's notice
+            warnings.filterwarnings("ignore", r".*torch\.jit\.script.* is deprecated", DeprecationWarning)
+            compiled = torch.compile(graph, dynamic=False)
+            mismatch = _disagreement(graph.forward, compiled, check, call)
+    except Exception as error:  # noqa: BLE001 -- an inductor or dynamo failure: replay the graph uncompiled
+        return graph.forward, f"not compiled ({type(error).__name__}: {_first_line(error)})"
+    if mismatch:
+        return graph.forward, f"not compiled ({mismatch})"
+    return _Fallback(compiled, graph.forward), ""
+
+
+class _Fallback:
+    """The compiled graph, or the graph itself from the first call at which the compiled one raised."""
+
+    def __init__(self, compiled: Callable, graph: Callable):
+        self.compiled, self.graph = compiled, graph
+
+    def __call__(self, *tensors):
+        if self.compiled is not None:
+            try:
+                return self.compiled(*tensors)
+            except Exception:  # noqa: BLE001 -- e.g. a recompilation under a transform that inductor refuses
+                self.compiled = None
+        return self.graph(*tensors)
 
 
 def _first_line(error: Exception) -> str:

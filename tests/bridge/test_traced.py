@@ -271,3 +271,23 @@ def test_the_rewritten_graph_keeps_the_values_and_sees_state_read_from_outside()
             expected = value_and_grads(bridge, latents, batch)
         for a, b in zip(replayed, expected, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_compiled_replay_equals_the_model():
+    """model_tracing(compile=True): the checked graph goes through torch.compile, and still gives the model's values."""
+    model, args, _ = data("logistic")
+    bridge = ModelBridge(model, args)
+    batch = Batch({"data": torch.arange(16)}, bridge.args, {})
+    with model_tracing(compile=True):
+        recorded(bridge, point(bridge, 0), batch)
+        assert not bridge.traced.uncompiled, bridge.traced.uncompiled
+        chains = {k: torch.stack([point(bridge, s)[k] for s in range(2)]) for k in bridge.sites}
+        indices = torch.stack([torch.randperm(60)[:16] for _ in range(2)])
+
+        def per_chain(latents, idx):
+            return grad_and_value(bridge.log_posterior)(latents, Batch({"data": idx}, bridge.args, {}))
+
+        replayed = [value_and_grads(bridge, point(bridge, 1), batch), vmap(per_chain)(chains, indices)]
+    with model_tracing(False):
+        expected = [value_and_grads(bridge, point(bridge, 1), batch), vmap(per_chain)(chains, indices)]
+    torch.testing.assert_close(replayed, expected, rtol=1e-5, atol=1e-5)
