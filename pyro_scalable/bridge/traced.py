@@ -33,6 +33,7 @@ nothing, repeated operations and values the model builds from nothing but litera
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -52,6 +53,7 @@ RTOL = 1e-4  # the graph's value and gradients against the model's at the check 
 
 _enabled = True
 _compile = False
+_log = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
@@ -120,6 +122,11 @@ class _Call:
         except TypeError:
             self.key = None
 
+    def describe(self) -> str:
+        """The call's latents and minibatch indices with their shapes, for a log message."""
+        parts = [f"{path[1]} {tuple(t.shape)}" for path, t in zip(self.paths, self.tensors, strict=True) if path[0] < 2]
+        return "latents and indices " + ", ".join(parts)
+
     def rebuild(self, tensors) -> tuple[Latents, Batch]:
         """The call's ``(latents, batch)`` with ``tensors`` in place of its tensors."""
         values = iter(tensors)
@@ -160,10 +167,12 @@ class TracedLogDensity:
         graph, reason = _in_thread(lambda: self._record(call))
         if graph is None:
             self.refused[call.key] = reason
+            _log.info("the model runs through Pyro for %s: %s", call.describe(), reason)
             return self.evaluate(latents, batch)
         self.graphs[call.key] = graph
         if reason:
             self.uncompiled[call.key] = reason
+            _log.info("the recorded model for %s is replayed uncompiled: %s", call.describe(), reason)
         return graph(*call.tensors)
 
     # ------------------------------------------------------------------ recording (in a thread of its own)

@@ -175,16 +175,18 @@ def masked(x, y):
         (masked, "shapes depend on values"),
     ],
 )
-def test_what_cannot_be_replayed_stays_on_the_pyro_path(model, reason):
+def test_what_cannot_be_replayed_stays_on_the_pyro_path(model, reason, caplog):
     gen = torch.Generator().manual_seed(0)
     x, y = torch.randn(40, 3, generator=gen), torch.randn(40, generator=gen)
     bridge = ModelBridge(model, (x, y))
     batch = Batch({"data": torch.arange(16)}, bridge.args, {})
-    for _ in range(TRACE_AFTER + 2):
-        bridge.log_posterior(point(bridge, 0), batch)
+    with caplog.at_level("INFO", logger="pyro_scalable.bridge.traced"):
+        for _ in range(TRACE_AFTER + 2):
+            bridge.log_posterior(point(bridge, 0), batch)
     assert not bridge.traced.graphs
     (why,) = bridge.traced.refused.values()
     assert reason in why
+    assert f"the model runs through Pyro for latents and indices w (3,), data (16,): {why}" in caplog.messages
     if model is branching:  # both branches still right: the model runs on every call
         for sign in (1.0, -1.0):
             w = {"w": sign * torch.ones(3)}
