@@ -15,6 +15,7 @@ __all__ = [
     "check_inputs",
     "explain_latent_in_plate",
     "explain_mixed_dtypes",
+    "first_line",
     "named_tensors",
     "one_subsampled_plate",
 ]
@@ -22,6 +23,18 @@ __all__ = [
 
 class ModelError(ValueError):
     """A Pyro model or its inputs cannot be used by an engine; the message says which site or argument and why."""
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of an error's message (its type's name where it has none), for one-line messages.
+
+    Example:
+        >>> first_line(ValueError(chr(10).join(["shape mismatch", "in site 'w'"]))), first_line(KeyError())
+        ('shape mismatch', 'KeyError')
+
+    """
+    text = str(error).strip().splitlines()
+    return text[0] if text else type(error).__name__
 
 
 def named_tensors(model: Callable, args: tuple, kwargs: Mapping[str, Any]) -> Iterator[tuple[str, Tensor]]:

@@ -51,8 +51,20 @@ def _pure(node: fx.Node) -> bool:
     return not target._schema.is_mutable and torch.Tag.nondeterministic_seeded not in getattr(target, "tags", ())
 
 
+def _mutable(node: fx.Node) -> bool:
+    return bool(getattr(getattr(node.target, "_schema", None), "is_mutable", False))
+
+
 def value_shaped(graph: fx.GraphModule) -> set[str]:
-    """The operations in ``graph`` whose output shape depends on values (a boolean mask as an index included)."""
+    """The operations in ``graph`` whose output shape depends on values (a boolean mask as an index included).
+
+    Example:
+        >>> import torch
+        >>> from torch.fx.experimental.proxy_tensor import make_fx
+        >>> value_shaped(make_fx(lambda x: x[x > 0].sum())(torch.randn(3)))
+        {'index with a boolean mask'}
+
+    """
     names = set()
     for node in graph.graph.nodes:
         name = _name(node)
@@ -186,7 +198,17 @@ def _deduplicate(graph: fx.GraphModule) -> None:
 
 
 def simplify(graph: fx.GraphModule, inputs: list[Tensor]) -> None:
-    """Rewrite ``graph`` in place as the module docstring says; ``inputs``: placeholder values (shapes matter only)."""
+    """Rewrite ``graph`` in place as the module docstring says; ``inputs``: placeholder values (shapes matter only).
+
+    Example:
+        >>> import torch
+        >>> from torch.fx.experimental.proxy_tensor import make_fx
+        >>> graph = make_fx(lambda x: (x * 1 + 0).exp() + x.exp())(torch.randn(3))
+        >>> simplify(graph, [torch.randn(3)])
+        >>> [str(node.target) for node in graph.graph.nodes if node.op == "call_function"]
+        ['aten.exp.default', 'aten.add.Tensor']
+
+    """
     mutates = any(_mutable(node) for node in graph.graph.nodes)
     if not mutates:
         _fold(graph, inputs)
@@ -197,7 +219,3 @@ def simplify(graph: fx.GraphModule, inputs: list[Tensor]) -> None:
         _deduplicate(graph)
     graph.graph.eliminate_dead_code()
     graph.recompile()
-
-
-def _mutable(node: fx.Node) -> bool:
-    return bool(getattr(getattr(node.target, "_schema", None), "is_mutable", False))

@@ -42,10 +42,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from pyro_scalable.bridge.checks import first_line
 from pyro_scalable.bridge.graph_passes import simplify, value_shaped
 from pyro_scalable.bridge.records import Batch, Latents
 
-__all__ = ["RTOL", "TRACE_AFTER", "TracedLogDensity", "model_tracing"]
+__all__ = ["RTOL", "TRACE_AFTER", "TracedLogDensity", "model_tracing", "under_transform"]
 
 TRACE_AFTER = 16  # calls of one signature on the Pyro path before it is recorded
 MAX_SIGNATURES = 16  # recorded (or refused) signatures per bridge; calls of further ones stay on the Pyro path
@@ -77,8 +78,17 @@ def model_tracing(enabled: bool = True, *, compile: bool = False) -> Iterator[No
         _enabled, _compile = before
 
 
-def _wrapped(x: Tensor) -> bool:
-    """Whether ``x`` is a torch.func (vmap/grad) wrapper, whose values cannot be read outside the transform."""
+def under_transform(x: Tensor) -> bool:
+    """Whether ``x`` is a torch.func (vmap/grad) wrapper, whose values cannot be read outside the transform.
+
+    Example:
+        >>> import torch
+        >>> seen = []
+        >>> _ = torch.func.vmap(lambda x: seen.append(under_transform(x)) or x)(torch.ones(2, 3))
+        >>> under_transform(torch.ones(2)), seen
+        (False, [True])
+
+    """
     is_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
     return True if is_wrapped is None else bool(is_wrapped(x))
 
@@ -139,6 +149,20 @@ class TracedLogDensity:
     """``evaluate(latents, batch)`` replayed from a recorded graph for every signature that passed the checks.
 
     ``sizes`` maps each plate to the number of data points its indices address, for the check point's indices.
+
+    Example:
+        >>> import pyro, pyro.distributions as dist, torch
+        >>> from pyro_scalable.bridge import Batch, ModelBridge
+        >>> def model(y):
+        ...     mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
+        ...     with pyro.plate("data", len(y), subsample_size=2) as idx:
+        ...         pyro.sample("obs", dist.Normal(mu, 1.0), obs=y[idx])
+        >>> bridge = ModelBridge(model, (torch.tensor([0.5, -0.2, 1.0, 0.3]),))
+        >>> batch = Batch({"data": torch.tensor([0, 2])}, bridge.args, {})
+        >>> values = [bridge.log_posterior({"mu": torch.tensor(0.1)}, batch) for _ in range(TRACE_AFTER + 1)]
+        >>> len(bridge.traced.graphs), torch.allclose(values[0], values[-1])  # the last one replayed
+        (1, True)
+
     """
 
     def __init__(self, evaluate: Callable[[Latents, Batch], Tensor], sizes: dict[str, int]):
@@ -186,18 +210,18 @@ class TracedLogDensity:
         for path, x in zip(call.paths, call.tensors, strict=True):
             kind, name = path[0], path[1] if len(path) > 1 else None
             if kind == 0 and x.is_floating_point():
-                value = torch.zeros(x.shape, dtype=x.dtype, device=x.device) if _wrapped(x) else x.detach()
+                value = torch.zeros(x.shape, dtype=x.dtype, device=x.device) if under_transform(x) else x.detach()
                 if generator is not None:
                     value = value + torch.randn(x.shape, generator=generator, dtype=x.dtype).to(x.device)
             elif kind == 1 and name in self.sizes and not x.is_floating_point():
-                if generator is None and not _wrapped(x):
+                if generator is None and not under_transform(x):
                     value = x
                 elif generator is None:
                     value = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
                 else:
                     draw = torch.randint(0, self.sizes[name], x.shape, generator=generator)
                     value = draw.to(dtype=x.dtype, device=x.device)
-            elif _wrapped(x):
+            elif under_transform(x):
                 value = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
             else:
                 value = x.detach()
@@ -210,20 +234,21 @@ class TracedLogDensity:
         def flat(*tensors):
             return self.evaluate(*call.rebuild(tensors))
 
+        standins = self._standins(call, None)
         try:
-            graph = make_fx(flat)(*self._standins(call, None))
+            graph = make_fx(flat)(*standins)
         except Exception as error:  # noqa: BLE001 -- any failure to record leaves the signature on the Pyro path
-            return None, f"recording failed ({type(error).__name__}: {_first_line(error)})"
+            return None, f"recording failed ({type(error).__name__}: {first_line(error)})"
         shaped = sorted(value_shaped(graph))
         if shaped:
             return None, f"operations whose shapes depend on values: {', '.join(shaped)}"
-        simplify(graph, self._standins(call, None))
+        simplify(graph, standins)
         generator = torch.Generator().manual_seed(0)
         check = self._standins(call, generator)
         try:
             mismatch = _disagreement(flat, graph.forward, check, call)
         except Exception as error:  # noqa: BLE001 -- the model itself fails at the check point: stay on Pyro
-            return None, f"the check point failed ({type(error).__name__}: {_first_line(error)})"
+            return None, f"the check point failed ({type(error).__name__}: {first_line(error)})"
         if mismatch:
             return None, mismatch
         if _compile:
@@ -239,7 +264,7 @@ def _compiled(graph, check: list[Tensor], call: _Call) -> tuple[Callable, str]:
             compiled = torch.compile(graph, dynamic=False)
             mismatch = _disagreement(graph.forward, compiled, check, call)
     except Exception as error:  # noqa: BLE001 -- an inductor or dynamo failure: replay the graph uncompiled
-        return graph.forward, f"not compiled ({type(error).__name__}: {_first_line(error)})"
+        return graph.forward, f"not compiled ({type(error).__name__}: {first_line(error)})"
     if mismatch:
         return graph.forward, f"not compiled ({mismatch})"
     return _Fallback(compiled, graph.forward), ""
@@ -260,11 +285,6 @@ class _Fallback:
         return self.graph(*tensors)
 
 
-def _first_line(error: Exception) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else ""
-
-
 def _in_thread(work: Callable[[], tuple]) -> tuple:
     """``work()`` in a fresh thread (no torch.func transform active there), the global random state left as it was."""
     result: list = []
@@ -277,7 +297,7 @@ def _in_thread(work: Callable[[], tuple]) -> tuple:
             try:
                 result.append(work())
             except Exception as error:  # noqa: BLE001 -- the signature stays on the Pyro path, with the reason
-                result.append((None, f"recording failed ({type(error).__name__}: {_first_line(error)})"))
+                result.append((None, f"recording failed ({type(error).__name__}: {first_line(error)})"))
 
     thread = threading.Thread(target=run, name="pyro_scalable-trace")
     thread.start()

@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from pyro_scalable.bridge.checks import first_line
+
 __all__ = [
     "FORMAT",
     "CheckpointError",
@@ -136,7 +138,7 @@ def load(
     try:
         saved = torch.load(io.BytesIO(body), map_location="cpu", weights_only=True)
     except Exception as error:
-        raise refuse(f"cannot be read ({_first_line(error)})") from error
+        raise refuse(f"cannot be read ({first_line(error)})") from error
     if not isinstance(saved, dict):
         raise refuse(f"holds a {type(saved).__name__}, not a checkpoint")
     if kind is not None and saved.get("kind") != kind:
@@ -164,12 +166,6 @@ def _foreign(data: bytes) -> str:
             f"this version writes file format {FORMAT}"
         )
     return f"is not a pyro_scalable checkpoint (a torch file holding a {type(content).__name__})"
-
-
-def _first_line(error: BaseException) -> str:
-    """The first line of an error's message, or its type's name where it has none."""
-    text = str(error).strip().splitlines()
-    return text[0] if text else type(error).__name__
 
 
 def describe(value: Any) -> str:

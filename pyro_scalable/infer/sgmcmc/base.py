@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 from torch.func import grad_and_value, vmap
 
+from pyro_scalable.bridge.traced import under_transform
 from pyro_scalable.infer.schedules import check_positive
 
 __all__ = [
@@ -133,7 +134,7 @@ def estimate(state: Any, batch: Any, log_posterior_fn: LogPosteriorFn, *, gradie
 
 def evaluate(log_posterior_fn: LogPosteriorFn, latents: Latents, batch: Any) -> tuple[Latents, Tensor, Tensor, Tensor]:
     """Gradient, value, gradient norm and a divergence flag of the log posterior at ``latents``."""
-    if any(_under_transform(x) for x in latents.values()):
+    if any(under_transform(x) for x in latents.values()):
         grads, value = grad_and_value(log_posterior_fn)(latents, batch)
     else:
         # Outside vmap, plain autograd gives the same numbers and saves torch.func's per-call overhead
@@ -194,12 +195,6 @@ def _spread(per_grads: Tensor, mean: Tensor) -> Tensor:
     """
     centred = per_grads - mean
     return centred.mul_(centred).sum(0) / (per_grads.shape[0] - 1)
-
-
-def _under_transform(x: Tensor) -> bool:
-    """Whether ``x`` is a torch.func (vmap/grad) wrapper, so that autograd.grad cannot be used on it."""
-    is_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
-    return True if is_wrapped is None else bool(is_wrapped(x))
 
 
 def noise_start(latents: Latents, gradient_noise: str) -> Latents:

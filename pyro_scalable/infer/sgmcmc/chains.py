@@ -20,7 +20,7 @@ import torch
 from torch.func import vmap
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from pyro_scalable.bridge.checks import ModelError
+from pyro_scalable.bridge.checks import ModelError, first_line
 from pyro_scalable.bridge.model import Batch, Latents, ModelBridge
 from pyro_scalable.infer.sgmcmc.base import SAMPLING, Phase
 from pyro_scalable.infer.sgmcmc.distributed import normalised_per_chain
@@ -212,9 +212,3 @@ def _stack(records: list) -> Any:
         return tree_unflatten([value.unsqueeze(0) for value in first], spec)
     leaves = [first, *(tree_flatten(record)[0] for record in records[1:])]
     return tree_unflatten([torch.stack(values) for values in zip(*leaves)], spec)
-
-
-def first_line(error: Exception) -> str:
-    """The first line of an error's message (its type's name where it has none), for one-line warnings."""
-    text = str(error).strip().splitlines()
-    return text[0] if text else type(error).__name__

@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from pyro_scalable.infer.sgmcmc.base import Latents, _under_transform
+from pyro_scalable.bridge.traced import under_transform
+from pyro_scalable.infer.sgmcmc.base import Latents
 
 __all__ = ["keep_where_finite", "zero_where_diverging"]
 
@@ -50,4 +51,4 @@ def zero_where_diverging(diverging: Tensor, momenta: Latents) -> Latents:
 
 def _finite_here(diverging: Tensor) -> bool:
     """Whether a plain CPU step is known finite, so that its rejection can be skipped (no device sync on a GPU)."""
-    return diverging.device.type == "cpu" and not _under_transform(diverging) and not bool(diverging.any())
+    return diverging.device.type == "cpu" and not under_transform(diverging) and not bool(diverging.any())

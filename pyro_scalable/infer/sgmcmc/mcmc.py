@@ -27,14 +27,14 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from pyro_scalable.arguments import check_device, check_flag, check_seed
-from pyro_scalable.bridge.checks import ModelError
+from pyro_scalable.bridge.checks import ModelError, first_line
 from pyro_scalable.bridge.minibatches import EpochSampler
 from pyro_scalable.bridge.model import Batch, Latents, ModelBridge
 from pyro_scalable.infer.distributed import broadcast_seed
 from pyro_scalable.infer.health import repeated_draws, warn_unhealthy
 from pyro_scalable.infer.results import Draws, RunRecord
 from pyro_scalable.infer.sgmcmc.adaptation import Adaptation
-from pyro_scalable.infer.sgmcmc.chains import ChainStepper, first_line
+from pyro_scalable.infer.sgmcmc.chains import ChainStepper
 from pyro_scalable.infer.sgmcmc.checkpoint import RunCheckpoint
 from pyro_scalable.infer.sgmcmc.control_choice import attach, choose, recentre
 from pyro_scalable.infer.sgmcmc.distributed import DistributedMode
