@@ -91,3 +91,57 @@ def test_layers_run_on_all_rows_stay_on_the_fast_path(structure):
     _, j_test = brute_force_jacobian(model, latents, x_test)
     covariance = torch.einsum("nmd,de,nke->nmk", j_test, torch.linalg.inv(posterior.precision.to_dense()), j_test)
     assert torch.allclose(posterior.predict(x_test).covariance, covariance, atol=1e-12, rtol=1e-9)
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int):
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.conv2 = torch.nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.skip = torch.nn.Conv2d(cin, cout, 1, stride, bias=False) if stride != 1 or cin != cout else None
+
+    def forward(self, x):
+        out = self.conv2(torch.relu(self.conv1(x)))
+        return torch.relu(out + (x if self.skip is None else self.skip(x)))
+
+
+class _ResNet(pyro.nn.PyroModule):
+    """ResNet-18's CIFAR layout at width 8, float32, N(0, 1/fan_in) priors on every weight."""
+
+    def __init__(self):
+        super().__init__()
+        blocks, cin = [torch.nn.Conv2d(3, 8, 3, 1, 1, bias=False), torch.nn.ReLU()], 8
+        for stage, mult in enumerate((1, 2, 4, 8)):
+            for k in range(2):
+                blocks.append(_Block(cin, 8 * mult, 2 if stage > 0 and k == 0 else 1))
+                cin = 8 * mult
+        self.body = torch.nn.Sequential(*blocks)
+        self.head = torch.nn.Linear(cin, 10)
+        pyro.nn.module.to_pyro_module_(self.body)
+        pyro.nn.module.to_pyro_module_(self.head)
+        self.init = {name: value.detach().clone() for name, value in self.named_parameters()}  # torch's own init
+        for name, value in list(self.named_parameters()):
+            *path, attr = name.split(".")
+            fan_in = value[0].numel() if value.dim() > 1 else 1
+            prior = dist.Normal(0.0, fan_in**-0.5).expand(value.shape).to_event(value.dim())
+            setattr(self.get_submodule(".".join(path)), attr, pyro.nn.PyroSample(prior))
+
+    def forward(self, x, y=None):
+        plate = pyro.plate("data", x.shape[0], subsample_size=64)
+        f = self.head(self.body(x[plate.indices]).mean((-2, -1)))
+        with plate as idx:
+            return pyro.sample("y", dist.Categorical(logits=f), obs=None if y is None else y[idx])
+
+
+def test_float32_convolutions_are_recognised_despite_rounding():
+    """A float32 layer's assembled gradient differs from autograd's by rounding, which an elementwise comparison
+    took for a wrong layer on some convolutions of this network: each then took a forward pass per weight."""
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(256, 3, 32, 32, generator=gen), torch.randint(10, (256,), generator=gen)
+    model = _ResNet()
+    posterior = AutoLinearizedLaplace(model).laplace_approximation(
+        x, y, structure="diag", map_latents=model.init, check_map=False, chunk_size=64
+    )
+    assert posterior.fit.rest.numel() == 0, sorted({posterior.net.layout.site_of(int(i)) for i in posterior.fit.rest})
+    assert len(posterior.fit.layers) == 21
