@@ -182,14 +182,16 @@ def make_mlp(n: int, batch_size: int, seed: int) -> Problem:
     def model(x: Tensor, y: Tensor) -> None:
         latents = {}
         for name, shape in mlp_shapes().items():
-            latents[name] = pyro.sample(name, dist.Normal(0.0, scales[name]).expand(shape).to_event(len(shape)))
+            prior = dist.Normal(x.new_zeros(()), scales[name])  # on the data's device
+            latents[name] = pyro.sample(name, prior.expand(shape).to_event(len(shape)))
         with pyro.plate("data", x.shape[0], subsample_size=batch_size) as idx:
             pyro.sample("obs", dist.Normal(mlp_forward(latents, x[idx]), MLP_NOISE), obs=y[idx])
 
     def loader_model(x: Tensor, y: Tensor, idx: Tensor | None = None) -> None:
         latents = {}
         for name, shape in mlp_shapes().items():
-            latents[name] = pyro.sample(name, dist.Normal(0.0, scales[name]).expand(shape).to_event(len(shape)))
+            prior = dist.Normal(x.new_zeros(()), scales[name])  # on the data's device
+            latents[name] = pyro.sample(name, prior.expand(shape).to_event(len(shape)))
         with pyro.plate("data", n, subsample=idx):
             pyro.sample("obs", dist.Normal(mlp_forward(latents, x), MLP_NOISE), obs=y)
 
@@ -222,9 +224,10 @@ class PyroModuleMLP(PyroModule):
         self.layers = PyroModule[nn.ModuleList](
             [PyroModule[nn.Linear](a, b) for a, b in zip(MLP_DIMS[:-1], MLP_DIMS[1:])]
         )
+        zero = torch.zeros((), device=DEVICE)  # the priors' tensors on the data's device
         for layer, fan_in in zip(self.layers, MLP_DIMS[:-1]):
-            layer.weight = PyroSample(dist.Normal(0.0, fan_in**-0.5).expand(layer.weight.shape).to_event(2))
-            layer.bias = PyroSample(dist.Normal(0.0, 1.0).expand(layer.bias.shape).to_event(1))
+            layer.weight = PyroSample(dist.Normal(zero, fan_in**-0.5).expand(layer.weight.shape).to_event(2))
+            layer.bias = PyroSample(dist.Normal(zero, 1.0).expand(layer.bias.shape).to_event(1))
 
     def forward(self, x: Tensor, y: Tensor) -> None:
         for layer in self.layers:  # draw the weights outside the data plate

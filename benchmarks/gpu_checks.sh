@@ -21,7 +21,7 @@ print(f"{torch.cuda.get_device_name()}, {torch.cuda.get_device_properties(0).tot
 EOF
 
 echo "== device tests (pytest -m cuda)"
-timeout 120 "$PYTHON" -m pytest -q -p no:cacheprovider -m cuda -rs \
+timeout 90 "$PYTHON" -m pytest -q -p no:cacheprovider -m cuda -rs \
     tests/test_devices.py tests/bridge/test_checks.py tests/infer/sgmcmc/test_mcmc.py \
     tests/infer/sgmcmc/test_checkpoint.py tests/infer/laplace/test_posterior.py 2>&1 | tee "$OUT/tests.log" | tail -25
 status=$((status | $?))

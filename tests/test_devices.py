@@ -91,12 +91,8 @@ def test_sghmc_with_a_control_variate_is_calibrated_on_the_device(device):
 def test_the_recorded_model_replays_on_the_device(device):
     """The bridge's recording (made in a thread of its own) runs on the data's device and equals the model."""
     x, y = (t.to(device) for t in regression_data(200, 3))
-    net = Net(batch=20)
-    if device.type == "cuda":
-        with torch.device(device):  # PyroSample's priors take torch's default device
-            _check_replay(net, x, y)
-    else:
-        _check_replay(net, x, y)
+    with torch.device(device):  # PyroSample's priors take torch's default device when the module is built
+        _check_replay(Net(batch=20), x, y)
 
 
 def _check_replay(net, x, y):

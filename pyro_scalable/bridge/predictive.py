@@ -66,7 +66,8 @@ def predictive_draws(
     full = poutine.uncondition(FullDataModel(model))
     device = _device(samples, args, kwargs)
     with fork_rng(seed), torch.no_grad():
-        probe = _probe(model, full, {k: v[0] for k, v in samples.items()}, args, kwargs)
+        # draws come back from the engines on the CPU; the model runs where its inputs are
+        probe = _probe(model, full, {k: v[0].to(device) for k, v in samples.items()}, args, kwargs)
         sites = _return_sites(probe, samples, return_sites)
         shapes = {name: probe.nodes[name]["value"].shape for name in sites}
         outputs = {
@@ -77,7 +78,7 @@ def predictive_draws(
         step = draws_per_chunk or max(1, _CHUNK_ELEMENTS // per_draw)
         vectorized = True
         for start in range(0, num_draws, step):
-            chunk = {k: v[start : start + step] for k, v in samples.items()}
+            chunk = {k: v[start : start + step].to(device) for k, v in samples.items()}
             values = _vectorized(full, chunk, probe, sites, args, kwargs) if vectorized else None
             if values is None:
                 vectorized = False

@@ -223,7 +223,9 @@ class MetricSchedule:
         floor = 1e-3 * variances.clamp(min=0).mean().clamp(min=1e-30)
         weight = n / (n + _SHRINK)
         if covariance.dim() == 2:
-            covariance = weight * covariance + (1 - weight) * floor * torch.eye(len(mean), dtype=mean.dtype)
+            covariance = weight * covariance + (1 - weight) * floor * torch.eye(
+                len(mean), dtype=mean.dtype, device=mean.device
+            )
         if covariance.dim() == 2 and hessian is not None:
             values, vectors = torch.linalg.eigh(hessian(self.window_mean).double())
             spread = ((covariance @ vectors) * vectors).sum(0)  # the window's variance along each eigenvector
