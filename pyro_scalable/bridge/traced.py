@@ -212,14 +212,14 @@ class TracedLogDensity:
             if kind == 0 and x.is_floating_point():
                 value = torch.zeros(x.shape, dtype=x.dtype, device=x.device) if under_transform(x) else x.detach()
                 if generator is not None:
-                    value = value + torch.randn(x.shape, generator=generator, dtype=x.dtype).to(x.device)
+                    value = value + torch.randn(x.shape, generator=generator, dtype=x.dtype, device="cpu").to(x.device)
             elif kind == 1 and name in self.sizes and not x.is_floating_point():
                 if generator is None and not under_transform(x):
                     value = x
                 elif generator is None:
                     value = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
                 else:
-                    draw = torch.randint(0, self.sizes[name], x.shape, generator=generator)
+                    draw = torch.randint(0, self.sizes[name], x.shape, generator=generator, device="cpu")
                     value = draw.to(dtype=x.dtype, device=x.device)
             elif under_transform(x):
                 value = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
