@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import sys
 
+import bench_sgmcmc as bench  # benchmarks/ is on sys.path when a script runs
 import torch
 from torch.profiler import ProfilerActivity, profile
-
-import bench_sgmcmc as bench  # benchmarks/ is on sys.path when a script runs
 
 STEPS = 200
 
