@@ -2,6 +2,8 @@
 
     python benchmarks/bench_sample_then_optimize_gpu.py                        # CUDA (a few minutes on an H100)
     python benchmarks/bench_sample_then_optimize_gpu.py --device cpu --quick   # smoke run of the same code
+    python benchmarks/bench_sample_then_optimize_gpu.py --device cpu --cells cnn:64 --k 5 --cnn-batch 16 --cnn-n 64 \
+        --out benchmarks/results/sample_then_optimize_cnn_cpu.md               # the CNN's memory on the CPU
 
 Issue 17's cost and memory targets on a lent GPU, float32, the network linearised at a random draw (no MAP search,
 ``refine_passes=0``: this measures the minibatch step):
@@ -16,10 +18,10 @@ Issue 17's cost and memory targets on a lent GPU, float32, the network linearise
 Each cell runs the engine twice, with K = 1 and K = ``--k`` samples. Reported: the median time of the engine's
 optimisation step (``core.step``, the device synchronised before and after), a hand-written forward + backward of
 the same network on the same B points (``torch.autograd.grad`` of the minibatch loss), their ratio, and the peak
-device memory of ``run`` above what the model, data and linearisation point hold before it
-(``torch.cuda.max_memory_allocated``), for the whole run and for the optimisation phase alone (``Problem.solve``;
-the run's peak can be the curvature pass before it, the same at any K). Memory per sample is (optimisation peak
-at K − at 1) / (K − 1), in floats of d.
+memory of ``run`` above what the model, data and linearisation point hold before it (on a GPU
+``torch.cuda.max_memory_allocated``; on the CPU the resident memory's high-water mark), for the whole run and for
+the optimisation phase alone (``Problem.solve``; the run's peak can be the curvature pass before it, the same at
+any K). Memory per sample is (optimisation peak at K − at 1) / (K − 1), in floats of d.
 The report goes to ``benchmarks/results/sample_then_optimize_gpu.md`` (``--out``).
 """
 
@@ -35,7 +37,15 @@ from pathlib import Path
 import pyro
 import pyro.distributions as dist
 import torch
-from harness import log, machine, write_report  # benchmarks/ is on sys.path when a script runs
+from harness import (  # benchmarks/ is on sys.path when a script runs
+    log,
+    machine,
+    peak_mb,
+    release_free_memory,
+    reset_peak,
+    rss_mb,
+    write_report,
+)
 from pyro.nn import PyroModule, PyroSample
 from pyro.nn.module import to_pyro_module_
 from torch import nn
@@ -166,6 +176,30 @@ def hand_step_seconds(model: Model, weights, x, y, device, reps: int = 20) -> fl
     return statistics.median(times)
 
 
+# ====================================================================================== memory
+# On a GPU: the bytes allocated (torch.cuda.max_memory_allocated). On the CPU: the resident memory's high-water mark
+# (VmHWM, reset through /proc/self/clear_refs, after glibc's free blocks are given back), in bytes.
+def memory_now(device: torch.device) -> int:
+    sync(device)
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    release_free_memory()
+    return int(rss_mb() * 2**20)
+
+
+def memory_peak(device: torch.device) -> int:
+    sync(device)
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else int(peak_mb() * 2**20)
+
+
+def reset_memory_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        release_free_memory()
+        reset_peak()
+
+
 # ====================================================================================== one cell
 class StepTimer:
     """The engine's ``core.step`` wrapped: device-synchronised wall time of each call (the code unchanged); and the
@@ -181,14 +215,10 @@ class StepTimer:
         solve = Problem.solve
 
         def measured_solve(*args, **kwargs):
-            if device.type != "cuda":
-                return solve(*args, **kwargs)
-            sync(device)
-            self.before_peak = max(self.before_peak, torch.cuda.max_memory_allocated(device))  # the GGN pass's
-            torch.cuda.reset_peak_memory_stats(device)
+            self.before_peak = max(self.before_peak, memory_peak(device))  # the curvature pass's, before this phase
+            reset_memory_peak(device)
             out = solve(*args, **kwargs)
-            sync(device)
-            self.solve_peak = max(self.solve_peak, torch.cuda.max_memory_allocated(device))
+            self.solve_peak = max(self.solve_peak, memory_peak(device))
             return out
 
         Problem.solve = measured_solve
@@ -220,11 +250,10 @@ def run_cell(kind: str, size: int, k: int, cfg: dict, device: torch.device, time
         seed=0,
         progress_bar=False,
     )
-    sync(device)
     if device.type == "cuda":
         torch.cuda.empty_cache()
-        base = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
+    base = memory_now(device)
+    reset_memory_peak(device)
     timer.times.clear()
     timer.solve_peak = timer.before_peak = 0
     start = time.perf_counter()
@@ -233,10 +262,8 @@ def run_cell(kind: str, size: int, k: int, cfg: dict, device: torch.device, time
     seconds = time.perf_counter() - start
     row = {"kind": kind, "size": size, "d": d, "k": k, "seconds": seconds, "steps": len(timer.times)}
     row["step"] = statistics.median(timer.times[1:] or timer.times)  # the first step builds the solver's state
-    if device.type == "cuda":
-        run_peak = max(timer.before_peak, timer.solve_peak, torch.cuda.max_memory_allocated(device))
-        row["peak_bytes"] = run_peak - base
-        row["solve_peak_bytes"] = timer.solve_peak - base
+    row["peak_bytes"] = max(timer.before_peak, timer.solve_peak, memory_peak(device)) - base
+    row["solve_peak_bytes"] = timer.solve_peak - base
     row["samples_finite"] = all(bool(torch.isfinite(v).all()) for v in engine.get_samples().values())
     del engine
     row["hand"] = hand_step_seconds(model, weights, x, y, device)
@@ -271,6 +298,10 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", help="default cuda; cpu for a smoke run of the same code")
     parser.add_argument("--quick", action="store_true", help="small cells (a smoke run)")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
+    parser.add_argument("--cells", default=None, help="e.g. 'cnn:64' or 'mlp:950,mlp:3110' (default: the config's)")
+    parser.add_argument("--k", type=int, default=None, help="the larger number of samples (default 8, quick 4)")
+    parser.add_argument("--cnn-batch", type=int, default=None, help="minibatch and chunk of the CNN (default 128)")
+    parser.add_argument("--cnn-n", type=int, default=None, help="images for the CNN (default 2048)")
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"markdown output (default {RESULTS})")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -279,12 +310,17 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", message="the samples have not converged")  # one epoch, on purpose
     warnings.filterwarnings("ignore", message="the linearisation point is not a MAP")  # a random draw, on purpose
-    cfg = CONFIGS["quick" if args.quick else "full"]
+    cfg = dict(CONFIGS["quick" if args.quick else "full"])
+    if args.cells:
+        cfg["cells"] = [(kind, int(size)) for kind, size in (cell.split(":") for cell in args.cells.split(","))]
+    cfg["k"] = args.k or cfg["k"]
+    cfg["cnn_batch"] = args.cnn_batch or cfg["cnn_batch"]
+    cfg["cnn_n"] = args.cnn_n or cfg["cnn_n"]
     timer = StepTimer(device)
     run_cell("mlp", 8, 2, {**cfg, "mlp_n": 1000}, device, timer)  # warm-up: kernels loaded, the code path run once
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     report = [
-        "# Sample-then-optimise on a GPU: step cost and memory per sample",
+        f"# Sample-then-optimise on {name}: step cost and memory per sample",
         "",
         f"Command: `{' '.join(['python benchmarks/bench_sample_then_optimize_gpu.py', *sys.argv[1:]])}`",
         "",
@@ -315,16 +351,13 @@ def main() -> None:
         rows.append((one, many))
         label = f"MLP 100-{size}-{size}-1" if kind == "mlp" else f"ResNet-18 layout, width {size}"
         batch = cfg[f"{kind}_batch"]
-        if "peak_bytes" in one:
-            per = (many["solve_peak_bytes"] - one["solve_peak_bytes"]) / (cfg["k"] - 1) / (4 * one["d"])
-            memory = (
-                f"{one['solve_peak_bytes'] / 2**20:,.0f}",
-                f"{many['solve_peak_bytes'] / 2**20:,.0f}",
-                f"**{per:.2f}**",
-                f"{many['peak_bytes'] / 2**20:,.0f}",
-            )
-        else:
-            memory = ("n/a", "n/a", "n/a (CPU)", "n/a")
+        per = (many["solve_peak_bytes"] - one["solve_peak_bytes"]) / (cfg["k"] - 1) / (4 * one["d"])
+        memory = (
+            f"{one['solve_peak_bytes'] / 2**20:,.0f}",
+            f"{many['solve_peak_bytes'] / 2**20:,.0f}",
+            f"**{per:.2f}**",
+            f"{many['peak_bytes'] / 2**20:,.0f}",
+        )
         report.append(
             f"| {label} | {one['d']:,} | {batch} | {one['step'] * 1e3:.2f} | {many['step'] * 1e3:.2f} "
             f"| {many['hand'] * 1e3:.2f} | {many['step'] / many['hand']:.2f}× "
