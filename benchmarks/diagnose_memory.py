@@ -107,7 +107,14 @@ def spawn(width: int, k: int, refine: int, args) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--width", type=int, default=950, help="hidden width h of the 100-h-h-1 MLP (950: d = 1e6)")
-    parser.add_argument("--k", type=int, default=8, help="draws (compared with a run of 1)")
+    parser.add_argument("--k", type=int, default=8, help="draws (compared with a run of --k0)")
+    parser.add_argument(
+        "--k0",
+        type=int,
+        default=1,
+        help="the smaller run's draws (default 1; 8 at d = 1e6 takes the slope between two runs whose rows fill the "
+        "JVP/VJP's row groups, whose buffer is then the same in both)",
+    )
     parser.add_argument("--batch", type=int, default=500, help="minibatch and chunk size")
     parser.add_argument("--n", type=int, default=10_000, help="data points")
     parser.add_argument("--refine", type=int, default=5, help="refine_passes of the refined run")
@@ -118,18 +125,20 @@ def main() -> None:
     if args.worker:
         print(json.dumps(worker(*json.loads(args.worker))), flush=True)
         return
-    runs = {(k, refine): spawn(args.width, k, refine, args) for refine in (0, args.refine) for k in (1, args.k)}
-    d = runs[(1, 0)]["d"]
+    runs = {(k, refine): spawn(args.width, k, refine, args) for refine in (0, args.refine) for k in (args.k0, args.k)}
+    d = runs[(args.k0, 0)]["d"]
 
     def per_draw(one: float | None, many: float | None) -> str:
         if one is None or many is None:
             return "–"
-        return f"{(many - one) * 2**20 / (args.k - 1) / (4 * d):.2f}"
+        return f"{(many - one) * 2**20 / (args.k - args.k0) / (4 * d):.2f}"
 
     lines = [
         "# Sample-then-optimise: live memory by phase",
         "",
-        f"Command: `python benchmarks/diagnose_memory.py --width {args.width} --k {args.k}` "
+        f"Command: `python benchmarks/diagnose_memory.py --width {args.width} --k {args.k}"
+        + (f" --k0 {args.k0}" if args.k0 != 1 else "")
+        + f" --out {args.out.relative_to(HERE.parent) if args.out.is_relative_to(HERE.parent) else args.out}` "
         f"(`{' '.join(f'{k}={v}' for k, v in LIVE.items())}` in each run's environment: resident memory = memory in "
         "use).",
         "",
@@ -137,7 +146,8 @@ def main() -> None:
         "",
         f"Part (b)'s tanh MLP 100-{args.width}-{args.width}-1, d = {d:,}, float32, N = {args.n:,}, B = {args.batch}, "
         f"one epoch, `chunk_size={args.batch}`; the run with `refine_passes={args.refine}` adds the conjugate-gradient "
-        "refinement after the epoch. Each figure: (peak of the phase with K draws − the same with 1) / (K − 1), in d "
+        f"refinement after the epoch. Each figure: (peak of the phase with K = {args.k} draws − the same with "
+        f"{args.k0}) / ({args.k} − {args.k0}), in d "
         "float32s; *state between steps*: the resident memory when a step starts, the same difference.",
         "",
         "| phase | `refine_passes=0` | " + f"`refine_passes={args.refine}` |",
@@ -145,14 +155,19 @@ def main() -> None:
     ]
     for name, label in PHASES.items():
         cells = [
-            per_draw(runs[(1, r)]["peaks"].get(name), runs[(args.k, r)]["peaks"].get(name)) for r in (0, args.refine)
+            per_draw(runs[(args.k0, r)]["peaks"].get(name), runs[(args.k, r)]["peaks"].get(name))
+            for r in (0, args.refine)
         ]
         lines.append(f"| {label} | {cells[0]} | {cells[1]} |")
-    cells = [per_draw(runs[(1, r)]["state"], runs[(args.k, r)]["state"]) for r in (0, args.refine)]
+    cells = [per_draw(runs[(args.k0, r)]["state"], runs[(args.k, r)]["state"]) for r in (0, args.refine)]
     lines.append(f"| state between steps | {cells[0]} | {cells[1]} |")
     passes = runs[(args.k, args.refine)]["cg_passes"]
-    seconds = ", ".join(f"{runs[(k, r)]['seconds']:.0f}" for r in (0, args.refine) for k in (1, args.k))
-    lines += ["", f"CG passes (K = {args.k}): {passes}; run times (s; K = 1, K, each setting): {seconds}.", ""]
+    seconds = ", ".join(f"{runs[(k, r)]['seconds']:.0f}" for r in (0, args.refine) for k in (args.k0, args.k))
+    lines += [
+        "",
+        f"CG passes (K = {args.k}): {passes}; run times (s; K = {args.k0}, {args.k}, each setting): {seconds}.",
+        "",
+    ]
     write_report("\n".join(lines), args.out)
 
 
