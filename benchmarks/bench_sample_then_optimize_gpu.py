@@ -209,8 +209,7 @@ class StepTimer:
         from pyro_scalable.infer.sample_then_optimize import core
         from pyro_scalable.infer.sample_then_optimize.problem import Problem
 
-        self.times: list[float] = []
-        self.solve_peak = self.before_peak = 0
+        self.reset()
         original = core.step
         solve = Problem.solve
 
@@ -233,6 +232,11 @@ class StepTimer:
 
         core.step = timed
 
+    def reset(self) -> None:
+        """Forget the last run's step times and memory peaks."""
+        self.times: list[float] = []
+        self.solve_peak = self.before_peak = 0
+
 
 def run_cell(kind: str, size: int, k: int, cfg: dict, device: torch.device, timer: StepTimer) -> dict:
     from pyro_scalable.infer import SampleThenOptimize
@@ -254,8 +258,7 @@ def run_cell(kind: str, size: int, k: int, cfg: dict, device: torch.device, time
         torch.cuda.empty_cache()
     base = memory_now(device)
     reset_memory_peak(device)
-    timer.times.clear()
-    timer.solve_peak = timer.before_peak = 0
+    timer.reset()
     start = time.perf_counter()
     engine.run(x, y)
     sync(device)
@@ -364,7 +367,8 @@ def main() -> None:
             f"| {many['step'] / many['hand'] / cfg['k']:.2f}× | {' | '.join(memory)} | {many['seconds']:.1f} "
             f"| {one['samples_finite'] and many['samples_finite']} |"
         )
-        write_report("\n".join(report) + "\n", args.out)  # after every cell: a run stopped early keeps its rows
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text("\n".join(report) + "\n")  # after every cell: a run stopped early keeps its rows
     report += [
         "",
         "Targets (issue 17): memory ≤ 4·d floats per sample beyond the model; one step ≤ 3× a forward + backward at "
