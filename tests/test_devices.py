@@ -18,6 +18,7 @@ import torch
 from pyro.nn import PyroModule, PyroSample
 from torch import nn
 
+from pyro_scalable.bridge.checks import ModelError
 from pyro_scalable.bridge.model import ModelBridge
 from pyro_scalable.bridge.records import Batch
 from pyro_scalable.bridge.traced import TRACE_AFTER, model_tracing
@@ -93,6 +94,14 @@ def test_the_recorded_model_replays_on_the_device(device):
     x, y = (t.to(device) for t in regression_data(200, 3))
     with torch.device(device):  # PyroSample's priors take torch's default device when the module is built
         _check_replay(Net(batch=20), x, y)
+
+
+@pytest.mark.cuda
+def test_a_module_built_off_the_device_names_its_site_and_the_fix():
+    """A PyroModule built before torch.set_default_device keeps CPU priors (as in Pyro): the error says so."""
+    x, y = (t.cuda() for t in regression_data(200, 3))
+    with pytest.raises(ModelError, match=r"latent site 'hidden\.weight' is cpu but .* is cuda:0.*set_default_device"):
+        ModelBridge(Net(batch=20), (x, y))
 
 
 def _check_replay(net, x, y):

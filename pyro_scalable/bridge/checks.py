@@ -14,7 +14,7 @@ __all__ = [
     "ModelError",
     "check_inputs",
     "explain_latent_in_plate",
-    "explain_mixed_dtypes",
+    "explain_mixed_tensors",
     "first_line",
     "named_tensors",
     "one_subsampled_plate",
@@ -129,19 +129,49 @@ def explain_latent_in_plate(trace, error: Exception) -> None:
                 ) from error
 
 
-def explain_mixed_dtypes(trace, tensors: Iterator[tuple[str, Tensor]], error: Exception) -> None:
-    """Raise a ModelError when torch refused to mix float dtypes and a latent's dtype differs from the data's."""
-    if "dtype" not in str(error) and "Double" not in str(error):
+def explain_mixed_tensors(trace, tensors: Iterator[tuple[str, Tensor]], error: Exception) -> None:
+    """Raise a ModelError when torch refused to mix float dtypes or devices and a latent's differs from the data's.
+
+    Example:
+        >>> import pyro, pyro.distributions as dist, torch
+        >>> with pyro.poutine.trace() as tracer:
+        ...     w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=torch.float64), 1.0).to_event(1))
+        >>> error = RuntimeError("expected m1 and m2 to have the same dtype, but got: float != double")
+        >>> explain_mixed_tensors(tracer.trace, iter([("argument 'x'", torch.zeros(3, 2))]), error)
+        Traceback (most recent call last):
+        ...
+        pyro_scalable.bridge.checks.ModelError: latent site 'w' is torch.float64 but argument 'x' is torch.float32, ...
+
+    """
+    message = str(error)
+    if "device" in message:
+        attribute, fix = (
+            "device",
+            (
+                "Make the prior's tensors on the data's device, e.g. dist.Normal(torch.zeros(d, device=x.device), "
+                "1.0), or call torch.set_default_device before building the model (a PyroModule makes its "
+                "PyroSample priors when it is built)."
+            ),
+        )
+    elif "dtype" in message or "Double" in message:
+        attribute, fix = (
+            "dtype",
+            (
+                "Give the prior's parameters the data's dtype, e.g. dist.Normal(torch.zeros(d, dtype=x.dtype), "
+                "1.0), or convert the data."
+            ),
+        )
+    else:
         return
-    data = {label: t.dtype for label, t in tensors if t.is_floating_point()}
+    data = {label: getattr(t, attribute) for label, t in tensors if t.is_floating_point()}
     for name, node in trace.nodes.items():
         if node["type"] != "sample" or node["is_observed"] or site_is_subsample(node):
             continue
         value = node["value"]
-        other = next(((label, dtype) for label, dtype in data.items() if dtype != value.dtype), None)
+        mine = getattr(value, attribute)
+        other = next(((label, theirs) for label, theirs in data.items() if theirs != mine), None)
         if value.is_floating_point() and other is not None:
             raise ModelError(
-                f"latent site '{name}' is {value.dtype} but {other[0]} is {other[1]}, and the model failed mixing "
-                f"them ({str(error).strip().splitlines()[0]}). Give the prior's parameters the data's dtype, e.g. "
-                f"dist.Normal(torch.zeros(d, dtype=x.dtype), 1.0), or convert the data."
+                f"latent site '{name}' is {mine} but {other[0]} is {other[1]}, and the model failed mixing them "
+                f"({first_line(error)}). {fix}"
             ) from error

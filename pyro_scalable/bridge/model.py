@@ -35,7 +35,7 @@ from pyro_scalable.bridge.checks import (
     ModelError,
     check_inputs,
     explain_latent_in_plate,
-    explain_mixed_dtypes,
+    explain_mixed_tensors,
     named_tensors,
 )
 from pyro_scalable.bridge.densities import summed_log_prob
@@ -179,7 +179,7 @@ class ModelBridge:
             ) from error
         except (RuntimeError, ValueError) as error:
             explain_latent_in_plate(tracer.msngr.trace, error)
-            explain_mixed_dtypes(tracer.msngr.trace, named_tensors(self.model, self.args, self.kwargs), error)
+            explain_mixed_tensors(tracer.msngr.trace, named_tensors(self.model, self.args, self.kwargs), error)
             raise
 
     def _latent_nodes(self, trace) -> Iterator[tuple[LatentSite, dict]]:

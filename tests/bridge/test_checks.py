@@ -9,7 +9,7 @@ import torch
 
 from pyro_scalable import ModelError
 from pyro_scalable.bridge import ModelBridge
-from pyro_scalable.bridge.checks import check_inputs
+from pyro_scalable.bridge.checks import check_inputs, explain_mixed_tensors
 from pyro_scalable.infer import SGHMC, SGLD, PolynomialDecay, StochasticMCMC
 
 N, B = 100, 10
@@ -312,6 +312,18 @@ def test_a_float64_prior_on_float32_data_names_the_dtypes():
 
     with pytest.raises(ModelError, match=r"latent site 'w' is torch.float64 but argument 'x' is torch.float32"):
         ModelBridge(model, (x, x.sum(1)))
+
+
+def test_a_prior_on_another_device_than_the_data_names_the_devices():
+    """torch's message when a CPU prior meets CUDA data (read on an H100); a meta tensor stands in for the GPU here."""
+    trace = pyro.poutine.Trace()
+    value = torch.zeros(3, device="meta")
+    trace.add_node("w", type="sample", fn=dist.Normal(0.0, 1.0), is_observed=False, value=value, cond_indep_stack=())
+    error = RuntimeError(
+        "Expected all tensors to be on the same device, but got mat is on cuda:0, different from other tensors on cpu"
+    )
+    with pytest.raises(ModelError, match=r"latent site 'w' is meta but argument 'x' is cpu.*set_default_device"):
+        explain_mixed_tensors(trace, iter([("argument 'x'", torch.randn(N, 3))]), error)
 
 
 def test_a_plain_outer_plate_around_a_subsampled_inner_one_is_accepted():
