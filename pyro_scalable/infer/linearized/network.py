@@ -131,10 +131,18 @@ class NetworkFunction:
             results = [single(t) for t in tangents]
             return results[0][0], torch.stack([r[1] for r in results])
 
-    def vjp(self, theta: Tensor, cotangents: Tensor, batch: Batch) -> Tensor:
-        """``J^T u`` for cotangents ``(k, points, outputs)``; returns ``(k, d)``."""
+    def vjp(self, theta: Tensor, cotangents: Tensor, batch: Batch, out: Tensor | None = None) -> Tensor:
+        """``J^T u`` for cotangents ``(k, points, outputs)``; returns ``(k, d)`` (with ``out``: added to it).
+
+        The rows are pulled back a group at a time (as in :meth:`batch_ggn_vp`), so that the per-site pieces exist
+        for one group rather than for all ``k`` rows.
+        """
         _, pullback = vjp(lambda values: self.outputs_at(values, batch).f, self.layout.unflatten(theta))
-        return self._pull(pullback, cotangents, theta.new_empty((cotangents.shape[0], self.layout.num_params)))
+        add = out is not None
+        out = theta.new_empty((cotangents.shape[0], self.layout.num_params)) if out is None else out
+        for part in row_slices(cotangents.shape[0], self.layout.num_params, ROWS_PER_PASS):
+            self._pull(pullback, cotangents[part], out[part], add=add)
+        return out
 
     def batch_ggn_vp(
         self, theta: Tensor, vectors: Tensor, batch: Batch, root: Tensor | None = None, out: Tensor | None = None

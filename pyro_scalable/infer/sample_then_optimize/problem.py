@@ -18,7 +18,7 @@ from pyro_scalable.bridge.minibatches import EpochSampler
 from pyro_scalable.bridge.model import Batch
 from pyro_scalable.infer.linearized.ggn import GGNDiagonal, ggn_pass
 from pyro_scalable.infer.linearized.network import NetworkFunction
-from pyro_scalable.infer.sample_then_optimize import core, krylov
+from pyro_scalable.infer.sample_then_optimize import centres, core, krylov
 from pyro_scalable.infer.sample_then_optimize.distributed import OneProcess, local_batch
 from pyro_scalable.infer.sample_then_optimize.em import linearized_sum_squares, mackay_noise_update
 
@@ -74,7 +74,8 @@ class Problem:
         self.noise_state = generator.get_state()
         self.prior_noise_shape = (self.num_samples, theta.numel())
         torch.randn(self.prior_noise_shape, generator=generator, dtype=theta.dtype, device=theta.device)
-        self._perturbation, self._gradient = self._data_pass(generator)
+        self.pass_state = generator.get_state()  # the perturbation pass's draws: replayed to rebuild its sum (targets)
+        self._perturbation, self._gradient = centres.data_pass(self, generator)
         self.last_solve = False  # set by the solve loop before its last solve (targets then drops the sum)
         self.final_stats: dict[str, Tensor] = {}
         self.refinement: krylov.RefineResult | None = None
@@ -132,13 +133,26 @@ class Problem:
         )
         return noise[self.parallel.rows] if out is None else out.copy_(noise[self.parallel.rows])
 
-    def targets(self) -> Tensor:
-        """Regulariser centres: θⁿ for every sample row, and the mean row's ``A⁻¹b − (θ* − m)``."""
+    def targets(self, out: Tensor | None = None) -> Tensor:
+        """Regulariser centres: θⁿ for every sample row, and the mean row's ``A⁻¹b − (θ* − m)`` (into ``out``).
+
+        Every call gives the same numbers at the same prior. Once the perturbation sum is dropped (the last solve
+        needs it for its centres only), a call rebuilds them with one more pass over the data from the same draws:
+        :meth:`refine` keeps the right-hand side in the centres' buffer and rebuilds them after.
+        """
         precision = self.precision
         theta = self.theta
-        out = torch.empty((self.parallel.num_local + 1, theta.numel()), dtype=theta.dtype, device=theta.device)
-        samples = self._prior_noise(out=out[:-1]).div_(precision.sqrt())  # θ⁰, in place
-        samples.addcdiv_(self.perturbation, precision)  # θⁿ (core.regularizer_targets, without a K x d temporary)
+        if out is None:
+            out = torch.empty((self.parallel.num_local + 1, theta.numel()), dtype=theta.dtype, device=theta.device)
+        if self._perturbation is None:
+            centres.replay_pass(self, out)  # the sums in out's rows, the prior's draws apart: the same ops as below
+            samples = self._prior_noise().div_(precision.sqrt())
+            samples.addcdiv_(out[:-1].mul_(self._noise_ratio() ** 0.5), precision)
+            out[:-1] = samples
+            del samples
+        else:
+            samples = self._prior_noise(out=out[:-1]).div_(precision.sqrt())  # θ⁰, in place
+            samples.addcdiv_(self.perturbation, precision)  # θⁿ (core.regularizer_targets, without a K x d temporary)
         if self.last_solve:  # no later solve needs the perturbation sum: K x d less from here on
             self._perturbation = None
         out[-1] = self.gradient / precision - (theta - self.prior_mean)
@@ -147,40 +161,6 @@ class Problem:
     # ------------------------------------------------------------------ passes over the data
     def _local(self, batch: Batch) -> Batch | None:
         return local_batch(batch, self.plate, self.parallel.share)
-
-    def _data_pass(self, generator: torch.Generator) -> tuple[Tensor, Tensor]:
-        net, theta, parallel = self.net, self.theta, self.parallel
-        perturbation = torch.zeros(parallel.num_local + 1, theta.numel(), dtype=theta.dtype, device=theta.device)
-        trailing = ()
-        for chunk in net.batches():
-            # xi is drawn for every row and every point of the chunk, whatever this rank keeps of it, so that the
-            # ranks' draws together are one process's
-            points = chunk.indices[self.plate.name].shape[-1] if self.plate is not None else None
-            batch = self._local(chunk)
-            if batch is None:  # a last chunk with fewer points than ranks (every earlier chunk set `trailing`)
-                torch.randn(
-                    (self.num_samples, points, *trailing), generator=generator, dtype=theta.dtype, device=theta.device
-                )
-                continue
-            out = net.outputs(theta, batch)
-            self.quadratic = out.likelihood.name == "Normal" and not net.heteroscedastic
-            f = out.f.detach()
-            _check_finite(f, net.site, "outputs at the linearisation point")
-            root = out.likelihood.hessian_sqrt(f)
-            leaf = f.clone().requires_grad_(True)
-            (score,) = torch.autograd.grad(out.likelihood.log_prob(leaf, out.value), leaf)
-            trailing = root.shape[2:]
-            xi = torch.randn(
-                (self.num_samples, root.shape[0] if points is None else points) + trailing,
-                generator=generator,
-                dtype=f.dtype,
-                device=f.device,
-            )[parallel.rows, parallel.share]
-            cotangents = torch.cat([torch.einsum("pmr,kpr->kpm", root, xi), score.unsqueeze(0)])
-            perturbation += net.vjp(theta, cotangents, batch).detach()
-        perturbation = parallel.sum_over_data(perturbation)
-        _check_finite(perturbation, net.site, "Jacobian-vector products")
-        return perturbation[:-1], perturbation[-1].clone()  # apart: the sum alone may be dropped (targets)
 
     def ggn_vp(self, vectors: Tensor, batch: Batch) -> Tensor:
         """``Σ_i J_iᵀ Λ_i J_i v`` over the minibatch, for every row of ``vectors``: one JVP and one VJP, batched."""
@@ -336,16 +316,20 @@ class Problem:
             if bar is not None:
                 bar.update(self.steps_per_epoch)
 
+        # b = Aθⁿ in the centres' own buffer, where CG then keeps its residual; the centres are rebuilt after
+        # (the same numbers; one more pass over the data in the last solve): CG holds 4 d per row, not 5
+        buffer = state.targets
         result = krylov.conjugate_gradient(
             product,
-            precision * state.targets,
+            buffer.mul_(precision),
             state.samples.detach(),
             self.inverse_preconditioner(),
             max_passes=max_passes,
             tolerance=tolerance,
             on_pass=on_pass,
-            overwrite=True,  # the rows are this run's own; the right-hand side above is a fresh tensor
+            overwrite=True,  # the rows and the right-hand side are this run's own
         )
+        self.targets(out=buffer)
         self.refinement = result
         self.engine.cg_passes.append(result.passes)
         if bar is not None and result.passes < max_passes:  # stopped early: the passes it did not need
@@ -384,11 +368,3 @@ class Problem:
 
 def _ggn_diagonal(net: NetworkFunction, theta: Tensor) -> Tensor:
     return ggn_pass(net, theta, GGNDiagonal()).curvature
-
-
-def _check_finite(value: Tensor, site: str, what: str) -> None:
-    if not bool(torch.isfinite(value).all()):
-        raise ModelError(
-            f"the {what} of observed site '{site}' are not finite; check the model's inputs (features) for NaN or "
-            "inf values, and the linearisation point."
-        )

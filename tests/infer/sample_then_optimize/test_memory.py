@@ -156,3 +156,38 @@ def test_without_em_the_perturbation_sum_is_dropped_after_the_last_centres(monke
             progress_bar=False,
         ).run(x, y)
     assert seen == {0: [True], 1: [False, True]}  # with EM: kept after the first solve's, dropped at the last's
+
+
+@pytest.mark.filterwarnings("ignore:the samples have not converged")  # a few passes, on purpose
+@pytest.mark.filterwarnings("ignore:the linearisation point is not a MAP")  # the default short MAP search
+@pytest.mark.parametrize("em", [dict(em_steps=0), dict(em_steps=1, em_epochs=1), dict(em_steps=1, em_noise=True)])
+def test_cg_keeps_its_right_hand_side_in_the_centres_buffer_and_rebuilds_the_same_centres(monkeypatch, em):
+    from pyro_scalable.infer.sample_then_optimize import krylov
+    from pyro_scalable.infer.sample_then_optimize import problem as problem_module
+
+    made, handed = [], []
+    targets, solve = problem_module.Problem.targets, krylov.conjugate_gradient
+
+    def spy_targets(self, out=None):
+        centres = targets(self, out)
+        made.append((centres.data_ptr(), centres.clone(), out is not None, self._perturbation is None))
+        return centres
+
+    def spy_solve(product, rhs, start, *args, **kwargs):
+        handed.append(rhs.data_ptr())
+        return solve(product, rhs, start, *args, **kwargs)
+
+    monkeypatch.setattr(problem_module.Problem, "targets", spy_targets)
+    monkeypatch.setattr(krylov, "conjugate_gradient", spy_solve)
+    torch.manual_seed(0)
+    x, y = torch.randn(40, 3), torch.randn(40, 2)
+    engine = SampleThenOptimize(_Net(), num_samples=3, num_epochs=1, refine_passes=4, seed=0, progress_bar=False, **em)
+    engine.run(x, y)
+    solves = 1 + engine.em_steps
+    assert len(handed) == solves and len(made) == 2 * solves  # each solve's centres, then their rebuild after CG
+    for number in range(solves):
+        (ptr, before, _, _), (again, after, rebuilt, dropped) = made[2 * number : 2 * number + 2]
+        assert handed[number] == ptr == again and rebuilt  # no fresh K x d for the right-hand side or the rebuild
+        assert torch.equal(after, before)  # the same numbers, bit for bit (after the last solve: a replayed pass)
+        assert dropped == (number == solves - 1)  # the sums are gone again once the last centres are rebuilt
+    assert torch.equal(engine.state.targets, made[-1][1])
