@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from pyro_scalable.bridge.checks import ModelError
+from pyro_scalable.infer.autodiff import row_slices
 
 __all__ = ["check_finite", "data_pass", "replay_pass"]
 
@@ -83,8 +84,13 @@ def replay_pass(problem: Any, into: Tensor) -> None:
 
 
 def check_finite(value: Tensor, site: str, what: str) -> None:
-    """Raise a ``ModelError`` naming observed ``site`` when ``value`` has a NaN or an infinity."""
-    if not bool(torch.isfinite(value).all()):
+    """Raise a ``ModelError`` naming observed ``site`` when ``value`` has a NaN or an infinity.
+
+    A few rows at a time: ``torch.isfinite`` of a ``(K, d)`` tensor makes a float temporary of its size (``abs``)
+    and two boolean ones (measured: 1.5 d per row at the perturbation pass's peak).
+    """
+    rows = value.reshape(-1, value.shape[-1]) if value.dim() else value.reshape(1, 1)
+    if not all(bool(torch.isfinite(rows[part]).all()) for part in row_slices(*rows.shape)):
         raise ModelError(
             f"the {what} of observed site '{site}' are not finite; check the model's inputs (features) for NaN or "
             "inf values, and the linearisation point."
