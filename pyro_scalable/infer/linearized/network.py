@@ -37,9 +37,8 @@ from pyro_scalable.infer.linearized.likelihoods import Likelihood, likelihood_of
 
 __all__ = ["ROWS_PER_PASS", "NetworkFunction", "Outputs", "choose_sites", "first_batch", "observed_site"]
 
-# the most numbers (rows x the larger of d and the activations) a group of rows takes through the JVP and VJP at
-# once (see row_groups): 4 rows of the 10⁶-weight MLP with B = 500, as many as 49 at d = 10⁴
-ROWS_PER_PASS = 2**23
+# the most numbers (rows x d) a group of rows takes through the JVP and VJP at once (see batch_ggn_vp)
+ROWS_PER_PASS = 2**22
 
 
 @dataclass
@@ -72,7 +71,6 @@ class NetworkFunction:
         self.heteroscedastic = heteroscedastic
         self.chunk_size = chunk_size
         self.noise: Tensor | None = None  # a homoscedastic Normal's scale in place of the model's (EM sets it)
-        self._activation_sizes: dict[tuple, int] = {}  # activation_size's, by the batch's index shapes
 
     # ------------------------------------------------------------------ forward
     def latents(self, theta: Tensor) -> Latents:
@@ -142,7 +140,7 @@ class NetworkFunction:
         _, pullback = vjp(lambda values: self.outputs_at(values, batch).f, self.layout.unflatten(theta))
         add = out is not None
         out = theta.new_empty((cotangents.shape[0], self.layout.num_params)) if out is None else out
-        for part in self.row_groups(theta, batch, cotangents.shape[0]):
+        for part in row_slices(cotangents.shape[0], self.layout.num_params, ROWS_PER_PASS):
             self._pull(pullback, cotangents[part], out[part], add=add)
         return out
 
@@ -151,8 +149,8 @@ class NetworkFunction:
     ) -> Tensor:
         r""":math:`\sum_{i\in B} J_i^\top \Lambda_i J_i v` on ``batch``, ``vectors`` ``(k, d)``: batched JVP and VJP.
 
-        The rows go through the JVP and the VJP a group at a time (:meth:`row_groups`: 4 rows at d = 10⁶, 49 at
-        d = 10⁴ with B = 500), so that the tangents of the network's activations and the pullback's
+        The rows go through the JVP and the VJP a group at a time (about :data:`ROWS_PER_PASS` numbers: 4 rows at
+        d = 10⁶, all of them at d ≤ 10⁴), so that the tangents of the network's activations and the pullback's
         per-site pieces exist for one group rather than for all ``k`` rows (at the price of one more forward pass
         of the network per group; measured in ``docs/benchmarks.md``). With ``out``, the products are added to it
         (a full-data sum in place).
@@ -165,44 +163,12 @@ class NetworkFunction:
         _, pullback, lam_root = vjp(forward, self.layout.unflatten(theta), has_aux=True)
         add = out is not None
         out = theta.new_empty((vectors.shape[0], self.layout.num_params)) if out is None else out
-        for part in self.row_groups(theta, batch, vectors.shape[0]):
+        for part in row_slices(vectors.shape[0], self.layout.num_params, ROWS_PER_PASS):
             _, products = self.jvp(theta, vectors[part], batch)
             weighted = torch.einsum("pmr,pnr,kpn->kpm", lam_root, lam_root, products)
             del products
             self._pull(pullback, weighted, out[part], add=add)
         return out
-
-    def row_groups(self, theta: Tensor, batch: Batch, rows: int) -> list[slice]:
-        """Groups of ``rows`` of about :data:`ROWS_PER_PASS` numbers of per-row work for the JVP and VJP on ``batch``.
-
-        A row's work is its ``d`` numbers of pullback pieces, or the tangents of the network's activations on the
-        batch where they are more (B × the hidden widths: at d = 10⁴ and B = 500, several times d).
-        """
-        return row_slices(rows, max(self.layout.num_params, self.activation_size(theta, batch)), ROWS_PER_PASS)
-
-    def activation_size(self, theta: Tensor, batch: Batch) -> int:
-        """The numbers a forward pass on ``batch`` saves for its backward, the weights aside (cached per batch size).
-
-        A proxy for one row's tangents in the JVP and cotangents in the VJP; measured with saved-tensor hooks on
-        one forward pass the first time a batch of this size comes.
-        """
-        key = tuple(index.shape for index in batch.indices.values())
-        cache = self._activation_sizes
-        if key not in cache:
-            values = {name: value.detach().requires_grad_(True) for name, value in self.layout.unflatten(theta).items()}
-            weights = {value.untyped_storage().data_ptr() for value in values.values()}
-            count = 0
-
-            def pack(saved: Tensor) -> Tensor:
-                nonlocal count
-                if saved.untyped_storage().data_ptr() not in weights:
-                    count += saved.numel()
-                return saved
-
-            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda saved: saved):
-                self.outputs_at(values, batch)
-            cache[key] = count
-        return cache[key]
 
     def _pull(self, pullback, cotangents: Tensor, out: Tensor, add: bool = False) -> Tensor:
         """The pullback of every row of ``cotangents``, written (``add``: added) into the flat ``(k, d)`` ``out``.

@@ -1,12 +1,11 @@
 """The memory-lean paths of sample-then-optimise compute exactly what the plain ones do.
 
 * the GGN products taken a group of rows at a time and per site equal the brute-force :math:`J^\\top\\Lambda J v`
-  (and ``out=`` adds to what is there); the groups are sized by the larger of d and the activations a forward saves;
+  (and ``out=`` adds to what is there);
 * a step hands the samples and their anchors to ``ggn_vp`` as one tensor, without a copy, and gives the same
   numbers as a step from a state whose anchors lie elsewhere (concatenated);
 * conjugate gradients in place (``overwrite=True``) iterate in the start rows and give the same rows;
-* a run without EM steps drops the perturbation sum once the last solve's centres are made;
-* CG keeps its right-hand side in the centres' buffer, and the centres rebuilt after it are the same, bit for bit.
+* a run without EM steps drops the perturbation sum once the last solve's centres are made.
 """
 
 from __future__ import annotations
@@ -69,9 +68,7 @@ def test_grouped_per_site_products_equal_the_brute_force_ggn(engine, monkeypatch
     lam = root @ root.transpose(-1, -2)
     expected = torch.einsum("pmd,pmn,pne,ke->kd", jacobian, lam, jacobian, vectors)
     whole = net.batch_ggn_vp(theta, vectors, batch)
-    width = max(d, net.activation_size(theta, batch))  # a row's work (row_groups)
-    monkeypatch.setattr(network, "ROWS_PER_PASS", 2 * width)  # two rows per group: 2 + 2 + 1
-    assert [part.stop - part.start for part in net.row_groups(theta, batch, 5)] == [2, 2, 1]
+    monkeypatch.setattr(network, "ROWS_PER_PASS", 2 * d)  # two rows per group: 2 + 2 + 1
     grouped = net.batch_ggn_vp(theta, vectors, batch)
     torch.testing.assert_close(whole, expected, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(grouped, whole, rtol=1e-6, atol=1e-6)
@@ -79,24 +76,6 @@ def test_grouped_per_site_products_equal_the_brute_force_ggn(engine, monkeypatch
     added = net.batch_ggn_vp(theta, vectors, batch, out=start)
     assert added is start
     torch.testing.assert_close(added, whole + 1, rtol=1e-6, atol=1e-6)
-
-
-def test_row_groups_count_the_activations_where_they_outnumber_the_weights(engine, monkeypatch):
-    net = engine.net
-    theta = net.theta_star
-    d = theta.numel()
-    batch = next(net.batches())
-    points = batch.indices["data"]
-
-    def size(n: int) -> int:
-        return net.activation_size(theta, batch._replace(indices={"data": points[:n]}))
-
-    # what a forward pass saves for its backward grows with the points and leaves the weights out: one point
-    # saves less than the 38 weights it multiplies (its input, hidden pre-activations and outputs)
-    assert 0 < size(1) < d and size(10) == 10 * size(1) and size(40) == 40 * size(1) > d
-    monkeypatch.setattr(network, "ROWS_PER_PASS", 3 * size(40))
-    assert [part.stop - part.start for part in net.row_groups(theta, batch, 7)] == [3, 3, 1]  # by activations
-    assert len(net.row_groups(theta, batch._replace(indices={"data": points[:1]}), 7)) == 1  # by d: 3 * 600 / 38
 
 
 def _quadratic(seed: int = 0):
