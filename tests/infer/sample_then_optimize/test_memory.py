@@ -5,7 +5,8 @@
 * a step hands the samples and their anchors to ``ggn_vp`` as one tensor, without a copy, and gives the same
   numbers as a step from a state whose anchors lie elsewhere (concatenated);
 * conjugate gradients in place (``overwrite=True``) iterate in the start rows and give the same rows;
-* a run without EM steps drops the perturbation sum once the last solve's centres are made.
+* a run without EM steps drops the perturbation sum once the last solve's centres are made;
+* CG keeps its right-hand side in the centres' buffer, and the centres rebuilt after it are the same, bit for bit.
 """
 
 from __future__ import annotations
