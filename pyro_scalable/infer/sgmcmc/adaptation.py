@@ -9,7 +9,9 @@ During warm-up each step also measures, on its own minibatch,
 * the **curvature** :math:`\lambda = \max|\mathrm{eig}(S^{1/2} H S^{1/2})|` of the minibatch Hessian
   :math:`H` of the negative log joint in the sampler's metric :math:`S` (the preconditioner or inverse mass;
   :math:`S = I` for plain SGLD/SGHMC), by power iteration with Hessian-vector products (the vjp of
-  the gradient, :func:`~pyro_scalable.infer.autodiff.hvp`), one iteration per warm-up step after a few at the first.
+  the gradient, :func:`~pyro_scalable.infer.autodiff.hvp`), a few iterations at the first warm-up step and then one
+  on every fourth (a product costs about two gradients; measured on the hierarchies of ``docs/benchmarks.md``,
+  warm-up took a third less time, and the chains mixed as well).
 
 Each sampler turns the two into a step size with a stability bound (:math:`\epsilon\lambda \le c` for Langevin,
 :math:`\epsilon\sqrt\lambda \le c` for the momentum samplers, which keeps the discretisation bias of the
@@ -41,6 +43,7 @@ from pyro_scalable.infer.autodiff import hvp
 from pyro_scalable.infer.schedules import resolve
 from pyro_scalable.infer.sgmcmc import tuning
 from pyro_scalable.infer.sgmcmc.base import (
+    CURVATURE_EVERY,
     NOISE_WINDOW,
     SAMPLING,
     GradientEstimate,
@@ -55,13 +58,14 @@ __all__ = [
     "AdaptationState",
     "Tuned",
     "TunedState",
+    "curvature_measurements",
     "hessian_product",
     "observe",
     "power_iterations",
     "settle",
 ]
 
-_FIRST_ITERATIONS = 8  # power iterations at the first warm-up step; one per step after it
+_FIRST_ITERATIONS = 8  # power iterations at the first warm-up step; then one on every CURVATURE_EVERY-th step
 _CENTRE_WINDOW = 20  # steps: the burn-in's position average forgets older positions at this rate
 
 
@@ -86,8 +90,15 @@ class TunedState(NamedTuple):
 
 
 def power_iterations(warmup_step: int) -> int:
-    """Hessian-vector products warm-up step ``warmup_step`` spends on the curvature: a few first, then one."""
-    return _FIRST_ITERATIONS if warmup_step == 0 else 1
+    """Hessian-vector products warm-up step ``warmup_step`` spends on the curvature: a few, then one every 4th step."""
+    if warmup_step == 0:
+        return _FIRST_ITERATIONS
+    return int(warmup_step % CURVATURE_EVERY == 0)
+
+
+def curvature_measurements(count: Tensor) -> Tensor:
+    """How many curvature measurements :func:`power_iterations` has made in the first ``count`` warm-up steps."""
+    return torch.div(count - 1, CURVATURE_EVERY, rounding_mode="floor") + 1
 
 
 class Adaptation:
@@ -237,9 +248,13 @@ def observe(state: AdaptationState, estimate: GradientEstimate) -> AdaptationSta
     }
     curvature, direction = state.curvature, state.direction
     if estimate.hessian_product:
+        # averaged over the measurements, forgetting at the noise's rate in steps (NOISE_WINDOW / CURVATURE_EVERY
+        # measurements)
+        measurements = curvature_measurements(count).to(state.curvature.dtype)
+        share = torch.clamp(1.0 / measurements, min=CURVATURE_EVERY / NOISE_WINDOW)
         curvature_now = torch.sqrt(sum(p.square().sum() for p in estimate.hessian_product.values()))
         finite = torch.isfinite(curvature_now) & (curvature_now > 0) & ~keep
-        curvature = torch.where(finite, curvature + weight * (curvature_now - curvature), curvature)
+        curvature = torch.where(finite, curvature + share * (curvature_now - curvature), curvature)
         turned = _normalised(estimate.hessian_product)
         direction = {name: torch.where(finite, turned[name], d) for name, d in direction.items()}
     return state._replace(noise=noise, curvature=curvature, direction=direction, count=count)

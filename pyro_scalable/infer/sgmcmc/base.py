@@ -43,6 +43,7 @@ from pyro_scalable.bridge.traced import under_transform
 from pyro_scalable.infer.schedules import check_positive
 
 __all__ = [
+    "CURVATURE_EVERY",
     "GradientEstimate",
     "Kernel",
     "LogPosteriorFn",
@@ -67,6 +68,7 @@ __all__ = [
 Latents = dict[str, Tensor]
 Mass = float | Mapping[str, Tensor] | str
 NOISE_WINDOW = 50  # steps: the moving average of the gradient noise forgets older steps at this rate
+CURVATURE_EVERY = 4  # warm-up measures the curvature on every 4th step after the first (.adaptation)
 
 
 class LogPosteriorFn(Protocol):

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from pyro_scalable.infer.sgmcmc import psgld
-from pyro_scalable.infer.sgmcmc.base import GradientEstimate, Latents, mass_like
+from pyro_scalable.infer.sgmcmc.base import CURVATURE_EVERY, GradientEstimate, Latents, mass_like
 
 __all__ = ["NOISE_FRACTION", "RULES", "baoab_step_size", "fisher_mass", "momentum_step_size", "noise_bound"]
 
@@ -158,10 +158,12 @@ class Preconditioned(Rule):
         if "step_size" not in tuned:
             return kernel_state, tuned, state
         if learning and gradient.hessian_product:
-            # the first product measured in the learnt metric (v had one update when this step's estimate ran)
-            # restarts the curvature average: the burn-in's, in the identity metric, would hold the step size down
+            # the first product measured in the learnt metric (v had 1 to CURVATURE_EVERY updates when this step's
+            # estimate ran: one measurement falls there) restarts the curvature average: the burn-in's, in the
+            # identity metric, would hold the step size down
             measured = torch.sqrt(sum(v.square().sum() for v in gradient.hessian_product.values()))
-            restart = (updates_before == 1) & torch.isfinite(measured) & ~gradient.diverging
+            first = (updates_before >= 1) & (updates_before <= CURVATURE_EVERY)
+            restart = first & torch.isfinite(measured) & ~gradient.diverging
             state = state._replace(curvature=torch.where(restart, measured, state.curvature))
         chosen = LANGEVIN_BOUND / state.curvature
         if not burn_in:

@@ -9,7 +9,13 @@ import torch
 
 from pyro_scalable.infer import SGHMC, SGLD
 from pyro_scalable.infer.sgmcmc import tuning
-from pyro_scalable.infer.sgmcmc.adaptation import Adaptation, TunedState, hessian_product, power_iterations
+from pyro_scalable.infer.sgmcmc.adaptation import (
+    Adaptation,
+    TunedState,
+    curvature_measurements,
+    hessian_product,
+    power_iterations,
+)
 from pyro_scalable.infer.sgmcmc.base import Phase
 
 from .test_sgld import quadratic
@@ -31,7 +37,11 @@ class NoisyQuadratic:
 
 
 def test_power_iterations_schedule():
-    assert power_iterations(0) == 8 and power_iterations(1) == 1 and power_iterations(57) == 1
+    assert [power_iterations(step) for step in range(10)] == [8, 0, 0, 0, 1, 0, 0, 0, 1, 0]
+    # the curvature average counts the measurements made in the first `count` steps (its weights 1, 1/2, ...)
+    for count in range(1, 30):
+        made = sum(power_iterations(step) > 0 for step in range(count))
+        assert int(curvature_measurements(torch.tensor(count))) == made
 
 
 @pytest.mark.parametrize("metric", [None, {"x": torch.tensor([0.5, 2.0, 1.0], dtype=torch.float64)}])
