@@ -109,7 +109,11 @@ def test_an_ill_conditioned_posterior_mixes_with_the_defaults(cls):
     draws = mcmc.get_samples(group_by_chain=True)["w"]
     ess = effective_sample_size(draws)
     sd = covariance.diagonal().sqrt()
-    assert bool((ess > 200).all()), ess
+    # SGLD's step is at most 0.1/λ_max in the metric (warm-up's Langevin bound), so along the slowest direction it
+    # decorrelates by ελ_min = 0.1/κ per step: an ESS of about n ελ_min / 2 = 200/κ from n = 4,000 draws, with κ the
+    # condition number left in the metric (1 for a perfect one). Ask for κ ≤ 2. SGHMC's momentum mixes faster.
+    least = 100 if cls is SGLD else 200
+    assert bool((ess > least).all()), ess
     flat = draws.reshape(-1, draws.shape[-1])
     assert bool(((flat.mean(0) - mean).abs() < 4 * sd / ess.sqrt()).all()), (flat.mean(0) - mean) / sd
     ratio = flat.std(0) / sd
