@@ -88,6 +88,16 @@ def check_finite(value: Tensor, site: str, what: str) -> None:
 
     A few rows at a time: ``torch.isfinite`` of a ``(K, d)`` tensor makes a float temporary of its size (``abs``)
     and two boolean ones (measured: 1.5 d per row at the perturbation pass's peak).
+
+    Example:
+        >>> import torch
+        >>> from pyro_scalable.infer.sample_then_optimize.centres import check_finite
+        >>> check_finite(torch.ones(3, 4), "y", "outputs")  # finite: nothing happens
+        >>> check_finite(torch.tensor([[1.0, float("nan")]]), "y", "outputs")
+        Traceback (most recent call last):
+        ...
+        pyro_scalable.bridge.checks.ModelError: the outputs of observed site 'y' are not finite; ...
+
     """
     rows = value.reshape(-1, value.shape[-1]) if value.dim() else value.reshape(1, 1)
     if not all(bool(torch.isfinite(rows[part]).all()) for part in row_slices(*rows.shape)):

@@ -97,7 +97,15 @@ def power_iterations(warmup_step: int) -> int:
 
 
 def curvature_measurements(count: Tensor) -> Tensor:
-    """How many curvature measurements :func:`power_iterations` has made in the first ``count`` warm-up steps."""
+    """How many curvature measurements :func:`power_iterations` has made in the first ``count`` warm-up steps.
+
+    Example:
+        >>> import torch
+        >>> from pyro_scalable.infer.sgmcmc.adaptation import curvature_measurements
+        >>> curvature_measurements(torch.tensor([1, 4, 5, 9]))  # steps 0, 4, 8 measure
+        tensor([1, 1, 2, 3])
+
+    """
     return torch.div(count - 1, CURVATURE_EVERY, rounding_mode="floor") + 1
 
 
