@@ -184,3 +184,28 @@ def test_vectorised_chains_of_a_pyro_module_on_the_device(device):
     assert draws["hidden.weight"].shape == (16, 20, 16, 3)
     assert all(bool(torch.isfinite(v).all()) for v in draws.values())
     assert math.isfinite(float(mcmc.sample_stats["lp"].mean()))
+
+
+def test_draws_kept_on_the_cpu_are_those_the_device_computed(device):
+    """A GPU's draws go to page-locked CPU memory without waiting for the device: none is lost or half-copied."""
+    x, y = (t.to(device) for t in regression_data(400, 3))
+
+    def run(draws_device):
+        mcmc = StochasticMCMC(
+            SGHMC(known_noise_model, step_size=1e-4),
+            num_samples=300,
+            num_warmup=20,
+            num_chains=4,
+            seed=3,
+            progress_bar=False,
+            draws_device=draws_device,
+        )
+        mcmc.run(x, y)
+        return mcmc
+
+    on_cpu, on_device = run("cpu"), run(device)
+    assert on_cpu.results.draws["w"].is_pinned() == (device.type == "cuda")
+    for name, value in on_device.results.draws.items():
+        torch.testing.assert_close(on_cpu.results.draws[name], value.cpu(), rtol=0, atol=0)
+    for name, value in on_device.results.stats.items():
+        torch.testing.assert_close(on_cpu.results.stats[name], value.cpu(), rtol=0, atol=0, equal_nan=True)

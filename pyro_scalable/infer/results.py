@@ -41,6 +41,49 @@ class RunRecord:
     kwargs: dict = field(default_factory=dict)
     draws: dict[str, Tensor] = field(default_factory=dict)
     stats: dict[str, Tensor] = field(default_factory=dict)
+    pinned: torch.device | None = None  # the GPU whose draws are copied into page-locked memory without waiting
+
+    def allocate(self, latents: dict[str, Tensor], num_samples: int, device: torch.device) -> None:
+        """Empty buffers on ``device`` for ``num_samples`` draws of each chain in ``latents`` (statistics: on use).
+
+        Draws from a GPU kept on the CPU go to page-locked memory: each step's copy is then queued without waiting
+        for the device (a copy to ordinary memory would wait for it on every kept step); :meth:`settle` waits.
+
+        Example:
+            >>> from collections import namedtuple
+            >>> record = RunRecord(bridge=None, full_bridge=None)
+            >>> record.allocate({"w": torch.zeros(2, 3)}, num_samples=4, device=torch.device("cpu"))
+            >>> Info = namedtuple("Info", "log_posterior")
+            >>> record.record(0, {"w": torch.ones(2, 3)}, Info(torch.tensor([-1.0, -2.0])))
+            >>> record.settle()
+            >>> record.draws["w"].shape, record.stats["lp"][:, 0]
+            (torch.Size([2, 4, 3]), tensor([-1., -2.]))
+
+        """
+        first = next(iter(latents.values()))
+        self.pinned = first.device if first.is_cuda and device.type == "cpu" else None
+        shape = (first.shape[0], num_samples)
+        self.draws = {name: self._empty(shape + x.shape[1:], x.dtype, device) for name, x in latents.items()}
+        self.stats = {}
+
+    def _empty(self, shape: tuple, dtype: torch.dtype, device: torch.device) -> Tensor:
+        return torch.empty(shape, dtype=dtype, device=device, pin_memory=self.pinned is not None)
+
+    def record(self, index: int, latents: dict[str, Tensor], info: Any) -> None:
+        """Draw ``index`` of every chain and the step's statistics (``info``: a NamedTuple of per-chain values)."""
+        for name, x in latents.items():
+            self.draws[name][:, index].copy_(x.detach(), non_blocking=True)
+        for stat, value in info._asdict().items():
+            name = "lp" if stat == "log_posterior" else stat
+            if name not in self.stats:
+                buffer = next(iter(self.draws.values()))
+                self.stats[name] = self._empty((value.shape[0], buffer.shape[1]), value.dtype, buffer.device)
+            self.stats[name][:, index].copy_(value.detach(), non_blocking=True)
+
+    def settle(self) -> None:
+        """Wait until the draws copied from a GPU have landed (before anything reads them)."""
+        if self.pinned is not None:
+            torch.cuda.synchronize(self.pinned)
 
 
 class Draws:

@@ -214,6 +214,10 @@ class Tuned:
         """The kernel's gradient estimate."""
         return self.kernel.estimate(state.kernel, batch, log_posterior_fn)
 
+    def plain_gradient_at(self, state: TunedState) -> Latents | None:
+        """The kernel's :meth:`~.base.Kernel.plain_gradient_at`."""
+        return self.kernel.plain_gradient_at(state.kernel)
+
     def update(self, state: TunedState, gradient: GradientEstimate, generator=None, phase: Phase = SAMPLING):
         """The kernel's update with the chosen hyperparameters."""
         kernel_state, info = self.kernel.update(state.kernel, gradient, generator, **state.hyperparameters)

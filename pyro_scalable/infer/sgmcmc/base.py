@@ -354,6 +354,13 @@ class Kernel:
         """The gradient (and its noise, where this kernel uses it) the next update needs."""
         return estimate(state, batch, log_posterior_fn, gradient_noise=self.gradient_noise)
 
+    def plain_gradient_at(self, state: Any) -> Latents | None:
+        """Where :meth:`estimate` is the plain minibatch gradient (no noise estimate), the latents it is taken at.
+
+        The chain stepper then takes it for all chains in one backward pass; ``None`` where it is more than that.
+        """
+        return state.latents if self.gradient_noise == "ignore" else None
+
     def update(
         self, state: Any, gradient: GradientEstimate, generator=None, phase: Phase = SAMPLING, **tuned: Any
     ) -> tuple[Any, Any]:

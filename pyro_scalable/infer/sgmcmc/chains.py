@@ -22,10 +22,10 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from pyro_scalable.bridge.checks import ModelError, first_line
 from pyro_scalable.bridge.model import Batch, Latents, ModelBridge
-from pyro_scalable.infer.sgmcmc.base import SAMPLING, Phase
+from pyro_scalable.infer.sgmcmc.base import SAMPLING, GradientEstimate, Phase
 from pyro_scalable.infer.sgmcmc.distributed import normalised_per_chain
 
-__all__ = ["ChainStepper", "first_line"]
+__all__ = ["ChainStepper", "chains_gradient", "first_line"]
 
 
 class ChainStepper:
@@ -84,6 +84,16 @@ class ChainStepper:
             self._vsteps[key] = vmap(one, in_dims=(0, dims, None, None), randomness="different")
         return self._vsteps[key]
 
+    def _vupdate(self, phase: Phase):
+        key = ("update", phase)
+        if key not in self._vsteps:
+
+            def update(state, gradient):
+                return self.program.update(state, gradient, self.generator, phase)
+
+            self._vsteps[key] = vmap(update, randomness="different")
+        return self._vsteps[key]
+
     def step(self, batch: Batch, step_index: int):
         """Step every chain on ``batch``, the run's step ``step_index``; returns the stacked Info."""
         phase = self.program.phase(step_index) if hasattr(self.program, "phase") else SAMPLING
@@ -91,9 +101,15 @@ class ChainStepper:
             return self._reduced_step(batch, phase)
         if self.mode == "vectorized":
             try:
-                self.state, info = self._vstep(phase, batch.indices)(
-                    self.state, batch.indices, batch.args, batch.kwargs
-                )
+                at = getattr(self.program, "plain_gradient_at", None)
+                latents = at(self.state) if at is not None else None
+                if latents is None:
+                    self.state, info = self._vstep(phase, batch.indices)(
+                        self.state, batch.indices, batch.args, batch.kwargs
+                    )
+                    return info
+                gradient = chains_gradient(self.log_posterior_fn, latents, batch)
+                self.state, info = self._vupdate(phase)(self.state, gradient)
                 return info
             except (RuntimeError, NotImplementedError, ModelError) as error:
                 self._chains = [tree_map(lambda x, c=c: x[c], self.state) for c in range(self.num_chains)]
@@ -189,6 +205,41 @@ class ChainStepper:
             self.state = state
         else:
             self._chains = state
+
+
+def chains_gradient(log_posterior_fn: Any, latents: Latents, batch: Batch) -> GradientEstimate:
+    """:func:`~.base.evaluate` for all chains at once: one vmapped log density, one backward pass outside vmap.
+
+    The chains share no parameter, so the gradient of the sum of their log densities with respect to chain c's
+    latents is chain c's own gradient. Plain autograd over the vmapped density spares every operation the gradient
+    transform that ``vmap(grad_and_value(...))`` wraps it in (a quarter of a small model's vectorised step, on a CPU).
+
+    Example:
+        >>> import torch
+        >>> from pyro_scalable.bridge import Batch
+        >>> def log_density(latents, batch):
+        ...     return -latents["w"].square().sum()
+        >>> two_chains = {"w": torch.tensor([[1.0, 2.0], [3.0, 4.0]])}
+        >>> chains_gradient(log_density, two_chains, Batch({}, (), {})).grads["w"]
+        tensor([[-2., -4.],
+                [-6., -8.]])
+
+    """
+    leaves = {name: x.detach().requires_grad_() for name, x in latents.items()}
+
+    def one(chain_latents, indices, args, kwargs):
+        return log_posterior_fn(chain_latents, Batch(indices, args, kwargs))
+
+    in_dims = (0, index_dims(batch.indices), None, None)
+    with torch.enable_grad():
+        values = vmap(one, in_dims=in_dims)(leaves, batch.indices, batch.args, batch.kwargs)
+        grads = torch.autograd.grad(values.sum(), list(leaves.values()), allow_unused=True, materialize_grads=True)
+    grads = dict(zip(leaves, grads, strict=True))
+    values = values.detach()
+    grad_sq = sum(g.square().reshape(g.shape[0], -1).sum(1) for g in grads.values())
+    diverging = ~(torch.isfinite(values) & torch.isfinite(grad_sq))
+    count = torch.zeros(values.shape, device=values.device)  # no noise estimated (as estimate_gradient's)
+    return GradientEstimate(grads, values, grad_sq.sqrt(), diverging, {}, count, {})
 
 
 def index_dims(indices: dict) -> dict:

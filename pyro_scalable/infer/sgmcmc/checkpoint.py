@@ -235,6 +235,7 @@ class RunCheckpoint:
 
     def write(self) -> None:
         """Write the run as last remembered."""
+        self.run.results.settle()
         last, kept = self._last, self._last["kept"]
         sampler = last["sampler"]
         if sampler is not None:

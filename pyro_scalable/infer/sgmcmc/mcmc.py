@@ -45,7 +45,6 @@ from pyro_scalable.infer.sgmcmc.run_arguments import check_choices, cycle, refus
 
 __all__ = ["StochasticMCMC"]
 
-_STAT_NAMES = {"log_posterior": "lp"}
 _NOISE_STATS = ("noise_ratio", "uncorrected")
 
 
@@ -228,7 +227,7 @@ class StochasticMCMC(Draws):
         base.replacement = sampler.replacement  # no finite-population correction then
         self.control_variate = self.mode_search = None  # a checkpoint's resume puts its control variate back
 
-        self._allocate(latents)
+        self.results.allocate(latents, self.num_samples, self.draws_device)
         total = self.num_warmup + self.num_samples * self.thin
         start, kept, diverged = 0, 0, False
         self.num_warmup_divergences = 0
@@ -288,16 +287,17 @@ class StochasticMCMC(Draws):
                 if t + 1 == self.num_warmup:
                     stepper.end_warmup()
                 diverged = bool(info.diverging.any()) if self.on_divergence == "stop" else False
-                if t < self.num_warmup:
-                    self.num_warmup_divergences += int(info.diverging.sum())
+                if t < self.num_warmup:  # a tensor until the run ends: no wait for the device on every step
+                    self.num_warmup_divergences = self.num_warmup_divergences + info.diverging.sum()
                 elif (t - self.num_warmup + 1) % self.thin == 0:
-                    self._record(kept, schedule.to_theta(stepper.latents()) if schedule else stepper.latents(), info)
+                    draw = schedule.to_theta(stepper.latents()) if schedule else stepper.latents()
+                    self.results.record(kept, draw, info)
                     kept += 1
                 if checkpoint is not None:
                     checkpoint.step_done(t + 1, kept, stopped=diverged)
                 if t + 1 == self.num_warmup:
                     bar.set_description("Sample")
-                if t % 50 == 0 or t + 1 == total:
+                if not quiet and (t % 50 == 0 or t + 1 == total):
                     bar.set_postfix(
                         lp=f"{float(info.log_posterior.float().mean()):.4g}",
                         step_size=f"{float(info.step_size.float().mean()):.3g}",
@@ -365,27 +365,9 @@ class StochasticMCMC(Draws):
         full = ModelBridge(model, args, kwargs) if (args or kwargs) else None
         return RunRecord(bridge, full, args, kwargs), itertools.chain([first], batch_iter)
 
-    def _allocate(self, latents: Latents) -> None:
-        shape = (next(iter(latents.values())).shape[0], self.num_samples)  # this rank's chains
-        self.results.draws = {
-            name: torch.empty(shape + x.shape[1:], dtype=x.dtype, device=self.draws_device)
-            for name, x in latents.items()
-        }
-        self.results.stats = {}
-
-    def _record(self, index: int, latents: Latents, info: Any) -> None:
-        draws, stats = self.results.draws, self.results.stats
-        for name, x in latents.items():
-            draws[name][:, index].copy_(x.detach())
-        for field, value in info._asdict().items():
-            name = _STAT_NAMES.get(field, field)
-            if name not in stats:
-                stats[name] = torch.empty(
-                    (value.shape[0], self.num_samples), dtype=value.dtype, device=self.draws_device
-                )
-            stats[name][:, index].copy_(value.detach())
-
     def _truncate(self, kept: int, stepper: ChainStepper) -> None:
+        self.results.settle()
+        self.num_warmup_divergences = int(self.num_warmup_divergences)
         self.state = stepper.final_state
         self.metric_map = self._schedule.affine if self._schedule is not None else None
         if kept < self.num_samples:
