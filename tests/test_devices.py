@@ -200,7 +200,8 @@ def test_draws_kept_on_the_cpu_are_those_the_device_computed(device):
             progress_bar=False,
             draws_device=draws_device,
         )
-        mcmc.run(x, y)
+        with torch.device(device):  # the model's priors are Python floats
+            mcmc.run(x, y)
         return mcmc
 
     on_cpu, on_device = run("cpu"), run(device)

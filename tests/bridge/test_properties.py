@@ -305,3 +305,23 @@ def test_a_support_bound_fixed_by_the_data_is_fine():
 
     bridge = ModelBridge(model, (torch.randn(6, dtype=F64),))
     assert set(bridge.sites) == {"x"}
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_permutations_are_uniform_and_independent_across_rows(batched, device):
+    """All 24 orders of 4 items equally often: chi-square on 23 degrees of freedom below its 99.99% point."""
+    from pyro_scalable.bridge.minibatches import permutations
+
+    draws = 6000
+    orders = permutations(4, draws, torch.Generator(device=device).manual_seed(5), device, batched=batched).cpu()
+    assert bool((orders.sort(dim=1).values == torch.arange(4)).all())
+    code = (orders * torch.tensor([64, 16, 4, 1])).sum(1)  # one integer per order
+    counts = torch.bincount(torch.unique(code, return_inverse=True)[1], minlength=24).double()
+    assert len(counts) == 24
+    expected = draws / 24
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 57.1  # scipy.stats.chi2.ppf(0.9999, 23)
+    # consecutive rows (two chains' orders) are independent: the pair of first items is uniform over 16 cells
+    pairs = torch.bincount(orders[::2, 0] * 4 + orders[1::2, 0], minlength=16).double()
+    expected = draws / 2 / 16
+    assert float(((pairs - expected) ** 2 / expected).sum()) < 44.3  # scipy.stats.chi2.ppf(0.9999, 15)
