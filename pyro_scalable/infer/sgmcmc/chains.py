@@ -258,6 +258,10 @@ def _checked_latents(state: Any) -> Latents:
 
 def _stack(records: list) -> Any:
     """Stack per-chain records (NamedTuples of tensors and dicts of tensors) on a new leading dimension."""
+    if all(isinstance(value, torch.Tensor) for value in records[0]):  # an Info: a flat NamedTuple, no tree to walk
+        if len(records) == 1:
+            return type(records[0])(*(value.unsqueeze(0) for value in records[0]))
+        return type(records[0])(*(torch.stack(values) for values in zip(*records)))
     first, spec = tree_flatten(records[0])
     if len(records) == 1:  # one chain: a view with the leading dimension (a copy per field per step costs more)
         return tree_unflatten([value.unsqueeze(0) for value in first], spec)
