@@ -6,7 +6,8 @@
 #     mkdir -p .base && git archive <commit> pyro_scalable | tar -x -C .base     # ignored (.git/info/exclude)
 #     bash benchmarks/gpu_part2_before_after.sh .base [OUT]                      # OUT: default benchmarks/results/gpu
 #
-# About 3 minutes on an H100. The benchmark script is the working tree's in both.
+# About 3 minutes on an H100. The benchmark script is the working tree's in both. DEVICE=cpu EXTRA=--quick runs
+# the same comparison on the CPU (a smoke test of this script).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BASE=$(realpath "$1")
@@ -19,8 +20,8 @@ status=0
 for run in after before after_again; do
     echo "== part 2, $run"
     if [ "$run" = before ]; then path=$BASE; else path=$(realpath ..); fi
-    PYTHONPATH="$path${PYTHONPATH:+:$PYTHONPATH}" timeout 100 "$PYTHON" bench_sgmcmc.py --device cuda --parts 2 \
-        --without-posteriors --out "$OUT/sgmcmc_gpu_part2_$run.md" 2>> "$OUT/part2.err" | tail -7
+    PYTHONPATH="$path${PYTHONPATH:+:$PYTHONPATH}" timeout "${LIMIT:-100}" "$PYTHON" bench_sgmcmc.py --device "${DEVICE:-cuda}" \
+        --parts 2 --without-posteriors ${EXTRA:-} --out "$OUT/sgmcmc_gpu_part2_$run.md" 2>> "$OUT/part2.err" | tail -7
     status=$((status | $?))
 done
 exit $status

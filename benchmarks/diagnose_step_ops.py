@@ -1,0 +1,48 @@
+"""Where one SGHMC step's host time goes on problem (a): ATen operations per step, ours against the hand-written loop.
+
+    python benchmarks/diagnose_step_ops.py        # about 20 seconds; prints a table
+
+bench_sgmcmc.py part 1 times a step of (a), logistic regression; at its size (N = 10⁶, d = 100, B = 1,000) the step
+is a few dozen small operations, each costing the dispatcher's few microseconds on a CPU. This counts them with
+``torch.profiler`` on the same model at N = 10⁴, B = 10, where arithmetic is negligible: the count per step is the
+difference between a 400-step and a 200-step run (setup cancels), for ours (one chain, the step size given) and for
+the hand-written loop. Operations called inside others (``aten::to`` inside a copy, say) are counted too, alike
+for both.
+"""
+
+from __future__ import annotations
+
+import collections
+import warnings
+
+import bench_sgmcmc as bench  # benchmarks/ is on sys.path when a script runs
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+
+def ops_per_step(run) -> dict[str, float]:
+    counts = []
+    for steps in (200, 400):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            run(steps)
+        counts.append(collections.Counter({e.key: e.count for e in prof.key_averages() if e.key.startswith("aten::")}))
+    return {k: (counts[1][k] - counts[0][k]) / 200 for k in counts[1] if counts[1][k] > counts[0][k]}
+
+
+def main() -> None:
+    # the step size is given and the gradient noise ignored, as in part 1: the runs' health warnings say so
+    warnings.filterwarnings("ignore", message="the chains are not healthy")
+    warnings.filterwarnings("ignore", message="in .* of the coordinates of the kept steps")
+    torch.set_num_threads(1)
+    problem = bench.make_logistic(10**4, 100, 10, seed=0)
+    bench.run_ours(problem, 40, 0)  # the recording, kernels loaded
+    ours = ops_per_step(lambda n: bench.run_ours(problem, n, 1))
+    hand = ops_per_step(lambda n: bench.run_hand_written(problem, n, 1))
+    print(f"ATen operations per step: ours {sum(ours.values()):.0f}, hand-written {sum(hand.values()):.0f}\n")
+    print("| operation | ours | hand-written |\n|---|---:|---:|")
+    for name in sorted(set(ours) | set(hand), key=lambda k: -ours.get(k, 0.0)):
+        print(f"| `{name}` | {ours.get(name, 0.0):.0f} | {hand.get(name, 0.0):.0f} |")
+
+
+if __name__ == "__main__":
+    main()
