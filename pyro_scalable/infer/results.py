@@ -68,7 +68,12 @@ class RunRecord:
         self.stats = {}
 
     def _empty(self, shape: tuple, dtype: torch.dtype, device: torch.device) -> Tensor:
-        return torch.empty(shape, dtype=dtype, device=device, pin_memory=self.pinned is not None)
+        if self.pinned is not None:
+            try:
+                return torch.empty(shape, dtype=dtype, device=device, pin_memory=True)
+            except RuntimeError:  # more than the system lets be page-locked: ordinary memory (each copy then waits)
+                pass
+        return torch.empty(shape, dtype=dtype, device=device)
 
     def record(self, index: int, latents: dict[str, Tensor], info: Any) -> None:
         """Draw ``index`` of every chain and the step's statistics (``info``: a NamedTuple of per-chain values)."""
