@@ -40,7 +40,7 @@ from torch import Tensor
 from torch.func import grad_and_value, vmap
 
 from pyro_scalable.bridge.traced import under_transform
-from pyro_scalable.infer.schedules import check_positive
+from pyro_scalable.infer.schedules import check_positive, constant
 
 __all__ = [
     "CURVATURE_EVERY",
@@ -242,6 +242,7 @@ def injected_variance(
     ``wanted`` is the noise variance the sampler needs per step (a scalar or per site); ``gradient_variance`` is
     what the minibatch gradient already brings into the same update ({} when not estimated). With ``correct`` the
     injected variance is ``wanted - gradient_variance``, floored at 0 where the gradient noise alone is too large.
+    Without a noise estimate it is ``wanted`` as given per site (a scalar broadcasts over the site's coordinates).
     """
 
     def wanted_for(name: str) -> Tensor:
@@ -249,8 +250,8 @@ def injected_variance(
 
     first = next(iter(latents.values()))
     if not gradient_variance:
-        nan = torch.full((), float("nan"), dtype=first.dtype, device=first.device)
-        return {name: wanted_for(name) + torch.zeros_like(x) for name, x in latents.items()}, nan, nan
+        nan = constant(math.nan, first)  # a scalar per site is enough where nothing is corrected
+        return {name: wanted_for(name) for name in latents}, nan, nan
     ratios = {}
     injected = {}
     for name, x in latents.items():
@@ -273,7 +274,7 @@ def gaussian_like(latents: Latents, generator: torch.Generator | None, temperatu
 
 def scalar_like(value: float | Tensor, like: Tensor) -> Tensor:
     """``value`` as a 0-d tensor of ``like``'s dtype and device (a tensor, e.g. one chosen in warm-up, as it is)."""
-    return value if isinstance(value, Tensor) else torch.full((), float(value), dtype=like.dtype, device=like.device)
+    return value if isinstance(value, Tensor) else constant(value, like)
 
 
 GRADIENT_NOISE_CHOICES = ("correct", "estimate", "ignore")

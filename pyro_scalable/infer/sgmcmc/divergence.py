@@ -49,6 +49,15 @@ def zero_where_diverging(diverging: Tensor, momenta: Latents) -> Latents:
     return {name: torch.where(diverging, p.new_zeros(()), p) for name, p in momenta.items()}
 
 
+_last: tuple = (None, False)  # the last flag asked about and the answer: a step asks three times about one flag
+
+
 def _finite_here(diverging: Tensor) -> bool:
     """Whether a plain CPU step is known finite, so that its rejection can be skipped (no device sync on a GPU)."""
-    return diverging.device.type == "cpu" and not under_transform(diverging) and not bool(diverging.any())
+    global _last
+    flag, finite = _last  # one read of the pair: safe where threads step chains side by side
+    if flag is diverging:
+        return finite
+    finite = diverging.device.type == "cpu" and not under_transform(diverging) and not bool(diverging.any())
+    _last = (diverging, finite)
+    return finite
