@@ -62,7 +62,6 @@ class RunRecord:
         """
         first = next(iter(latents.values()))
         self.pinned = first.device if first.is_cuda and device.type == "cpu" else None
-        self._length, self._device = num_samples, device
         shape = (first.shape[0], num_samples)
         self.draws = {name: self._empty(shape + x.shape[1:], x.dtype, device) for name, x in latents.items()}
         self.stats = {}
@@ -81,8 +80,9 @@ class RunRecord:
             self.draws[name][:, index].copy_(x.detach(), non_blocking=True)
         for stat, value in info._asdict().items():
             name = "lp" if stat == "log_posterior" else stat
-            if name not in self.stats:
-                self.stats[name] = self._empty((value.shape[0], self._length), value.dtype, self._device)
+            if name not in self.stats:  # shaped and placed as the draws' buffers
+                buffer = next(iter(self.draws.values()))
+                self.stats[name] = self._empty((value.shape[0], buffer.shape[1]), value.dtype, buffer.device)
             self.stats[name][:, index].copy_(value.detach(), non_blocking=True)
 
     def settle(self) -> None:
