@@ -358,9 +358,11 @@ class Kernel:
     def plain_gradient_at(self, state: Any) -> Latents | None:
         """Where :meth:`estimate` is the plain minibatch gradient (no noise estimate), the latents it is taken at.
 
-        The chain stepper then takes it for all chains in one backward pass; ``None`` where it is more than that.
+        The chain stepper then takes it for all chains in one backward pass; ``None`` where it is more than that (a
+        subclass with an :meth:`estimate` of its own keeps it: its estimate runs for every chain).
         """
-        return state.latents if self.gradient_noise == "ignore" else None
+        plain = self.gradient_noise == "ignore" and type(self).estimate is Kernel.estimate
+        return state.latents if plain else None
 
     def update(
         self, state: Any, gradient: GradientEstimate, generator=None, phase: Phase = SAMPLING, **tuned: Any
