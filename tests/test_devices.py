@@ -210,3 +210,32 @@ def test_draws_kept_on_the_cpu_are_those_the_device_computed(device):
         torch.testing.assert_close(on_cpu.results.draws[name], value.cpu(), rtol=0, atol=0)
     for name, value in on_device.results.stats.items():
         torch.testing.assert_close(on_cpu.results.stats[name], value.cpu(), rtol=0, atol=0, equal_nan=True)
+
+
+def partial_pooling(x, group, y, batch=8):
+    """Group intercepts around a population mean with a latent group scale, a latent noise scale (centred)."""
+    mu = pyro.sample("mu", dist.Normal(x.new_zeros(()), 5.0))
+    tau = pyro.sample("tau", dist.HalfNormal(x.new_ones(())))
+    sigma = pyro.sample("sigma", dist.HalfNormal(x.new_ones(())))
+    with pyro.plate("groups", 4):
+        a = pyro.sample("a", dist.Normal(mu, tau))
+    with pyro.plate("data", len(y), subsample_size=batch) as idx:
+        pyro.sample("obs", dist.Normal(a[group[idx]] + x[idx], sigma), obs=y[idx])
+
+
+def test_a_hierarchy_with_every_default_on_the_device(device):
+    """Warm-up's control variate at its window means, its metric, the noise measured on every fourth step and the
+    batched controlled gradient in between: on the device, float32, finite draws of the right shape."""
+    g = torch.Generator().manual_seed(6)
+    group = torch.arange(4).repeat_interleave(10)
+    x = torch.randn(40, generator=g)
+    y = (torch.tensor([-1.0, 0.0, 0.5, 2.0])[group] + x + 0.3 * torch.randn(40, generator=g)).to(device)
+    mcmc = StochasticMCMC(
+        SGHMC(partial_pooling), num_samples=200, num_warmup=300, num_chains=4, seed=0, progress_bar=False
+    )
+    mcmc.run(x.to(device), group.to(device), y)
+    assert mcmc.control_variate is not None and mcmc.bridge.device.type == device.type
+    draws = mcmc.get_samples(group_by_chain=True)
+    assert draws["a"].shape == (4, 200, 4)
+    assert all(bool(torch.isfinite(v).all()) for v in draws.values())
+    assert float(mcmc.sample_stats["diverging"].float().mean()) == 0.0

@@ -51,6 +51,7 @@ from pyro_scalable.infer.sgmcmc.base import (
     LogPosteriorFn,
     Phase,
     estimate_gradient,
+    noise_phase,
 )
 
 __all__ = [
@@ -140,9 +141,13 @@ class Adaptation:
         )
 
     def phase(self, step_index: int) -> Phase:
-        """Warm-up step ``step_index``: its power iterations (none where the step size is given) and burn-in."""
+        """Warm-up step ``step_index``: its power iterations, burn-in, and whether it measures the gradient noise.
+
+        Power iterations: none where the step size is given; the noise: on every :data:`~.base.NOISE_EVERY`-th
+        step, as in sampling (:func:`~.base.noise_phase`).
+        """
         iterations = power_iterations(step_index) if self.chooses_step_size else 0
-        return Phase(iterations, step_index < self.num_warmup // 2)
+        return noise_phase(step_index)._replace(power_iterations=iterations, burn_in=step_index < self.num_warmup // 2)
 
     def estimate(
         self,
@@ -157,7 +162,7 @@ class Adaptation:
         ``direction``: the power-iteration vector to start from (a data-parallel run all-reduces each product).
         """
         latents = state.kernel.latents
-        result = estimate_gradient(log_posterior_fn, latents, batch, noise=True)
+        result = estimate_gradient(log_posterior_fn, latents, batch, noise=bool(phase.noise_every))
         if phase.power_iterations:
             metric = self.rule.metric(self.kernel, state.kernel, state.tuned)
             start = state.direction if direction is None else direction
@@ -172,10 +177,14 @@ class Adaptation:
     ) -> tuple[AdaptationState, Any]:
         """Learn from ``gradient``, choose the hyperparameters, let the kernel step with them, settle after burn-in."""
         temperature = resolve(self.kernel.temperature, state.kernel.step_count, gradient.log_posterior)
-        state = observe(state, gradient)
+        state = observe(state, gradient, phase.noise_every)
         kernel_state, tuned, state = self.rule.tune(self.kernel, state, gradient, temperature, phase.burn_in)
-        kernel_state, info = self.kernel.update(kernel_state, gradient, generator, **tuned)
+        kernel_state, info = self.kernel.update(kernel_state, gradient, generator, phase, **tuned)
         return settle(state._replace(kernel=kernel_state, tuned=tuned), phase.burn_in), info
+
+    def plain_gradient_at(self, state: AdaptationState, phase: Phase = SAMPLING) -> Latents | None:
+        """The latents where a warm-up step measures neither noise nor curvature: its estimate is the plain gradient."""
+        return None if phase.noise_every or phase.power_iterations else state.kernel.latents
 
     def step(
         self, state: AdaptationState, batch: Any, log_posterior_fn: LogPosteriorFn, generator=None, phase=SAMPLING
@@ -205,27 +214,27 @@ class Tuned:
         return TunedState(self.kernel.init(latents), {})
 
     def phase(self, step_index: int) -> Phase:
-        """A sampling step: nothing besides the update."""
-        return SAMPLING
+        """A sampling step: the kernel's (the update, measuring the gradient noise where it is due)."""
+        return self.kernel.phase(step_index)
 
     def estimate(
         self, state: TunedState, batch: Any, log_posterior_fn: LogPosteriorFn, phase: Phase = SAMPLING, direction=None
     ) -> GradientEstimate:
         """The kernel's gradient estimate."""
-        return self.kernel.estimate(state.kernel, batch, log_posterior_fn)
+        return self.kernel.estimate(state.kernel, batch, log_posterior_fn, phase)
 
-    def plain_gradient_at(self, state: TunedState) -> Latents | None:
+    def plain_gradient_at(self, state: TunedState, phase: Phase = SAMPLING) -> Latents | None:
         """The kernel's :meth:`~.base.Kernel.plain_gradient_at`."""
-        return self.kernel.plain_gradient_at(state.kernel)
+        return self.kernel.plain_gradient_at(state.kernel, phase)
 
     def update(self, state: TunedState, gradient: GradientEstimate, generator=None, phase: Phase = SAMPLING):
         """The kernel's update with the chosen hyperparameters."""
-        kernel_state, info = self.kernel.update(state.kernel, gradient, generator, **state.hyperparameters)
+        kernel_state, info = self.kernel.update(state.kernel, gradient, generator, phase, **state.hyperparameters)
         return TunedState(kernel_state, state.hyperparameters), info
 
     def step(self, state: TunedState, batch: Any, log_posterior_fn: LogPosteriorFn, generator=None, phase=SAMPLING):
         """One sampling step: :meth:`update` after :meth:`estimate`."""
-        return self.update(state, self.estimate(state, batch, log_posterior_fn), generator)
+        return self.update(state, self.estimate(state, batch, log_posterior_fn, phase), generator, phase)
 
     @staticmethod
     def latents(state: TunedState) -> Latents:
@@ -250,14 +259,21 @@ def hessian_product(
     return product
 
 
-def observe(state: AdaptationState, estimate: GradientEstimate) -> AdaptationState:
-    """Fold a step's noise estimate and Hessian-vector product (where there is one) into the moving averages."""
+def observe(state: AdaptationState, estimate: GradientEstimate, noise_every: int = 1) -> AdaptationState:
+    """Fold a step's noise estimate and Hessian-vector product (where there is one) into the moving averages.
+
+    A noise measurement weighs as the ``noise_every`` steps it stands for (as :func:`~.base.average_noise`).
+    """
     count = state.count + 1
-    weight = torch.clamp(1.0 / count.to(state.curvature.dtype), min=1.0 / NOISE_WINDOW)
     keep = estimate.diverging
-    noise = {
-        name: torch.where(keep, v, v + weight * (estimate.noise_variance[name] - v)) for name, v in state.noise.items()
-    }
+    noise = state.noise
+    if estimate.noise_variance:
+        weight = noise_every / (state.count + noise_every).to(state.curvature.dtype)
+        weight = torch.clamp(weight, min=noise_every / NOISE_WINDOW)
+        noise = {
+            name: torch.where(keep, v, v + weight * (estimate.noise_variance[name] - v))
+            for name, v in state.noise.items()
+        }
     curvature, direction = state.curvature, state.direction
     if estimate.hessian_product:
         # averaged over the measurements, forgetting at the noise's rate in steps (NOISE_WINDOW / CURVATURE_EVERY

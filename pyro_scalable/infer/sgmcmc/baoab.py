@@ -85,20 +85,18 @@ from pyro_scalable.infer.sgmcmc.base import (
     Kernel,
     Latents,
     LogPosteriorFn,
-    Mass,
     check_gradient_noise,
-    check_mass,
     estimate,
     extended_info,
     gaussian_like,
     injected_variance,
-    mass_like,
     noise_in_step,
     noise_start,
     scalar_like,
 )
 from pyro_scalable.infer.sgmcmc.control_variates import check_control_variate
 from pyro_scalable.infer.sgmcmc.divergence import keep_where_finite, zero_where_diverging
+from pyro_scalable.infer.sgmcmc.mass import Mass, check_mass, mass_like
 
 __all__ = ["BAOAB", "BAOABInfo", "BAOABState", "estimate", "init", "sgd_hyperparameters", "step", "update"]
 
@@ -135,6 +133,7 @@ def update(
     mass: Mass = 1.0,
     temperature: ScalarOrSchedule = 1.0,
     gradient_noise: str = "ignore",
+    noise_every: int = 1,
     generator: torch.Generator | None = None,
 ) -> tuple[BAOABState, BAOABInfo]:
     """Move one chain by one BAOAB step with the gradient ``gradient`` (from :func:`estimate`)."""
@@ -146,7 +145,7 @@ def update(
     kick = 0.5 * (torch.where(torch.isnan(owed), step_size_now, owed) + step_size_now)
     decay = torch.exp(-friction * step_size_now)
     wanted = {name: (1.0 - decay**2) * temperature_now * m for name, m in masses.items()}
-    noise_average, gradient_variance = noise_in_step(state, gradient, gradient_noise, (decay * kick) ** 2)
+    noise_average, gradient_variance = noise_in_step(state, gradient, gradient_noise, (decay * kick) ** 2, noise_every)
     variance, noise_ratio, uncorrected = injected_variance(
         wanted, gradient_variance, gradient_noise == "correct", state.latents
     )

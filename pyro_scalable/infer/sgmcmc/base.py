@@ -26,13 +26,16 @@ mean, which is the usual minibatch gradient. A log posterior may split a large m
 :math:`s^2 \approx m\,\mathrm{var}_G(h_g)`, unbiased over random partitions, at the cost of one batched
 gradient (:mod:`pyro_scalable.bridge.log_posterior`). An engine that corrects for (or reports) the noise keeps a moving
 average of :math:`\hat V` over about 50 steps in its State (:func:`average_noise`): steadier than one
-minibatch's estimate, whose clipping at 0 would bias the correction.
+minibatch's estimate, whose clipping at 0 would bias the correction. A run's sampling steps measure it on every
+fourth step (:func:`noise_phase`; each measurement weighs as the four steps it stands for) and take the plain
+gradient in between: the per-example gradients cost several plain ones, and an average over 50 steps changes
+little in four (``docs/benchmarks.md``: the hierarchical logistic regression's sampling step 6.3 → X ms).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -40,7 +43,7 @@ from torch import Tensor
 from torch.func import grad_and_value, vmap
 
 from pyro_scalable.bridge.traced import under_transform
-from pyro_scalable.infer.schedules import check_positive, constant
+from pyro_scalable.infer.schedules import constant
 
 __all__ = [
     "CURVATURE_EVERY",
@@ -52,23 +55,22 @@ __all__ = [
     "SGMCMCInfo",
     "average_noise",
     "check_gradient_noise",
-    "check_mass",
     "estimate",
     "estimate_gradient",
     "evaluate",
     "extended_info",
     "gaussian_like",
     "injected_variance",
-    "mass_like",
     "noise_in_step",
+    "noise_phase",
     "noise_start",
     "scalar_like",
 ]
 
 Latents = dict[str, Tensor]
-Mass = float | Mapping[str, Tensor] | str
 NOISE_WINDOW = 50  # steps: the moving average of the gradient noise forgets older steps at this rate
 CURVATURE_EVERY = 4  # warm-up measures the curvature on every 4th step after the first (.adaptation)
+NOISE_EVERY = 4  # sampling steps measure the gradient noise on every 4th step (noise_phase)
 
 
 class LogPosteriorFn(Protocol):
@@ -121,9 +123,21 @@ class Phase(NamedTuple):
 
     power_iterations: int = 0  # Hessian-vector products the estimate spends on the curvature
     burn_in: bool = False  # the first half of warm-up: bring the chains to the typical set, uncalibrated
+    noise_every: int = 1  # the gradient noise is measured here and stands for this many steps; 0: not measured
 
 
 SAMPLING = Phase()
+
+
+def noise_phase(step_index: int) -> Phase:
+    """A sampling step that measures the gradient noise on every :data:`NOISE_EVERY`-th step, and not in between.
+
+    Example:
+        >>> [noise_phase(t).noise_every for t in range(6)]
+        [4, 0, 0, 0, 4, 0]
+
+    """
+    return Phase(noise_every=NOISE_EVERY if step_index % NOISE_EVERY == 0 else 0)
 
 
 def estimate(state: Any, batch: Any, log_posterior_fn: LogPosteriorFn, *, gradient_noise: str = "ignore"):
@@ -204,13 +218,17 @@ def noise_start(latents: Latents, gradient_noise: str) -> Latents:
     return {} if gradient_noise == "ignore" else {name: torch.zeros_like(x) for name, x in latents.items()}
 
 
-def average_noise(average: Latents, gradient: GradientEstimate, step_count: Tensor) -> Latents:
+def average_noise(average: Latents, gradient: GradientEstimate, step_count: Tensor, every: int = 1) -> Latents:
     """Fold a step's noise estimate into the moving average (weight ``1/(t+1)``, at least ``1/50``).
 
-    An empty ``average`` (a State started without one) starts from zeros; a diverging step leaves it as it was.
+    A measurement taken on every ``every``-th step weighs as that many steps (``every/(t+every)``, at least
+    ``every/50``). An empty ``average`` (a State started without one) starts from zeros; a diverging step, or one
+    that measured nothing, leaves it as it was.
     """
+    if not gradient.noise_variance:
+        return average
     first = next(iter(gradient.grads.values()))
-    weight = torch.clamp(1.0 / (step_count + 1).to(first.dtype), min=1.0 / NOISE_WINDOW)
+    weight = torch.clamp(every / (step_count + every).to(first.dtype), min=every / NOISE_WINDOW)
     start = average or {name: torch.zeros_like(v) for name, v in gradient.noise_variance.items()}
     return {
         name: torch.where(gradient.diverging, v, v + weight * (gradient.noise_variance[name] - v))
@@ -219,16 +237,21 @@ def average_noise(average: Latents, gradient: GradientEstimate, step_count: Tens
 
 
 def noise_in_step(
-    state: Any, gradient: GradientEstimate, gradient_noise: str, scale: Tensor | Callable[[str], Tensor]
+    state: Any,
+    gradient: GradientEstimate,
+    gradient_noise: str,
+    scale: Tensor | Callable[[str], Tensor],
+    noise_every: int = 1,
 ) -> tuple[Latents, Latents]:
     """The State's next ``noise_average``, and the variance the gradient noise brings into this step's update.
 
-    ``scale`` maps the noise of the gradient to its variance in the update (SGLD's ε², per site where it differs).
-    Nothing is estimated with ``gradient_noise="ignore"``: the average stays as it is and the variance is ``{}``.
+    ``scale`` maps the noise of the gradient to its variance in the update (SGLD's ε², per site where it differs);
+    ``noise_every``: the measurement's weight in steps (:func:`average_noise`). Nothing is estimated with
+    ``gradient_noise="ignore"``: the average stays as it is and the variance is ``{}``.
     """
     if gradient_noise == "ignore":
         return state.noise_average, {}
-    average = average_noise(state.noise_average, gradient, state.step_count)
+    average = average_noise(state.noise_average, gradient, state.step_count, noise_every)
     if callable(scale):
         return average, {name: scale(name) * v for name, v in average.items()}
     return average, {name: scale * v for name, v in average.items()}
@@ -289,39 +312,6 @@ def check_gradient_noise(gradient_noise: str | None, step_size: Any) -> str:
     return gradient_noise
 
 
-def mass_like(mass: Mass, latents: Latents) -> Latents:
-    """The diagonal mass shaped like ``latents``: a scalar, a dict by site (broadcast), or a learnt one as it is.
-
-    ``"fisher"`` before warm-up has learnt it is the unit mass.
-    """
-    if isinstance(mass, Mapping):
-        return {
-            name: torch.as_tensor(mass[name], dtype=x.dtype, device=x.device) + torch.zeros_like(x)
-            for name, x in latents.items()
-        }
-    value = 1.0 if isinstance(mass, str) else float(mass)
-    return {name: torch.full_like(x, value) for name, x in latents.items()}
-
-
-def check_mass(mass: Mass, *, learnt: bool = False) -> float:
-    """Validate ``mass`` and return its smallest value (1 for a mass warm-up learns, where ``learnt`` allows it)."""
-    if isinstance(mass, str):
-        if not learnt or mass != "fisher":
-            choices = "a positive number, a dict of positive tensors by site" + (", or 'fisher'" if learnt else "")
-            raise ValueError(f"mass must be {choices}; got {mass!r}.")
-        return 1.0
-    if isinstance(mass, Mapping):
-        least = math.inf
-        for name, value in mass.items():
-            value = torch.as_tensor(value)
-            if not bool(torch.isfinite(value).all()) or not bool((value > 0).all()):
-                raise ValueError(f"mass['{name}'] must be finite and positive everywhere.")
-            least = min(least, float(value.min()))
-        return least
-    check_positive("mass", mass)
-    return float(mass)
-
-
 class Kernel:
     """What every engine's Pyro-facing class shares: the calls the chain stepper makes, with the bound hyperparameters.
 
@@ -346,29 +336,37 @@ class Kernel:
         return type(self).init_rule(latents, gradient_noise=self.gradient_noise)
 
     def phase(self, step_index: int) -> Phase:
-        """What step ``step_index`` does besides the update (a bare kernel: nothing)."""
-        return SAMPLING
+        """What step ``step_index`` does besides the update: where the noise is estimated, :func:`noise_phase`."""
+        return SAMPLING if self.gradient_noise == "ignore" else noise_phase(step_index)
 
     def estimate(
         self, state: Any, batch: Any, log_posterior_fn: LogPosteriorFn, phase: Phase = SAMPLING, direction=None
     ) -> GradientEstimate:
-        """The gradient (and its noise, where this kernel uses it) the next update needs."""
-        return estimate(state, batch, log_posterior_fn, gradient_noise=self.gradient_noise)
+        """The gradient (and its noise, where this kernel uses it and ``phase`` measures it) the next update needs."""
+        noise = self.gradient_noise if phase.noise_every else "ignore"
+        return estimate(state, batch, log_posterior_fn, gradient_noise=noise)
 
-    def plain_gradient_at(self, state: Any) -> Latents | None:
+    def plain_gradient_at(self, state: Any, phase: Phase = SAMPLING) -> Latents | None:
         """Where :meth:`estimate` is the plain minibatch gradient (no noise estimate), the latents it is taken at.
 
         The chain stepper then takes it for all chains in one backward pass; ``None`` where it is more than that (a
         subclass with an :meth:`estimate` of its own keeps it: its estimate runs for every chain).
         """
-        plain = self.gradient_noise == "ignore" and type(self).estimate is Kernel.estimate
+        unmeasured = self.gradient_noise == "ignore" or not phase.noise_every
+        plain = unmeasured and type(self).estimate is Kernel.estimate
         return state.latents if plain else None
 
     def update(
         self, state: Any, gradient: GradientEstimate, generator=None, phase: Phase = SAMPLING, **tuned: Any
     ) -> tuple[Any, Any]:
-        """One update with this kernel's hyperparameters (``tuned``: those chosen in warm-up), given the gradient."""
-        return type(self).update_rule(state, gradient, **{**self.hyperparameters(), **tuned}, generator=generator)
+        """One update with this kernel's hyperparameters (``tuned``: those chosen in warm-up), given the gradient.
+
+        Where ``phase`` measures the noise other than on every step, the update rule is told its weight
+        (``noise_every``).
+        """
+        every = {} if phase.noise_every == 1 else {"noise_every": phase.noise_every}
+        arguments = {**self.hyperparameters(), **tuned, **every}
+        return type(self).update_rule(state, gradient, **arguments, generator=generator)
 
     def step(
         self,
@@ -380,7 +378,7 @@ class Kernel:
         **tuned: Any,
     ):
         """One step with this kernel's hyperparameters: :meth:`update` after :meth:`estimate`."""
-        return self.update(state, self.estimate(state, batch, log_posterior_fn), generator, **tuned)
+        return self.update(state, self.estimate(state, batch, log_posterior_fn, phase), generator, phase, **tuned)
 
     def setup(self, *args: Any, **kwargs: Any) -> None:
         """Refuse ``pyro.infer.MCMC``, which calls this first: these kernels need a minibatch driver."""

@@ -17,6 +17,7 @@ import warnings
 from typing import Any
 
 import torch
+from torch import Tensor
 from torch.func import vmap
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
@@ -102,7 +103,7 @@ class ChainStepper:
         if self.mode == "vectorized":
             try:
                 at = getattr(self.program, "plain_gradient_at", None)
-                latents = at(self.state) if at is not None else None
+                latents = at(self.state, phase) if at is not None else None
                 if latents is None:
                     self.state, info = self._vstep(phase, batch.indices)(
                         self.state, batch.indices, batch.args, batch.kwargs
@@ -225,6 +226,17 @@ def chains_gradient(log_posterior_fn: Any, latents: Latents, batch: Batch) -> Gr
                 [-6., -8.]])
 
     """
+    own = getattr(log_posterior_fn, "batched_gradient", None)
+    result = own(latents, batch) if own is not None else None
+    grads, values = result if result is not None else gradient_and_value(log_posterior_fn, latents, batch)
+    grad_sq = sum(g.square().reshape(g.shape[0], -1).sum(1) for g in grads.values())
+    diverging = ~(torch.isfinite(values) & torch.isfinite(grad_sq))
+    count = torch.zeros(values.shape, device=values.device)  # no noise estimated (as estimate_gradient's)
+    return GradientEstimate(grads, values, grad_sq.sqrt(), diverging, {}, count, {})
+
+
+def gradient_and_value(log_posterior_fn: Any, latents: Latents, batch: Batch) -> tuple[Latents, Tensor]:
+    """Every chain's gradient and value of ``log_posterior_fn``: one vmapped density, one backward pass."""
     leaves = {name: x.detach().requires_grad_() for name, x in latents.items()}
 
     def one(chain_latents, indices, args, kwargs):
@@ -234,12 +246,7 @@ def chains_gradient(log_posterior_fn: Any, latents: Latents, batch: Batch) -> Gr
     with torch.enable_grad():
         values = vmap(one, in_dims=in_dims)(leaves, batch.indices, batch.args, batch.kwargs)
         grads = torch.autograd.grad(values.sum(), list(leaves.values()), allow_unused=True, materialize_grads=True)
-    grads = dict(zip(leaves, grads, strict=True))
-    values = values.detach()
-    grad_sq = sum(g.square().reshape(g.shape[0], -1).sum(1) for g in grads.values())
-    diverging = ~(torch.isfinite(values) & torch.isfinite(grad_sq))
-    count = torch.zeros(values.shape, device=values.device)  # no noise estimated (as estimate_gradient's)
-    return GradientEstimate(grads, values, grad_sq.sqrt(), diverging, {}, count, {})
+    return dict(zip(leaves, grads, strict=True)), values.detach()
 
 
 def index_dims(indices: dict) -> dict:

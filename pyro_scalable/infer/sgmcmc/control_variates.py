@@ -57,6 +57,7 @@ from torch.func import grad_and_value
 from pyro_scalable.bridge.minibatches import EpochSampler, chunks
 from pyro_scalable.bridge.model import Batch, Latents, ModelBridge
 from pyro_scalable.infer.distributed import all_reduce_sum
+from pyro_scalable.infer.sgmcmc.chains import gradient_and_value, index_dims
 
 __all__ = [
     "ControlVariate",
@@ -152,6 +153,29 @@ class ControlledLogPosterior:
         for name, x in latents.items():
             value = value + ((full_gradient[name] - at_centre[name]) * (x - centre[name])).sum()
         return value
+
+    def batched_gradient(self, latents: Latents, batch: Batch) -> tuple[Latents, Tensor]:
+        """Every chain's controlled gradient and value (``latents`` with a leading chain dimension).
+
+        The chains at θ and at the centre, each on its chain's minibatch, are one vmapped density of 2C chains and
+        one backward pass (:func:`~.chains.gradient_and_value`): the centre's minibatch gradient is not a gradient
+        transform nested in the chains' vmap, as in :meth:`__call__`.
+        """
+        if self.control is None or not self.active:
+            return gradient_and_value(self.inner, latents, batch)
+        centre, full_gradient, full_value = self.control
+        chains = next(iter(latents.values())).shape[0]
+        both = {name: torch.cat([x, centre[name].expand_as(x)]) for name, x in latents.items()}
+        dims = index_dims(batch.indices)
+        doubled = {name: torch.cat([idx, idx]) if dims[name] == 0 else idx for name, idx in batch.indices.items()}
+        grads, values = gradient_and_value(self.inner, both, Batch(doubled, batch.args, batch.kwargs))
+        value = values[:chains] - values[chains:] + full_value
+        controlled = {}
+        for name, x in latents.items():
+            correction = full_gradient[name] - grads[name][chains:]
+            controlled[name] = grads[name][:chains] + correction
+            value = value + (correction * (x - centre[name])).reshape(chains, -1).sum(1)
+        return controlled, value
 
 
 def _gradient_and_value(fn: Callable, latents: Latents, batch: Batch) -> tuple[Latents, Tensor]:

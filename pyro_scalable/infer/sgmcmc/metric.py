@@ -92,6 +92,12 @@ class AffineMap(NamedTuple):
             return self.mean + flat * self.scale
         return self.mean + flat @ self.scale.T
 
+    def gradient_to_z(self, flat_gradient: Tensor) -> Tensor:
+        """The gradient in z of a function whose gradient in θ is ``flat_gradient`` (Lᵀ g; leading dims allowed)."""
+        if self.scale.dim() == 1:
+            return flat_gradient * self.scale
+        return flat_gradient @ self.scale
+
     def to_z(self, flat: Tensor) -> Tensor:
         """The z of θ (leading dims allowed)."""
         centred = flat - self.mean
@@ -144,6 +150,18 @@ class AffineLogPosterior:
     def __call__(self, latents: Latents, batch: Batch) -> Tensor:
         flat = self.affine.to_theta(self.layout.flatten(latents, 0))
         return self.inner(self.layout.unflatten(flat), batch)
+
+    def batched_gradient(self, latents: Latents, batch: Batch) -> tuple[Latents, Tensor] | None:
+        """Every chain's gradient in z and value, from the wrapped log posterior's own batched gradient in θ.
+
+        ``latents`` have a leading chain dimension. ``None`` where the wrapped one has no ``batched_gradient``.
+        """
+        inner = getattr(self.inner, "batched_gradient", None)
+        if inner is None:
+            return None
+        theta = self.layout.unflatten(self.affine.to_theta(self.layout.flatten(latents, 1)))
+        grads, values = inner(theta, batch)
+        return self.layout.unflatten(self.affine.gradient_to_z(self.layout.flatten(grads, 1))), values
 
 
 class MetricSchedule:

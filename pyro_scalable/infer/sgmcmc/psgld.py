@@ -131,6 +131,7 @@ def update(
     damping: float = 1e-5,
     updates: Updates = "warmup",
     gradient_noise: str = "ignore",
+    noise_every: int = 1,
     generator: torch.Generator | None = None,
 ) -> tuple[PSGLDState, SGMCMCInfo]:
     """Move one chain by one pSGLD step with the gradient ``gradient`` (from :func:`estimate`).
@@ -143,7 +144,7 @@ def update(
     metric = preconditioner(state, damping)
     step_size_now = resolve(step_size, state.step_count, gradient.log_posterior)
     noise_average, gradient_variance = noise_in_step(
-        state, gradient, gradient_noise, lambda name: step_size_now**2 * metric[name].square()
+        state, gradient, gradient_noise, lambda name: step_size_now**2 * metric[name].square(), noise_every
     )
     wanted = {name: 2.0 * step_size_now * temperature_now * g for name, g in metric.items()}
     variance, noise_ratio, uncorrected = injected_variance(

@@ -59,20 +59,18 @@ from pyro_scalable.infer.sgmcmc.base import (
     Kernel,
     Latents,
     LogPosteriorFn,
-    Mass,
     check_gradient_noise,
-    check_mass,
     estimate,
     extended_info,
     gaussian_like,
     injected_variance,
-    mass_like,
     noise_in_step,
     noise_start,
     scalar_like,
 )
 from pyro_scalable.infer.sgmcmc.control_variates import check_control_variate
 from pyro_scalable.infer.sgmcmc.divergence import keep_where_finite, zero_where_diverging
+from pyro_scalable.infer.sgmcmc.mass import Mass, check_mass, mass_like
 
 __all__ = ["SGHMC", "SGHMCInfo", "SGHMCState", "estimate", "init", "sgd_hyperparameters", "step", "update"]
 
@@ -107,6 +105,7 @@ def update(
     mass: Mass = 1.0,
     temperature: ScalarOrSchedule = 1.0,
     gradient_noise: str = "ignore",
+    noise_every: int = 1,
     generator: torch.Generator | None = None,
 ) -> tuple[SGHMCState, SGHMCInfo]:
     """Move one chain by one SGHMC step with the gradient ``gradient`` (from :func:`estimate`)."""
@@ -114,7 +113,7 @@ def update(
     step_size_now = resolve(step_size, state.step_count, gradient.log_posterior)
     friction = scalar_like(friction, step_size_now)
     masses = mass_like(mass, state.latents)
-    noise_average, gradient_variance = noise_in_step(state, gradient, gradient_noise, step_size_now**2)
+    noise_average, gradient_variance = noise_in_step(state, gradient, gradient_noise, step_size_now**2, noise_every)
     variance, noise_ratio, uncorrected = injected_variance(
         2.0 * friction * step_size_now * temperature_now,
         gradient_variance,

@@ -81,12 +81,13 @@ def update(
     step_size: ScalarOrSchedule | Tensor,
     temperature: ScalarOrSchedule = 1.0,
     gradient_noise: str = "ignore",
+    noise_every: int = 1,
     generator: torch.Generator | None = None,
 ) -> tuple[SGLDState, SGMCMCInfo]:
     """Move one chain by one SGLD step with the gradient ``gradient`` (from :func:`estimate`)."""
     temperature_now = resolve(temperature, state.step_count, gradient.log_posterior)
     step_size_now = resolve(step_size, state.step_count, gradient.log_posterior)
-    noise_average, gradient_variance = noise_in_step(state, gradient, gradient_noise, step_size_now**2)
+    noise_average, gradient_variance = noise_in_step(state, gradient, gradient_noise, step_size_now**2, noise_every)
     variance, noise_ratio, uncorrected = injected_variance(
         2.0 * step_size_now * temperature_now, gradient_variance, gradient_noise == "correct", state.latents
     )

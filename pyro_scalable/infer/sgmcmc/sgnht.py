@@ -117,6 +117,7 @@ def update(
     friction: float | Tensor = 1.0,
     temperature: ScalarOrSchedule = 1.0,
     gradient_noise: str = "ignore",
+    noise_every: int = 1,
     generator: torch.Generator | None = None,
 ) -> tuple[SGNHTState, SGNHTInfo]:
     """Move one chain by one SGNHT step with the gradient ``gradient`` (from :func:`estimate`)."""
@@ -125,7 +126,7 @@ def update(
     step_size_now = resolve(step_size, state.step_count, gradient.log_posterior)
     friction = scalar_like(friction, step_size_now)
     xi = state.thermostat
-    noise_average, gradient_variance = noise_in_step(state, gradient, gradient_noise, step_size_now**2)
+    noise_average, gradient_variance = noise_in_step(state, gradient, gradient_noise, step_size_now**2, noise_every)
     variance, noise_ratio, uncorrected = injected_variance(
         2.0 * friction * step_size_now * temperature_now,
         gradient_variance,

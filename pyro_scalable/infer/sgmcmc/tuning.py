@@ -25,7 +25,8 @@ import torch
 from torch import Tensor
 
 from pyro_scalable.infer.sgmcmc import psgld
-from pyro_scalable.infer.sgmcmc.base import CURVATURE_EVERY, GradientEstimate, Latents, mass_like
+from pyro_scalable.infer.sgmcmc.base import CURVATURE_EVERY, GradientEstimate, Latents
+from pyro_scalable.infer.sgmcmc.mass import mass_like
 
 __all__ = ["NOISE_FRACTION", "RULES", "baoab_step_size", "fisher_mass", "momentum_step_size", "noise_bound"]
 

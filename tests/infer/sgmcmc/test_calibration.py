@@ -17,7 +17,13 @@ from pyro.ops.stats import effective_sample_size
 
 from pyro_scalable.bridge.model import Batch, ModelBridge
 from pyro_scalable.infer import PSGLD, SGHMC, SGLD, SGNHT, StochasticMCMC, sgld
-from pyro_scalable.infer.sgmcmc.base import estimate_gradient
+from pyro_scalable.infer.sgmcmc.base import (
+    NOISE_EVERY,
+    NOISE_WINDOW,
+    GradientEstimate,
+    average_noise,
+    estimate_gradient,
+)
 
 from ...conftest import LinearRegression
 
@@ -75,6 +81,31 @@ def test_corrected_sgld_step_is_the_formula():
     torch.testing.assert_close(state.latents["x"], expected, rtol=1e-13, atol=1e-13)
     assert float(info.noise_ratio) == pytest.approx(float(eps**2 * variance / (2 * eps * temp)))
     assert float(info.uncorrected) == 0.0
+
+
+def test_a_noise_measurement_on_every_fourth_step_weighs_as_the_steps_it_stands_for():
+    """Measured on steps 0, 4, 8, ...: the plain mean of the measurements until the window is full, then a moving
+    average that forgets at the same rate in steps as one measured on every step (weight 4/50 per measurement)."""
+    values = torch.linspace(1.0, 3.0, 40, dtype=torch.float64) ** 2
+    average, kept = {}, []
+    for t in range(4 * len(values)):
+        measured = t % NOISE_EVERY == 0
+        noise = {"x": values[t // NOISE_EVERY].reshape(1)} if measured else {}
+        zero = torch.zeros(1, dtype=torch.float64)
+        estimate = GradientEstimate({"x": zero}, zero.sum(), zero.sum(), torch.tensor(False), noise, zero.sum(), {})
+        before = average
+        average = average_noise(average, estimate, torch.tensor(t), NOISE_EVERY if measured else 0)
+        if not measured:
+            assert average is before  # nothing measured: the average as it was
+        else:
+            kept.append(float(average["x"]))
+    full = NOISE_WINDOW // NOISE_EVERY  # 12 measurements: the weight 1/(n+1) reaches 4/50 after them
+    for n in range(full):
+        assert kept[n] == pytest.approx(float(values[: n + 1].mean()), rel=1e-12)
+    expected = kept[full - 1]
+    for n in range(full, len(values)):
+        expected += NOISE_EVERY / NOISE_WINDOW * (float(values[n]) - expected)
+        assert kept[n] == pytest.approx(expected, rel=1e-12)
 
 
 def test_a_step_too_large_for_any_correction_injects_nothing_and_says_so():
