@@ -8,7 +8,8 @@ without a gradient-noise measurement. ``--package`` runs another copy of ``pyro_
 the same code on the same machine:
 
     python benchmarks/diagnose_step_phases.py --out benchmarks/results/step_phases.md                 # this tree
-    python benchmarks/diagnose_step_phases.py --package .base --out benchmarks/results/step_phases_before.md
+    python benchmarks/diagnose_step_phases.py --package .base --commit <commit> \
+        --out benchmarks/results/step_phases_before.md
 
 About a minute each on 2 CPU cores. NUTS is not run (its figures are in ``conditioning.md``).
 """
@@ -44,6 +45,7 @@ def kind(program, phase) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--package", type=Path, default=HERE.parent, help="the directory holding pyro_scalable/")
+    parser.add_argument("--commit", default="", help="the commit --package was taken from (for the report)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=HERE / "results" / "step_phases.md")
     args = parser.parse_args()
@@ -72,10 +74,13 @@ def main() -> None:
     chains.ChainStepper.step = timed
     package = Path(pyro_scalable.__file__).resolve().parent.parent
     option = "" if args.package == HERE.parent else f" --package {args.package}"
+    option += f" --commit {args.commit}" if args.commit else ""
+    origin = f", the package at commit {args.commit}" if args.commit else ""
     lines = [
         "# The hierarchies' runs, step by step",
         "",
-        f"Command: `python benchmarks/diagnose_step_phases.py{option}` (package from `{package}`)",
+        f"Command: `python benchmarks/diagnose_step_phases.py{option}` (package from `{package}`{origin}; the "
+        "stamp below is the script's)",
         "",
         *machine(args.threads),
         "",

@@ -143,11 +143,15 @@ class Adaptation:
     def phase(self, step_index: int) -> Phase:
         """Warm-up step ``step_index``: its power iterations, burn-in, and whether it measures the gradient noise.
 
-        Power iterations: none where the step size is given; the noise: on every :data:`~.base.NOISE_EVERY`-th
-        step, as in sampling (:func:`~.base.noise_phase`).
+        Power iterations: none where the step size is given. The noise: on every step of the calibrated half, whose
+        friction and step size follow the largest coordinate's average (an average over fewer measurements is
+        noisier, and its largest coordinate larger); on every :data:`~.base.NOISE_EVERY`-th step of burn-in
+        (:func:`~.base.noise_phase`), which does not use it (T = 0) but hands its average on.
         """
         iterations = power_iterations(step_index) if self.chooses_step_size else 0
-        return noise_phase(step_index)._replace(power_iterations=iterations, burn_in=step_index < self.num_warmup // 2)
+        burn_in = step_index < self.num_warmup // 2
+        measured = noise_phase(step_index) if burn_in else SAMPLING
+        return measured._replace(power_iterations=iterations, burn_in=burn_in)
 
     def estimate(
         self,

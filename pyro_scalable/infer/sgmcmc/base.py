@@ -26,10 +26,10 @@ mean, which is the usual minibatch gradient. A log posterior may split a large m
 :math:`s^2 \approx m\,\mathrm{var}_G(h_g)`, unbiased over random partitions, at the cost of one batched
 gradient (:mod:`pyro_scalable.bridge.log_posterior`). An engine that corrects for (or reports) the noise keeps a moving
 average of :math:`\hat V` over about 50 steps in its State (:func:`average_noise`): steadier than one
-minibatch's estimate, whose clipping at 0 would bias the correction. A run's sampling steps measure it on every
-fourth step (:func:`noise_phase`; each measurement weighs as the four steps it stands for) and take the plain
-gradient in between: the per-example gradients cost several plain ones, and an average over 50 steps changes
-little in four (``docs/benchmarks.md``: the hierarchical logistic regression's sampling step 6.3 → X ms).
+minibatch's estimate, whose clipping at 0 would bias the correction. A run's sampling steps (and burn-in's)
+measure it on every fourth step (:func:`noise_phase`; each measurement weighs as the four steps it stands for)
+and take the plain gradient in between: the per-example gradients cost several plain ones, and an average over
+50 steps changes little in four (``docs/benchmarks.md``, "The gradient noise on every fourth step").
 """
 
 from __future__ import annotations

@@ -70,9 +70,9 @@ def test_a_chain_with_a_non_finite_density_is_flagged_and_leaves_the_others_alon
         (lambda m: SGHMC(m, step_size=1e-3), 25),  # a hand-set step ignores the gradient noise: plain gradient
         # per-example gradients (under vmap) on every 4th step, steps 0, 4, ..., 24: the plain gradient on the others
         (lambda m: SGLD(m, step_size=1e-4, gradient_noise="correct"), 25 - 7),
-        # warm-up measures the noise and the curvature on steps 0, 4, ..., 16 (the plain gradient on the other 15);
-        # sampling (steps 20 to 24) as SGLD's
-        (lambda m: SGHMC(m), 15 + 3),
+        # warm-up measures the noise and the curvature on burn-in's steps 0, 4, 8 (the plain gradient on the other 7)
+        # and the noise on every calibrated step (10 to 19); sampling (steps 20 to 24) as SGLD's
+        (lambda m: SGHMC(m), 7 + 3),
     ],
 )
 def test_the_stepper_batches_the_gradient_exactly_where_it_is_the_plain_gradient(bridge, kernel, batched):
