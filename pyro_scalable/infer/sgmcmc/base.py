@@ -70,7 +70,7 @@ __all__ = [
 Latents = dict[str, Tensor]
 NOISE_WINDOW = 50  # steps: the moving average of the gradient noise forgets older steps at this rate
 CURVATURE_EVERY = 4  # warm-up measures the curvature on every 4th step after the first (.adaptation)
-NOISE_EVERY = 4  # sampling steps measure the gradient noise on every 4th step (noise_phase)
+NOISE_EVERY = 4  # burn-in and sampling measure the gradient noise on every 4th step (noise_phase)
 
 
 class LogPosteriorFn(Protocol):
@@ -130,7 +130,7 @@ SAMPLING = Phase()
 
 
 def noise_phase(step_index: int) -> Phase:
-    """A sampling step that measures the gradient noise on every :data:`NOISE_EVERY`-th step, and not in between.
+    """A step that measures the gradient noise on every :data:`NOISE_EVERY`-th step, and not in between.
 
     Example:
         >>> [noise_phase(t).noise_every for t in range(6)]
