@@ -75,14 +75,17 @@ class RunRecord:
         return torch.empty(shape, dtype=dtype, device=device)
 
     def record(self, index: int, latents: dict[str, Tensor], info: Any) -> None:
-        """Draw ``index`` of every chain and the step's statistics (``info``: a NamedTuple of per-chain values)."""
+        """Draw ``index`` of every chain and the step's statistics (``info``: a NamedTuple of per-chain values).
+
+        One chain's values may be 0-d: they broadcast into the chains' dimension of the buffers.
+        """
         for name, x in latents.items():
             self.draws[name][:, index].copy_(x.detach(), non_blocking=True)
         for stat, value in info._asdict().items():
             name = "lp" if stat == "log_posterior" else stat
             if name not in self.stats:  # shaped and placed as the draws' buffers
                 buffer = next(iter(self.draws.values()))
-                self.stats[name] = self._empty((value.shape[0], buffer.shape[1]), value.dtype, buffer.device)
+                self.stats[name] = self._empty(buffer.shape[:2], value.dtype, buffer.device)
             self.stats[name][:, index].copy_(value.detach(), non_blocking=True)
 
     def settle(self) -> None:

@@ -162,7 +162,8 @@ def evaluate(log_posterior_fn: LogPosteriorFn, latents: Latents, batch: Any) -> 
         grads = dict(zip(leaves, values, strict=True))
         value = value.detach()
     grad_sq = sum(g.square().sum() for g in grads.values())
-    diverging = ~(torch.isfinite(value) & torch.isfinite(grad_sq))
+    # one check for both: the sum is finite where both are (grad_sq >= 0; it overflows only past ~1e38, a divergence)
+    diverging = ~torch.isfinite(value + grad_sq)
     return grads, value, grad_sq.sqrt(), diverging
 
 

@@ -96,7 +96,7 @@ class ChainStepper:
         return self._vsteps[key]
 
     def step(self, batch: Batch, step_index: int):
-        """Step every chain on ``batch``, the run's step ``step_index``; returns the stacked Info."""
+        """Step every chain on ``batch``, the run's step ``step_index``; returns the stacked Info (one chain's: 0-d)."""
         phase = self.program.phase(step_index) if hasattr(self.program, "phase") else SAMPLING
         if self.reducer is not None:
             return self._reduced_step(batch, phase)
@@ -130,7 +130,9 @@ class ChainStepper:
             indices = chain_indices(batch.indices, c)
             self._chains[c], info = self._one(chain_state, indices, batch.args, batch.kwargs, phase)
             infos.append(info)
-        return _stack(infos)
+        # one chain: its Info as it is, 0-d values that broadcast where the chains' dimension would be (the driver
+        # records them into (1, ...) buffers); a stacked copy would cost an operation per field on every step
+        return infos[0] if len(infos) == 1 else _stack(infos)
 
     def _reduced_step(self, batch: Batch, phase: Phase):
         local = self.reducer.shard(batch)
@@ -230,7 +232,7 @@ def chains_gradient(log_posterior_fn: Any, latents: Latents, batch: Batch) -> Gr
     result = own(latents, batch) if own is not None else None
     grads, values = result if result is not None else gradient_and_value(log_posterior_fn, latents, batch)
     grad_sq = sum(g.square().reshape(g.shape[0], -1).sum(1) for g in grads.values())
-    diverging = ~(torch.isfinite(values) & torch.isfinite(grad_sq))
+    diverging = ~torch.isfinite(values + grad_sq)  # as evaluate's: finite where both are
     count = torch.zeros(values.shape, device=values.device)  # no noise estimated (as estimate_gradient's)
     return GradientEstimate(grads, values, grad_sq.sqrt(), diverging, {}, count, {})
 

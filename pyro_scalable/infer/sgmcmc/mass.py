@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from pyro_scalable.bridge.model import Latents
-from pyro_scalable.infer.schedules import check_positive
+from pyro_scalable.infer.schedules import check_positive, constant
 
 __all__ = ["Mass", "check_mass", "mass_like"]
 
@@ -17,7 +17,7 @@ Mass = float | Mapping[str, Tensor] | str
 
 
 def mass_like(mass: Mass, latents: Latents) -> Latents:
-    """The diagonal mass shaped like ``latents``: a scalar, a dict by site (broadcast), or a learnt one as it is.
+    """The diagonal mass per site: a dict (or a learnt one) broadcast to each site's shape, a scalar as a 0-d tensor.
 
     ``"fisher"`` before warm-up has learnt it is the unit mass.
     """
@@ -27,7 +27,7 @@ def mass_like(mass: Mass, latents: Latents) -> Latents:
             for name, x in latents.items()
         }
     value = 1.0 if isinstance(mass, str) else float(mass)
-    return {name: torch.full_like(x, value) for name, x in latents.items()}
+    return {name: constant(value, x) for name, x in latents.items()}  # a scalar broadcasts: one shared 0-d tensor
 
 
 def check_mass(mass: Mass, *, learnt: bool = False) -> float:
