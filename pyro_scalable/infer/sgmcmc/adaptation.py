@@ -50,6 +50,7 @@ from pyro_scalable.infer.sgmcmc.base import (
     Latents,
     LogPosteriorFn,
     Phase,
+    average_noise,
     estimate_gradient,
     noise_phase,
 )
@@ -266,18 +267,12 @@ def hessian_product(
 def observe(state: AdaptationState, estimate: GradientEstimate, noise_every: int = 1) -> AdaptationState:
     """Fold a step's noise estimate and Hessian-vector product (where there is one) into the moving averages.
 
-    A noise measurement weighs as the ``noise_every`` steps it stands for (as :func:`~.base.average_noise`).
+    The noise is averaged as a kernel's own (:func:`~.base.average_noise`, over the warm-up steps seen): a
+    measurement weighs as the ``noise_every`` steps it stands for.
     """
     count = state.count + 1
     keep = estimate.diverging
-    noise = state.noise
-    if estimate.noise_variance:
-        weight = noise_every / (state.count + noise_every).to(state.curvature.dtype)
-        weight = torch.clamp(weight, min=noise_every / NOISE_WINDOW)
-        noise = {
-            name: torch.where(keep, v, v + weight * (estimate.noise_variance[name] - v))
-            for name, v in state.noise.items()
-        }
+    noise = average_noise(state.noise, estimate, state.count, noise_every)
     curvature, direction = state.curvature, state.direction
     if estimate.hessian_product:
         # averaged over the measurements, forgetting at the noise's rate in steps (NOISE_WINDOW / CURVATURE_EVERY
