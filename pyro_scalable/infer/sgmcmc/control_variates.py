@@ -160,6 +160,23 @@ class ControlledLogPosterior:
         The chains at θ and at the centre, each on its chain's minibatch, are one vmapped density of 2C chains and
         one backward pass (:func:`~.chains.gradient_and_value`): the centre's minibatch gradient is not a gradient
         transform nested in the chains' vmap, as in :meth:`__call__`.
+
+        Example:
+            >>> import pyro, pyro.distributions as dist, torch
+            >>> from pyro_scalable.bridge import ModelBridge
+            >>> def model(y):
+            ...     mu = pyro.sample("mu", dist.Normal(0.0, 10.0))
+            ...     with pyro.plate("data", len(y), subsample_size=5) as idx:
+            ...         pyro.sample("obs", dist.Normal(mu, 1.0), obs=y[idx])
+            >>> bridge = ModelBridge(model, (torch.arange(20.0),))
+            >>> controlled = ControlledLogPosterior(
+            ...     bridge.log_posterior_fn, full_data_gradient(bridge, {"mu": torch.tensor(9.5)}))
+            >>> minibatches = Batch({"data": torch.tensor([[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]])}, bridge.args, {})
+            >>> grads, values = controlled.batched_gradient({"mu": torch.tensor([8.0, 9.5])}, minibatches)
+            >>> exact = bridge.log_posterior({"mu": torch.tensor(9.5)}, bridge.full_batch())
+            >>> bool(torch.isclose(values[1], exact))  # the chain at the centre: exact, whatever its minibatch
+            True
+
         """
         if self.control is None or not self.active:
             return gradient_and_value(self.inner, latents, batch)

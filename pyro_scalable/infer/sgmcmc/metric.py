@@ -93,7 +93,15 @@ class AffineMap(NamedTuple):
         return self.mean + flat @ self.scale.T
 
     def gradient_to_z(self, flat_gradient: Tensor) -> Tensor:
-        """The gradient in z of a function whose gradient in θ is ``flat_gradient`` (Lᵀ g; leading dims allowed)."""
+        """The gradient in z of a function whose gradient in θ is ``flat_gradient`` (Lᵀ g; leading dims allowed).
+
+        Example:
+            >>> import torch
+            >>> affine = AffineMap(torch.zeros(2), torch.tensor([[2.0, 0.0], [1.0, 3.0]]))
+            >>> affine.gradient_to_z(torch.tensor([1.0, 1.0]))  # Lᵀ (1, 1)
+            tensor([3., 3.])
+
+        """
         if self.scale.dim() == 1:
             return flat_gradient * self.scale
         return flat_gradient @ self.scale
