@@ -22,11 +22,22 @@ coordinate counts in ``sample_stats.uncorrected``. (DESIGN.md writes the same te
 :math:`T\epsilon(2\alpha - T\epsilon\hat\beta)`, i.e. :math:`\hat\beta = V/T^2`: the gradient's noise does not
 scale with the temperature.)
 
+**A friction per coordinate.** :math:`\alpha` may be a diagonal matrix, one :math:`\alpha_j` per coordinate
+(``friction`` a dict of tensors by site): the continuous-time dynamics
+:math:`dm = \nabla\log\pi\,dt - \alpha\sigma^{-2}m\,dt + \sqrt{2\alpha T}\,dW` keep
+:math:`\pi_T(\theta)\,\mathcal{N}(m; 0, T\sigma^2)` stationary for any positive diagonal :math:`\alpha` (the
+friction and the noise it injects balance coordinate by coordinate), and each coordinate's noise bound is its own.
+
 **Warm-up.** ``step_size=None`` chooses :math:`\epsilon \le 0.3/\sqrt{\lambda}` (:math:`\lambda` the largest
 curvature in the mass metric: a stationary-variance bias of about 2%) and, where the friction is also left to
-warm-up, :math:`\alpha = \max(\epsilon \bar V_{\max} / (2T\rho),\ 0.1\,\bar m/\epsilon)` with
-:math:`\epsilon` small enough that the momentum keeps at least half of itself per step; a given friction instead
-bounds :math:`\epsilon \le 2\alpha T\rho / \bar V_{\max}`.
+warm-up, a friction per coordinate,
+:math:`\alpha_j = \min(\max(\epsilon \bar V_j / (2T\rho),\ 0.1\,m_j/\epsilon),\ 0.5\,m_j/\epsilon)` (the least
+friction that keeps that coordinate's gradient noise within :math:`\rho` of the injected noise, at least SGD's
+momentum 0.9), with :math:`\epsilon` small enough that every coordinate's momentum keeps at least half of itself per
+step; ``sample_stats.friction`` is the largest. One friction for all, at the noisiest coordinate's need, damps every
+other direction as hard: on a non-centred hierarchical logistic regression the group scale's gradient noise asked
+for 3–4 times what the rest did, and a friction each took the smallest ESS from 24 to 162 (``docs/benchmarks.md``).
+A given friction is one for all and instead bounds :math:`\epsilon \le 2\alpha T\rho / \bar V_{\max}`.
 
 **T = 0 is SGD with momentum.** Writing :math:`b_t = -m_t / \epsilon`, the update is
 :math:`b_{t+1} = \mu b_t + \nabla(-\log p)`, :math:`\theta_{t+1} = \theta_t - \eta\, b_{t+1}` — exactly
@@ -101,27 +112,34 @@ def update(
     gradient: GradientEstimate,
     *,
     step_size: ScalarOrSchedule | Tensor,
-    friction: float | Tensor = 1.0,
+    friction: float | Tensor | Latents = 1.0,
     mass: Mass = 1.0,
     temperature: ScalarOrSchedule = 1.0,
     gradient_noise: str = "ignore",
     noise_every: int = 1,
     generator: torch.Generator | None = None,
 ) -> tuple[SGHMCState, SGHMCInfo]:
-    """Move one chain by one SGHMC step with the gradient ``gradient`` (from :func:`estimate`)."""
+    """Move one chain by one SGHMC step with the gradient ``gradient`` (from :func:`estimate`).
+
+    ``friction`` is a scalar or, as warm-up chooses it, a tensor per site (one friction per coordinate).
+    """
     temperature_now = resolve(temperature, state.step_count, gradient.log_posterior)
     step_size_now = resolve(step_size, state.step_count, gradient.log_posterior)
-    friction = scalar_like(friction, step_size_now)
     masses = mass_like(mass, state.latents)
+    if isinstance(friction, dict):  # one per coordinate, as warm-up chooses it; the Info shows the largest
+        frictions, friction = friction, torch.stack([f.max() for f in friction.values()]).max()
+    else:
+        friction = scalar_like(friction, step_size_now)
+        frictions = dict.fromkeys(state.latents, friction)
     noise_average, gradient_variance = noise_in_step(state, gradient, gradient_noise, step_size_now**2, noise_every)
     variance, noise_ratio, uncorrected = injected_variance(
-        2.0 * friction * step_size_now * temperature_now,
+        {name: 2.0 * f * step_size_now * temperature_now for name, f in frictions.items()},
         gradient_variance,
         gradient_noise == "correct",
         state.latents,
     )
     noise = gaussian_like(state.latents, generator, temperature)
-    decay = {name: 1.0 - step_size_now * friction / m for name, m in masses.items()}
+    decay = {name: 1.0 - step_size_now * frictions[name] / m for name, m in masses.items()}
     momenta = integrators.momentum(state.momenta, gradient.grads, step_size_now, decay, variance, noise)
     proposal = integrators.drift(state.latents, momenta, {name: step_size_now / m for name, m in masses.items()})
     diverging = gradient.diverging
@@ -193,7 +211,7 @@ class SGHMC(Kernel):
         step_size: ε, a constant or a schedule (:mod:`pyro_scalable.infer.schedules`); ``None`` (the default)
             chooses it in warm-up from the curvature and the gradient noise (needs ``num_warmup`` > 0).
         friction: α > 0; ``step_size * friction / mass`` must be below 1. ``None`` (the default) is 1.0 with a
-            given step size, and chosen in warm-up with the step size otherwise.
+            given step size, and chosen in warm-up with the step size otherwise, one per coordinate.
         mass: the diagonal mass: a positive scalar, a dict of positive tensors by site (broadcast to the site's
             unconstrained shape), or ``"fisher"``: the diagonal Fisher, estimated in warm-up then frozen.
         temperature: T; 1 is Bayes, 0 is SGD with momentum. A constant or a schedule.

@@ -22,7 +22,7 @@ from .test_sgld import quadratic
 
 
 class NoisyQuadratic:
-    """log p(x) = -½ λ x² + (N/B) Σ_batch u_i x: curvature λ exactly, per-example gradients -λx + N u_i."""
+    """log p(x) = -½ λ |x|² + (N/B) Σ_batch u_i·x: curvature λ exactly, per-example gradients -λx + N u_i."""
 
     def __init__(self, curvature: float, u: torch.Tensor):
         self.curvature, self.u = curvature, u
@@ -30,7 +30,7 @@ class NoisyQuadratic:
     def __call__(self, latents, batch):
         x = latents["x"]
         scale = self.u.shape[0] / batch.shape[-1]
-        return (-0.5 * self.curvature * x.square() + scale * (self.u[batch] * x).sum()).sum()
+        return -0.5 * self.curvature * x.square().sum() + scale * (self.u[batch] * x).sum()
 
     def examples(self, batch):
         return batch.unsqueeze(-1), 0, math.inf  # drawn with replacement: no finite-population factor
@@ -80,17 +80,27 @@ def test_sgld_step_size_is_the_formula_on_a_gaussian_of_known_curvature_and_nois
     assert float(state.curvature) == pytest.approx(curvature, rel=1e-12)
 
 
-def test_sghmc_step_size_and_friction_are_the_formula():
-    u = torch.tensor([0.5, -1.0, 2.0, 0.25, -0.75], dtype=torch.float64)
-    fn, batch, temperature = NoisyQuadratic(3.0, u), torch.tensor([0, 2, 3]), 0.7
-    state, info = one_calibrated_step(SGHMC(lambda: None, temperature=temperature), fn, batch)
-    noise = float((-3.0 * 0.4 + 5 * u[batch]).var() / 3)
-    rate = noise / (2 * temperature * 0.5)  # the friction must be at least ε times this
-    step_size = min(0.3 / math.sqrt(3.0), math.sqrt(0.5 / rate))
-    friction = min(max(step_size * rate, 0.1 / step_size), 0.5 / step_size)
+@pytest.mark.parametrize("given", [None, 2.0], ids=["chosen", "given"])
+def test_sghmc_step_size_and_friction_are_the_formula(given):
+    """Two coordinates whose gradient noise differs 100×: a friction each (chosen), or one bounding ε (given)."""
+    u = torch.tensor([[0.5, 0.05], [-1.0, -0.1], [2.0, 0.2], [0.25, 0.025], [-0.75, -0.075]], dtype=torch.float64)
+    fn, batch, temperature, x = NoisyQuadratic(3.0, u), torch.tensor([0, 2, 3]), 0.7, [0.4, -0.2]
+    warmup = Adaptation(SGHMC(lambda: None, friction=given, temperature=temperature), num_warmup=1)
+    state = warmup.init({"x": torch.tensor(x, dtype=torch.float64)})
+    gradient = warmup.estimate(state, batch, fn, warmup.phase(0))
+    state, info = warmup.update(state, gradient, torch.Generator().manual_seed(0), warmup.phase(0))
+    noise = (-3.0 * torch.tensor(x, dtype=torch.float64) + 5 * u[batch]).var(dim=0) / 3
+    rate = noise / (2 * temperature * 0.5)  # each coordinate's friction must be at least ε times this
+    if given is None:
+        step_size = min(0.3 / math.sqrt(3.0), math.sqrt(0.5 / float(rate.max())))
+        friction = torch.clamp(torch.clamp(step_size * rate, min=0.1 / step_size), max=0.5 / step_size)
+        assert friction[0] > 2.5 * friction[1]  # the quiet coordinate keeps the default decay, 0.9
+        torch.testing.assert_close(state.tuned["friction"]["x"], friction, rtol=1e-12, atol=0)
+        assert float(info.friction) == pytest.approx(float(friction.max()), rel=1e-12)  # sample_stats: the largest
+    else:
+        step_size = min(0.3 / math.sqrt(3.0), given / float(rate.max()), 0.5 / given)
+        assert "friction" not in state.tuned and float(info.friction) == given
     assert float(state.tuned["step_size"]) == pytest.approx(step_size, rel=1e-12)
-    assert float(state.tuned["friction"]) == pytest.approx(friction, rel=1e-12)
-    assert float(info.friction) == float(state.tuned["friction"])
 
 
 def test_fisher_mass_is_the_noise_normalised_to_mean_one():
