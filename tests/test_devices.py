@@ -23,6 +23,7 @@ from pyro_scalable.bridge.model import ModelBridge
 from pyro_scalable.bridge.records import Batch
 from pyro_scalable.bridge.traced import TRACE_AFTER, model_tracing
 from pyro_scalable.infer import (
+    BAOAB,
     SGHMC,
     SWAG,
     AutoLinearizedLaplace,
@@ -223,15 +224,17 @@ def partial_pooling(x, group, y, batch=8):
         pyro.sample("obs", dist.Normal(a[group[idx]] + x[idx], sigma), obs=y[idx])
 
 
-def test_a_hierarchy_with_every_default_on_the_device(device):
-    """Warm-up's control variate at its window means, its metric, the noise measured on every fourth step and the
-    batched controlled gradient in between: on the device, float32, finite draws of the right shape."""
+@pytest.mark.parametrize("kernel", [SGHMC, BAOAB])
+def test_a_hierarchy_with_every_default_on_the_device(device, kernel):
+    """Warm-up's control variate at its window means, its metric, a friction per coordinate, the noise measured on
+    every fourth step and the batched controlled gradient in between: on the device, float32, finite draws of the
+    right shape."""
     g = torch.Generator().manual_seed(6)
     group = torch.arange(4).repeat_interleave(10)
     x = torch.randn(40, generator=g)
     y = (torch.tensor([-1.0, 0.0, 0.5, 2.0])[group] + x + 0.3 * torch.randn(40, generator=g)).to(device)
     mcmc = StochasticMCMC(
-        SGHMC(partial_pooling), num_samples=200, num_warmup=300, num_chains=4, seed=0, progress_bar=False
+        kernel(partial_pooling), num_samples=200, num_warmup=300, num_chains=4, seed=0, progress_bar=False
     )
     mcmc.run(x.to(device), group.to(device), y)
     assert mcmc.control_variate is not None and mcmc.bridge.device.type == device.type
@@ -239,3 +242,5 @@ def test_a_hierarchy_with_every_default_on_the_device(device):
     assert draws["a"].shape == (4, 200, 4)
     assert all(bool(torch.isfinite(v).all()) for v in draws.values())
     assert float(mcmc.sample_stats["diverging"].float().mean()) == 0.0
+    friction = mcmc.sample_stats["friction"]
+    assert bool(torch.isfinite(friction).all()) and bool((friction > 0).all())

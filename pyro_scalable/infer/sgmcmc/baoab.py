@@ -63,8 +63,10 @@ leaves is the gradient noise's direct effect on :math:`\theta` through the first
 **Warm-up.** ``step_size=None`` chooses :math:`\epsilon \le 0.5/\sqrt\lambda` (:math:`\lambda` the largest
 curvature in the mass metric) and, with a given friction, a step small enough that the kicks' noise is at most
 :math:`\rho = 1/2` of O's (using :math:`1 - c^2 \ge 2\gamma\epsilon/(1 + 2\gamma\epsilon)`); where the friction is
-left to warm-up, :math:`\epsilon^2 \bar V_{\max}/m \le 3\rho T` and :math:`c` is the largest value up to 0.9 for
-which the noise bound holds (:mod:`.adaptation`).
+left to warm-up, :math:`\epsilon^2 \bar V_{\max}/m \le 3\rho T` and each coordinate's :math:`c_j` is the largest
+value up to 0.9 for which its own noise bound holds: a friction per coordinate (:mod:`.tuning`). O stays exact
+coordinate by coordinate, and the :math:`\theta`-marginal stays exact on a Gaussian, correlated or not
+(``tests/infer/sgmcmc/test_baoab.py``).
 """
 
 from __future__ import annotations
@@ -129,23 +131,32 @@ def update(
     gradient: GradientEstimate,
     *,
     step_size: ScalarOrSchedule | Tensor,
-    friction: float | Tensor = 1.0,
+    friction: float | Tensor | Latents = 1.0,
     mass: Mass = 1.0,
     temperature: ScalarOrSchedule = 1.0,
     gradient_noise: str = "ignore",
     noise_every: int = 1,
     generator: torch.Generator | None = None,
 ) -> tuple[BAOABState, BAOABInfo]:
-    """Move one chain by one BAOAB step with the gradient ``gradient`` (from :func:`estimate`)."""
+    """Move one chain by one BAOAB step with the gradient ``gradient`` (from :func:`estimate`).
+
+    ``friction`` is a scalar or, as warm-up chooses it, a tensor per site (one friction per coordinate).
+    """
     temperature_now = resolve(temperature, state.step_count, gradient.log_posterior)
     step_size_now = resolve(step_size, state.step_count, gradient.log_posterior)
-    friction = scalar_like(friction, step_size_now)
     masses = mass_like(mass, state.latents)
+    if isinstance(friction, dict):  # one per coordinate, as warm-up chooses it; the Info shows the largest
+        decay = {name: torch.exp(-f * step_size_now) for name, f in friction.items()}
+        friction = torch.stack([f.max() for f in friction.values()]).max()
+    else:
+        friction = scalar_like(friction, step_size_now)
+        decay = dict.fromkeys(state.latents, torch.exp(-friction * step_size_now))
     owed = state.previous_step_size
     kick = 0.5 * (torch.where(torch.isnan(owed), step_size_now, owed) + step_size_now)
-    decay = torch.exp(-friction * step_size_now)
-    wanted = {name: (1.0 - decay**2) * temperature_now * m for name, m in masses.items()}
-    noise_average, gradient_variance = noise_in_step(state, gradient, gradient_noise, (decay * kick) ** 2, noise_every)
+    wanted = {name: (1.0 - decay[name] ** 2) * temperature_now * m for name, m in masses.items()}
+    noise_average, gradient_variance = noise_in_step(
+        state, gradient, gradient_noise, lambda name: (decay[name] * kick) ** 2, noise_every
+    )
     variance, noise_ratio, uncorrected = injected_variance(
         wanted, gradient_variance, gradient_noise == "correct", state.latents
     )

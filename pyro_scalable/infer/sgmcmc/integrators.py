@@ -71,9 +71,12 @@ def kick(momenta: Latents, grads: Latents, size: Tensor) -> Latents:
     return {name: p + size * grads[name] for name, p in momenta.items()}
 
 
-def ornstein_uhlenbeck(momenta: Latents, decay: Tensor, variance: Latents, noise: Latents) -> Latents:
-    """O, the exact Ornstein–Uhlenbeck step: ``c p + √v ξ``."""
-    return {name: decay * p + variance[name].sqrt() * noise[name] for name, p in momenta.items()}
+def ornstein_uhlenbeck(momenta: Latents, decay: Tensor | Latents, variance: Latents, noise: Latents) -> Latents:
+    """O, the exact Ornstein–Uhlenbeck step: ``c p + √v ξ`` (``c`` a scalar or per site)."""
+    return {
+        name: (decay[name] if isinstance(decay, dict) else decay) * p + variance[name].sqrt() * noise[name]
+        for name, p in momenta.items()
+    }
 
 
 def baoab_position(latents: Latents, kicked: Latents, momenta: Latents, step_size: Tensor, mass: Latents) -> Latents:

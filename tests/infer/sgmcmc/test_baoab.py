@@ -135,6 +135,35 @@ def test_lyapunov_theta_marginal_is_exact(step_size, friction, mass):
     assert float(full @ cov @ full) == pytest.approx(temp * mass * (1 - eps**2 * lam / (4 * mass)), rel=1e-10)
 
 
+@pytest.mark.parametrize("step_size", [0.05, 0.5])
+def test_a_friction_per_coordinate_keeps_the_theta_marginal_of_a_correlated_gaussian(step_size):
+    """Warm-up's friction per coordinate: O stays exact coordinate by coordinate, and θ's stationary covariance is
+    still exactly T Σ for any stable step (the discrete Lyapunov equation of the update rule)."""
+    precision = torch.tensor([[2.0, 1.2], [1.2, 1.0]], dtype=torch.float64)  # correlation -0.85
+    covariance, temp = torch.linalg.inv(precision), 0.7
+    fn = quadratic(torch.linalg.cholesky(precision).T, torch.zeros(2, dtype=torch.float64))
+    mass, friction = torch.tensor([1.0, 2.0], dtype=torch.float64), torch.tensor([0.5, 8.0], dtype=torch.float64)
+    hyper = {"step_size": step_size, "friction": {"x": friction}, "mass": {"x": mass}}
+    columns = []
+    for k in range(4):  # z = (θ, p̃): step the basis states at T = 0
+        z = torch.zeros(4, dtype=torch.float64)
+        z[k] = 1.0
+        s = baoab.step(baoab.init({"x": z[:2]}, {"x": z[2:]}), None, fn, **hyper, temperature=0.0)[0]
+        columns.append(torch.cat([s.latents["x"], s.momenta["x"]]))
+    a = torch.stack(columns, dim=1)
+    zero = baoab.init({"x": torch.zeros(2, dtype=torch.float64)})
+    s, info = baoab.step(zero, None, fn, **hyper, temperature=temp, generator=torch.Generator().manual_seed(1))
+    xi = torch.randn(2, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    decay = torch.exp(-friction * step_size)
+    scale = ((1 - decay**2) * temp * mass).sqrt()  # O's noise, coordinate by coordinate
+    torch.testing.assert_close(s.momenta["x"], scale * xi, rtol=1e-12, atol=0)
+    assert float(info.friction) == 8.0  # sample_stats.friction: the largest coordinate's
+    b = torch.cat([torch.diag(step_size / (2 * mass) * scale), torch.diag(scale)])
+    stationary = lyapunov(a, b @ b.T)
+    torch.testing.assert_close(stationary[2:, 2:], temp * torch.diag(mass), rtol=1e-10, atol=1e-12)  # p̃: exact
+    torch.testing.assert_close(stationary[:2, :2], temp * covariance, rtol=1e-10, atol=1e-12)
+
+
 def test_divergence_restarts_the_half_kick():
     def bad(latents, batch):
         return -latents["x"].square().sum() * torch.tensor(float("nan"))

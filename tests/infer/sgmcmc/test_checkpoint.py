@@ -145,20 +145,23 @@ def test_resume_equals_the_uninterrupted_run(tmp_path, monkeypatch, chain_method
 # noise could not be corrected): this test is about resuming that choice exactly, not about its quality
 @pytest.mark.filterwarnings("ignore:in .* of the coordinates of the kept steps:UserWarning")
 @pytest.mark.parametrize("stop, written", [(6, 4), (8, 7)], ids=["in-warmup", "after-warmup"])
-def test_the_step_size_chosen_in_warmup_survives(tmp_path, monkeypatch, stop, written):
+@pytest.mark.parametrize("kernel", [SGLD, SGHMC])  # SGHMC: a friction per coordinate too
+def test_the_step_size_chosen_in_warmup_survives(tmp_path, monkeypatch, stop, written, kernel):
     data = small()
-    reference = sampler(SGLD(data.model), num_warmup=7, num_samples=4)
+    reference = sampler(kernel(data.model), num_warmup=7, num_samples=4)
     reference.run(data.x, data.y)
     path = tmp_path / "run.pt"
     with monkeypatch.context() as patch:
         stop_at(patch, stop)
         with pytest.raises(Killed):
-            sampler(SGLD(data.model), path, num_warmup=7, num_samples=4).run(data.x, data.y)
+            sampler(kernel(data.model), path, num_warmup=7, num_samples=4).run(data.x, data.y)
     assert load(path)["step"] == written  # every 4 steps, and at the end of warm-up
-    resumed = sampler(SGLD(data.model), path, num_warmup=7, num_samples=4)
+    resumed = sampler(kernel(data.model), path, num_warmup=7, num_samples=4)
     resumed.run(data.x, data.y)
     assert_same_run(resumed, reference)
     assert bool(torch.isfinite(resumed.sample_stats["step_size"]).all())
+    if kernel is SGHMC:
+        assert bool(torch.isfinite(resumed.sample_stats["friction"]).all())
 
 
 def test_keyboard_interrupt_keeps_the_draws_and_a_valid_checkpoint(tmp_path, monkeypatch):

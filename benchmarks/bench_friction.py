@@ -1,0 +1,95 @@
+"""The hierarchies under several seeds: warm-up's defaults for SGHMC and BAOAB, for one copy of the package.
+
+The three models of ``bench_conditioning.py`` (an ill-conditioned regression, a partial-pooling regression and a
+non-centred hierarchical logistic regression), each run with every default (4 vectorised chains, 1,000 warm-up
+steps, 1,000 draws) under seeds 0, 1 and 2, for ``SGHMC(model)`` and ``BAOAB(model)``. One seed's ESS and r_hat
+on a slowly mixing posterior move a lot between seeds; three show whether a change of the sampler moved them.
+``--package`` runs another copy of ``pyro_scalable`` (e.g. an earlier commit,
+``git archive <commit> pyro_scalable | tar -x -C .base``), so that before and after run the same script on the same
+machine:
+
+    python benchmarks/bench_friction.py --out benchmarks/results/friction.md                       # this tree
+    python benchmarks/bench_friction.py --package .base --commit <commit> \
+        --out benchmarks/results/friction_before.md
+
+About four minutes each on 2 CPU cores. NUTS is not run (its figures are in ``conditioning.md``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from harness import log, machine, write_report  # benchmarks/ is on sys.path
+
+HERE = Path(__file__).resolve().parent
+SEEDS = (0, 1, 2)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--package", type=Path, default=HERE.parent, help="the directory holding pyro_scalable/")
+    parser.add_argument("--commit", default="", help="the commit --package was taken from (for the report)")
+    parser.add_argument("--kernels", default="SGHMC,BAOAB")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=HERE / "results" / "friction.md")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    sys.path.insert(0, str(args.package.resolve()))
+    import pyro_scalable
+    from pyro_scalable import infer
+    from pyro_scalable.infer import StochasticMCMC
+    from pyro_scalable.infer.health import HealthWarning
+
+    sys.path.insert(1, str(HERE.parent))
+    import bench_conditioning as conditioning  # its own import of pyro_scalable finds the one above
+
+    warnings.simplefilter("ignore", HealthWarning)  # judged here
+    package = Path(pyro_scalable.__file__).resolve().parent.parent
+    option = "" if args.package == HERE.parent else f" --package {args.package}"
+    option += f" --commit {args.commit}" if args.commit else ""
+    origin = f", the package at commit {args.commit}" if args.commit else ""
+    lines = [
+        "# The hierarchies under three seeds: warm-up's defaults",
+        "",
+        f"Command: `python benchmarks/bench_friction.py{option}` (package from `{package}`{origin})",
+        "",
+        *machine(args.threads),
+        "",
+        "Every default, 4 vectorised chains, 1,000 warm-up steps and 1,000 draws per chain. Min ESS over every "
+        "unconstrained coordinate and max split-r_hat, as in `bench_conditioning.py`; seconds for the whole run.",
+        "",
+        "| kernel | model | seed 0: ESS / r_hat / s | seed 1 | seed 2 | median ESS / r_hat |",
+        "|---|---|---|---|---|---|",
+    ]
+    for kernel_name in args.kernels.split(","):
+        kernel = getattr(infer, kernel_name)
+        for build in (conditioning.ill_conditioned, conditioning.partial_pooling, conditioning.hierarchical_logistic):
+            name, model, data = build()
+            cells, esses, r_hats = [], [], []
+            for seed in SEEDS:
+                start = time.perf_counter()
+                mcmc = StochasticMCMC(
+                    kernel(model), num_samples=1000, num_warmup=1000, num_chains=4, seed=seed, progress_bar=False
+                )
+                mcmc.run(*data)
+                seconds = time.perf_counter() - start
+                samples = mcmc.get_samples(group_by_chain=True)
+                flat = {k: v.reshape(-1, *v.shape[2:]) for k, v in samples.items()}
+                ess, r_hat = conditioning.diagnose(conditioning.unconstrained(model, data, flat, 4))
+                log(f"{kernel_name} {name} seed {seed}: ESS {ess:.0f} r_hat {r_hat:.3f} {seconds:.1f} s")
+                cells.append(f"{ess:.0f} / {r_hat:.3f} / {seconds:.0f}")
+                esses.append(ess)
+                r_hats.append(r_hat)
+            median = f"**{statistics.median(esses):.0f} / {statistics.median(r_hats):.3f}**"
+            lines.append(f"| {kernel_name} | {name.split(' (')[0]} | {' | '.join(cells)} | {median} |")
+    write_report("\n".join(lines) + "\n", args.out)
+
+
+if __name__ == "__main__":
+    main()
