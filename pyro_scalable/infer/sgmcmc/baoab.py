@@ -63,10 +63,10 @@ leaves is the gradient noise's direct effect on :math:`\theta` through the first
 **Warm-up.** ``step_size=None`` chooses :math:`\epsilon \le 0.5/\sqrt\lambda` (:math:`\lambda` the largest
 curvature in the mass metric) and, with a given friction, a step small enough that the kicks' noise is at most
 :math:`\rho = 1/2` of O's (using :math:`1 - c^2 \ge 2\gamma\epsilon/(1 + 2\gamma\epsilon)`); where the friction is
-left to warm-up, :math:`\epsilon^2 \bar V_{\max}/m \le 3\rho T` and each coordinate's :math:`c_j` is the largest
-value up to 0.9 for which its own noise bound holds: a friction per coordinate (:mod:`.tuning`). O stays exact
-coordinate by coordinate, and the :math:`\theta`-marginal stays exact on a Gaussian, correlated or not
-(``tests/infer/sgmcmc/test_baoab.py``).
+left to warm-up, :math:`\epsilon^2 \bar V_{\max}/m \le 3\rho T` and :math:`c` is the largest value up to 0.9 for
+which the noise bound holds (:mod:`.adaptation`). A given ``friction`` may be one per coordinate (a dict of tensors
+by site): O stays exact coordinate by coordinate, and the :math:`\theta`-marginal stays exact on a Gaussian,
+correlated or not (``tests/infer/sgmcmc/test_baoab.py``).
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def update(
 ) -> tuple[BAOABState, BAOABInfo]:
     """Move one chain by one BAOAB step with the gradient ``gradient`` (from :func:`estimate`).
 
-    ``friction`` is a scalar or, as warm-up chooses it, a tensor per site (one friction per coordinate).
+    ``friction`` is a scalar or a tensor per site (one friction per coordinate).
     """
     temperature_now = resolve(temperature, state.step_count, gradient.log_posterior)
     step_size_now = resolve(step_size, state.step_count, gradient.log_posterior)

@@ -13,8 +13,8 @@ which switches the noise bounds off):
   (:func:`coordinate_frictions`; a given friction bounds :math:`\epsilon` instead, :func:`momentum_step_size`);
   ``mass="fisher"`` learns the diagonal Fisher mass (:func:`fisher_mass`).
 * ``"thermostat"`` (SGNHT): SGHMC's rule at unit mass, and the thermostat held at the friction.
-* ``"baoab"``: :math:`\epsilon \le 0.5/\sqrt\lambda` and a kick noise at most :math:`\rho` of O's, with a
-  friction per coordinate where not given (:func:`baoab_step_size`).
+* ``"baoab"``: :math:`\epsilon \le 0.5/\sqrt\lambda` and a kick noise at most :math:`\rho` of O's
+  (:func:`baoab_step_size`).
 """
 
 from __future__ import annotations
@@ -112,16 +112,17 @@ def coordinate_frictions(
 
 def baoab_step_size(
     curvature: Tensor, noise: Latents, masses: Latents, friction: float | None, temperature: Tensor
-) -> tuple[Tensor, Tensor | Latents]:
-    """BAOAB's ε (and friction γ, per coordinate where not given) from the curvature and the gradient noise.
+) -> tuple[Tensor, Tensor]:
+    """BAOAB's ε (and friction γ, where not given) from the curvature and the gradient noise.
 
-    With ``friction=None`` each coordinate's O decay c_j is the largest up to 0.9 with c_j² ε² V̄_j/m_j ≤ ρ (1 - c_j²) T
-    (its kicks' noise within ρ of O's), and ε small enough that c_j = 0.5 meets it in the noisiest coordinate.
+    One friction for all coordinates, at the noisiest one's need. A friction per coordinate (each O decay the
+    largest its own noise allows, as SGHMC's) was tried: the partial pooling's ESS rose from about 650 to 725, but
+    with every noisy coordinate at the noise bound, 4-5% of coordinates × steps went uncorrected in sampling
+    (``benchmarks/results/friction_83a24ff.md``), against none with one friction.
     """
     step_size = BAOAB_BOUND / torch.sqrt(curvature)
-    # r_j = V_j / m_j: the kicks' noise in the momentum's own units
-    ratios = {name: v / masses[name] for name, v in noise.items()}
-    r = torch.stack([v.max() for v in ratios.values()]).max()
+    # r = max_j V_j / m_j: the kicks' noise in the momentum's own units
+    r = torch.stack([(v / masses[name]).max() for name, v in noise.items()]).max()
     budget = NOISE_FRACTION * temperature  # the kicks' noise may be at most ρ (1 - c²) T m
     noisy = (r > 0) & (temperature > 0)
     safe_r = torch.where(noisy, r, torch.ones_like(r))
@@ -131,12 +132,9 @@ def baoab_step_size(
         step_size = torch.where(
             noisy, torch.minimum(step_size, torch.sqrt(budget * (1 - least) / least / safe_r)), step_size
         )
-        frictions = {}
-        for name, r_j in ratios.items():
-            decay = torch.sqrt(budget / (budget + step_size**2 * r_j))  # 1 where r_j = 0, NaN only at T = 0
-            decay = torch.where(temperature > 0, torch.clamp(decay, max=_DEFAULT_DECAY), _DEFAULT_DECAY)
-            frictions[name] = -torch.log(decay) / step_size
-        return step_size, frictions
+        decay = torch.sqrt(budget / (budget + step_size**2 * safe_r))
+        decay = torch.where(noisy, torch.clamp(decay, max=_DEFAULT_DECAY), torch.full_like(decay, _DEFAULT_DECAY))
+        return step_size, -torch.log(decay) / step_size
     given = torch.full_like(step_size, float(friction))
     # ε r (1 + 2γε) ≤ 2ργT, sufficient since 1 - c² ≥ 2γε / (1 + 2γε); the positive root, rationalised
     root = 4.0 * given * budget / (safe_r + torch.sqrt(safe_r**2 + 16.0 * given**2 * safe_r * budget))
@@ -270,13 +268,7 @@ class Thermostat(Rule):
 
 
 class BAOABRule(Rule):
-    """BAOAB: ε ≤ 0.5/√λ and a friction per coordinate where not given (:func:`baoab_step_size`)."""
-
-    def start(self, kernel, latents):
-        tuned = super().start(kernel, latents)
-        if "friction" in tuned:  # one per coordinate
-            tuned["friction"] = {name: torch.full_like(x, math.nan) for name, x in latents.items()}
-        return tuned
+    """BAOAB: ε ≤ 0.5/√λ and the friction where not given (:func:`baoab_step_size`)."""
 
     def metric(self, kernel, kernel_state, tuned):
         return {name: 1.0 / m for name, m in _masses(kernel, kernel_state, tuned).items()}
