@@ -36,7 +36,8 @@ friction that keeps that coordinate's gradient noise within :math:`\rho` of the 
 momentum 0.9), with :math:`\epsilon` small enough that every coordinate's momentum keeps at least half of itself per
 step; ``sample_stats.friction`` is the largest. One friction for all, at the noisiest coordinate's need, damps every
 other direction as hard: on a non-centred hierarchical logistic regression the group scale's gradient noise asked
-for 3–4 times what the rest did, and a friction each took the smallest ESS from 24 to 162 (``docs/benchmarks.md``).
+for 3–4 times what the rest did, and a friction each took the smallest ESS from 24–61 to 87–162 over three seeds
+(``docs/benchmarks.md``).
 A given friction is one for all and instead bounds :math:`\epsilon \le 2\alpha T\rho / \bar V_{\max}`.
 
 **T = 0 is SGD with momentum.** Writing :math:`b_t = -m_t / \epsilon`, the update is
@@ -128,12 +129,14 @@ def update(
     masses = mass_like(mass, state.latents)
     if isinstance(friction, dict):  # one per coordinate, as warm-up chooses it; the Info shows the largest
         frictions, friction = friction, torch.stack([f.max() for f in friction.values()]).max()
+        wanted = {name: 2.0 * f * step_size_now * temperature_now for name, f in frictions.items()}
     else:
         friction = scalar_like(friction, step_size_now)
         frictions = dict.fromkeys(state.latents, friction)
+        wanted = 2.0 * friction * step_size_now * temperature_now  # one for all sites
     noise_average, gradient_variance = noise_in_step(state, gradient, gradient_noise, step_size_now**2, noise_every)
     variance, noise_ratio, uncorrected = injected_variance(
-        {name: 2.0 * f * step_size_now * temperature_now for name, f in frictions.items()},
+        wanted,
         gradient_variance,
         gradient_noise == "correct",
         state.latents,

@@ -116,9 +116,9 @@ def baoab_step_size(
     """BAOAB's ε (and friction γ, where not given) from the curvature and the gradient noise.
 
     One friction for all coordinates, at the noisiest one's need. A friction per coordinate (each O decay the
-    largest its own noise allows, as SGHMC's) was tried: the partial pooling's ESS rose from about 650 to 725, but
-    with every noisy coordinate at the noise bound, 4-5% of coordinates × steps went uncorrected in sampling
-    (``benchmarks/results/friction_83a24ff.md``), against none with one friction.
+    largest its own noise allows, as SGHMC's) was tried: the partial pooling's ESS rose from 616-676 to 719-735, but
+    with every noisy coordinate at its noise bound 3.6-5.1% of coordinates × kept steps went uncorrected, against
+    0.16-0.74% with one friction (``benchmarks/results/friction_baoab_*.md``).
     """
     step_size = BAOAB_BOUND / torch.sqrt(curvature)
     # r = max_j V_j / m_j: the kicks' noise in the momentum's own units

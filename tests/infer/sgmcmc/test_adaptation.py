@@ -104,7 +104,7 @@ def test_sghmc_step_size_and_friction_are_the_formula(given):
 
 
 def test_baoab_friction_is_the_formula():
-    """One O decay for all: the largest up to 0.9 whose kicks' noise stays within ρ of O's in the noisiest coordinate."""
+    """One O decay for all: the largest up to 0.9 whose kicks' noise stays within ρ of O's, noisiest coordinate."""
     u = torch.tensor([[0.5, 0.05], [-1.0, -0.1], [2.0, 0.2], [0.25, 0.025], [-0.75, -0.075]], dtype=torch.float64)
     fn, batch, temperature, x = NoisyQuadratic(3.0, u), torch.tensor([0, 2, 3]), 0.7, [0.4, -0.2]
     warmup = Adaptation(BAOAB(lambda: None, temperature=temperature), num_warmup=1)
