@@ -12,6 +12,8 @@ machine:
     python benchmarks/bench_friction.py --out benchmarks/results/friction.md                       # this tree
     python benchmarks/bench_friction.py --package .base --commit <commit> \
         --out benchmarks/results/friction_before.md
+    python benchmarks/bench_friction.py --kernels SGHMC --draws 5000   # longer runs, in about NUTS's time
+    python benchmarks/bench_friction.py --kernels SGHMC --draws 10000 --models hierarchical_logistic
 
 About four minutes each on 2 CPU cores. NUTS is not run (its figures are in ``conditioning.md``).
 """
@@ -37,6 +39,8 @@ def main() -> None:
     parser.add_argument("--package", type=Path, default=HERE.parent, help="the directory holding pyro_scalable/")
     parser.add_argument("--commit", default="", help="the commit --package was taken from (for the report)")
     parser.add_argument("--kernels", default="SGHMC,BAOAB")
+    parser.add_argument("--draws", type=int, default=1000, help="draws per chain (warm-up: 1,000 steps)")
+    parser.add_argument("--models", default="ill_conditioned,partial_pooling,hierarchical_logistic")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=HERE / "results" / "friction.md")
     args = parser.parse_args()
@@ -53,6 +57,9 @@ def main() -> None:
     warnings.simplefilter("ignore", HealthWarning)  # judged here
     package = Path(pyro_scalable.__file__).resolve().parent.parent
     option = "" if args.package == HERE.parent else f" --package {args.package}"
+    option += f" --kernels {args.kernels}" if args.kernels != "SGHMC,BAOAB" else ""
+    option += f" --draws {args.draws}" if args.draws != 1000 else ""
+    option += f" --models {args.models}" if args.models != parser.get_default("models") else ""
     option += f" --commit {args.commit}" if args.commit else ""
     origin = f", the package at commit {args.commit}" if args.commit else ""
     lines = [
@@ -62,8 +69,8 @@ def main() -> None:
         "",
         *machine(args.threads),
         "",
-        "Every default, 4 vectorised chains, 1,000 warm-up steps and 1,000 draws per chain. Min ESS over every "
-        "unconstrained coordinate and max split-r_hat, as in `bench_conditioning.py`; uncorrected: the share of "
+        f"Every default, 4 vectorised chains, 1,000 warm-up steps and {args.draws:,} draws per chain. Min ESS over "
+        "every unconstrained coordinate and max split-r_hat, as in `bench_conditioning.py`; uncorrected: the share of "
         "coordinates × kept steps where the gradient noise alone exceeded the noise the sampler should inject "
         "(`sample_stats.uncorrected`; a run warns above 1%); seconds for the whole run.",
         "",
@@ -72,13 +79,13 @@ def main() -> None:
     ]
     for kernel_name in args.kernels.split(","):
         kernel = getattr(infer, kernel_name)
-        for build in (conditioning.ill_conditioned, conditioning.partial_pooling, conditioning.hierarchical_logistic):
+        for build in (getattr(conditioning, model) for model in args.models.split(",")):
             name, model, data = build()
             cells, esses, r_hats = [], [], []
             for seed in SEEDS:
                 start = time.perf_counter()
                 mcmc = StochasticMCMC(
-                    kernel(model), num_samples=1000, num_warmup=1000, num_chains=4, seed=seed, progress_bar=False
+                    kernel(model), num_samples=args.draws, num_warmup=1000, num_chains=4, seed=seed, progress_bar=False
                 )
                 mcmc.run(*data)
                 seconds = time.perf_counter() - start
