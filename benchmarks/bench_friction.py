@@ -28,7 +28,7 @@ import warnings
 from pathlib import Path
 
 import torch
-from harness import log, machine, write_report  # benchmarks/ is on sys.path
+from harness import add_package_arguments, log, machine, use_package, write_report  # benchmarks/ is on sys.path
 
 HERE = Path(__file__).resolve().parent
 SEEDS = (0, 1, 2)
@@ -36,8 +36,7 @@ SEEDS = (0, 1, 2)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--package", type=Path, default=HERE.parent, help="the directory holding pyro_scalable/")
-    parser.add_argument("--commit", default="", help="the commit --package was taken from (for the report)")
+    add_package_arguments(parser)
     parser.add_argument("--kernels", default="SGHMC,BAOAB")
     parser.add_argument("--draws", type=int, default=1000, help="draws per chain (warm-up: 1,000 steps)")
     parser.add_argument("--models", default="ill_conditioned,partial_pooling,hierarchical_logistic")
@@ -45,8 +44,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=HERE / "results" / "friction.md")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    sys.path.insert(0, str(args.package.resolve()))
-    import pyro_scalable
+    package, option, origin = use_package(args)
     from pyro_scalable import infer
     from pyro_scalable.infer import StochasticMCMC
     from pyro_scalable.infer.health import HealthWarning
@@ -55,13 +53,9 @@ def main() -> None:
     import bench_conditioning as conditioning  # its own import of pyro_scalable finds the one above
 
     warnings.simplefilter("ignore", HealthWarning)  # judged here
-    package = Path(pyro_scalable.__file__).resolve().parent.parent
-    option = "" if args.package == HERE.parent else f" --package {args.package}"
-    option += f" --kernels {args.kernels}" if args.kernels != "SGHMC,BAOAB" else ""
-    option += f" --draws {args.draws}" if args.draws != 1000 else ""
-    option += f" --models {args.models}" if args.models != parser.get_default("models") else ""
-    option += f" --commit {args.commit}" if args.commit else ""
-    origin = f", the package at commit {args.commit}" if args.commit else ""
+    for name in ("kernels", "draws", "models"):
+        value = getattr(args, name)
+        option += f" --{name} {value}" if value != parser.get_default(name) else ""
     lines = [
         "# The hierarchies under three seeds: warm-up's defaults",
         "",

@@ -25,7 +25,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from harness import log, machine, write_report  # benchmarks/ is on sys.path
+from harness import add_package_arguments, log, machine, use_package, write_report  # benchmarks/ is on sys.path
 
 HERE = Path(__file__).resolve().parent
 
@@ -44,14 +44,12 @@ def kind(program, phase) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--package", type=Path, default=HERE.parent, help="the directory holding pyro_scalable/")
-    parser.add_argument("--commit", default="", help="the commit --package was taken from (for the report)")
+    add_package_arguments(parser)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=HERE / "results" / "step_phases.md")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    sys.path.insert(0, str(args.package.resolve()))
-    import pyro_scalable
+    package, option, origin = use_package(args)
     from pyro_scalable.infer import SGHMC, StochasticMCMC
     from pyro_scalable.infer.health import HealthWarning
     from pyro_scalable.infer.sgmcmc import chains
@@ -72,10 +70,6 @@ def main() -> None:
         return info
 
     chains.ChainStepper.step = timed
-    package = Path(pyro_scalable.__file__).resolve().parent.parent
-    option = "" if args.package == HERE.parent else f" --package {args.package}"
-    option += f" --commit {args.commit}" if args.commit else ""
-    origin = f", the package at commit {args.commit}" if args.commit else ""
     lines = [
         "# The hierarchies' runs, step by step",
         "",
