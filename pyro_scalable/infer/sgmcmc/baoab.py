@@ -145,18 +145,18 @@ def update(
     temperature_now = resolve(temperature, state.step_count, gradient.log_posterior)
     step_size_now = resolve(step_size, state.step_count, gradient.log_posterior)
     masses = mass_like(mass, state.latents)
-    if isinstance(friction, dict):  # one per coordinate, as warm-up chooses it; the Info shows the largest
-        decay = {name: torch.exp(-f * step_size_now) for name, f in friction.items()}
-        friction = torch.stack([f.max() for f in friction.values()]).max()
-    else:
-        friction = scalar_like(friction, step_size_now)
-        decay = dict.fromkeys(state.latents, torch.exp(-friction * step_size_now))
     owed = state.previous_step_size
     kick = 0.5 * (torch.where(torch.isnan(owed), step_size_now, owed) + step_size_now)
+    if isinstance(friction, dict):  # one per coordinate, where given; the Info shows the largest
+        decay = {name: torch.exp(-f * step_size_now) for name, f in friction.items()}
+        friction = torch.stack([f.max() for f in friction.values()]).max()
+        surviving = {name: (d * kick) ** 2 for name, d in decay.items()}.__getitem__  # the kicks' noise O leaves
+    else:
+        friction = scalar_like(friction, step_size_now)
+        shared = torch.exp(-friction * step_size_now)
+        decay, surviving = dict.fromkeys(state.latents, shared), (shared * kick) ** 2
     wanted = {name: (1.0 - decay[name] ** 2) * temperature_now * m for name, m in masses.items()}
-    noise_average, gradient_variance = noise_in_step(
-        state, gradient, gradient_noise, lambda name: (decay[name] * kick) ** 2, noise_every
-    )
+    noise_average, gradient_variance = noise_in_step(state, gradient, gradient_noise, surviving, noise_every)
     variance, noise_ratio, uncorrected = injected_variance(
         wanted, gradient_variance, gradient_noise == "correct", state.latents
     )

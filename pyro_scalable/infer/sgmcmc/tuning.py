@@ -239,7 +239,6 @@ class Momentum(Rule):
             masses = _masses(kernel, state.kernel, tuned)
             temperature = torch.zeros_like(temperature) if burn_in else temperature
             if "friction" in tuned:
-                masses = {name: m + torch.zeros_like(state.noise[name]) for name, m in masses.items()}
                 step_size, tuned["friction"] = coordinate_frictions(
                     state.curvature, state.noise, temperature, masses, MOMENTUM_BOUND
                 )
