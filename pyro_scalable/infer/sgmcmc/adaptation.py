@@ -271,7 +271,6 @@ def observe(state: AdaptationState, estimate: GradientEstimate, noise_every: int
     measurement weighs as the ``noise_every`` steps it stands for.
     """
     count = state.count + 1
-    keep = estimate.diverging
     noise = average_noise(state.noise, estimate, state.count, noise_every)
     curvature, direction = state.curvature, state.direction
     if estimate.hessian_product:
@@ -280,7 +279,7 @@ def observe(state: AdaptationState, estimate: GradientEstimate, noise_every: int
         measurements = curvature_measurements(count).to(state.curvature.dtype)
         share = torch.clamp(1.0 / measurements, min=CURVATURE_EVERY / NOISE_WINDOW)
         curvature_now = torch.sqrt(sum(p.square().sum() for p in estimate.hessian_product.values()))
-        finite = torch.isfinite(curvature_now) & (curvature_now > 0) & ~keep
+        finite = torch.isfinite(curvature_now) & (curvature_now > 0) & ~estimate.diverging
         curvature = torch.where(finite, curvature + share * (curvature_now - curvature), curvature)
         turned = _normalised(estimate.hessian_product)
         direction = {name: torch.where(finite, turned[name], d) for name, d in direction.items()}

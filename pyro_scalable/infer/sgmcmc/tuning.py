@@ -94,6 +94,15 @@ def coordinate_frictions(
     A scalar friction at the largest coordinate's need (:func:`momentum_step_size`) would damp every other
     direction as hard: measured on a non-centred hierarchical logistic regression, the group scale's gradient
     noise set a friction 3 to 4 times what the rest needed (``docs/benchmarks.md``).
+
+    Example:
+        >>> import torch
+        >>> one = torch.tensor(1.0)  # curvature, temperature and unit masses
+        >>> noise = {"tau": torch.tensor([24.0]), "z": torch.tensor([2.0, 0.5])}
+        >>> step_size, frictions = coordinate_frictions(one, noise, one, {"tau": one, "z": one}, bound=0.3)
+        >>> round(float(step_size), 4), frictions["tau"].round(decimals=2), frictions["z"].round(decimals=2)
+        (0.1443, tensor([3.4600]), tensor([0.6900, 0.6900]))
+
     """
     step_size = bound / torch.sqrt(curvature)
     # α_j must be at least ε times rate_j (no bound in burn-in, T = 0)

@@ -11,7 +11,7 @@ import torch
 from pyro_scalable.infer import BAOAB, baoab
 from pyro_scalable.infer.schedules import Cyclical
 
-from .test_sghmc import lyapunov
+from .test_sghmc import lyapunov, step_matrix
 from .test_sgld import quadratic
 from .test_sgnht import NoisyMean
 
@@ -144,13 +144,7 @@ def test_a_friction_per_coordinate_keeps_the_theta_marginal_of_a_correlated_gaus
     fn = quadratic(torch.linalg.cholesky(precision).T, torch.zeros(2, dtype=torch.float64))
     mass, friction = torch.tensor([1.0, 2.0], dtype=torch.float64), torch.tensor([0.5, 8.0], dtype=torch.float64)
     hyper = {"step_size": step_size, "friction": {"x": friction}, "mass": {"x": mass}}
-    columns = []
-    for k in range(4):  # z = (θ, p̃): step the basis states at T = 0
-        z = torch.zeros(4, dtype=torch.float64)
-        z[k] = 1.0
-        s = baoab.step(baoab.init({"x": z[:2]}, {"x": z[2:]}), None, fn, **hyper, temperature=0.0)[0]
-        columns.append(torch.cat([s.latents["x"], s.momenta["x"]]))
-    a = torch.stack(columns, dim=1)
+    a = step_matrix(baoab, fn, hyper, 2)  # z = (θ, p̃)
     zero = baoab.init({"x": torch.zeros(2, dtype=torch.float64)})
     s, info = baoab.step(zero, None, fn, **hyper, temperature=temp, generator=torch.Generator().manual_seed(1))
     xi = torch.randn(2, generator=torch.Generator().manual_seed(1), dtype=torch.float64)

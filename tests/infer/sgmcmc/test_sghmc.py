@@ -71,6 +71,17 @@ def linear_map(fn, hyper, temperature, seed=1):
     return torch.stack(cols, dim=1), torch.cat([s.latents["x"], s.momenta["x"]]) / xi
 
 
+def step_matrix(engine, fn, hyper, dim):
+    """A of the engine's z' = A z + noise for z = (θ, momenta) of a ``dim``-coordinate site: basis states at T = 0."""
+    columns = []
+    for k in range(2 * dim):
+        z = torch.zeros(2 * dim, dtype=torch.float64)
+        z[k] = 1.0
+        s = engine.step(engine.init({"x": z[:dim]}, {"x": z[dim:]}), None, fn, **hyper, temperature=0.0)[0]
+        columns.append(torch.cat([s.latents["x"], s.momenta["x"]]))
+    return torch.stack(columns, dim=1)
+
+
 @pytest.mark.parametrize("step_size,friction,mass", [(0.05, 1.0, 1.0), (0.2, 3.0, 2.0), (0.01, 10.0, 0.5)])
 def test_lyapunov_covariance_matches_the_update_rule(step_size, friction, mass):
     sigma, temp = 0.8, 0.6
@@ -156,13 +167,7 @@ def test_a_friction_per_coordinate_keeps_a_correlated_gaussian_as_the_stationary
     fn = quadratic(torch.linalg.cholesky(precision).T, torch.zeros(2, dtype=torch.float64))
     mass = {"x": torch.tensor([1.0, 2.0], dtype=torch.float64)}
     hyper = {"step_size": step_size, "friction": {"x": torch.tensor([0.5, 8.0], dtype=torch.float64)}, "mass": mass}
-    columns = []
-    for k in range(4):  # z = (θ, m): step the basis states at T = 0
-        z = torch.zeros(4, dtype=torch.float64)
-        z[k] = 1.0
-        s = sghmc.step(sghmc.init({"x": z[:2]}, {"x": z[2:]}), None, fn, **hyper, temperature=0.0)[0]
-        columns.append(torch.cat([s.latents["x"], s.momenta["x"]]))
-    a = torch.stack(columns, dim=1)
+    a = step_matrix(sghmc, fn, hyper, 2)
     zero = sghmc.init({"x": torch.zeros(2, dtype=torch.float64)})
     s = sghmc.step(zero, None, fn, **hyper, temperature=temp, generator=torch.Generator().manual_seed(1))[0]
     xi = torch.randn(2, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
