@@ -107,7 +107,10 @@ def check_positive(name: str, value: ScalarOrSchedule, *, allow_zero: bool = Fal
     """Raise a one-line ``ValueError`` unless a constant ``value`` is finite and positive (or zero)."""
     if callable(value):
         return
-    number = float(value)
+    bound = ">= 0" if allow_zero else "> 0"
+    try:
+        number = float(value)
+    except (TypeError, ValueError):  # a dict, a string, a tensor of several values: say which argument
+        raise TypeError(f"{name} must be a number {bound} or a schedule, got {type(value).__name__}.") from None
     if not math.isfinite(number) or number < 0 or (number == 0 and not allow_zero):
-        bound = ">= 0" if allow_zero else "> 0"
         raise ValueError(f"{name} must be finite and {bound}, got {number}.")

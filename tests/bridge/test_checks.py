@@ -271,6 +271,20 @@ def test_sghmc_hyperparameters(kwargs, message):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
+        ({"friction": {"w": torch.ones(2)}}, r"friction must be a number > 0 or a schedule, got dict"),
+        ({"step_size": "fast"}, r"step_size must be a number > 0 or a schedule, got str"),
+        ({"step_size": torch.tensor([0.1, 0.2])}, r"step_size must be a number > 0 or a schedule, got Tensor"),
+    ],
+)
+def test_a_hyperparameter_that_is_not_a_number_is_named(kwargs, message):
+    """A per-site friction is for the functional ``sghmc.update``; the kernel class names what it takes instead."""
+    with pytest.raises(TypeError, match=message):
+        SGHMC(regression, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
         ({"num_samples": 0}, r"num_samples must be an int >= 1, got 0"),
         ({"num_samples": -3}, r"num_samples must be an int >= 1"),
         ({"num_samples": 1.5}, r"num_samples must be an int >= 1, got 1.5"),
