@@ -13,11 +13,9 @@ from __future__ import annotations
 import math
 
 import pyro
-import pyro.distributions as dist
 import pytest
 import torch
 from pyro.infer import SVI, Trace_ELBO
-from pyro.nn import PyroModule, PyroSample
 from torch.utils.data import DataLoader, TensorDataset
 
 from pyro_scalable import ModelError
@@ -31,153 +29,15 @@ from pyro_scalable.infer import (
     SampleThenOptimize,
     StochasticMCMC,
 )
+from tests.model_zoo import B, N, ZOO, loader_style, zoo_model
 
-N, B, D, G = 120, 12, 3, 4
 KERNELS = {"SGLD": SGLD, "SGHMC": SGHMC, "PSGLD": PSGLD, "SGNHT": SGNHT, "BAOAB": BAOAB}
-
-
-def _data(dtype, likelihood="normal"):
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(N, D, generator=g, dtype=dtype)
-    f = x @ torch.tensor([1.0, -0.5, 0.25], dtype=dtype)
-    group = torch.arange(N) % G
-    if likelihood == "bernoulli":
-        y = torch.bernoulli(torch.sigmoid(f), generator=g)
-    elif likelihood == "poisson":
-        y = torch.poisson(f.exp(), generator=g)
-    elif likelihood == "categorical":
-        y = (f > 0).to(torch.long) + (f > 1).to(torch.long)
-    else:
-        y = f + 0.5 * torch.randn(N, generator=g, dtype=dtype)
-    return x, y, group
-
-
-def linear_halfnormal_scale(x, y, group):
-    w = pyro.sample("w", dist.Normal(x.new_zeros(D), 1.0).to_event(1))
-    sigma = pyro.sample("sigma", dist.HalfNormal(1.0))
-    with pyro.plate("data", N, subsample_size=B) as idx:
-        pyro.sample("obs", dist.Normal(x[idx] @ w, sigma), obs=y[idx])
-
-
-def linear_gamma_precision(x, y, group):
-    w = pyro.sample("w", dist.Normal(x.new_zeros(D), 1.0).to_event(1))
-    precision = pyro.sample("precision", dist.Gamma(x.new_tensor(2.0), x.new_tensor(1.0)))
-    with pyro.plate("data", N, subsample_size=B) as idx:
-        pyro.sample("obs", dist.Normal(x[idx] @ w, precision.rsqrt()), obs=y[idx])
-
-
-def student_t_lognormal_scale(x, y, group):
-    w = pyro.sample("w", dist.Normal(x.new_zeros(D), 1.0).to_event(1))
-    scale = pyro.sample("scale", dist.LogNormal(0.0, 1.0))
-    with pyro.plate("data", N, subsample_size=B) as idx:
-        pyro.sample("obs", dist.StudentT(4.0, x[idx] @ w, scale), obs=y[idx])
-
-
-def logistic(x, y, group):
-    w = pyro.sample("w", dist.Normal(x.new_zeros(D), 1.0).to_event(1))
-    b = pyro.sample("b", dist.Normal(0.0, 5.0))
-    with pyro.plate("data", N, subsample_size=B) as idx:
-        pyro.sample("obs", dist.Bernoulli(logits=x[idx] @ w + b), obs=y[idx])
-
-
-def poisson(x, y, group):
-    w = pyro.sample("w", dist.Normal(x.new_zeros(D), 0.5).to_event(1))
-    with pyro.plate("data", N, subsample_size=B) as idx:
-        pyro.sample("obs", dist.Poisson((x[idx] @ w).exp()), obs=y[idx])
-
-
-def categorical(x, y, group):
-    w = pyro.sample("w", dist.Normal(x.new_zeros(D, 3), 1.0).to_event(2))
-    with pyro.plate("data", N, subsample_size=B) as idx:
-        pyro.sample("obs", dist.Categorical(logits=x[idx] @ w), obs=y[idx])
-
-
-def hierarchical_non_centred(x, y, group):
-    mu = pyro.sample("mu", dist.Normal(0.0, 5.0))
-    tau = pyro.sample("tau", dist.HalfNormal(1.0))
-    raw = pyro.sample("raw", dist.Normal(x.new_zeros(G), 1.0).to_event(1))
-    effect = mu + tau * raw
-    sigma = pyro.sample("sigma", dist.HalfNormal(1.0))
-    with pyro.plate("data", N, subsample_size=B) as idx:
-        pyro.sample("obs", dist.Normal(effect[group[idx]], sigma), obs=y[idx])
-
-
-def hierarchical_centred(x, y, group):
-    mu = pyro.sample("mu", dist.Normal(0.0, 5.0))
-    tau = pyro.sample("tau", dist.HalfNormal(1.0))
-    effect = pyro.sample("effect", dist.Normal(mu, tau).expand([G]).to_event(1))
-    with pyro.plate("data", N, subsample_size=B) as idx:
-        pyro.sample("obs", dist.Normal(effect[group[idx]], 1.0), obs=y[idx])
-
-
-def mixture_simplex(x, y, group):
-    weights = pyro.sample("weights", dist.Dirichlet(x.new_ones(2)))
-    locs = pyro.sample("locs", dist.Normal(x.new_tensor([-1.0, 1.0]), 1.0).to_event(1))
-    with pyro.plate("data", N, subsample_size=B) as idx:
-        mixture = dist.MixtureSameFamily(dist.Categorical(weights), dist.Normal(locs, 1.0))
-        pyro.sample("obs", mixture, obs=y[idx])
-
-
-def correlated_normal(x, y, group):
-    corr = pyro.sample("corr", dist.LKJCholesky(D, x.new_tensor(2.0)))
-    scales = pyro.sample("scales", dist.HalfNormal(x.new_ones(D)).to_event(1))
-    with pyro.plate("data", N, subsample_size=B) as idx:
-        pyro.sample("obs", dist.MultivariateNormal(x.new_zeros(D), scale_tril=scales[..., None] * corr), obs=x[idx])
-
-
-class _Net(PyroModule):
-    def __init__(self, dtype):
-        super().__init__()
-        self.hidden = PyroModule[torch.nn.Linear](D, 8).to(dtype)
-        self.hidden.weight = PyroSample(dist.Normal(torch.zeros(8, D, dtype=dtype), 1.0).to_event(2))
-        self.hidden.bias = PyroSample(dist.Normal(torch.zeros(8, dtype=dtype), 1.0).to_event(1))
-        self.out = PyroModule[torch.nn.Linear](8, 1).to(dtype)
-        self.out.weight = PyroSample(dist.Normal(torch.zeros(1, 8, dtype=dtype), 1.0).to_event(2))
-        self.out.bias = PyroSample(dist.Normal(torch.zeros(1, dtype=dtype), 1.0).to_event(1))
-
-    def forward(self, x, y, group):
-        data = pyro.plate("data", N, subsample_size=B)
-        f = self.out(torch.tanh(self.hidden(x[data.indices]))).squeeze(-1)  # the net runs outside the plate
-        with data as idx:
-            pyro.sample("obs", dist.Normal(f, 0.5), obs=y[idx])
-
-
-def loader_style(x, y, idx=None):
-    w = pyro.sample("w", dist.Normal(x.new_zeros(D), 1.0).to_event(1))
-    sigma = pyro.sample("sigma", dist.HalfNormal(1.0))
-    with pyro.plate("data", N, subsample=idx):
-        pyro.sample("obs", dist.Normal(x @ w, sigma), obs=y)
-
-
-def nested_plates(x, y, group):
-    mu = pyro.sample("mu", dist.Normal(x.new_zeros(D, 1), 1.0).to_event(2))
-    with pyro.plate("features", D, dim=-2), pyro.plate("data", N, subsample_size=B, dim=-1) as idx:
-        pyro.sample("obs", dist.Normal(mu, 1.0), obs=x[idx].T)
-
-
-ZOO = {
-    "linear-halfnormal-scale": (linear_halfnormal_scale, "normal"),
-    "linear-gamma-precision": (linear_gamma_precision, "normal"),
-    "student-t-lognormal-scale": (student_t_lognormal_scale, "normal"),
-    "logistic": (logistic, "bernoulli"),
-    "poisson": (poisson, "poisson"),
-    "categorical": (categorical, "categorical"),
-    "hierarchical-non-centred": (hierarchical_non_centred, "normal"),
-    "hierarchical-centred": (hierarchical_centred, "normal"),
-    "mixture-simplex": (mixture_simplex, "normal"),
-    "correlated-normal-lkj": (correlated_normal, "normal"),
-    "pyromodule-net": (None, "normal"),
-    "dataloader-plate": (loader_style, "normal"),
-    "nested-plates": (nested_plates, "normal"),
-}
 
 
 def _run(kernel_name, model_name, dtype):
     pyro.clear_param_store()
-    model, likelihood = ZOO[model_name]
-    x, y, group = _data(dtype, likelihood)
-    if model is None:
-        model = _Net(dtype)
+    model, args = zoo_model(model_name, dtype)
+    x, y = args[:2]
     mcmc = StochasticMCMC(
         KERNELS[kernel_name](model), num_samples=10, num_warmup=20, num_chains=2, seed=0, progress_bar=False
     )
@@ -186,7 +46,7 @@ def _run(kernel_name, model_name, dtype):
         loader = DataLoader(data, batch_size=B, shuffle=True, generator=torch.Generator().manual_seed(0))
         mcmc.run(x, y, batches=loader)
     else:
-        mcmc.run(x, y, group)
+        mcmc.run(*args)
     return mcmc
 
 
@@ -234,10 +94,7 @@ def _map_guide(model, args):
 def _zoo_args(model_name, dtype):
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
-    model, likelihood = ZOO[model_name]
-    x, y, group = _data(dtype, likelihood)
-    model = _Net(dtype) if model is None else model
-    return model, ((x, y) if model is loader_style else (x, y, group))
+    return zoo_model(model_name, dtype)
 
 
 def _laplace(model_name, dtype):

@@ -82,6 +82,7 @@ class AdaptationState(NamedTuple):
     count: Tensor  # 0-d: warm-up steps seen
     centre: Latents  # moving average of the burn-in's positions: where the calibrated half of warm-up starts
     burning: Tensor  # 0-d bool: the last warm-up step was a burn-in step
+    backoff: Tensor  # 0-d: the step's share of what the rule chooses, halved by each diverging step (reset at settle)
 
 
 class TunedState(NamedTuple):
@@ -139,6 +140,7 @@ class Adaptation:
             zero.to(torch.int64),
             {name: x.clone() for name, x in latents.items()},
             zero.to(torch.bool),
+            torch.ones_like(zero),
         )
 
     def phase(self, step_index: int) -> Phase:
@@ -183,7 +185,12 @@ class Adaptation:
         """Learn from ``gradient``, choose the hyperparameters, let the kernel step with them, settle after burn-in."""
         temperature = resolve(self.kernel.temperature, state.kernel.step_count, gradient.log_posterior)
         state = observe(state, gradient, phase.noise_every)
+        # a diverging step halves the chain's step from here on: the rule sees the curvature 2^order times larger
+        backoff = torch.where(gradient.diverging, 0.5 * state.backoff, state.backoff)
+        stiffer = backoff ** (-self.rule.order)
+        state = state._replace(curvature=state.curvature * stiffer)
         kernel_state, tuned, state = self.rule.tune(self.kernel, state, gradient, temperature, phase.burn_in)
+        state = state._replace(curvature=state.curvature / stiffer, backoff=backoff)
         kernel_state, info = self.kernel.update(kernel_state, gradient, generator, phase, **tuned)
         return settle(state._replace(kernel=kernel_state, tuned=tuned), phase.burn_in), info
 
@@ -304,7 +311,8 @@ def settle(state: AdaptationState, burn_in: bool) -> AdaptationState:
         moved = moved._replace(
             momenta={name: torch.where(jump, p.new_zeros(()), p) for name, p in moved.momenta.items()}
         )
-    return state._replace(kernel=moved, burning=torch.zeros_like(state.burning))
+    backoff = torch.where(jump, torch.ones_like(state.backoff), state.backoff)  # burn-in's divergences are forgiven
+    return state._replace(kernel=moved, burning=torch.zeros_like(state.burning), backoff=backoff)
 
 
 def _spread(x: Tensor) -> Tensor:

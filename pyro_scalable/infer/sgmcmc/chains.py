@@ -25,6 +25,7 @@ from pyro_scalable.bridge.checks import ModelError, first_line
 from pyro_scalable.bridge.model import Batch, Latents, ModelBridge
 from pyro_scalable.infer.sgmcmc.base import SAMPLING, GradientEstimate, Phase
 from pyro_scalable.infer.sgmcmc.distributed import normalised_per_chain
+from pyro_scalable.infer.sgmcmc.stragglers import copy_chains
 
 __all__ = ["ChainStepper", "chains_gradient", "first_line"]
 
@@ -196,6 +197,14 @@ class ChainStepper:
             return draw(self.state)
         per_chain = [draw(s) for s in self._chains]
         return {name: torch.stack([chain[name] for chain in per_chain]) for name in per_chain[0]}
+
+    def restart(self, bad: Tensor, donors: Tensor) -> None:
+        """Chains ``bad`` go on as copies of chains ``donors`` (their whole state: :mod:`.stragglers`)."""
+        if self.mode == "vectorized":
+            self.state = copy_chains(self.state, bad, donors)
+        else:
+            for chain, donor in zip(bad.tolist(), donors.tolist(), strict=True):
+                self._chains[chain] = tree_map(torch.clone, self._chains[donor])
 
     @property
     def final_state(self) -> Any:

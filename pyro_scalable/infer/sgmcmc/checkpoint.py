@@ -41,8 +41,8 @@ __all__ = ["FORMAT", "RunCheckpoint", "run_fingerprint"]
 
 # bumped when the layout of a run checkpoint changes (2: warm-up's state apart from the kernel's; 3: the kind, the
 # model's code and the data's values in the fingerprint; 4: the control variate's centre and full-data gradient,
-# and warm-up's metric)
-FORMAT = 4
+# and warm-up's metric; 5: warm-up's metric window per chain, its log-density window and restarted chains)
+FORMAT = 5
 KIND = "StochasticMCMC"
 _KEYS = (
     "fingerprint",
@@ -58,6 +58,8 @@ _KEYS = (
     "warmup_divergences",
     "control_variate",
     "metric",
+    "window",
+    "restarted",
 )
 
 
@@ -160,6 +162,7 @@ class RunCheckpoint:
         total: int,
         batches: Any = None,
         metric: Any = None,
+        window: Any = None,
         rebuild: Any = None,
     ):
         self.path = path
@@ -171,6 +174,7 @@ class RunCheckpoint:
         self.sampler = sampler  # an EpochSampler, or None where a DataLoader feeds the steps
         self.total = total
         self.metric = metric  # warm-up's MetricSchedule, or None
+        self.window = window  # warm-up's WindowLog (.stragglers)
         self.rebuild = rebuild  # a stepper for the metric's stage (its state then restored)
         self._last: dict[str, Any] = {}
 
@@ -205,7 +209,10 @@ class RunCheckpoint:
                 (value.shape[0], run.num_samples), dtype=value.dtype, device=run.draws_device
             )
             run.results.stats[name][:, :kept].copy_(value)
-        run.num_warmup_divergences = saved["warmup_divergences"]
+        run.num_warmup_divergences = saved["warmup_divergences"].to(self.stepper.bridge.device)
+        run.restarted = saved["restarted"].clone()
+        if self.window is not None:
+            self.window.load_state_dict(saved["window"], self.stepper.bridge.device)
         control = saved["control_variate"]
         if control is not None:
             run.control_variate = ControlVariate(**_to(control, self.stepper.bridge.device))
@@ -225,6 +232,8 @@ class RunCheckpoint:
             "sampler": self.sampler.state_dict() if self.sampler is not None else None,
             "warmup_divergences": self.run.num_warmup_divergences,
             "metric": None if self.metric is None else self.metric.state_dict(),
+            "window": None if self.window is None else self.window.state_dict(),
+            "restarted": self.run.restarted.clone(),
         }
 
     def step_done(self, step: int, kept: int, *, stopped: bool = False) -> None:
@@ -253,6 +262,8 @@ class RunCheckpoint:
                 "stats": {k: v[:, :kept].detach().cpu().clone() for k, v in self.run.results.stats.items()},
                 "control_variate": _to(self.run.control_variate and self.run.control_variate._asdict(), "cpu"),
                 "metric": _to(last["metric"], "cpu"),
+                "window": _to(last["window"], "cpu"),
+                "warmup_divergences": _to(last["warmup_divergences"], "cpu"),
             },
         )
 

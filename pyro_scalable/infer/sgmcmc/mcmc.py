@@ -42,6 +42,7 @@ from pyro_scalable.infer.sgmcmc.distributed import setup as setup_parallel
 from pyro_scalable.infer.sgmcmc.metric import MetricSchedule, check_metric
 from pyro_scalable.infer.sgmcmc.noise_probe import probe_gradient_noise, warn_ignored_noise, warn_uncorrected_noise
 from pyro_scalable.infer.sgmcmc.run_arguments import check_choices, cycle, refuse_pyro_spellings
+from pyro_scalable.infer.sgmcmc.stragglers import WindowLog, donors_for
 
 __all__ = ["StochasticMCMC"]
 
@@ -182,6 +183,8 @@ class StochasticMCMC(Draws):
         self.results: RunRecord | None = None
         self.state: Any = None
         self.num_warmup_divergences = 0
+        self.warmup_divergences: Tensor | None = None  # per chain, after a run
+        self.restarted: Tensor | None = None  # per chain: how often warm-up restarted it from a healthy chain
         self.control_variate = self.mode_search = self.metric_map = self._schedule = None
 
     # ------------------------------------------------------------------ running
@@ -230,7 +233,10 @@ class StochasticMCMC(Draws):
         self.results.allocate(latents, self.num_samples, self.draws_device)
         total = self.num_warmup + self.num_samples * self.thin
         start, kept, diverged = 0, 0, False
-        self.num_warmup_divergences = 0
+        num_chains = next(iter(latents.values())).shape[0]
+        self.num_warmup_divergences = torch.zeros(num_chains, dtype=torch.int64, device=bridge.device)
+        self.restarted = torch.zeros(num_chains, dtype=torch.int64)
+        window = WindowLog()  # each window's log densities per chain: which chains warm-up left behind (.stragglers)
         checkpoint = None
         if self.checkpoint is not None:
             checkpoint = RunCheckpoint(
@@ -243,6 +249,7 @@ class StochasticMCMC(Draws):
                 total=total,
                 batches=batches,
                 metric=schedule,
+                window=window,
                 rebuild=lambda: stage_stepper(latents, self.chain_method),
             )
             start, kept, diverged = checkpoint.resume(self.resume)
@@ -266,17 +273,26 @@ class StochasticMCMC(Draws):
                 if option == "warmup":  # plain in burn-in: the controlled noise grows with the distance to the centre
                     base.active = t >= self.num_warmup or not stepper.program.phase(t - schedule.stage_start()).burn_in
                 info = stepper.step(batch, t - (schedule.stage_start() if schedule else 0))
+                if t < self.num_warmup and (schedule.in_window(t) if schedule else t >= self.num_warmup // 2):
+                    window.observe(info.log_posterior, info.diverging)
                 if schedule is not None and t < self.num_warmup:
                     schedule.observe(t, schedule.to_theta(stepper.latents()))
                     if schedule.due(t):  # the next stage of warm-up, in the metric this one's positions give
+                        behind = window.left_behind()
+                        restart = None if behind is None or parallel is not None else donors_for(behind)
+                        window.reset()
                         theta = schedule.to_theta(stepper.latents())
+                        if restart is not None:  # a straggler neither shapes the metric nor stays where it is
+                            theta = {k: v.index_copy(0, restart[0], v[restart[1]]) for k, v in theta.items()}
+                            self.restarted[restart[0].cpu()] += 1
                         big = (
                             batch.indices
                             if batch_iter is not None
                             else {k: v[0] for k, v in sampler.larger(4096).items()}
                         )
                         curvature = schedule.hessian(base, Batch(big, batch.args, batch.kwargs))
-                        moved = schedule.next_map(next(iter(theta.values())), curvature)
+                        keep = None if restart is None else ~behind
+                        moved = schedule.next_map(next(iter(theta.values())), curvature, keep=keep)
                         if option == "warmup":  # recentred at each window's mean: one full-data pass
                             self.control_variate = base.control = recentre(self.results.full_bridge, schedule, reducer)
                         if moved is not None:
@@ -284,11 +300,19 @@ class StochasticMCMC(Draws):
                             stepper.log_posterior_fn = schedule.wrap(base)
                             if checkpoint is not None:
                                 checkpoint.stepper = stepper
+                        elif restart is not None:
+                            stepper.restart(*restart)
                 if t + 1 == self.num_warmup:
+                    behind = window.left_behind()
+                    restart = None if behind is None or parallel is not None else donors_for(behind)
+                    if restart is not None:  # sampling starts from healthy chains only
+                        stepper.restart(*restart)
+                        self.restarted[restart[0].cpu()] += 1
+                    window.reset()
                     stepper.end_warmup()
                 diverged = bool(info.diverging.any()) if self.on_divergence == "stop" else False
                 if t < self.num_warmup:  # a tensor until the run ends: no wait for the device on every step
-                    self.num_warmup_divergences = self.num_warmup_divergences + info.diverging.sum()
+                    self.num_warmup_divergences = self.num_warmup_divergences + info.diverging.to(torch.int64)
                 elif (t - self.num_warmup + 1) % self.thin == 0:
                     draw = schedule.to_theta(stepper.latents()) if schedule else stepper.latents()
                     self.results.record(kept, draw, info)
@@ -367,7 +391,9 @@ class StochasticMCMC(Draws):
 
     def _truncate(self, kept: int, stepper: ChainStepper) -> None:
         self.results.settle()
-        self.num_warmup_divergences = int(self.num_warmup_divergences)
+        if isinstance(self.num_warmup_divergences, Tensor):
+            self.warmup_divergences = self.num_warmup_divergences.cpu()
+            self.num_warmup_divergences = int(self.warmup_divergences.sum())
         self.state = stepper.final_state
         self.metric_map = self._schedule.affine if self._schedule is not None else None
         if kept < self.num_samples:

@@ -207,15 +207,23 @@ class MetricSchedule:
         self.total: Tensor | float = 0.0
         self.outer: Tensor | float = 0.0
 
+    def in_window(self, step: int) -> bool:
+        """Whether ``step`` is in the calibrated half of the running stage (the last stage's too)."""
+        return step - self.stage_start() >= self.stage_length(self.stage) // 2
+
     def observe(self, step: int, theta: Latents) -> None:
-        """Pool the chains' positions (θ, chain dim first) of a step in the calibrated half of the running stage."""
-        if self.stage >= len(self.ends) or step - self.stage_start() < self.stage_length(self.stage) // 2:
+        """Add the chains' positions (θ, chain dim first) of a step in the calibrated half of the running stage.
+
+        Kept per chain, so that :meth:`next_map` can pool the chains that reached the bulk and leave out a straggler
+        (:mod:`.stragglers`).
+        """
+        if self.stage >= len(self.ends) or not self.in_window(step):
             return
         flat = self.layout.flatten(theta, 1).detach().double()
-        self.count += flat.shape[0]
-        self.total = self.total + flat.sum(0)
+        self.count += 1
+        self.total = self.total + flat
         dense = self.kind == "dense" or (self.kind == "auto" and self.layout.dim <= DENSE_LIMIT)
-        self.outer = self.outer + (flat.T @ flat if dense else flat.square().sum(0))
+        self.outer = self.outer + (flat[:, :, None] * flat[:, None, :] if dense else flat.square())
 
     def hessian(self, log_posterior_fn: Callable, batch: Batch) -> Callable[[Tensor], Tensor]:
         """The Hessian of ``-log_posterior_fn`` on ``batch`` (θ-space) at a flat point, for :meth:`next_map`."""
@@ -229,8 +237,12 @@ class MetricSchedule:
         """Whether the running stage ends after ``step``."""
         return self.stage < len(self.ends) and step + 1 == self.ends[self.stage]
 
-    def next_map(self, like: Tensor, hessian: Callable[[Tensor], Tensor] | None = None) -> AffineMap | None:
+    def next_map(
+        self, like: Tensor, hessian: Callable[[Tensor], Tensor] | None = None, keep: Tensor | None = None
+    ) -> AffineMap | None:
         """The window's metric (then the next stage runs in it); moments reset.
+
+        ``keep``: the chains whose positions are pooled (default all; :mod:`.stragglers` leaves out chains behind).
 
         A dense metric, where ``hessian`` (of the negative log density, at a flat θ) is given, is the inverse
         Hessian at the window's mean with each eigenvalue floored by the window's spread along its eigenvector
@@ -238,13 +250,17 @@ class MetricSchedule:
         which the metric is for, while a flat or saddle direction of the Hessian is bounded by the positions.
         Without it (or a diagonal metric), the window's pooled covariance.
         """
-        n = self.count
-        mean = self.total / n
+        total, outer = self.total, self.outer
+        if keep is not None:
+            total, outer = total[keep.to(total.device)], outer[keep.to(total.device)]
+        n = self.count * total.shape[0]
+        total, outer = total.sum(0), outer.sum(0)
+        mean = total / n
         self.window_mean = mean.to(like)
-        if self.outer.dim() == 2:
-            covariance = (self.outer - n * torch.outer(mean, mean)) / max(n - 1, 1)
+        if outer.dim() == 2:
+            covariance = (outer - n * torch.outer(mean, mean)) / max(n - 1, 1)
         else:
-            covariance = (self.outer - n * mean.square()) / max(n - 1, 1)
+            covariance = (outer - n * mean.square()) / max(n - 1, 1)
         variances = covariance.diagonal() if covariance.dim() == 2 else covariance
         floor = 1e-3 * variances.clamp(min=0).mean().clamp(min=1e-30)
         weight = n / (n + _SHRINK)

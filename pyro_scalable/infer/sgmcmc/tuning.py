@@ -159,7 +159,14 @@ def fisher_mass(noise: Latents) -> Latents:
 
 
 class Rule:
-    """How warm-up tunes one kind of kernel: what it chooses, in which metric it measures, and how it chooses."""
+    """How warm-up tunes one kind of kernel: what it chooses, in which metric it measures, and how it chooses.
+
+    ``order``: the power of the curvature in the step's stability bound (ε ∝ λ^(-1/order)): 1 for Langevin
+    samplers, 2 for momentum samplers. Warm-up halves a step after a divergence by multiplying the curvature the rule
+    sees by 2^order.
+    """
+
+    order = 2
 
     def start(self, kernel: Any, latents: Latents) -> dict[str, Any]:
         """The hyperparameters to choose, before warm-up has seen anything (NaN; the Fisher mass: 1)."""
@@ -186,6 +193,8 @@ class Rule:
 class Langevin(Rule):
     """SGLD: ε = min(0.1/λ, ρ 2T / max V̄) (the noise bound only after burn-in)."""
 
+    order = 1
+
     def tune(self, kernel, state, gradient, temperature, burn_in):
         tuned = dict(state.tuned)
         chosen = LANGEVIN_BOUND / state.curvature
@@ -197,6 +206,8 @@ class Langevin(Rule):
 
 class Preconditioned(Rule):
     """pSGLD: learn v in the calibrated warm-up (``preconditioner="warmup"``), then SGLD's rule in the metric G."""
+
+    order = 1
 
     def metric(self, kernel, kernel_state, tuned):
         return psgld.preconditioner(kernel_state, kernel.damping)
