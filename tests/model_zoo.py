@@ -181,8 +181,8 @@ def reference() -> dict:
     return json.loads(REFERENCE.read_text())
 
 
-def accuracy(samples: dict[str, torch.Tensor], sites: dict[str, dict]) -> dict[str, float]:
-    """The draws (``group_by_chain=True``) against a reference's ``sites``: the worst element of every site.
+def accuracy(samples: dict[str, torch.Tensor], entry: dict) -> dict[str, float]:
+    """The draws (``group_by_chain=True``) against a model's reference ``entry``: the worst element of every site.
 
     Returns the largest ``|mean error| / reference sd``, the largest ``|sd / reference sd - 1|`` and its tolerance
     (:data:`SD_BIAS` plus three Monte-Carlo standard errors of the ratio, ``sqrt(1 / (2 ESS) + 1 / (2 ESS_ref))``
@@ -192,14 +192,14 @@ def accuracy(samples: dict[str, torch.Tensor], sites: dict[str, dict]) -> dict[s
     import arviz as az
 
     worst = {"mean_error": 0.0, "sd_error": 0.0, "sd_excess": -math.inf, "r_hat": 0.0, "ess": math.inf}
-    for site, summary in sites.items():
+    for site, summary in entry["sites"].items():
         draws = samples[site].detach().double()
         flat = draws.reshape(draws.shape[0], draws.shape[1], -1)
         ref_mean = torch.tensor(summary["mean"], dtype=flat.dtype)
         ref_sd = torch.tensor(summary["sd"], dtype=flat.dtype)
         varying = ref_sd > 1e-9  # a correlation matrix's diagonal is constant
         flat, ref_mean, ref_sd = flat[..., varying], ref_mean[varying], ref_sd[varying]
-        ref_ess = summary.get("ess", math.inf)
+        ref_ess = entry.get("diagnostics", {}).get(site, {}).get("ess", math.inf)  # a closed form's: exact
         array = flat.numpy()
         ess = torch.tensor([float(az.ess(array[..., k], method="bulk")) for k in range(array.shape[-1])])
         r_hat = torch.tensor([float(az.rhat(array[..., k])) for k in range(array.shape[-1])])

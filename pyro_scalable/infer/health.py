@@ -21,6 +21,7 @@ Convergence is not judged at temperature 0 (optimisation) or with fewer than 4 d
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
@@ -113,7 +114,7 @@ def warn_unhealthy(
         True
 
     """
-    problems = []
+    problems, remedies = [], []
     num_chains, num_draws = next(iter(draws.values())).shape[:2]
     sampling = "temperature" not in stats or bool((stats["temperature"] > 0).any())
     if sampling and num_draws >= 4:
@@ -129,6 +130,14 @@ def warn_unhealthy(
                 f"an effective sample size under {ESS_PER_CHAIN} per chain ({ESS_PER_CHAIN * num_chains} in all) at "
                 f"{', '.join(low)}"
             )
+        least = min(ess.values(), default=math.inf)
+        if (high or low) and 0 < least < math.inf:
+            # the ESS grows in proportion to the draws once the chains have mixed: what this run's ESS per draw asks
+            needed = _round_up(num_draws * ESS_PER_CHAIN * num_chains / least)
+            remedies.append(
+                f"this run gave {least / (num_chains * num_draws):.2g} effective draws per draw: about "
+                f"num_samples={needed} per chain would give {ESS_PER_CHAIN} per chain"
+            )
     repeated = stats.get("repeated")
     if repeated is not None and bool(repeated.any()):
         runs = _longest_runs(repeated)
@@ -143,15 +152,25 @@ def warn_unhealthy(
             f"{diverging} kept draws and {warmup_divergences} warmup steps diverged (non-finite log density or "
             "gradient; those steps were rejected and are marked in sample_stats.diverging)"
         )
+    if diverging:
+        remedies.append("a step that diverges in sampling is too large: give a smaller step_size or a longer num_warmup")
     if problems:
+        remedies = remedies or ["run longer (num_warmup, num_samples), or reparametrise the model"]
         warnings.warn(
             "the chains are not healthy: "
             + "; ".join(problems)
-            + ". Lower the step size, run longer (num_warmup, num_samples), or reparametrise the model (e.g. a "
-            "non-centred hierarchy); the diagnostics are in summary() and to_inference_data().",
+            + ". "
+            + "; ".join(remedies)
+            + ". The diagnostics are in summary() and to_inference_data().",
             HealthWarning,
             stacklevel=stacklevel,
         )
+
+
+def _round_up(value: float) -> int:
+    """``value`` rounded up to two significant digits (a length to suggest, not to compute with)."""
+    digits = max(int(math.floor(math.log10(max(value, 1.0)))) - 1, 0)
+    return int(math.ceil(value / 10**digits) * 10**digits)
 
 
 def _longest_runs(repeated: Tensor) -> Tensor:
