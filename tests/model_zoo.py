@@ -24,9 +24,10 @@ N, B, D, G = 120, 12, 3, 4
 
 
 def data(dtype, likelihood="normal"):
+    """The zoo's data: drawn in float32 whatever ``dtype`` (torch draws other numbers in float64), then cast."""
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(N, D, generator=g, dtype=dtype)
-    f = x @ torch.tensor([1.0, -0.5, 0.25], dtype=dtype)
+    x = torch.randn(N, D, generator=g)
+    f = x @ torch.tensor([1.0, -0.5, 0.25])
     group = torch.arange(N) % G
     if likelihood == "bernoulli":
         y = torch.bernoulli(torch.sigmoid(f), generator=g)
@@ -35,8 +36,8 @@ def data(dtype, likelihood="normal"):
     elif likelihood == "categorical":
         y = (f > 0).to(torch.long) + (f > 1).to(torch.long)
     else:
-        y = f + 0.5 * torch.randn(N, generator=g, dtype=dtype)
-    return x, y, group
+        y = f + 0.5 * torch.randn(N, generator=g)
+    return x.to(dtype), (y if likelihood == "categorical" else y.to(dtype)), group
 
 
 def linear_halfnormal_scale(x, y, group):

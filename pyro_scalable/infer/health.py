@@ -131,12 +131,14 @@ def warn_unhealthy(
                 f"{', '.join(low)}"
             )
         least = min(ess.values(), default=math.inf)
+        worst = max(r_hat.values(), default=1.0)
         if (high or low) and 0 < least < math.inf:
-            # the ESS grows in proportion to the draws once the chains have mixed: what this run's ESS per draw asks
-            needed = _round_up(num_draws * ESS_PER_CHAIN * num_chains / least)
+            # once the chains have mixed, the ESS grows in proportion to the draws and split r_hat - 1 shrinks as one
+            # over them: the factor this run's own figures ask for
+            factor = max(ESS_PER_CHAIN * num_chains / least, (worst - 1.0) / (R_HAT_LIMIT - 1.0), 1.0)
             remedies.append(
                 f"this run gave {least / (num_chains * num_draws):.2g} effective draws per draw: about "
-                f"num_samples={needed} per chain would give {ESS_PER_CHAIN} per chain"
+                f"num_samples={_round_up(num_draws * factor)} per chain would pass both checks"
             )
     repeated = stats.get("repeated")
     if repeated is not None and bool(repeated.any()):
