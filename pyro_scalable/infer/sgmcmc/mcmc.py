@@ -42,7 +42,7 @@ from pyro_scalable.infer.sgmcmc.distributed import setup as setup_parallel
 from pyro_scalable.infer.sgmcmc.metric import MetricSchedule, check_metric
 from pyro_scalable.infer.sgmcmc.noise_probe import probe_gradient_noise, warn_ignored_noise, warn_uncorrected_noise
 from pyro_scalable.infer.sgmcmc.run_arguments import check_choices, cycle, refuse_pyro_spellings
-from pyro_scalable.infer.sgmcmc.stragglers import WindowLog, donors_for
+from pyro_scalable.infer.sgmcmc.stragglers import WindowLog
 
 __all__ = ["StochasticMCMC"]
 
@@ -278,9 +278,7 @@ class StochasticMCMC(Draws):
                 if schedule is not None and t < self.num_warmup:
                     schedule.observe(t, schedule.to_theta(stepper.latents()))
                     if schedule.due(t):  # the next stage of warm-up, in the metric this one's positions give
-                        behind = window.left_behind()
-                        restart = None if behind is None or parallel is not None else donors_for(behind)
-                        window.reset()
+                        behind, restart = window.close(parallel is None)
                         theta = schedule.to_theta(stepper.latents())
                         if restart is not None:  # a straggler neither shapes the metric nor stays where it is
                             theta = {k: v.index_copy(0, restart[0], v[restart[1]]) for k, v in theta.items()}
@@ -303,12 +301,10 @@ class StochasticMCMC(Draws):
                         elif restart is not None:
                             stepper.restart(*restart)
                 if t + 1 == self.num_warmup:
-                    behind = window.left_behind()
-                    restart = None if behind is None or parallel is not None else donors_for(behind)
+                    _, restart = window.close(parallel is None)
                     if restart is not None:  # sampling starts from healthy chains only
                         stepper.restart(*restart)
                         self.restarted[restart[0].cpu()] += 1
-                    window.reset()
                     stepper.end_warmup()
                 diverged = bool(info.diverging.any()) if self.on_divergence == "stop" else False
                 if t < self.num_warmup:  # a tensor until the run ends: no wait for the device on every step

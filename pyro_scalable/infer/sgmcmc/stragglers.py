@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_map
 
-__all__ = ["GAP", "WindowLog", "donors_for", "left_behind"]
+__all__ = ["GAP", "WindowLog", "copy_chains", "donors_for", "left_behind"]
 
 GAP = 4.0  # a chain whose window mean log density is this many within-chain sds below the median chain's is behind
 
@@ -69,6 +69,12 @@ class WindowLog:
         mean = self.total / self.count
         spread = (self.squares / self.count - mean.square()).clamp(min=0).sqrt()
         return left_behind(mean, spread, self.diverged > 0)
+
+    def close(self, restarts: bool = True) -> tuple[Tensor | None, tuple[Tensor, Tensor] | None]:
+        """End the window: the chains left behind, and the restarts :func:`donors_for` makes of them (if ``restarts``)."""
+        behind = self.left_behind()
+        self.reset()
+        return behind, (donors_for(behind) if restarts and behind is not None else None)
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps of the window."""
