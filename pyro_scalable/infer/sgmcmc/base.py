@@ -68,6 +68,7 @@ __all__ = [
 ]
 
 Latents = dict[str, Tensor]
+NOISE_FRACTION = 0.5  # ρ: the largest share of the wanted noise that the gradient noise may supply (.tuning)
 NOISE_WINDOW = 50  # steps: the moving average of the gradient noise forgets older steps at this rate
 CURVATURE_EVERY = 4  # warm-up measures the curvature on every 4th step after the first (.adaptation)
 NOISE_EVERY = 4  # burn-in and sampling measure the gradient noise on every 4th step (noise_phase)

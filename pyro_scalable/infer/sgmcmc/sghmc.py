@@ -67,6 +67,7 @@ from pyro_scalable.bridge.model import FullDataModel
 from pyro_scalable.infer.schedules import ScalarOrSchedule, check_positive, resolve
 from pyro_scalable.infer.sgmcmc import integrators
 from pyro_scalable.infer.sgmcmc.base import (
+    NOISE_FRACTION,
     GradientEstimate,
     Kernel,
     Latents,
@@ -135,6 +136,9 @@ def update(
         frictions = dict.fromkeys(state.latents, friction)
         wanted = 2.0 * friction * step_size_now * temperature_now  # one for all sites
     noise_average, gradient_variance = noise_in_step(state, gradient, gradient_noise, step_size_now**2, noise_every)
+    if gradient_noise == "correct":
+        frictions, friction = _noise_held(frictions, gradient_variance, step_size_now, temperature_now, masses)
+        wanted = {name: 2.0 * f * step_size_now * temperature_now for name, f in frictions.items()}
     variance, noise_ratio, uncorrected = injected_variance(
         wanted,
         gradient_variance,
@@ -160,6 +164,25 @@ def update(
         friction,
     )
     return SGHMCState(latents, momenta, previous, state.step_count + 1, noise_average), info
+
+
+def _noise_held(
+    frictions: Latents, gradient_variance: Latents, step_size: Tensor, temperature: Tensor, masses: Latents
+) -> tuple[Latents, Tensor]:
+    """Each coordinate's friction, raised where the chain's gradient noise now asks for more than it was given.
+
+    Warm-up chose α_j ≥ ε V̄_j / (2Tρ) from the noise it saw; a chain that wanders where its gradient is noisier (a
+    control variate's noise grows with the distance to its centre) would otherwise get gradient noise the injected
+    noise cannot cancel, run hot and wander further. Holding the same inequality with the chain's own moving
+    average (up to a decay of 0: α_j ≤ m_j/ε) keeps it calibrated; any positive friction keeps the law.
+    """
+    hot = temperature > 0
+    held = {}
+    for name, f in frictions.items():
+        need = gradient_variance[name] / torch.where(hot, 2.0 * step_size * temperature * NOISE_FRACTION, 1.0)
+        need = torch.minimum(torch.where(hot, need, 0.0), masses[name] / step_size)
+        held[name] = torch.maximum(f, need)
+    return held, torch.stack([f.max() for f in held.values()]).max()
 
 
 def step(

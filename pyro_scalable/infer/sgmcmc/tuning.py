@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from pyro_scalable.infer.sgmcmc import psgld
-from pyro_scalable.infer.sgmcmc.base import CURVATURE_EVERY, GradientEstimate, Latents
+from pyro_scalable.infer.sgmcmc.base import CURVATURE_EVERY, NOISE_FRACTION, GradientEstimate, Latents
 from pyro_scalable.infer.sgmcmc.mass import mass_like
 
 __all__ = [
@@ -39,7 +39,6 @@ __all__ = [
     "noise_bound",
 ]
 
-NOISE_FRACTION = 0.5  # ρ: the largest share of the wanted noise that the gradient noise may supply
 LANGEVIN_BOUND = 0.1  # ε λ_max for SGLD and pSGLD (a stationary-variance bias of at most 5%)
 MOMENTUM_BOUND = 0.3  # ε √λ_max for SGHMC and SGNHT (about 2%)
 BAOAB_BOUND = 0.5  # ε √λ_max for BAOAB (stability needs < 2; θ is exact on a Gaussian below that)

@@ -197,3 +197,28 @@ def test_fisher_mass_is_learnt_in_warmup_normalised_and_frozen():
     assert bool((mass[:, 1] / mass[:, 0] > 30).all()), mass  # ~100 expected; a factor 3 of slack for 100 steps
     with pytest.raises(ValueError, match="mass"):
         SGHMC(problem.model, mass="newton")
+
+
+def test_a_friction_is_raised_where_the_chains_gradient_noise_asks_for_more():
+    """With the noise corrected, α_j is at least ε V̄_j / (2Tρ) on every step (ρ = 1/2), at most m_j / ε."""
+    from pyro_scalable.infer.sgmcmc.base import GradientEstimate
+
+    x, m = torch.tensor([0.3, 0.2, -0.1], dtype=torch.float64), torch.tensor([0.1, -0.4, 0.2], dtype=torch.float64)
+    noise = torch.tensor([0.5, 40.0, 4000.0], dtype=torch.float64)  # quiet, loud, louder than any friction fits
+    grads = torch.tensor([0.2, -0.1, 0.05], dtype=torch.float64)
+    zero = torch.zeros((), dtype=torch.float64)
+    gradient = GradientEstimate({"x": grads}, zero, zero, torch.tensor(False), {"x": noise}, zero + 10, {})
+    step_size, temperature, given = 0.1, 0.8, 2.0
+    state, info = sghmc.update(
+        sghmc.init({"x": x}, {"x": m}), gradient, step_size=step_size, friction=given, temperature=temperature,
+        gradient_noise="correct", generator=torch.Generator().manual_seed(5),
+    )
+    # the State's first noise average is the measurement itself; ε V̄ / (2Tρ) = 0.1 V / 0.8
+    held = torch.clamp(torch.clamp(step_size * noise / (2 * temperature * 0.5), min=given), max=1.0 / step_size)
+    assert held.tolist() == pytest.approx([2.0, 5.0, 10.0])
+    xi = torch.randn(3, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    injected = torch.clamp(2 * held * step_size * temperature - step_size**2 * noise, min=0.0)
+    m_new = m * (1 - step_size * held) + step_size * grads + injected.sqrt() * xi
+    torch.testing.assert_close(state.momenta["x"], m_new, rtol=1e-14, atol=1e-14)
+    assert float(info.friction) == pytest.approx(10.0)
+    assert float(info.uncorrected) == pytest.approx(1 / 3)  # only the coordinate no friction can balance
