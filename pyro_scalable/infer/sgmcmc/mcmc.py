@@ -283,11 +283,7 @@ class StochasticMCMC(Draws):
                         if restart is not None:  # a straggler neither shapes the metric nor stays where it is
                             theta = {k: v.index_copy(0, restart[0], v[restart[1]]) for k, v in theta.items()}
                             self.restarted[restart[0].cpu()] += 1
-                        big = (
-                            batch.indices
-                            if batch_iter is not None
-                            else {k: v[0] for k, v in sampler.larger(4096).items()}
-                        )
+                        big = batch.indices if batch_iter else {k: v[0] for k, v in sampler.larger(4096).items()}
                         curvature = schedule.hessian(base, Batch(big, batch.args, batch.kwargs))
                         keep = None if restart is None else ~behind
                         moved = schedule.next_map(next(iter(theta.values())), curvature, keep=keep)
@@ -354,6 +350,10 @@ class StochasticMCMC(Draws):
             )
         if self.num_samples > 0:
             self.results.stats["repeated"] = repeated_draws(self.results.draws)
+            if parallel is None:  # each chain's warm-up, repeated along its draws as sample_stats wants them
+                shape = self.results.stats["repeated"].shape
+                for name, value in (("warmup_divergences", self.warmup_divergences), ("restarted", self.restarted)):
+                    self.results.stats[name] = value[:, None].expand(shape).to(self.results.stats["repeated"].device)
         warn_unhealthy(self.results.draws, self.results.stats, self.num_warmup_divergences)
         warn_uncorrected_noise(self.results.stats, self.num_samples)
         if self.num_samples and parallel is None and start < total:  # not for a finished run read back

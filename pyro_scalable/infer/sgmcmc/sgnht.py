@@ -212,7 +212,7 @@ class SGNHT(Kernel):
         control_variate: the centre of a control-variate gradient (:mod:`.control_variates`): ``"map"`` (found
             before the run), ``"warmup"`` (each of warm-up's metric windows' mean in turn), a dict of latent values
             by site, or a trained autoguide; ``None``: plain minibatch gradients; ``"auto"`` (the default): ``"map"``
-            where warm-up chooses the step and ``N/B ≥ 20``, ``"warmup"`` for a hierarchy at ``N/B ≥ 4``
+            where warm-up chooses the step and ``N/B ≥ 10``, ``"warmup"`` for a hierarchy at ``N/B ≥ 4``
             (:func:`~pyro_scalable.infer.sgmcmc.control_choice.choose`).
         init_strategy: a Pyro init strategy, one draw per chain.
 

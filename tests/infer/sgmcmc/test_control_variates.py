@@ -353,7 +353,7 @@ def test_auto_is_on_where_the_noise_bound_sets_the_step():
     assert choose("auto", SGHMC(problem.model, step_size=1e-3), bridge) is None  # a hand-set step
     assert choose("auto", SGLD(problem.model, gradient_noise="estimate"), bridge) is None  # not corrected
     assert choose(None, SGHMC(problem.model), bridge) is None
-    wide = LinearRegression(num_data=1000, dim=2, batch_size=100)  # N/B = 10
+    wide = LinearRegression(num_data=1000, dim=2, batch_size=200)  # N/B = 5
     assert choose("auto", SGHMC(wide.model), ModelBridge(wide.model, (wide.x, wide.y))) is None
 
 

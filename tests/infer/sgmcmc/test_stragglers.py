@@ -97,3 +97,6 @@ def test_a_chain_started_at_a_stiff_point_is_restarted_and_the_run_agrees_with_i
     spread = (samples["w"].mean(1) - samples["w"].mean((0, 1))).abs() / pooled_sd
     assert float(spread.max()) < 0.5  # every chain's mean within half a posterior sd of the pooled mean
     assert mcmc.warmup_divergences.shape == (4,)
+    stats = mcmc.to_inference_data(log_likelihood=False).sample_stats  # each chain's warm-up, along its draws
+    assert stats["restarted"].values[:, 0].tolist() == mcmc.restarted.tolist()
+    assert (stats["warmup_divergences"].values == mcmc.warmup_divergences.numpy()[:, None]).all()
