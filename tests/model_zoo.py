@@ -18,9 +18,10 @@ import pyro.distributions as dist
 import torch
 from pyro.nn import PyroModule, PyroSample
 
-__all__ = ["B", "D", "G", "N", "ZOO", "accuracy", "data", "loader_style", "reference", "zoo_model"]
+__all__ = ["B", "D", "G", "HIERARCHIES", "N", "ZOO", "accuracy", "data", "loader_style", "reference", "zoo_model"]
 
 N, B, D, G = 120, 12, 3, 4
+MANY_GROUPS, MANY_BATCH = 300, 100  # the varying-intercept models: 300 groups, 1,500 rows
 
 
 def data(dtype, likelihood="normal"):
@@ -38,6 +39,17 @@ def data(dtype, likelihood="normal"):
     else:
         y = f + 0.5 * torch.randn(N, generator=g)
     return x.to(dtype), (y if likelihood == "categorical" else y.to(dtype)), group
+
+
+def many_groups_data(dtype):
+    """A radon-like panel: 300 groups of 1 to 9 rows (1,500 in all), one covariate, a group intercept each."""
+    g = torch.Generator().manual_seed(1)
+    sizes = 1 + (torch.arange(MANY_GROUPS) * 7919) % 9  # 1..9 rows per group, mean 5
+    group = torch.repeat_interleave(torch.arange(MANY_GROUPS), sizes)
+    x = torch.randn(len(group), generator=g)
+    intercept = 1.0 + 0.5 * torch.randn(MANY_GROUPS, generator=g)
+    y = intercept[group] - 0.7 * x + 0.8 * torch.randn(len(group), generator=g)
+    return x.to(dtype), y.to(dtype), group
 
 
 def linear_halfnormal_scale(x, y, group):
@@ -143,6 +155,28 @@ def nested_plates(x, y, group):
         pyro.sample("obs", dist.Normal(mu, 1.0), obs=x[idx].T)
 
 
+def varying_intercept_centred(x, y, group):
+    mu = pyro.sample("mu", dist.Normal(x.new_zeros(()), 5.0))
+    tau = pyro.sample("tau", dist.HalfNormal(x.new_ones(())))
+    with pyro.plate("groups", MANY_GROUPS):
+        intercept = pyro.sample("intercept", dist.Normal(mu, tau))
+    beta = pyro.sample("beta", dist.Normal(x.new_zeros(()), 1.0))
+    sigma = pyro.sample("sigma", dist.HalfNormal(x.new_ones(())))
+    with pyro.plate("data", len(y), subsample_size=MANY_BATCH) as idx:
+        pyro.sample("obs", dist.Normal(intercept[group[idx]] + beta * x[idx], sigma), obs=y[idx])
+
+
+def varying_intercept_non_centred(x, y, group):
+    mu = pyro.sample("mu", dist.Normal(x.new_zeros(()), 5.0))
+    tau = pyro.sample("tau", dist.HalfNormal(x.new_ones(())))
+    with pyro.plate("groups", MANY_GROUPS):
+        raw = pyro.sample("raw", dist.Normal(x.new_zeros(()), 1.0))
+    beta = pyro.sample("beta", dist.Normal(x.new_zeros(()), 1.0))
+    sigma = pyro.sample("sigma", dist.HalfNormal(x.new_ones(())))
+    with pyro.plate("data", len(y), subsample_size=MANY_BATCH) as idx:
+        pyro.sample("obs", dist.Normal(mu + tau * raw[group[idx]] + beta * x[idx], sigma), obs=y[idx])
+
+
 ZOO = {
     "linear-halfnormal-scale": (linear_halfnormal_scale, "normal"),
     "linear-gamma-precision": (linear_gamma_precision, "normal"),
@@ -157,13 +191,17 @@ ZOO = {
     "pyromodule-net": (None, "normal"),
     "dataloader-plate": (loader_style, "normal"),
     "nested-plates": (nested_plates, "normal"),
+    "varying-intercept-centred": (varying_intercept_centred, "many-groups"),
+    "varying-intercept-non-centred": (varying_intercept_non_centred, "many-groups"),
 }
+HIERARCHIES = ("hierarchical-non-centred", "hierarchical-centred", "varying-intercept-centred",
+               "varying-intercept-non-centred")
 
 
 def zoo_model(name: str, dtype: torch.dtype = torch.float32):
     """The zoo's model ``name`` and its arguments (a ``PyroModule`` is built afresh; the loader's model: ``(x, y)``)."""
     model, likelihood = ZOO[name]
-    x, y, group = data(dtype, likelihood)
+    x, y, group = many_groups_data(dtype) if likelihood == "many-groups" else data(dtype, likelihood)
     if model is None:
         model = _Net(dtype)
     return model, ((x, y) if model is loader_style else (x, y, group))

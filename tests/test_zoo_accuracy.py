@@ -3,12 +3,16 @@
 Nothing but the model (``SGHMC(model)``, ...), 4 chains, 1,000 warm-up steps and 1,000 draws, as the README runs it.
 Accurate: every element's mean within 0.2 reference sd and its sd within 5% plus three Monte-Carlo standard errors
 (``tests.model_zoo.accuracy``); r_hat ≤ 1.01 (rank-normalised) is asked for apart, and is not met yet at these
-lengths (the strict xfail below says by how much). The fast tier runs two seeds of
-the conjugate model, whose reference is exact; the slow tier every model with a reference, every default kernel.
+lengths in every seed (``docs/benchmarks.md``): where it is not, the HealthWarning names the ``num_samples`` that
+gets there, and a slow test runs that advice. The fast tier runs two seeds of three cheap models (the conjugate
+one's reference is exact); the slow tier every model with a reference, every default kernel.
 ``benchmarks/bench_zoo_seeds.py`` runs ten seeds and writes the pass rates into ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations
+
+import re
+import warnings
 
 import pytest
 
@@ -28,8 +32,9 @@ def _accuracy(model_name: str, kernel: str, seed: int) -> dict:
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize("seed", [0, 1])
-def test_sghmc_at_its_defaults_matches_the_exact_posterior_of_the_conjugate_model(seed):
-    result = _accuracy("nested-plates", "SGHMC", seed)
+@pytest.mark.parametrize("model_name", ["nested-plates", "linear-halfnormal-scale", "logistic"])
+def test_sghmc_at_its_defaults_matches_the_reference_posterior(model_name, seed):
+    result = _accuracy(model_name, "SGHMC", seed)
     assert result["mean_error"] <= 0.2 and result["sd_excess"] <= 0.0, result
 
 
@@ -44,12 +49,20 @@ def test_default_kernels_are_accurate_on_every_zoo_model(model_name, kernel, see
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="measured at 1,000 draws per chain: r_hat 1.02-1.05 (bulk ESS 117-176 of 4,000) on the zoo's N = 120, "
-    "B = 12 models; the means and sds pass. The HealthWarning fires and names the num_samples the run's ESS asks for.",
-)
-@pytest.mark.filterwarnings("ignore::UserWarning")
-@pytest.mark.parametrize("model_name", ["linear-halfnormal-scale", "nested-plates"])
-def test_sghmc_reaches_r_hat_1_01_at_the_default_lengths(model_name):
-    assert _accuracy(model_name, "SGHMC", 0)["r_hat"] <= 1.01
+def test_the_num_samples_the_warning_names_reaches_r_hat_1_01():
+    """SGHMC on the Gamma-precision regression, seed 0: r_hat 1.026 at 1,000 draws; the warning's length passes."""
+    model, args = zoo_model("linear-gamma-precision")
+
+    def run(num_samples):
+        mcmc = StochasticMCMC(SGHMC(model), num_samples=num_samples, num_warmup=1000, num_chains=4, seed=0,
+                              progress_bar=False)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            mcmc.run(*args)
+        result = accuracy(mcmc.get_samples(group_by_chain=True), reference()["models"]["linear-gamma-precision"])
+        return result, [int(n) for w in caught for n in re.findall(r"num_samples=(\d+)", str(w.message))]
+
+    first, advice = run(1000)
+    assert first["r_hat"] > 1.01 and len(advice) == 1, (first, advice)
+    second, again = run(advice[0])
+    assert second["passed"] and not again, second

@@ -17,6 +17,7 @@ from typing import Any
 
 from pyro_scalable.bridge.model import Latents, ModelBridge
 from pyro_scalable.infer.sgmcmc.control_variates import (
+    CentreError,
     ControlledLogPosterior,
     ControlVariate,
     full_data_gradient,
@@ -97,8 +98,22 @@ def choose(option: Any, kernel: Any, bridge: ModelBridge, *, windows: bool = Tru
     return "map" if ratio >= AUTO_RATIO else None
 
 
-def attach(run: Any, option: Any, base: Callable, start: Latents, seed: int, reducer: Any, checkpoint: Any) -> Callable:
+def attach(
+    run: Any,
+    option: Any,
+    base: Callable,
+    start: Latents,
+    seed: int,
+    reducer: Any,
+    checkpoint: Any,
+    *,
+    chosen: bool = False,
+) -> Callable:
     """``run``'s log posterior with the control variate ``option`` (from :func:`choose`) asks for, or ``base``.
+
+    ``chosen``: ``option`` is what ``"auto"`` chose. A mode search that finds no finite mode (a centred hierarchy
+    whose group effects are not in a plate has none: its group scale runs to 0) then leaves the run plain instead of
+    failing it.
 
     A centre not read back from a checkpoint is found (one chain's initial point ``start`` begins a mode search) and
     checkpointed at once; ``"warmup"`` starts with none (the plain estimate until warm-up's first window).
@@ -123,7 +138,12 @@ def attach(run: Any, option: Any, base: Callable, start: Latents, seed: int, red
     require_full_data(run.results.full_bridge)
     if run.control_variate is None and option != "warmup":
         bridge, full = run.results.bridge, run.results.full_bridge
-        run.control_variate, run.mode_search = prepare(option, bridge, full, start, seed, reducer=reducer)
+        try:
+            run.control_variate, run.mode_search = prepare(option, bridge, full, start, seed, reducer=reducer)
+        except CentreError:
+            if not chosen:
+                raise
+            return base
         if checkpoint is not None:
             checkpoint.write()  # the centre and its full-data pass are not redone on resume
     return ControlledLogPosterior(base, run.control_variate)

@@ -60,6 +60,7 @@ from pyro_scalable.infer.distributed import all_reduce_sum
 from pyro_scalable.infer.sgmcmc.chains import gradient_and_value, index_dims
 
 __all__ = [
+    "CentreError",
     "ControlVariate",
     "ControlledLogPosterior",
     "check_control_variate",
@@ -379,9 +380,19 @@ def prepare(
     control = full_data_gradient(full, centre, chunk_size=chunk_size, reducer=reducer)
     bad = [name for name, g in control.gradient.items() if not bool(torch.isfinite(g).all())]
     if bad or not bool(torch.isfinite(control.log_joint)):
-        raise ValueError(
-            "the control variate's centre has a non-finite log joint or gradient"
+        found = "the mode search found no finite mode" if search is not None else "the given centre is not finite"
+        raise CentreError(
+            f"the control variate's centre has a non-finite log joint or gradient ({found})"
             + (f" at site(s) {', '.join(map(repr, bad))}" if bad else "")
-            + "; give a centre inside the prior's support (or control_variate='map')."
+            + (
+                "; the log density may have no finite mode (a centred hierarchy's group scale at 0): use "
+                "control_variate='warmup' with a metric, or None."
+                if search is not None
+                else "; give a centre inside the prior's support, or control_variate='map'."
+            )
         )
     return control, search
+
+
+class CentreError(ValueError):
+    """The control variate's centre has a non-finite log joint or gradient."""

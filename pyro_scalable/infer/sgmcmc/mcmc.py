@@ -259,7 +259,8 @@ class StochasticMCMC(Draws):
         option = choose(
             getattr(self.kernel, "control_variate", None), self.kernel, bridge, windows=schedule is not None
         )
-        base = attach(self, option, base, {name: x[0] for name, x in latents.items()}, seed, reducer, checkpoint)
+        chosen = getattr(self.kernel, "control_variate", None) == "auto"
+        base = attach(self, option, base, {k: x[0] for k, x in latents.items()}, seed, reducer, checkpoint, chosen=chosen)
         stepper.log_posterior_fn = schedule.wrap(base) if schedule else base
         quiet = not self.progress_bar or (parallel is not None and not parallel.is_main)
         bar = tqdm(total=total, initial=start, disable=quiet, desc="Warmup" if start < self.num_warmup else "Sample")

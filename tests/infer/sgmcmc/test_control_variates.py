@@ -437,3 +437,25 @@ def test_the_warmup_centre_is_each_windows_mean_and_burn_in_is_plain(monkeypatch
     exact = full_data_gradient(ModelBridge(hierarchical, data), centre)
     for name, g in exact.gradient.items():
         torch.testing.assert_close(mcmc.control_variate.gradient[name], g)
+
+
+def _centred_without_a_plate(x, y, group):
+    """Group effects as one event site (no plate): "auto" cannot see the hierarchy, whose mode has tau at 0."""
+    mu = pyro.sample("mu", dist.Normal(0.0, 5.0))
+    tau = pyro.sample("tau", dist.HalfNormal(1.0))
+    effect = pyro.sample("effect", dist.Normal(mu, tau).expand([4]).to_event(1))
+    with pyro.plate("data", len(y), subsample_size=12) as idx:
+        pyro.sample("obs", dist.Normal(effect[group[idx]], 1.0), obs=y[idx])
+
+
+def test_auto_runs_plain_where_the_mode_search_finds_no_finite_mode_and_map_says_why():
+    from tests.model_zoo import data
+
+    x, y, group = data(torch.float32)
+    short = dict(num_samples=5, num_warmup=20, num_chains=2, seed=1, progress_bar=False)
+    mcmc = StochasticMCMC(SGHMC(_centred_without_a_plate), **short)
+    with pytest.warns(UserWarning):  # the chains are not healthy after 20 steps; no error
+        mcmc.run(x, y, group)
+    assert mcmc.control_variate is None
+    with pytest.raises(ValueError, match="no finite mode.*'warmup'"):
+        StochasticMCMC(SGHMC(_centred_without_a_plate, control_variate="map"), **short).run(x, y, group)
