@@ -33,7 +33,11 @@ def run_once(model_name: str, kernel: str, seed: int, warmup: int, samples: int,
     """One default run of ``kernel`` on ``model_name``: its accuracy, time and warnings."""
     model, args = zoo_model(model_name)
     mcmc = StochasticMCMC(
-        KERNELS[kernel](model), num_samples=samples, num_warmup=warmup, num_chains=chains, seed=seed,
+        KERNELS[kernel](model),
+        num_samples=samples,
+        num_warmup=warmup,
+        num_chains=chains,
+        seed=seed,
         progress_bar=False,
     )
     start = time.perf_counter()

@@ -29,7 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pyro_scalable.bridge.plates import FullDataModel  # noqa: E402
 from tests.model_zoo import ZOO, data, zoo_model  # noqa: E402
 
-SKIPPED = {"pyromodule-net": "symmetric posterior (hidden units permute and flip): per-weight moments are not identified"}
+SKIPPED = {
+    "pyromodule-net": "symmetric posterior (hidden units permute and flip): per-weight moments are not identified"
+}
 QUANTILES = (0.05, 0.5, 0.95)
 
 
@@ -77,6 +79,7 @@ def nuts_reference(name: str, chains: int, warmup: int, samples: int) -> tuple[d
 
 
 def main() -> None:
+    """Write the references of the models named (default: all but the skipped ones)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "tests" / "zoo_reference.json"))
     parser.add_argument("--chains", type=int, default=4)

@@ -194,8 +194,12 @@ ZOO = {
     "varying-intercept-centred": (varying_intercept_centred, "many-groups"),
     "varying-intercept-non-centred": (varying_intercept_non_centred, "many-groups"),
 }
-HIERARCHIES = ("hierarchical-non-centred", "hierarchical-centred", "varying-intercept-centred",
-               "varying-intercept-non-centred")
+HIERARCHIES = (
+    "hierarchical-non-centred",
+    "hierarchical-centred",
+    "varying-intercept-centred",
+    "varying-intercept-non-centred",
+)
 
 
 def zoo_model(name: str, dtype: torch.dtype = torch.float32):
@@ -207,7 +211,7 @@ def zoo_model(name: str, dtype: torch.dtype = torch.float32):
     return model, ((x, y) if model is loader_style else (x, y, group))
 
 
-# ------------------------------------------------------------------------------------------ accuracy against a reference
+# ----------------------------------------------------------------------------------- accuracy against a reference
 
 REFERENCE = Path(__file__).with_name("zoo_reference.json")
 MEAN_TOLERANCE = 0.2  # |mean - reference mean| in reference sds
@@ -254,4 +258,3 @@ def accuracy(samples: dict[str, torch.Tensor], entry: dict) -> dict[str, float]:
         worst["mean_error"] <= MEAN_TOLERANCE and worst["sd_excess"] <= 0.0 and worst["r_hat"] <= R_HAT_LIMIT
     )
     return worst
-

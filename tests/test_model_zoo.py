@@ -29,7 +29,7 @@ from pyro_scalable.infer import (
     SampleThenOptimize,
     StochasticMCMC,
 )
-from tests.model_zoo import B, N, ZOO, loader_style, zoo_model
+from tests.model_zoo import ZOO, B, N, loader_style, zoo_model
 
 KERNELS = {"SGLD": SGLD, "SGHMC": SGHMC, "PSGLD": PSGLD, "SGNHT": SGNHT, "BAOAB": BAOAB}
 

@@ -24,8 +24,9 @@ KERNELS = {"SGHMC": SGHMC, "SGLD": SGLD, "PSGLD": PSGLD}
 
 def _accuracy(model_name: str, kernel: str, seed: int) -> dict:
     model, args = zoo_model(model_name)
-    mcmc = StochasticMCMC(KERNELS[kernel](model), num_samples=1000, num_warmup=1000, num_chains=4, seed=seed,
-                          progress_bar=False)
+    mcmc = StochasticMCMC(
+        KERNELS[kernel](model), num_samples=1000, num_warmup=1000, num_chains=4, seed=seed, progress_bar=False
+    )
     mcmc.run(*args)
     return accuracy(mcmc.get_samples(group_by_chain=True), reference()["models"][model_name])
 
@@ -54,8 +55,9 @@ def test_the_num_samples_the_warning_names_reaches_r_hat_1_01():
     model, args = zoo_model("linear-gamma-precision")
 
     def run(num_samples):
-        mcmc = StochasticMCMC(SGHMC(model), num_samples=num_samples, num_warmup=1000, num_chains=4, seed=0,
-                              progress_bar=False)
+        mcmc = StochasticMCMC(
+            SGHMC(model), num_samples=num_samples, num_warmup=1000, num_chains=4, seed=0, progress_bar=False
+        )
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             mcmc.run(*args)

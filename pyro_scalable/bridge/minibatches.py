@@ -27,7 +27,7 @@ from torch import Tensor
 
 from pyro_scalable.bridge.records import DataPlate
 
-__all__ = ["EpochSampler", "chunks", "permutations"]
+__all__ = ["EpochSampler", "chunks", "data_passes", "permutations"]
 
 
 class EpochSampler:
@@ -129,3 +129,18 @@ def chunks(size: int, chunk_size: int, device: torch.device) -> Iterator[Tensor]
     """Consecutive index chunks covering ``range(size)``."""
     for start in range(0, size, chunk_size):
         yield torch.arange(start, min(start + chunk_size, size), device=device)
+
+
+def data_passes(plates: dict[str, DataPlate], steps: int) -> float | None:
+    """The full-data passes ``steps`` minibatch steps make: ``steps`` B/N for one subsampled plate (else ``None``).
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> data_passes({"data": SimpleNamespace(size=1000, subsample_size=100)}, steps=50)
+        5.0
+
+    """
+    if len(plates) != 1:
+        return None
+    (plate,) = plates.values()
+    return steps * plate.subsample_size / plate.size

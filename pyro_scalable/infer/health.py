@@ -38,6 +38,12 @@ ESS_PER_CHAIN = 100
 # what the warning's num_samples aims at: on the zoo's models (benchmarks/bench_zoo_seeds.py) r_hat <= 1.01 held in
 # every seed from about this ESS per chain, and failed in some at 100-120
 ESS_ADVISED = 250
+R_HAT_MIXED = 1.1  # above this the chains have not mixed, and their ESS per draw does not tell how long to run
+# the most full-data gradients per effective draw Pyro's NUTS needed on the zoo's models (warm-up included; 500 +
+# 1,000 draws: 8.5 on the logistic and Gamma-precision regressions, 65 and 93 on the non-centred and centred
+# hierarchies; benchmarks/bench_zoo_nuts_cost.py): a run that made more data passes than this per effective draw
+# would have been cheaper as full-batch NUTS on every model measured
+NUTS_PASSES_PER_ESS = 93.0
 _CHUNK = 1024  # coordinates per FFT
 
 
@@ -143,9 +149,18 @@ def _worst(value: Tensor, statistic, reduce) -> float:
 
 
 def warn_unhealthy(
-    draws: dict[str, Tensor], stats: dict[str, Tensor], warmup_divergences: int = 0, *, stacklevel: int = 3
+    draws: dict[str, Tensor],
+    stats: dict[str, Tensor],
+    warmup_divergences: int = 0,
+    *,
+    data_passes: float | None = None,
+    stacklevel: int = 3,
 ) -> None:
     """One :class:`HealthWarning` saying what is wrong with the chains ``{site: (chains, draws, ...)}``, if anything.
+
+    ``data_passes``: the full-data passes the run made (all chains, warm-up included; ``None``: not known). Where
+    they come to more per effective draw than full-batch NUTS spends (:data:`NUTS_PASSES_PER_ESS`), the warning
+    says so.
 
     Example:
         >>> import warnings
@@ -180,11 +195,23 @@ def warn_unhealthy(
             # once the chains have mixed, the ESS grows in proportion to the draws and split r_hat - 1 shrinks as one
             # over them: the factor this run's own figures ask for
             factor = max(ESS_ADVISED * num_chains / least, (worst - 1.0) / (R_HAT_LIMIT - 1.0), 1.0)
-            remedies.append(
-                f"this run gave {least / (num_chains * num_draws):.2g} effective draws per draw: about "
-                f"num_samples={_round_up(num_draws * factor)} per chain would give {ESS_ADVISED} per chain, "
-                "from which r_hat <= 1.01 held on the models we test"
-            )
+            if worst >= R_HAT_MIXED:
+                remedies.append(
+                    f"the chains disagree (r_hat {worst:.3g}): a longer run of the same chains is unlikely to mend it; "
+                    "reparametrise the model (e.g. a non-centred hierarchy) or use a full-batch sampler"
+                )
+            else:
+                remedies.append(
+                    f"this run gave {least / (num_chains * num_draws):.2g} effective draws per draw: about "
+                    f"num_samples={_round_up(num_draws * factor)} per chain would give {ESS_ADVISED} per chain, "
+                    "from which r_hat <= 1.01 held on the models we test"
+                )
+            if data_passes is not None and data_passes / least > NUTS_PASSES_PER_ESS:
+                remedies.append(
+                    f"this run made {data_passes / least:.3g} full-data passes per effective draw, more than "
+                    f"full-batch NUTS needed on any of our test models ({NUTS_PASSES_PER_ESS:g} at most): "
+                    "pyro.infer.NUTS(mcmc.kernel.model) (or NumPyro's NUTS) is likely the cheaper sampler here"
+                )
     repeated = stats.get("repeated")
     if repeated is not None and bool(repeated.any()):
         runs = _longest_runs(repeated)
@@ -200,14 +227,15 @@ def warn_unhealthy(
             "gradient; those steps were rejected and are marked in sample_stats.diverging)"
         )
     if diverging:
-        remedies.append("a step that diverges in sampling is too large: give a smaller step_size or a longer num_warmup")
+        remedies.append("a step that diverges in sampling is too large: a smaller step_size or a longer num_warmup")
     if problems:
-        remedies = remedies or ["run longer (num_warmup, num_samples), or reparametrise the model"]
+        advice = "; ".join(remedies or ["run longer (num_warmup, num_samples), or reparametrise the model"])
         warnings.warn(
             "the chains are not healthy: "
             + "; ".join(problems)
             + ". "
-            + "; ".join(remedies)
+            + advice[:1].upper()
+            + advice[1:]
             + ". The diagnostics are in summary() and to_inference_data().",
             HealthWarning,
             stacklevel=stacklevel,

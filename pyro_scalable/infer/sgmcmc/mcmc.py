@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 
 from pyro_scalable.arguments import check_device, check_flag, check_seed
 from pyro_scalable.bridge.checks import ModelError, first_line
-from pyro_scalable.bridge.minibatches import EpochSampler
+from pyro_scalable.bridge.minibatches import EpochSampler, data_passes
 from pyro_scalable.bridge.model import Batch, Latents, ModelBridge
 from pyro_scalable.infer.distributed import broadcast_seed
 from pyro_scalable.infer.health import repeated_draws, warn_unhealthy
@@ -260,7 +260,8 @@ class StochasticMCMC(Draws):
             getattr(self.kernel, "control_variate", None), self.kernel, bridge, windows=schedule is not None
         )
         chosen = getattr(self.kernel, "control_variate", None) == "auto"
-        base = attach(self, option, base, {k: x[0] for k, x in latents.items()}, seed, reducer, checkpoint, chosen=chosen)
+        first = {k: x[0] for k, x in latents.items()}  # one chain's initial point starts a mode search
+        base = attach(self, option, base, first, seed, reducer, checkpoint, chosen=chosen)
         stepper.log_posterior_fn = schedule.wrap(base) if schedule else base
         quiet = not self.progress_bar or (parallel is not None and not parallel.is_main)
         bar = tqdm(total=total, initial=start, disable=quiet, desc="Warmup" if start < self.num_warmup else "Sample")
@@ -355,7 +356,8 @@ class StochasticMCMC(Draws):
                 shape = self.results.stats["repeated"].shape
                 for name, value in (("warmup_divergences", self.warmup_divergences), ("restarted", self.restarted)):
                     self.results.stats[name] = value[:, None].expand(shape).to(self.results.stats["repeated"].device)
-        warn_unhealthy(self.results.draws, self.results.stats, self.num_warmup_divergences)
+        passes = data_passes(bridge.plates, total * self.num_chains)
+        warn_unhealthy(self.results.draws, self.results.stats, self.num_warmup_divergences, data_passes=passes)
         warn_uncorrected_noise(self.results.stats, self.num_samples)
         if self.num_samples and parallel is None and start < total:  # not for a finished run read back
             probe = probe_gradient_noise(self.kernel, bridge, stepper.latents(), seed, total, stepper.log_posterior_fn)

@@ -71,7 +71,7 @@ class WindowLog:
         return left_behind(mean, spread, self.diverged > 0)
 
     def close(self, restarts: bool = True) -> tuple[Tensor | None, tuple[Tensor, Tensor] | None]:
-        """End the window: the chains left behind, and the restarts :func:`donors_for` makes of them (if ``restarts``)."""
+        """End the window: the chains left behind, and the restarts :func:`donors_for` makes (if ``restarts``)."""
         behind = self.left_behind()
         self.reset()
         return behind, (donors_for(behind) if restarts and behind is not None else None)

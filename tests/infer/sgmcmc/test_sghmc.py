@@ -210,8 +210,13 @@ def test_a_friction_is_raised_where_the_chains_gradient_noise_asks_for_more():
     gradient = GradientEstimate({"x": grads}, zero, zero, torch.tensor(False), {"x": noise}, zero + 10, {})
     step_size, temperature, given = 0.1, 0.8, 2.0
     state, info = sghmc.update(
-        sghmc.init({"x": x}, {"x": m}), gradient, step_size=step_size, friction=given, temperature=temperature,
-        gradient_noise="correct", generator=torch.Generator().manual_seed(5),
+        sghmc.init({"x": x}, {"x": m}),
+        gradient,
+        step_size=step_size,
+        friction=given,
+        temperature=temperature,
+        gradient_noise="correct",
+        generator=torch.Generator().manual_seed(5),
     )
     # the State's first noise average is the measurement itself; ε V̄ / (2Tρ) = 0.1 V / 0.8
     held = torch.clamp(torch.clamp(step_size * noise / (2 * temperature * 0.5), min=given), max=1.0 / step_size)

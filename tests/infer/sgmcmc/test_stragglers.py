@@ -22,7 +22,9 @@ def test_a_window_finds_the_chain_far_below_the_others_and_the_one_that_diverged
     for _ in range(200):
         lp = torch.randn(5, generator=g, dtype=torch.float64) * 2.0 + torch.tensor([-10.0, -10.0, -10.5, -9.5, -40.0])
         window.observe(lp, torch.tensor([False, False, False, False, False]))
-    window.observe(torch.tensor([-10.0, math.nan, -10.0, -10.0, -40.0]), torch.tensor([False, True, False, False, False]))
+    window.observe(
+        torch.tensor([-10.0, math.nan, -10.0, -10.0, -40.0]), torch.tensor([False, True, False, False, False])
+    )
     assert window.left_behind().tolist() == [False, True, False, False, True]
     window.reset()
     assert window.left_behind() is None
@@ -88,8 +90,9 @@ def test_a_chain_started_at_a_stiff_point_is_restarted_and_the_run_agrees_with_i
     x = torch.randn(2000, 3, generator=g)
     w = torch.randn(3, generator=g)
     y = x @ w + 0.5 * torch.randn(2000, generator=g)
-    mcmc = StochasticMCMC(SGHMC(_regression), num_samples=600, num_warmup=1500, num_chains=4, seed=10,
-                          progress_bar=False)
+    mcmc = StochasticMCMC(
+        SGHMC(_regression), num_samples=600, num_warmup=1500, num_chains=4, seed=10, progress_bar=False
+    )
     mcmc.run(x, y)
     assert int(mcmc.restarted.sum()) >= 1
     samples = mcmc.get_samples(group_by_chain=True)
