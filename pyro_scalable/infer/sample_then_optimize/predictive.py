@@ -131,8 +131,9 @@ class SampleThenOptimizePredictives:
             ...     w = pyro.sample("w", dist.Normal(torch.zeros(3), 1.0).to_event(1))
             ...     with pyro.plate("data", x.shape[0], subsample_size=50) as idx:
             ...         pyro.sample("y", dist.Normal(x[idx] @ w, 0.5), obs=None if y is None else y[idx])
-            >>> x = torch.randn(200, 3); x[:, 1] += x[:, 0]  # correlated features: a correlated posterior
-            >>> y = x @ torch.tensor([1.0, 0.0, -1.0]) + 0.5 * torch.randn(200)
+            >>> g = torch.Generator().manual_seed(0)
+            >>> x = torch.randn(200, 3, generator=g); x[:, 1] += x[:, 0]  # correlated features: a correlated posterior
+            >>> y = x @ torch.tensor([1.0, 0.0, -1.0]) + 0.5 * torch.randn(200, generator=g)
             >>> engine = SampleThenOptimize(model, num_samples=16, seed=0, progress_bar=False)
             >>> engine.run(x, y)
             >>> engine.as_prior().joint.kind  # the next episode's model: N(mean, rho diag(S) + (1 - rho) S) on "w"

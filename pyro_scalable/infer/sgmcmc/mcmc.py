@@ -352,7 +352,7 @@ class StochasticMCMC(Draws):
             )
         if self.num_samples > 0:
             self.results.stats["repeated"] = repeated_draws(self.results.draws)
-            if parallel is None:  # each chain's warm-up, repeated along its draws as sample_stats wants them
+            if self.distributed != "chains":  # each chain's warm-up, repeated along its draws (sample_stats' shape)
                 shape = self.results.stats["repeated"].shape
                 for name, value in (("warmup_divergences", self.warmup_divergences), ("restarted", self.restarted)):
                     self.results.stats[name] = value[:, None].expand(shape).to(self.results.stats["repeated"].device)

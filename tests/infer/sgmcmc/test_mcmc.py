@@ -80,7 +80,17 @@ def test_shapes_thinning_and_stats(regression):
     assert mcmc.get_samples()["w"].shape == (14, 2)
     stats = mcmc.sample_stats
     # noise_ratio and uncorrected are dropped: the noise was not estimated (gradient_noise="ignore")
-    assert set(stats) == {"lp", "grad_norm", "step_size", "temperature", "diverging", "friction", "repeated"}
+    assert set(stats) == {
+        "lp",
+        "grad_norm",
+        "step_size",
+        "temperature",
+        "diverging",
+        "friction",
+        "repeated",
+        "warmup_divergences",
+        "restarted",
+    }
     assert all(v.shape == (2, 7) for v in stats.values())
     assert stats["diverging"].dtype == torch.bool
     assert mcmc.get_samples()["w"].device.type == "cpu"
