@@ -133,7 +133,14 @@ def rank_r_hat(draws: Tensor, chain_dim: int = 0, sample_dim: int = 1) -> Tensor
 
 
 def bulk_ess(draws: Tensor, chain_dim: int = 0, sample_dim: int = 1) -> Tensor:
-    """The bulk ESS of every coordinate (``az.summary``'s ``ess_bulk``): the ESS of the rank-normalised split chains."""
+    """The bulk ESS of every coordinate (``az.summary``'s ``ess_bulk``): the ESS of the rank-normalised split chains.
+
+    Example:
+        >>> x = torch.randn(4, 1000, 1, generator=torch.Generator().manual_seed(0))  # independent draws
+        >>> 3000 < float(bulk_ess(x)) < 5000
+        True
+
+    """
     x = draws.movedim((chain_dim, sample_dim), (0, 1))
     return effective_sample_size(rank_normalised(x))
 

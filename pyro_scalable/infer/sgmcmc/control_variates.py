@@ -395,4 +395,8 @@ def prepare(
 
 
 class CentreError(ValueError):
-    """The control variate's centre has a non-finite log joint or gradient."""
+    """The control variate's centre has a non-finite log joint or gradient.
+
+    ``control_variate="auto"`` then runs without one; a centre the user asked for (``"map"``, a dict, a guide) raises
+    it, saying whether the mode search found no finite mode or the given centre is not finite.
+    """

@@ -41,7 +41,19 @@ GAP = 4.0  # a chain whose window mean log density is this many within-chain sds
 
 
 class WindowLog:
-    """Per-chain sums of the log density and the diverging steps over the running window of warm-up."""
+    """Per-chain sums of the log density and the diverging steps over the running window of warm-up.
+
+    Example:
+        >>> import torch
+        >>> window = WindowLog()
+        >>> for step in range(50):  # the third chain sits far below the others
+        ...     wobble = torch.tensor([1.0, -1.0, 0.5]) * (-1) ** step
+        ...     window.observe(torch.tensor([-10.0, -11.0, -300.0]) + wobble, torch.zeros(3, dtype=torch.bool))
+        >>> behind, (restarted, donors) = window.close()
+        >>> behind.tolist(), restarted.tolist(), donors.tolist()
+        ([False, False, True], [2], [0])
+
+    """
 
     def __init__(self) -> None:
         self.reset()
@@ -123,7 +135,16 @@ def donors_for(behind: Tensor) -> tuple[Tensor, Tensor] | None:
 
 
 def copy_chains(state: Any, bad: Tensor, donors: Tensor) -> Any:
-    """``state`` (vectorised: chain dimension first) with chains ``bad`` replaced by copies of chains ``donors``."""
+    """``state`` (vectorised: chain dimension first) with chains ``bad`` replaced by copies of chains ``donors``.
+
+    Example:
+        >>> import torch
+        >>> copy_chains({"w": torch.tensor([[1.0], [2.0], [3.0]])}, torch.tensor([2]), torch.tensor([0]))["w"]
+        tensor([[1.],
+                [2.],
+                [1.]])
+
+    """
 
     def replace(x: Any) -> Any:
         if not isinstance(x, Tensor) or x.dim() == 0:
