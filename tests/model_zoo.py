@@ -1,7 +1,8 @@
 """The zoo: the Pyro models users write, with their data, shared by the zoo's tests, reference and benchmark.
 
 Float32 or float64 data; constrained scales (HalfNormal, Gamma, LogNormal), simplex and correlation-matrix sites;
-Normal, StudentT, Bernoulli, Poisson and Categorical likelihoods; centred and non-centred hierarchies; a
+Normal, StudentT, Bernoulli, Poisson and Categorical likelihoods; centred and non-centred hierarchies (a few
+groups, a 300-group varying intercept, a firm panel with varying slopes, a 100-cluster mixed logit); a
 ``PyroModule`` network; both plate styles; nested plates. ``tests/test_model_zoo.py`` runs every engine on each;
 ``tests/test_zoo_accuracy.py`` checks the default kernels' draws against ``tests/zoo_reference.json`` (written by
 ``scripts/zoo_reference.py``); ``benchmarks/bench_zoo_seeds.py`` does so over many seeds.
@@ -22,6 +23,8 @@ __all__ = ["B", "D", "G", "HIERARCHIES", "N", "ZOO", "accuracy", "data", "loader
 
 N, B, D, G = 120, 12, 3, 4
 MANY_GROUPS, MANY_BATCH = 300, 100  # the varying-intercept models: 300 groups, 1,500 rows
+FIRMS, YEARS, PANEL_BATCH = 10, 20, 20  # the partial-pooling panel (Grunfeld's shape): 10 firms x 20 years
+CLUSTERS, CLUSTER_ROWS, LOGIT_BATCH = 100, 20, 100  # the mixed logit: 100 clusters x 20 rows
 
 
 def data(dtype, likelihood="normal"):
@@ -50,6 +53,27 @@ def many_groups_data(dtype):
     intercept = 1.0 + 0.5 * torch.randn(MANY_GROUPS, generator=g)
     y = intercept[group] - 0.7 * x + 0.8 * torch.randn(len(group), generator=g)
     return x.to(dtype), y.to(dtype), group
+
+
+def panel_data(dtype):
+    """A firm panel shaped like Grunfeld's: 10 firms x 20 years, a firm intercept and slope each (200 rows)."""
+    g = torch.Generator().manual_seed(2)
+    firm = torch.arange(FIRMS).repeat_interleave(YEARS)
+    x = torch.randn(FIRMS * YEARS, generator=g)
+    intercept = 1.0 + 0.7 * torch.randn(FIRMS, generator=g)
+    slope = 0.5 + 0.3 * torch.randn(FIRMS, generator=g)
+    y = intercept[firm] + slope[firm] * x + 0.5 * torch.randn(FIRMS * YEARS, generator=g)
+    return x.to(dtype), y.to(dtype), firm
+
+
+def mixed_logit_data(dtype):
+    """Survey-like binary outcomes: 100 clusters x 20 rows, two covariates, a cluster intercept each (2,000 rows)."""
+    g = torch.Generator().manual_seed(3)
+    cluster = torch.arange(CLUSTERS).repeat_interleave(CLUSTER_ROWS)
+    x = torch.randn(CLUSTERS * CLUSTER_ROWS, 2, generator=g)
+    intercept = -0.5 + torch.randn(CLUSTERS, generator=g)
+    y = torch.bernoulli(torch.sigmoid(intercept[cluster] + x @ torch.tensor([1.0, -0.5])), generator=g)
+    return x.to(dtype), y.to(dtype), cluster
 
 
 def linear_halfnormal_scale(x, y, group):
@@ -177,6 +201,52 @@ def varying_intercept_non_centred(x, y, group):
         pyro.sample("obs", dist.Normal(mu + tau * raw[group[idx]] + beta * x[idx], sigma), obs=y[idx])
 
 
+def panel_centred(x, y, firm):
+    mu = pyro.sample("mu", dist.Normal(x.new_zeros(2), 5.0).to_event(1))  # mean intercept and slope
+    tau = pyro.sample("tau", dist.HalfNormal(x.new_ones(2)).to_event(1))
+    with pyro.plate("firms", FIRMS):
+        intercept = pyro.sample("intercept", dist.Normal(mu[0], tau[0]))
+        slope = pyro.sample("slope", dist.Normal(mu[1], tau[1]))
+    sigma = pyro.sample("sigma", dist.HalfNormal(x.new_ones(())))
+    with pyro.plate("data", len(y), subsample_size=PANEL_BATCH) as idx:
+        f = firm[idx]
+        pyro.sample("obs", dist.Normal(intercept[f] + slope[f] * x[idx], sigma), obs=y[idx])
+
+
+def panel_non_centred(x, y, firm):
+    mu = pyro.sample("mu", dist.Normal(x.new_zeros(2), 5.0).to_event(1))
+    tau = pyro.sample("tau", dist.HalfNormal(x.new_ones(2)).to_event(1))
+    with pyro.plate("firms", FIRMS):
+        raw_intercept = pyro.sample("raw_intercept", dist.Normal(x.new_zeros(()), 1.0))
+        raw_slope = pyro.sample("raw_slope", dist.Normal(x.new_zeros(()), 1.0))
+    sigma = pyro.sample("sigma", dist.HalfNormal(x.new_ones(())))
+    with pyro.plate("data", len(y), subsample_size=PANEL_BATCH) as idx:
+        f = firm[idx]
+        intercept, slope = mu[0] + tau[0] * raw_intercept[f], mu[1] + tau[1] * raw_slope[f]
+        pyro.sample("obs", dist.Normal(intercept + slope * x[idx], sigma), obs=y[idx])
+
+
+def mixed_logit_centred(x, y, cluster):
+    mu = pyro.sample("mu", dist.Normal(x.new_zeros(()), 5.0))
+    tau = pyro.sample("tau", dist.HalfNormal(x.new_ones(())))
+    with pyro.plate("clusters", CLUSTERS):
+        intercept = pyro.sample("intercept", dist.Normal(mu, tau))
+    beta = pyro.sample("beta", dist.Normal(x.new_zeros(2), 1.0).to_event(1))
+    with pyro.plate("data", len(y), subsample_size=LOGIT_BATCH) as idx:
+        pyro.sample("obs", dist.Bernoulli(logits=intercept[cluster[idx]] + x[idx] @ beta), obs=y[idx])
+
+
+def mixed_logit_non_centred(x, y, cluster):
+    mu = pyro.sample("mu", dist.Normal(x.new_zeros(()), 5.0))
+    tau = pyro.sample("tau", dist.HalfNormal(x.new_ones(())))
+    with pyro.plate("clusters", CLUSTERS):
+        raw = pyro.sample("raw", dist.Normal(x.new_zeros(()), 1.0))
+    beta = pyro.sample("beta", dist.Normal(x.new_zeros(2), 1.0).to_event(1))
+    with pyro.plate("data", len(y), subsample_size=LOGIT_BATCH) as idx:
+        logits = mu + tau * raw[cluster[idx]] + x[idx] @ beta
+        pyro.sample("obs", dist.Bernoulli(logits=logits), obs=y[idx])
+
+
 ZOO = {
     "linear-halfnormal-scale": (linear_halfnormal_scale, "normal"),
     "linear-gamma-precision": (linear_gamma_precision, "normal"),
@@ -193,19 +263,28 @@ ZOO = {
     "nested-plates": (nested_plates, "normal"),
     "varying-intercept-centred": (varying_intercept_centred, "many-groups"),
     "varying-intercept-non-centred": (varying_intercept_non_centred, "many-groups"),
+    "panel-centred": (panel_centred, "panel"),
+    "panel-non-centred": (panel_non_centred, "panel"),
+    "mixed-logit-centred": (mixed_logit_centred, "mixed-logit"),
+    "mixed-logit-non-centred": (mixed_logit_non_centred, "mixed-logit"),
 }
 HIERARCHIES = (
     "hierarchical-non-centred",
     "hierarchical-centred",
     "varying-intercept-centred",
     "varying-intercept-non-centred",
+    "panel-centred",
+    "panel-non-centred",
+    "mixed-logit-centred",
+    "mixed-logit-non-centred",
 )
+DATASETS = {"many-groups": many_groups_data, "panel": panel_data, "mixed-logit": mixed_logit_data}
 
 
 def zoo_model(name: str, dtype: torch.dtype = torch.float32):
     """The zoo's model ``name`` and its arguments (a ``PyroModule`` is built afresh; the loader's model: ``(x, y)``)."""
     model, likelihood = ZOO[name]
-    x, y, group = many_groups_data(dtype) if likelihood == "many-groups" else data(dtype, likelihood)
+    x, y, group = DATASETS[likelihood](dtype) if likelihood in DATASETS else data(dtype, likelihood)
     if model is None:
         model = _Net(dtype)
     return model, ((x, y) if model is loader_style else (x, y, group))

@@ -3,7 +3,11 @@ r"""Maximising the Laplace evidence over the prior precision (and a Normal's noi
 The evidence :math:`\log Z(P, \sigma)` (:mod:`~pyro_scalable.infer.laplace.posterior`) is smooth in
 :math:`\log P` and :math:`\log\sigma`; the precision is tied within groups (one for all parameters, one per
 Laplace site, or one per parameter), each group starting at the mean of its current log precisions. L-BFGS with a
-strong-Wolfe line search handles a trial step that overflows (the evidence skips its argument checks then).
+strong-Wolfe line search handles a trial step that overflows (the evidence skips its argument checks then), or
+whose :math:`H` cannot be factorised (an infinite loss there, so the search steps back).
+
+When σ cannot be fitted (too few observations left beyond the effective parameters), the fit says so:
+:func:`~pyro_scalable.infer.linearized.map_check.check_noise_fit`.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor
+
+from pyro_scalable.infer.laplace.curvature import CurvatureError
 
 __all__ = ["maximize_evidence"]
 
@@ -40,7 +46,11 @@ def maximize_evidence(
 
     def closure():
         optimizer.zero_grad()
-        loss = -log_evidence(log_precision[groups].exp(), log_noise.exp() if log_noise is not None else None)
+        try:
+            loss = -log_evidence(log_precision[groups].exp(), log_noise.exp() if log_noise is not None else None)
+        except (torch.linalg.LinAlgError, CurvatureError):
+            # a trial step so far out that H cannot be factorised: an infinite loss, which the line search shrinks
+            return torch.full((), float("inf"), dtype=start.dtype, device=start.device)
         loss.backward()
         return loss
 

@@ -174,6 +174,8 @@ class AutoLinearizedLaplace(AutoLaplaceApproximation):
         posterior.precision  # noqa: B018  (factorise now: a singular curvature is an error here, not later)
         if check_map and structure_type.has_evidence:  # otherwise the sampler checks it (a Newton step, its mean row)
             posterior.check_map()
+            if structure_type.name != "diag":  # the diagonal overcounts γ even on a MAP that does not interpolate
+                posterior.check_noise()
         return posterior
 
     def _map(self, bridge: ModelBridge, map_latents: Latents | None) -> Latents:

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from typing import Any, Literal
 
 import pyro
@@ -48,6 +47,7 @@ from pyro_scalable.infer.laplace.evidence import maximize_evidence
 from pyro_scalable.infer.laplace.predictive import LaplacePredictives
 from pyro_scalable.infer.linearized.ggn import DataFit
 from pyro_scalable.infer.linearized.glm import GLMPredictive
+from pyro_scalable.infer.linearized.map_check import check_noise_fit, gauss_newton_gain, warn_not_map
 from pyro_scalable.infer.linearized.network import NetworkFunction
 
 __all__ = ["GLMPredictive", "LaplacePosterior"]
@@ -96,12 +96,10 @@ class LaplacePosterior(LaplacePredictives):
         curvature: str = "ggn",
     ):
         self.net, self.fit = net, fit
-        self.structure = structure.name
-        self._structure = structure
+        self.structure, self._structure = structure.name, structure
         self.theta_star = net.theta_star
         self.prior_mean = prior_mean
-        self._map_noise = noise_scale
-        self._noise_site = noise_site
+        self._map_noise, self._noise_site = noise_scale, noise_site
         self.jitter = jitter
         # the b-term of the evidence and the Newton-moved mean are only sound with the exact GGN (see above)
         self.recenter = structure.exact and curvature == "ggn" and fit.sum_squares is not None
@@ -275,7 +273,26 @@ class LaplacePosterior(LaplacePredictives):
         self.prior_precision = precision
         if noise is not None:
             self.observation_noise = noise
+            self.check_noise(fitted=True)
         return self
+
+    def check_noise(self, *, fitted: bool = False) -> None:
+        """Warn when a Normal's σ has too few observations left to measure it (N − γ; see :mod:`.map_check`)."""
+        given = self._noise_site is None and not fitted  # a constant σ in the model: nothing was fitted
+        if self._map_noise is not None and not given and self._prior_precision.dim() == 1:
+            fit, gamma, source = self.fit, self.effective_parameters(), f"the {self.structure!r} Laplace posterior"
+            args = (int(fit.num_observations), float(fit.sum_squares), float(self._observation_noise), self._noise_site)
+            check_noise_fit(gamma, *args, source, fitted_by=fitted and "the evidence", stacklevel=3)
+
+    def effective_parameters(self) -> float:
+        r"""MacKay's :math:`\gamma = \sum_j (1 - P_j (H^{-1})_{jj})` in the fitted structure's H (diagonal priors).
+
+        How many parameters the data determine: at most the number of observations under the exact GGN.
+        """
+        if self._prior_precision.dim() == 2:
+            raise ModelError("effective_parameters needs a diagonal prior precision; this one is a previous posterior.")
+        inverse = self.precision.inverse_diagonal()
+        return float(inverse.numel() - (self._prior_precision * inverse).sum())
 
     # ------------------------------------------------------------------ samples and guide
     def sample(self, num_samples: int, generator: torch.Generator | None = None) -> Tensor:
@@ -325,12 +342,9 @@ class LaplacePosterior(LaplacePredictives):
     def newton_gain(
         self, prior_precision: Tensor | float | None = None, observation_noise: Tensor | float | None = None
     ) -> float:
-        r"""What one Newton step from :math:`\theta_*` would gain in log joint: :math:`b^\top H^{-1} b/2` nats.
+        r""":math:`b^\top H^{-1} b/2` nats in this structure's :math:`H`, at the given prior and σ (default: current).
 
-        ``b`` is the gradient of the log joint at :math:`\theta_*` and ``H`` the posterior precision, both at the
-        given prior precision and noise (default: the current ones). Zero at a MAP; it is the term by which the
-        ``"full"`` structure's evidence (:meth:`log_marginal_likelihood`) exceeds the Laplace evidence at
-        :math:`\theta_*` itself.
+        For ``"full"``: the Gauss-Newton gain, by which its evidence exceeds the Laplace evidence at :math:`\theta_*`.
         """
         prior = self._prior_precision if prior_precision is None else prior_precision
         like = {"dtype": self.theta_star.dtype, "device": self.theta_star.device}
@@ -341,19 +355,32 @@ class LaplacePosterior(LaplacePredictives):
             b = self._log_joint_gradient(prior, noise)
             return 0.5 * float((b * self._precision(prior, noise).solve(b)).sum())
 
-    def check_map(self, threshold: float = 1.0) -> None:
-        r"""Warn when :math:`\theta_*` is not a MAP: one Newton step would gain more than ``threshold`` nats."""
+    def check_map(self, threshold: float = 1.0) -> float:
+        r"""Warn when :math:`\theta_*` is not a MAP: a Gauss-Newton step would gain more than ``threshold`` nats.
+
+        The gain is a lower bound on :math:`\tfrac12 b^\top H^{-1} b` with the *exact* GGN over the full data,
+        by conjugate gradients preconditioned with this structure's :math:`H`
+        (:mod:`~pyro_scalable.infer.linearized.map_check`; sample-then-optimise checks with the same function).
+        Returns it.
+        """
         check_number("threshold", threshold, nonnegative=True)
-        b = self._log_joint_gradient(self._prior_precision, self._observation_noise)
-        decrement = self.newton_gain()
-        if decrement > threshold:
-            warnings.warn(
-                f"the latents given as the MAP are not a maximum of the log joint: the gradient there has norm "
-                f"{float(b.norm()):.3g} and a Newton step would gain {decrement:.3g} nats. Train the guide longer "
-                "(or with a smaller final learning rate)"
-                + ("; the posterior mean is moved by that Newton step." if self.recenter else "."),
-                stacklevel=3,
-            )
+        prior, noise = self._prior_precision, self._observation_noise
+        scale = self._scale(noise)
+        b = self._log_joint_gradient(prior, noise)
+
+        def matvec(v: Tensor) -> Tensor:
+            with torch.no_grad():
+                ggn = self.net.ggn_vp(self.theta_star, v.unsqueeze(0)).squeeze(0)
+            return scale * ggn + _prior_times(prior, v) + self.jitter * v
+
+        gain = gauss_newton_gain(matvec, b, solve=self.precision.solve)
+        consequence = (
+            "The posterior mean is moved by that step (structure='full')."
+            if self.recenter
+            else "The curvature is taken there, as if it were one."
+        )
+        warn_not_map(gain, float(b.norm()), consequence, threshold=threshold, stacklevel=3)
+        return gain
 
 
 def _prior_times(precision: Tensor, v: Tensor) -> Tensor:

@@ -323,7 +323,7 @@ class SampleThenOptimize(SampleThenOptimizePredictives, Draws):
         self.state = state
         if not parallel.is_main:
             self.num_samples = parallel.num_local
-        warn_unconverged(problem.final_stats, self)
+        warn_unconverged(problem.final_stats, self, cause=problem.check_noise(gammas[-1], state.samples[-1]))
         self.em_history = {
             "groups": problem.group_names,
             "prior_precision": torch.stack(alphas).to(self.draws_device),

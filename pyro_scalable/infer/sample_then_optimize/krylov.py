@@ -178,7 +178,7 @@ def row_diagnostics(
     return out
 
 
-def warn_unconverged(stats: dict[str, Tensor], engine: Any) -> None:
+def warn_unconverged(stats: dict[str, Tensor], engine: Any, cause: bool = False) -> None:
     """Warn when the draws have not converged (full-data gradients of the last solve).
 
     After the conjugate-gradient refinement: when it ended before every row was within ``tolerance`` posterior sds
@@ -186,14 +186,22 @@ def warn_unconverged(stats: dict[str, Tensor], engine: Any) -> None:
     median RMS error of a draw in posterior sds above 0.1, estimated as ``sqrt(gᵀ P⁻¹ g / d)`` (blind to the
     directions the correlations slow down: it read 0.05 while the mean was 7.5 sds off). Without either: the median
     relative gradient norm above 0.1 (blind to the directions the prior dominates).
+
+    ``cause``: the noise-scale warning fired; a σ near zero (an interpolating MAP) makes :math:`H` so
+    ill-conditioned that no number of passes is the remedy, and the warning says so.
     """
+    remedy = (
+        "Raise refine_passes."
+        if not cause
+        else ("The noise scale warned about before this is the likely cause (H scales as 1/σ²): fix the MAP first.")
+    )
     if "cg_error" in stats:
         worst, mean = float(stats["cg_error"].max()), engine.mean_error
         if max(worst, mean) > engine.tolerance:
             warnings.warn(
                 f"the samples have not converged in refine_passes={engine.refine_passes} conjugate-gradient passes: "
                 f"a draw may be up to {worst:.2g} posterior sds off its exact value along some direction, the mean "
-                f"{mean:.2g} (tolerance={engine.tolerance:g}; sample_stats['cg_error']). Raise refine_passes.",
+                f"{mean:.2g} (tolerance={engine.tolerance:g}; sample_stats['cg_error']). {remedy}",
                 stacklevel=4,
             )
         return

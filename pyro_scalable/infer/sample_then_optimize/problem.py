@@ -6,7 +6,6 @@ The maths is in :mod:`~pyro_scalable.infer.sample_then_optimize.engine`.
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Any
 
 import torch
@@ -17,6 +16,7 @@ from pyro_scalable.bridge.checks import ModelError
 from pyro_scalable.bridge.minibatches import EpochSampler
 from pyro_scalable.bridge.model import Batch
 from pyro_scalable.infer.linearized.ggn import GGNDiagonal, ggn_pass
+from pyro_scalable.infer.linearized.map_check import check_noise_fit, gauss_newton_gain, warn_not_map
 from pyro_scalable.infer.linearized.network import NetworkFunction
 from pyro_scalable.infer.sample_then_optimize import centres, core, krylov
 from pyro_scalable.infer.sample_then_optimize.distributed import OneProcess, local_batch
@@ -350,20 +350,57 @@ class Problem:
         mean = self.theta + rows[-1] if self.quadratic else self.theta
         return mean - self.prior_mean, rows[:-1], ggn
 
-    def check_map(self, state: core.SampleState) -> None:
-        """Warn when a nonlinear model's linearisation point is far from its MAP (half the Newton decrement)."""
+    def check_noise(self, gamma: Tensor, step: Tensor) -> bool:
+        """Warn when a Normal's σ has too few observations left beyond γ to measure it, as the Laplace guide does.
+
+        The residuals are the linearised model's at the mean ``θ* + step`` (one more pass over the data).
+        """
+        noise = self.noise0 if self.net.noise is None else self.net.noise
+        if noise is None:
+            return False
+        batches = [b for b in map(self._local, self.net.batches()) if b is not None]
+        sums = self.parallel.sum_over_data(linearized_sum_squares(self.net, self.theta, step.detach(), batches))
+        return self.parallel.is_main and check_noise_fit(
+            float(gamma.sum()),
+            int(sums[1]),
+            float(sums[0]),
+            float(noise),
+            self.engine._noise_site,
+            "the sample-then-optimise posterior",
+            fitted_by="EM" if self.engine.em_noise else None,
+            stacklevel=4,
+        )
+
+    def check_map(self, state: core.SampleState, product: Tensor) -> None:
+        """Warn when a nonlinear model's linearisation point is not a MAP, as the Laplace guide does.
+
+        The gain of a Gauss-Newton step on the exact GGN (:mod:`~pyro_scalable.infer.linearized.map_check`), from
+        the solved mean row (``product``: ``M`` times it) and a few preconditioned CG iterations on.
+        """
         if self.engine._linear:
             return
-        decrement = 0.5 * float(
-            (state.samples[-1] * (self.gradient - self.precision * (self.theta - self.prior_mean))).sum()
+        precision = self.precision
+        b = self.gradient - precision * (self.theta - self.prior_mean)
+        step = state.samples[-1].detach()
+        inverse = self.inverse_preconditioner()
+        gain = gauss_newton_gain(
+            lambda v: self.full_ggn_vp(v.unsqueeze(0)).squeeze(0) + precision * v,
+            b,
+            solve=None if inverse is None else (lambda r: inverse * r),
+            start=step,
+            start_product=product + precision * step,
         )
-        if decrement > 1.0:
-            warnings.warn(
-                f"the linearisation point is not a MAP of the model: a Newton step from it gains {decrement:.3g} nats. "
-                "The samples are those of the model linearised there; train the MAP longer for the usual "
-                "linearised-Laplace posterior.",
-                stacklevel=5,
-            )
+        warn_not_map(
+            gain,
+            float(b.norm()),
+            "The samples are those of the model linearised there, not the linearised-Laplace posterior."
+            + (
+                " (The MAP was found by map_steps Adam steps: raise map_steps.)"
+                if self.engine.linearize_at is None
+                else ""
+            ),
+            stacklevel=5,
+        )
 
 
 def _ggn_diagonal(net: NetworkFunction, theta: Tensor) -> Tensor:

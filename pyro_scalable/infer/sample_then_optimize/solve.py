@@ -67,7 +67,7 @@ def solve_with_em(
             gamma = raw.clamp(min=1e-3).minimum(problem.group_sizes)  # the true value lies in (0, d_g)
             gammas.append(gamma)
             if em_step == 0:
-                problem.check_map(state)
+                problem.check_map(state, ggn[-1])
             if em_step < engine.em_steps:
                 update = damp_oscillation(alphas, mackay_update(gamma, mean_offset, problem.scale, problem.groups))
                 # a group whose estimate is <= 0 (pure noise from its coupling to other groups) keeps its

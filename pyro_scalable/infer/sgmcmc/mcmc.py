@@ -358,7 +358,7 @@ class StochasticMCMC(Draws):
                     self.results.stats[name] = value[:, None].expand(shape).to(self.results.stats["repeated"].device)
         passes = data_passes(bridge.plates, total * self.num_chains)
         warn_unhealthy(self.results.draws, self.results.stats, self.num_warmup_divergences, data_passes=passes)
-        warn_uncorrected_noise(self.results.stats, self.num_samples)
+        warn_uncorrected_noise(self.results.stats, self.num_samples, getattr(self.kernel, "adapts", False))
         if self.num_samples and parallel is None and start < total:  # not for a finished run read back
             probe = probe_gradient_noise(self.kernel, bridge, stepper.latents(), seed, total, stepper.log_posterior_fn)
             warn_ignored_noise(probe)

@@ -79,16 +79,26 @@ def warn_ignored_noise(ratio: float | None, *, stacklevel: int = 3) -> None:
     )
 
 
-def warn_uncorrected_noise(stats: dict, num_samples: int) -> None:
-    """Warn when in over 1% of the kept steps' coordinates the gradient noise alone exceeded the wanted noise."""
+def warn_uncorrected_noise(stats: dict, num_samples: int, step_chosen: bool = False) -> None:
+    """Warn when in over 1% of the kept steps' coordinates the gradient noise alone exceeded the wanted noise.
+
+    ``step_chosen``: warm-up chose the step size. Its noise bound already keeps the *average* gradient noise under
+    the wanted noise, so the excess comes from where the noise is larger than warm-up saw; lowering a step the user
+    never set is no remedy there, and the warning says what is: a larger minibatch or a control variate.
+    """
     uncorrected = stats.get("uncorrected")
     if uncorrected is None or num_samples == 0:
         return
     share = float(uncorrected.float().mean())
     if share > 0.01:
+        remedy = (
+            "Raise the plate's subsample_size, or give the kernel control_variate='map'."
+            if step_chosen
+            else "Lower the step size (or leave it to warm-up), or raise the plate's subsample_size."
+        )
         warnings.warn(
             f"in {share:.1%} of the coordinates of the kept steps the minibatch gradient alone brought more "
             "noise than the sampler should inject, so no correction was possible there and the draws are too "
-            "wide (sample_stats.noise_ratio > 1). Lower the step size, or raise the minibatch size.",
+            f"wide (sample_stats.noise_ratio > 1). {remedy}",
             stacklevel=3,
         )

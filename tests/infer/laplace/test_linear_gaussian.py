@@ -30,7 +30,7 @@ class Problem:
         w = pyro.sample("w", dist.Normal(torch.zeros(self.p, dtype=D), self.prior_w).to_event(1))
         b = pyro.sample("b", dist.Normal(torch.tensor(0.0, dtype=D), self.prior_b))
         noise = pyro.sample("sigma", dist.HalfNormal(torch.tensor(1.0, dtype=D))) if self.latent_noise else self.noise
-        with pyro.plate("data", x.shape[0], subsample_size=40) as idx:
+        with pyro.plate("data", x.shape[0], subsample_size=min(40, x.shape[0])) as idx:
             pyro.sample("obs", dist.Normal(x[idx] @ w + b, noise), obs=None if y is None else y[idx])
 
     def prior_precision(self, alpha=None):
@@ -179,3 +179,29 @@ def test_approximate_structures_use_the_evidence_at_the_map(structure):
     assert values[0] > values[1] > values[2]
     posterior.optimize_prior_precision("scalar")
     assert 0.05 < float(posterior.observation_noise) < 5
+
+
+@pytest.mark.parametrize("structure", ["full", "diag"])
+def test_effective_parameters_is_mackays_gamma(structure):
+    """γ = d − tr(P H⁻¹) in the structure's H (for "full" the exact one: at most the number of observations)."""
+    problem = Problem(n=12, p=3)
+    posterior = problem.laplace(structure)
+    _, precision = problem.posterior(problem.prior_precision())
+    if structure == "diag":
+        precision = torch.diag(precision.diagonal())
+    gamma = problem.p + 1 - float((torch.diag(problem.prior_precision()) @ torch.linalg.inv(precision)).trace())
+    assert posterior.effective_parameters() == pytest.approx(gamma, rel=1e-10)
+
+
+def test_a_noise_fitted_on_too_few_points_left_says_so():
+    """Quiet with 116 of 120 points left to measure σ; with 12 weights for 12 points a warning naming σ, at the MAP and
+    after the evidence (whose line search meets an H too ill-conditioned to factorise there, and steps back)."""
+    healthy = Problem(n=120, latent_noise=True).laplace("full")
+    healthy.optimize_prior_precision("scalar")  # warnings are errors here
+    assert 120 - healthy.effective_parameters() > 100
+    few = Problem(n=12, p=11, prior_w=10.0, latent_noise=True)  # the MAP interpolates
+    with pytest.warns(UserWarning, match=r"MAP's noise scale is 'sigma' = .* leave N − γ = [0-9.]+ of the N = 12 "):
+        posterior = few.laplace("full")
+    assert 12 - posterior.effective_parameters() < 1.2
+    with pytest.warns(UserWarning, match=r"the evidence fitted the noise scale 'sigma'"):
+        posterior.optimize_prior_precision("scalar")

@@ -225,3 +225,16 @@ def test_minibatch_of_200_grouped_noise_estimate_is_calibrated(cls):
     assert bool((4 * error < 0.08).all()), f"too few effective draws to resolve 10%: MCSE {error}"
     assert bool(((corrected - 1).abs() < 4 * error + 0.03).all()), corrected
     print(f"corrected {corrected.tolist()}, MCSE {error.tolist()}")
+
+
+@pytest.mark.parametrize("chosen", [True, False], ids=["warmup-step", "user-step"])
+def test_uncorrected_warning_does_not_ask_to_lower_a_step_warmup_chose(chosen):
+    from pyro_scalable.infer.sgmcmc.noise_probe import warn_uncorrected_noise
+
+    stats = {"uncorrected": torch.full((2, 100), 0.05)}
+    with pytest.warns(UserWarning, match="5.0% of the coordinates") as record:
+        warn_uncorrected_noise(stats, 100, step_chosen=chosen)
+    message = str(record[0].message)
+    assert "subsample_size" in message
+    assert ("Lower the step size" in message) is not chosen
+    assert ("control_variate='map'" in message) is chosen
