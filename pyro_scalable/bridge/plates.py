@@ -10,23 +10,22 @@ of the full-data log joint. The engines need three things the plate cannot give 
 * chunks of the full range, so that full-data quantities never need all N points in memory at once.
 
 Pyro checks ``len(subsample) == subsample_size`` inside ``SubsampleMessenger._subsample``, so a handler that
-rewrites the plate's subsample message can only ever supply B indices. This module therefore wraps that one
-static method: while an override is active for a plate name, the plate takes its indices from the override;
-otherwise Pyro's own code runs unchanged, with one exception: a plate that would draw a random minibatch while
-``pyro.infer.Predictive`` runs the model on posterior draws raises a ``ModelError`` saying to pass the full-data
-model, since the predictions would silently be of a random minibatch only. This is the only place in the package
-that patches Pyro.
+rewrites the plate's subsample message can only ever supply B indices. This module therefore replaces that one
+static method, and only while one of its contexts (:func:`plate_indices`, :func:`full_data`) is open: there a plate
+takes its indices from the innermost context, and a plate Pyro subsamples itself has its size checked with an
+error that names it. When the outermost context closes, Pyro's own method is back: code that runs outside our
+engines' calls — Pyro's ``Predictive`` or ``SVI`` on the same model, say — runs Pyro exactly as if the package
+were not imported (``tests/bridge/test_plates.py`` compares the two in fresh processes). This is the only place in
+the package that patches Pyro.
 """
 
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
-from pyro.infer import predictive as pyro_predictive
 from pyro.poutine.subsample_messenger import SubsampleMessenger
 from torch import Tensor
 
@@ -34,6 +33,7 @@ from pyro_scalable.bridge.checks import ModelError
 
 __all__ = ["FullDataModel", "full_data", "plate_indices"]
 
+_PYRO_SUBSAMPLE = SubsampleMessenger.__dict__["_subsample"]  # Pyro's own static method, put back as it was
 _pyro_subsample = SubsampleMessenger._subsample
 # Each entry: (explicit indices by plate name, whether every other subsampled plate runs on full data, the size N
 # of every plate seen while the entry is active).
@@ -63,12 +63,7 @@ def _controlled_subsample(
             return size, size, torch.arange(size, device=device)
     if _OVERRIDES:  # Pyro draws the subsample itself: its errors name neither the plate nor the fix
         _check_plate(name, size, subsample_size, subsample)
-    elif subsample is None and subsample_size is not None and size is not None and subsample_size != size:
-        _refuse_in_predictive(name, size, subsample_size)
     return _pyro_subsample(name, size, subsample_size, subsample, use_cuda, device)
-
-
-SubsampleMessenger._subsample = staticmethod(_controlled_subsample)
 
 
 def _check_plate(name: str, size: int | None, subsample_size: int | None, subsample: Tensor | None) -> None:
@@ -84,37 +79,24 @@ def _check_plate(name: str, size: int | None, subsample_size: int | None, subsam
         )
 
 
-# Pyro's private sequential/vectorised driver; should a later Pyro rename it, the guard is off, nothing breaks
-_PREDICTIVE_CODE = getattr(getattr(pyro_predictive, "_predictive", None), "__code__", None)
-
-
-def _refuse_in_predictive(name: str, size: int, subsample_size: int) -> None:
-    # Predictive runs the guide with no posterior samples and the model with them: only the model's plate is refused
-    frame = sys._getframe(2) if _PREDICTIVE_CODE is not None else None
-    while frame is not None:
-        if frame.f_code is _PREDICTIVE_CODE and frame.f_locals.get("posterior_samples"):
-            raise ModelError(
-                f"pyro.infer.Predictive ran the model with its subsampled plate '{name}' (size {size}, "
-                f"subsample_size={subsample_size}), so it would predict a random minibatch of the points only. Give "
-                "Predictive the model on full data: Predictive(FullDataModel(model), ...) or "
-                "Predictive(mcmc.kernel.model, ...); or call result.posterior_predictive(*inputs)."
-            )
-        frame = frame.f_back
-
-
 @contextlib.contextmanager
 def plate_indices(indices: Mapping[str, Tensor], *, full_data: bool = False) -> Iterator[dict[str, int]]:
     """Make the named plates use ``indices`` (and, with ``full_data``, every other subsampled plate all of N).
 
-    Yields a dict that receives the size N of every subsampling plate the model enters meanwhile.
+    Pyro's subsampling is ours only inside the outermost such context (module docstring). Yields a dict that
+    receives the size N of every subsampling plate the model enters meanwhile.
     """
     outer_indices, outer_full, _ = _OVERRIDES[-1] if _OVERRIDES else ({}, False, {})
     sizes: dict[str, int] = {}
+    if not _OVERRIDES:  # the outermost context installs the override, and takes it out again
+        SubsampleMessenger._subsample = staticmethod(_controlled_subsample)
     _OVERRIDES.append(({**outer_indices, **indices}, full_data or outer_full, sizes))
     try:
         yield sizes
     finally:
         _OVERRIDES.pop()
+        if not _OVERRIDES:
+            SubsampleMessenger._subsample = _PYRO_SUBSAMPLE
 
 
 def full_data() -> contextlib.AbstractContextManager[dict[str, int]]:

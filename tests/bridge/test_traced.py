@@ -154,7 +154,7 @@ def branching(x, y):
 
 def noisy(x, y):
     w = pyro.sample("w", dist.Normal(torch.zeros(3), 1.0).to_event(1))
-    jitter = 0.01 * torch.randn(())  # a random draw inside the log density
+    jitter = torch.randn(())  # a random draw inside the log density (large: its change must show in every run)
     with pyro.plate("data", 40, subsample_size=16) as idx:
         pyro.sample("obs", dist.Normal(x[idx] @ w + jitter, 1.0), obs=y[idx])
 
