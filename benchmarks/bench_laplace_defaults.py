@@ -11,7 +11,6 @@ warnings the run gave. A model-free Normal(0, 1) scores NLL 1.42 on standardised
 from __future__ import annotations
 
 import argparse
-import math
 import time
 import warnings
 
@@ -104,7 +103,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(2)
     x, y, xt, yt = data()
-    print("| prior sd | Laplace sites | structure | when | σ | γ | N − γ | test RMSE | test NLL | 95% cover | warnings |")
+    print(
+        "| prior sd | Laplace sites | structure | when | σ | γ | N − γ | test RMSE | test NLL | 95% cover | warnings |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for scale in args.prior_scales:
         start = time.perf_counter()
@@ -113,7 +114,9 @@ def main() -> None:
         for sites, structure in VARIANTS:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                posterior = guide.laplace_approximation(x, y, structure=structure, sites=None if sites == "all" else sites)
+                posterior = guide.laplace_approximation(
+                    x, y, structure=structure, sites=None if sites == "all" else sites
+                )
                 at_map = score(posterior, x, y, xt, yt)
                 fit_warnings = short(caught)
             with warnings.catch_warnings(record=True) as caught:

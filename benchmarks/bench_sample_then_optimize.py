@@ -1,4 +1,4 @@
-"""Benchmark of the sample-then-optimise engine (``SampleThenOptimize``, DESIGN.md §5): accuracy, cost, memory, EM.
+"""Benchmark of the sample-then-optimise engine (``SampleThenOptimize``): accuracy, cost, memory, EM.
 
     python benchmarks/bench_sample_then_optimize.py                 # all parts (about 30 minutes on 2 CPU cores)
     python benchmarks/bench_sample_then_optimize.py --parts a       # one part (a, b or c), under 15 minutes each

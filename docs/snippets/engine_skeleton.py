@@ -68,7 +68,7 @@ def update(
     )
     noise = gaussian_like(state.latents, generator, temperature)
     proposal = integrators.langevin(state.latents, gradient.grads, step_size_now, variance, noise)
-    # A non-finite density or gradient: reject the step and go back to the last checked point (DESIGN.md §6).
+    # A non-finite density or gradient: reject the step and go back to the last checked point.
     latents = keep_where_finite(gradient.diverging, proposal, state.checked_latents)
     checked = keep_where_finite(gradient.diverging, state.latents, state.checked_latents)
     info = SGMCMCInfo(

@@ -1,4 +1,4 @@
-"""The Pyro bridge: the only code that knows Pyro internals (DESIGN.md §2.1)."""
+"""The Pyro bridge: the only code that knows Pyro internals."""
 
 from pyro_scalable.bridge.checks import ModelError
 from pyro_scalable.bridge.model import Batch, FullDataModel, ModelBridge

@@ -11,7 +11,7 @@ unconstrained values :math:`u_s = t_s^{-1}(z_s)` and the density
 
 where the :math:`N/B` comes from the model's own ``pyro.plate(..., subsample_size=B)`` (or ``subsample=idx``)
 and is exact in expectation over the minibatch :math:`\mathcal{B}`. This module is the only code that reads
-Pyro traces; everything above it sees ``log_posterior(latents, batch) -> scalar``. See DESIGN.md §2.1.
+Pyro traces; everything above it sees ``log_posterior(latents, batch) -> scalar``.
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def _same_support(first, second) -> bool:
 class ModelBridge:
     """A Pyro model bound to its data: unconstrained latents, log posterior, full-data log-likelihood.
 
-    Building the bridge traces the model once and checks it (see DESIGN.md §6): continuous latents only, no latent
+    Building the bridge traces the model once and checks it: continuous latents only, no latent
     inside a subsampled plate, at least one observed site, data on one device and finite, and plate sizes that
     agree with the data, observed values inside their likelihood's support (checked over the full data, in
     chunks). Each failure is a :class:`ModelError` naming the site or argument.

@@ -1,6 +1,6 @@
 r"""The network output of a Pyro model: the observed site's distribution, and the linear layers that made it.
 
-Linearised Laplace (DESIGN.md §4) treats a model as :math:`y_i \sim p(y \mid f(x_i, \theta))`, where
+Linearised Laplace treats a model as :math:`y_i \sim p(y \mid f(x_i, \theta))`, where
 :math:`f` is the parameter of the observed site's distribution (the loc of a Normal, the logits of a Bernoulli).
 :func:`model_outputs` runs the model with the latents substituted and returns that distribution *without*
 evaluating or sampling it, so it works on training inputs (``obs`` given) and on test inputs (``obs=None``).

@@ -1,4 +1,4 @@
-"""Bad input gets a clear error naming the site or argument (DESIGN.md §6), and bad hyperparameters a one-liner."""
+"""Bad input gets a clear error naming the site or argument, and bad hyperparameters a one-liner."""
 
 from __future__ import annotations
 

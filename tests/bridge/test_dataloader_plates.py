@@ -1,4 +1,4 @@
-"""Minibatches from a DataLoader: ``pyro.plate(..., subsample=idx)`` fed by ``run(batches=loader)`` (DESIGN.md §1)."""
+"""Minibatches from a DataLoader: ``pyro.plate(..., subsample=idx)`` fed by ``run(batches=loader)``."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Linearised Laplace for Pyro models: GGN curvature, evidence-tuned priors, linearised predictive (DESIGN.md §4)."""
+"""Linearised Laplace for Pyro models: GGN curvature, evidence-tuned priors, linearised predictive."""
 
 from pyro_scalable.infer.laplace.curvature import CurvatureError
 from pyro_scalable.infer.laplace.guide import AutoLinearizedLaplace

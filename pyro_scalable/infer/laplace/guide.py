@@ -4,7 +4,7 @@ Training is exactly ``AutoLaplaceApproximation``'s (a point mass in unconstraine
 minibatch plates included). :meth:`AutoLinearizedLaplace.laplace_approximation` then builds a
 :class:`LaplacePosterior`: it finds the observed site and its likelihood family, picks the Laplace sites (those
 the mean output depends on; a scalar Normal noise scale is held at its MAP and can be fitted by the evidence),
-reads the prior from the model, and computes the curvature in one pass over the full data (DESIGN.md §4).
+reads the prior from the model, and computes the curvature in one pass over the full data.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Around the MAP :math:`\theta_*`, the linearised model has the log-likelihood
 :math:`\ell_* + g^\top\delta - \tfrac12\delta^\top G\delta` (:math:`\delta = \theta - \theta_*`, :math:`g` the
 full-data gradient, :math:`G` the GGN) and the Gaussian prior :math:`\mathcal N(m, P^{-1})`. With
 :math:`r = \theta_* - m`, :math:`H = G + P` and :math:`b = g - P r` (the gradient of the log joint at
-:math:`\theta_*`), its evidence is, in closed form (DESIGN.md §4),
+:math:`\theta_*`), its evidence is, in closed form,
 
 .. math::
 

@@ -1,4 +1,4 @@
-r"""The linearisation floor shared by Laplace and sample-then-optimise (DESIGN.md §2, §4, §5).
+r"""The linearisation floor shared by Laplace and sample-then-optimise.
 
 A Pyro model as a network :math:`f(x, \theta)` of a flat parameter vector (``network``, ``layout``), its
 likelihood family and curvature :math:`\Lambda` (``likelihoods``), per-example Jacobian rows by layer

@@ -21,7 +21,7 @@ the Fisher is the usual choice where the Hessian is not positive semi-definite.)
 Each family returns :math:`f` flattened to ``(points, outputs)`` — points along the leading dimension of the
 site's value, the data plate in every usual model — and a square root :math:`L_i` with
 :math:`\Lambda_i = L_i L_i^\top`, shape ``(points, outputs, outputs)``. For a Categorical the closed form is
-:math:`L = \mathrm{diag}(\sqrt p) - p\sqrt p^\top` (DESIGN.md §5). The linearised predictive of :math:`y` given
+:math:`L = \mathrm{diag}(\sqrt p) - p\sqrt p^\top`. The linearised predictive of :math:`y` given
 :math:`f \sim \mathcal N(m, V)` is exact for the Normal, the probit approximation
 :math:`\sigma(m / \sqrt{1 + \pi v / 8})` (MacKay 1992) or Monte Carlo for classification, and Monte Carlo or a
 moment-matched negative binomial for the Poisson.

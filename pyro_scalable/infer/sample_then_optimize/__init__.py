@@ -1,4 +1,4 @@
-"""Sample-then-optimise for large linear and linearised models, with EM for the prior precision (DESIGN.md §5)."""
+"""Sample-then-optimise for large linear and linearised models, with EM for the prior precision."""
 
 from pyro_scalable.infer.sample_then_optimize import core, em
 from pyro_scalable.infer.sample_then_optimize.engine import SampleThenOptimize

@@ -1,6 +1,6 @@
 r"""Sample-then-optimise: posterior samples of a linear-Gaussian model as minimisers of convex quadratics.
 
-Model (DESIGN.md §5): :math:`y_i = \phi(x_i)\theta + \eta_i`, :math:`\theta \sim \mathcal N(0, A^{-1})`,
+Model: :math:`y_i = \phi(x_i)\theta + \eta_i`, :math:`\theta \sim \mathcal N(0, A^{-1})`,
 :math:`\eta_i \sim \mathcal N(0, B_i^{-1})`, so the posterior is :math:`\mathcal N(\bar\theta, H^{-1})` with
 :math:`M = \sum_i \phi_i^\top B_i \phi_i` and :math:`H = M + A`. A zero-mean sample
 :math:`\zeta \sim \mathcal N(0, H^{-1})` is the minimiser of the low-variance objective (Antorán et al. 2023)

@@ -1,7 +1,7 @@
 r"""Sample-then-optimise on several processes under ``torch.distributed`` (launched by ``torchrun``).
 
 The counterpart of :mod:`pyro_scalable.infer.distributed` (SG-MCMC) for ``SampleThenOptimize(...,
-distributed="samples" | "data")``; DESIGN.md §2, "Distributed". Every rank seeds its generator with rank 0's seed
+distributed="samples" | "data")``. Every rank seeds its generator with rank 0's seed
 and consumes it exactly as one process would (the linearisation point, the step size's power iterations, the
 minibatch indices), so everything that is not split is the same on every rank.
 

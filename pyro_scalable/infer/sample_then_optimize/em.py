@@ -1,4 +1,4 @@
-r"""EM for the prior precision of a linear model from posterior samples (MacKay's update, DESIGN.md §5).
+r"""EM for the prior precision of a linear model from posterior samples (MacKay's update).
 
 With the prior :math:`\mathcal N(m, A^{-1})`, :math:`A = \mathrm{diag}(\alpha_{g(k)} s_k)` — one precision
 :math:`\alpha_g` per group of parameters (all of them, or one Pyro site each) times a fixed scale :math:`s` (ones,

@@ -2,7 +2,7 @@ r"""``StochasticMCMC`` on several processes under ``torch.distributed`` (launche
 
 The script run by ``torchrun --nproc_per_node=K`` initialises the default process group
 (``torch.distributed.init_process_group("gloo")``, or ``"nccl"`` with each rank's data on ``cuda:LOCAL_RANK``) and
-then calls ``StochasticMCMC(..., distributed="data" | "chains")`` as usual. DESIGN.md §2, "Distributed".
+then calls ``StochasticMCMC(..., distributed="data" | "chains")`` as usual.
 
 **Data-parallel** (``"data"``): every rank runs every chain. All ranks draw the same minibatch indices (the seed is
 broadcast from rank 0 and every rank consumes its generator identically); rank :math:`r` evaluates only its share

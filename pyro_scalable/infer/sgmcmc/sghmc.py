@@ -18,7 +18,7 @@ be a diagonal matrix (per coordinate), given or estimated in warm-up as the diag
 gradient adds :math:`\epsilon^2 V` to the momentum's noise. With ``gradient_noise="correct"`` the injected
 variance is :math:`2\alpha\epsilon T - \epsilon^2 \hat V_j` per coordinate (diagonal, unbiased per-minibatch
 :math:`\hat V`), possible where :math:`\epsilon \hat V_j \le 2\alpha T`; elsewhere nothing is injected and the
-coordinate counts in ``sample_stats.uncorrected``. (DESIGN.md writes the same term as
+coordinate counts in ``sample_stats.uncorrected``. (The same term is often written
 :math:`T\epsilon(2\alpha - T\epsilon\hat\beta)`, i.e. :math:`\hat\beta = V/T^2`: the gradient's noise does not
 scale with the temperature.)
 

@@ -1,4 +1,4 @@
-"""Diverging chains: marked, rejected, never a non-finite draw; ``on_divergence="stop"`` (DESIGN.md §6)."""
+"""Diverging chains: marked, rejected, never a non-finite draw; ``on_divergence="stop"``."""
 
 from __future__ import annotations
 

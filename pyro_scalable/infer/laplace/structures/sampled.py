@@ -2,7 +2,7 @@ r"""The ``"sampled"`` structure: :math:`H^{-1}` represented by posterior samples
 
 For networks too large for any matrix structure, :class:`~pyro_scalable.infer.SampleThenOptimize` draws
 :math:`K` samples :math:`\zeta_j \sim \mathcal N(0, H^{-1})` of the linearised model (the same :math:`H = G + P`
-as ``structure="full"``, :math:`G` the GGN at the MAP) using only Jacobian-vector products (DESIGN.md §5). The
+as ``structure="full"``, :math:`G` the GGN at the MAP) using only Jacobian-vector products. The
 Laplace posterior then works with their empirical law:
 
 * draws (the guide, ``get_samples``, ``to_inference_data``) are the stored samples, taken without replacement
