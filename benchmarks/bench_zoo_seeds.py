@@ -50,7 +50,9 @@ def run_once(model_name: str, kernel: str, seed: int, warmup: int, samples: int,
         seconds=seconds,
         restarted=int(mcmc.restarted.sum()),
         warmup_divergences=mcmc.num_warmup_divergences,
-        warnings=[str(w.message).split(":")[0][:60] for w in caught],
+        warnings=[
+            str(w.message).split(":")[0][:60] + (" (says NUTS)" if "NUTS" in str(w.message) else "") for w in caught
+        ],
     )
     return result
 

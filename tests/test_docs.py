@@ -277,3 +277,15 @@ def test_skeleton_runs_under_the_driver(skeleton):
     stats = mcmc.sample_stats
     assert {"lp", "grad_norm", "step_size", "temperature", "diverging"} <= set(stats)
     assert mcmc.to_inference_data(log_likelihood=False).posterior["mu"].shape == (2, 100)
+
+
+def test_architecture_map_names_every_module():
+    """docs/developer/architecture.md names every module of the package (its file name, or its stem as a word)."""
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "docs" / "developer" / "architecture.md").read_text()
+    missing = [
+        path.relative_to(root / "pyro_scalable").as_posix()
+        for path in sorted((root / "pyro_scalable").rglob("*.py"))
+        if path.name != "__init__.py" and path.name not in text and not re.search(rf"\b{path.stem}\b", text)
+    ]
+    assert not missing, f"modules missing from docs/developer/architecture.md: {missing}"
