@@ -74,7 +74,7 @@ def run_record(
     if isinstance(source, SWAGPosterior):  # one chain per run: MultiSWAG's runs stay apart
         _no_model(source, model)
         per_run = -(-num_samples // source.num_runs)
-        return _record(source.bridge, source.get_samples(per_run, seed=seed, group_by_run=True)), {}
+        return _record(source.bridge, source.get_samples(per_run, group_by_chain=True, seed=seed)), {}
     if isinstance(source, pyro.infer.MCMC):
         _no_model(source, model)
         return _from_pyro_mcmc(source, args, kwargs), {}

@@ -119,6 +119,7 @@ class Skeleton(Kernel):
         >>> mcmc = StochasticMCMC(Skeleton(model, step_size=1e-3), num_samples=100, num_warmup=100,
         ...                       num_chains=2, progress_bar=False, seed=0)
         >>> mcmc.run(torch.randn(500) + 3.0)
+        StochasticMCMC(Skeleton, 2 chains x 100 draws)
         >>> mcmc.get_samples()["mu"].shape
         torch.Size([200])
 

@@ -17,12 +17,14 @@ from pyro.infer.mcmc.util import print_summary
 from pyro.ops.stats import split_gelman_rubin
 from torch import Tensor
 
-from pyro_scalable.arguments import check_flag, check_number
+from pyro_scalable.arguments import check_count, check_flag, check_number, check_seed
 from pyro_scalable.bridge.model import ModelBridge
 from pyro_scalable.infer.health import effective_sample_size
 from pyro_scalable.infer.predictive import sample_posterior_predictive
 
-__all__ = ["Draws", "RunRecord"]
+__all__ = ["DEFAULT_DRAWS", "Draws", "GaussianDraws", "RunRecord"]
+
+DEFAULT_DRAWS = 1000  # draws a Gaussian posterior hands out when not told how many
 
 
 @dataclass
@@ -117,15 +119,25 @@ class Draws:
     def _kwargs(self) -> dict:
         return {} if self.results is None else self.results.kwargs
 
+    def __repr__(self) -> str:
+        kernel = "" if type(self.kernel).__name__ == "_Kernel" else f"{type(self.kernel).__name__}, "
+        chains = f"{self.num_chains} chain{'s' if self.num_chains != 1 else ''}"
+        drawn = f"{chains} x {self.num_samples} draws" if self.results is not None else "not run"
+        return f"{type(self).__name__}({kernel}{drawn})"
+
     def _require_run(self) -> RunRecord:
         if self.results is None:
             raise RuntimeError("call run(...) before asking for results.")
         return self.results
 
-    def get_samples(self, group_by_chain: bool = False) -> dict[str, Tensor]:
-        """Constrained draws, ``(num_chains, num_samples, *shape)``, or ``(num_chains * num_samples, *shape)``.
+    def get_samples(
+        self, num_samples: int | None = None, group_by_chain: bool = False, seed: int | None = None
+    ) -> dict[str, Tensor]:
+        """Constrained draws, ``(num_chains * num_samples, *shape)``, or ``(num_chains, num_samples, *shape)``.
 
         Draws are stored unconstrained and mapped through each site's ``biject_to`` transform on request.
+        ``num_samples``: that many of the pooled draws, picked at random without replacement (``seed``), as
+        ``pyro.infer.MCMC.get_samples(num_samples)`` picks; not with ``group_by_chain``.
         """
         results = self._require_run()
         check_flag("group_by_chain", group_by_chain)
@@ -133,8 +145,20 @@ class Draws:
         samples = bridge.constrain({k: v.to(bridge.device) for k, v in results.draws.items()})
         samples = {k: v.detach().to(self.draws_device) for k, v in samples.items()}
         if group_by_chain:
+            if num_samples is not None:
+                raise ValueError("num_samples picks from the pooled draws: leave it out with group_by_chain=True.")
             return samples
-        return {k: v.reshape((-1,) + v.shape[2:]) for k, v in samples.items()}
+        pooled = {k: v.reshape((-1,) + v.shape[2:]) for k, v in samples.items()}
+        if num_samples is None:
+            return pooled
+        total = self.num_chains * self.num_samples
+        check_count("num_samples", num_samples)
+        check_seed("seed", seed)
+        if num_samples > total:
+            raise ValueError(f"num_samples={num_samples} is more than the {total} draws this run kept.")
+        generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        picked = torch.randperm(total, generator=generator)[:num_samples]
+        return {k: v[picked.to(v.device)] for k, v in pooled.items()}
 
     def get_unconstrained_samples(self, group_by_chain: bool = False) -> dict[str, Tensor]:
         """Draws in the unconstrained space the engine works in."""
@@ -238,3 +262,48 @@ class Draws:
 
 def _nan(shape: torch.Size, like: Tensor) -> Tensor:
     return torch.full(shape, float("nan"), dtype=like.dtype if like.is_floating_point() else torch.float64)
+
+
+class GaussianDraws:
+    """The result surface of a Gaussian posterior (Laplace, SWAG, the EKF): independent draws on request.
+
+    A subclass gives ``_draw(num_samples, seed, group_by_chain)`` (constrained draws by site) and ``num_chains``
+    (1, or SWAG's runs); this gives ``get_samples``, ``diagnostics`` and ``summary`` with the calls of
+    :class:`Draws`, over ``num_samples`` fresh draws (default :data:`DEFAULT_DRAWS`).
+    """
+
+    num_chains: int = 1
+
+    def _draw(self, num_samples: int, seed: int | None, group_by_chain: bool) -> dict[str, Tensor]:
+        raise NotImplementedError
+
+    def get_samples(
+        self, num_samples: int | None = None, group_by_chain: bool = False, seed: int | None = None
+    ) -> dict[str, Tensor]:
+        """Constrained draws of every latent site, ``(num_samples, *shape)``, or ``(chains, num_samples, *shape)``.
+
+        ``num_samples`` per chain with ``group_by_chain`` (default :data:`DEFAULT_DRAWS`); ``seed`` makes them
+        reproducible.
+        """
+        num_samples = DEFAULT_DRAWS if num_samples is None else num_samples
+        check_count("num_samples", num_samples)
+        check_flag("group_by_chain", group_by_chain)
+        check_seed("seed", seed)
+        return self._draw(num_samples, seed, group_by_chain)
+
+    def diagnostics(self, num_samples: int | None = None, seed: int | None = None) -> dict[str, Any]:
+        """Per-site ``n_eff``/``r_hat`` of fresh draws (about ``num_samples`` and 1: they are independent)."""
+        samples = self.get_samples(num_samples, group_by_chain=True, seed=seed)
+        result: dict[str, Any] = {
+            name: {"n_eff": effective_sample_size(value), "r_hat": split_gelman_rubin(value)}
+            for name, value in samples.items()
+        }
+        result["divergences"] = {f"chain {c}": [] for c in range(next(iter(samples.values())).shape[0])}
+        return result
+
+    def summary(self, prob: float = 0.9, num_samples: int | None = None, seed: int | None = None) -> None:
+        """Print Pyro's summary table (mean, sd, interval, n_eff, r_hat) of fresh draws."""
+        check_number("prob", prob, positive=True)
+        if not prob < 1:
+            raise ValueError(f"prob must be in (0, 1), got {prob!r}.")
+        print_summary(self.get_samples(num_samples, group_by_chain=True, seed=seed), prob=prob)

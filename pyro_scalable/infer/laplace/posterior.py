@@ -39,7 +39,7 @@ import pyro.distributions as dist
 import torch
 from torch import Tensor
 
-from pyro_scalable.arguments import check_choice, check_count, check_flag, check_number, check_seed, check_tensor
+from pyro_scalable.arguments import check_choice, check_count, check_flag, check_number, check_tensor
 from pyro_scalable.bridge.checks import ModelError
 from pyro_scalable.bridge.model import ModelBridge
 from pyro_scalable.infer.laplace.curvature import CurvatureError, Precision, Structure
@@ -49,11 +49,12 @@ from pyro_scalable.infer.linearized.ggn import DataFit
 from pyro_scalable.infer.linearized.glm import GLMPredictive
 from pyro_scalable.infer.linearized.map_check import check_noise_fit, gauss_newton_gain, warn_not_map
 from pyro_scalable.infer.linearized.network import NetworkFunction
+from pyro_scalable.infer.results import GaussianDraws
 
 __all__ = ["GLMPredictive", "LaplacePosterior"]
 
 
-class LaplacePosterior(LaplacePredictives):
+class LaplacePosterior(LaplacePredictives, GaussianDraws):
     """A Gaussian posterior over the Laplace sites; every other latent site held at its MAP value.
 
     :meth:`posterior_predictive` draws ``y`` at new inputs (linearised by default). Calling it like the model
@@ -310,14 +311,11 @@ class LaplacePosterior(LaplacePredictives):
             fixed[self._noise_site] = site.transform.inv(self._observation_noise.expand(batch + site.shape))
         return {**fixed, **self.net.layout.unflatten(theta)}
 
-    def get_samples(self, num_samples: int, seed: int | None = None) -> dict[str, Tensor]:
-        """Constrained draws of every latent site (the fixed ones repeated), each ``(num_samples, *shape)``."""
-        check_count("num_samples", num_samples)
-        check_seed("seed", seed)
-        generator = None
-        if seed is not None:
-            generator = torch.Generator(device=self.theta_star.device).manual_seed(seed)
-        return self.bridge.constrain(self._all_latents(self.sample(num_samples, generator)))
+    def _draw(self, num_samples: int, seed: int | None, group_by_chain: bool) -> dict[str, Tensor]:
+        # every latent site, the fixed ones repeated; one chain
+        generator = None if seed is None else torch.Generator(device=self.theta_star.device).manual_seed(seed)
+        draws = self.bridge.constrain(self._all_latents(self.sample(num_samples, generator)))
+        return {k: v.unsqueeze(0) for k, v in draws.items()} if group_by_chain else draws
 
     def __call__(self, *args: Any, **kwargs: Any) -> dict[str, Tensor]:
         values = self.bridge.constrain(self._all_latents(self.sample(1)[0]))

@@ -16,8 +16,7 @@ Categorical's logits, ...) and the latent sites :math:`\theta` the engine covers
   posterior mean of the linear model, and the draws are centred there. For other likelihoods it is only the
   Gauss-Newton step from :math:`\theta_*`, whose quadratic extrapolation overstates the likelihood away from the
   prior the MAP was fitted with (and makes per-site EM run away): the draws are centred at :math:`\theta_*`, as
-  in the linearised Laplace guide, and the step (``newton_step``) serves as the check that :math:`\theta_*` is a
-  MAP.
+  in the linearised Laplace guide, and the step (``newton_step``) starts the check that :math:`\theta_*` is a MAP.
 
 The regulariser centres need one pass over the data (one VJP per chunk for all rows, :math:`\xi_i \sim
 \mathcal N(0, I)` drawn there and summed into :math:`\sum_i J_i^\top \Lambda_i^{1/2}\xi_i`); each optimisation step
@@ -126,8 +125,7 @@ class SampleThenOptimize(SampleThenOptimizePredictives, Draws):
     After ``run``, besides the draws (``get_samples``, ``to_inference_data``, :meth:`predict`):
 
     Attributes:
-        net: the model as a network function of the flat sampled latents
-            (:class:`~pyro_scalable.infer.linearized.network.NetworkFunction`), linearised at ``net.theta_star``.
+        net: the model as a network function of the flat sampled latents, linearised at ``net.theta_star``.
         state: the solver's last :class:`~pyro_scalable.infer.sample_then_optimize.core.SampleState`: one row per
             sample, then the mean row.
         mean_unconstrained: the flat posterior mean the draws are centred at.
@@ -150,6 +148,7 @@ class SampleThenOptimize(SampleThenOptimizePredictives, Draws):
         >>> x = torch.randn(1000, 3); y = x @ torch.tensor([1.0, -1.0, 0.5]) + 0.5 * torch.randn(1000)
         >>> engine = SampleThenOptimize(model, num_samples=64, em_steps=3, seed=0, progress_bar=False)
         >>> engine.run(x, y)
+        SampleThenOptimize(1 chain x 64 draws)
         >>> engine.get_samples()["w"].shape
         torch.Size([64, 3])
         >>> engine.em_history["prior_precision"].shape  # (em_steps + 1, groups)
@@ -274,8 +273,8 @@ class SampleThenOptimize(SampleThenOptimizePredictives, Draws):
         self._parallel = OneProcess(self.num_samples)
 
     # ------------------------------------------------------------------ running
-    def run(self, *args: Any, **kwargs: Any) -> None:
-        """Linearise (if needed), draw the regulariser centres, solve, and run the EM steps; keep the draws."""
+    def run(self, *args: Any, **kwargs: Any) -> SampleThenOptimize:
+        """Linearise (if needed), draw the regulariser centres, solve, run the EM steps; keep the draws; return self."""
         self.num_samples = self._num_samples_requested  # a sample-parallel run leaves a rank's share on ranks > 0
         self._reset()
         model = self.kernel.model.model
@@ -315,6 +314,7 @@ class SampleThenOptimize(SampleThenOptimizePredictives, Draws):
         )
         problem = Problem(self, net, theta, generator, parallel, noise=noise)
         self._solve_all(problem, generator)
+        return self
 
     def _solve_all(self, problem: Problem, generator: torch.Generator) -> None:
         state, alphas, gammas, noises = solve_with_em(self, problem, generator)

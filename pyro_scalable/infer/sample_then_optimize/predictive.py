@@ -136,6 +136,7 @@ class SampleThenOptimizePredictives:
             >>> y = x @ torch.tensor([1.0, 0.0, -1.0]) + 0.5 * torch.randn(200, generator=g)
             >>> engine = SampleThenOptimize(model, num_samples=16, seed=0, progress_bar=False)
             >>> engine.run(x, y)
+            SampleThenOptimize(1 chain x 16 draws)
             >>> engine.as_prior().joint.kind  # the next episode's model: N(mean, rho diag(S) + (1 - rho) S) on "w"
             'low_rank_covariance'
             >>> engine.as_prior(correlations="diagonal").joint.kind  # N(mean, diag(S)), for a factorised engine

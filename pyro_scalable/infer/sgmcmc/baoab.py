@@ -256,6 +256,7 @@ class BAOAB(Kernel):
         >>> mcmc = StochasticMCMC(BAOAB(model, step_size=0.01, friction=10.0), num_samples=200,
         ...                       num_warmup=200, num_chains=2, progress_bar=False, seed=0)
         >>> mcmc.run(torch.randn(500) + 3.0)
+        StochasticMCMC(BAOAB, 2 chains x 200 draws)
         >>> mcmc.get_samples(group_by_chain=True)["mu"].shape
         torch.Size([2, 200])
 

@@ -4,13 +4,9 @@
 initial point per chain with the kernel's Pyro init strategy, then steps all chains together — one
 ``torch.func.vmap``-ed computation on the data's device where the model allows it, one chain after another (with
 a one-line warning) where it does not. Draws go into preallocated buffers, by default on the CPU so that long runs
-do not fill the GPU. The result offers the ``pyro.infer.MCMC`` surface that ArviZ reads (``get_samples``,
-``diagnostics``, ``summary``, ``num_chains``, ``kernel.model``), and :meth:`StochasticMCMC.to_inference_data`
-adds the full-data log-likelihood and our own ``sample_stats``.
-
-Parallel SG-MCMC ("Bayesian deep ensembles", posteriors paper §4.2) is this driver with many chains and
-``num_samples=1`` (or a few, thinned): at T = 1 each chain's last draw is an approximate posterior draw, at T = 0
-the chains are a deep ensemble.
+do not fill the GPU. ``run`` returns the driver, which answers the result surface every engine shares
+(:mod:`~pyro_scalable.infer.results`). Parallel SG-MCMC (deep ensembles) is this driver with many chains and
+``num_samples=1`` (or a few, thinned): at T = 1 each chain's last draw is an approximate posterior draw.
 """
 
 from __future__ import annotations
@@ -109,6 +105,7 @@ class StochasticMCMC(Draws):
         >>> mcmc = StochasticMCMC(SGHMC(model, step_size=0.01, friction=20.0), num_samples=300,
         ...                       num_warmup=300, num_chains=4, seed=0, progress_bar=False)
         >>> mcmc.run(x, y)
+        StochasticMCMC(SGHMC, 4 chains x 300 draws)
         >>> mcmc.get_samples(group_by_chain=True)["w"].shape
         torch.Size([4, 300, 2])
 
@@ -188,7 +185,7 @@ class StochasticMCMC(Draws):
         self.control_variate = self.mode_search = self.metric_map = self._schedule = None
 
     # ------------------------------------------------------------------ running
-    def run(self, *args: Any, batches: Iterable | None = None, **kwargs: Any) -> None:
+    def run(self, *args: Any, batches: Iterable | None = None, **kwargs: Any) -> StochasticMCMC:
         """Sample. ``args``/``kwargs`` are the model's, on the full data.
 
         With ``batches`` (e.g. a ``DataLoader``), each step calls the model on the next element instead — a
@@ -362,6 +359,7 @@ class StochasticMCMC(Draws):
         if self.num_samples and parallel is None and start < total:  # not for a finished run read back
             probe = probe_gradient_noise(self.kernel, bridge, stepper.latents(), seed, total, stepper.log_posterior_fn)
             warn_ignored_noise(probe)
+        return self
 
     def _bind(self, args: tuple, kwargs: dict, batches: Iterable | None) -> tuple[RunRecord, Iterator | None]:
         """The run's record (the model on the steps' data and on the full data) and the DataLoader's iterator."""

@@ -222,6 +222,7 @@ class PSGLD(Kernel):
         >>> mcmc = StochasticMCMC(PSGLD(model), num_samples=100, num_warmup=100, num_chains=2,
         ...                       progress_bar=False, seed=0)
         >>> mcmc.run(torch.randn(500) + 3.0)
+        StochasticMCMC(PSGLD, 2 chains x 100 draws)
         >>> mcmc.get_samples()["mu"].shape
         torch.Size([200])
 

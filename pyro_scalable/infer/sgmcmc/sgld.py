@@ -159,6 +159,7 @@ class SGLD(Kernel):
         >>> mcmc = StochasticMCMC(SGLD(model, step_size=1e-3), num_samples=200, num_warmup=200,
         ...                       num_chains=2, progress_bar=False, seed=0)
         >>> mcmc.run(torch.randn(500) + 3.0)
+        StochasticMCMC(SGLD, 2 chains x 200 draws)
         >>> mcmc.get_samples()["mu"].shape
         torch.Size([400])
 

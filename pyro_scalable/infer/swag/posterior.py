@@ -1,7 +1,7 @@
 """The SWAG posterior of a Pyro model: draws, a Pyro guide, predictions and ArviZ, like the Laplace posterior's.
 
 Every latent site is in the SWAG Gaussian, in unconstrained space (a scale site's draws are log-normal). With
-several runs (MultiSWAG) the posterior is their equal-weight mixture; ``get_samples(group_by_run=True)`` and the
+several runs (MultiSWAG) the posterior is their equal-weight mixture; ``get_samples(group_by_chain=True)`` and the
 ArviZ conversion keep the runs apart as chains.
 """
 
@@ -16,13 +16,14 @@ import pyro.distributions as dist
 import torch
 from torch import Tensor
 
-from pyro_scalable.arguments import check_choice, check_count, check_flag, check_seed
+from pyro_scalable.arguments import check_choice, check_count, check_seed
 from pyro_scalable.bridge.model import Latents, ModelBridge
 from pyro_scalable.infer.gaussian_prior import GaussianPriorModel, JointGaussian, prior_variances, site_specs
 from pyro_scalable.infer.linearized.glm import GLMPredictive
 from pyro_scalable.infer.linearized.layout import ParameterLayout
 from pyro_scalable.infer.linearized.likelihoods import LinkApprox
 from pyro_scalable.infer.predictive import sample_posterior_predictive
+from pyro_scalable.infer.results import GaussianDraws
 from pyro_scalable.infer.swag.linearized import linearized_predictive
 from pyro_scalable.infer.swag.moments import SWAGMoments, covariance_factors, dense_covariance, sample_flat
 
@@ -31,7 +32,7 @@ __all__ = ["SWAGPosterior"]
 UNMOVED = 1e-6  # a SWAG variance below this fraction of the prior's: SGD did not move that coordinate
 
 
-class SWAGPosterior:
+class SWAGPosterior(GaussianDraws):
     """A SWAG (or MultiSWAG) Gaussian over every latent site, in unconstrained space. Built by :meth:`SWAG.run`.
 
     Calling it like the model samples every latent site: it is a Pyro guide, so
@@ -108,13 +109,16 @@ class SWAGPosterior:
         check_seed("seed", seed)
         return None if seed is None else torch.Generator(device=self.mean.device).manual_seed(seed)
 
-    def get_samples(self, num_samples: int, seed: int | None = None, group_by_run: bool = False) -> dict[str, Tensor]:
-        """Constrained draws of every latent site, ``(num_samples, *shape)``, or ``(runs, num_samples, *shape)``."""
-        check_count("num_samples", num_samples)
-        check_flag("group_by_run", group_by_run)
-        total = num_samples * (self.num_runs if group_by_run else 1)
+    @property
+    def num_chains(self) -> int:
+        """The runs are the chains of :meth:`get_samples` ``(group_by_chain=True)`` and of ArviZ."""
+        return self.num_runs
+
+    def _draw(self, num_samples: int, seed: int | None, group_by_chain: bool) -> dict[str, Tensor]:
+        # with group_by_chain num_samples per run: draw s is from run s mod R, (S, R) -> (R, S)
+        total = num_samples * (self.num_runs if group_by_chain else 1)
         theta = self.sample(total, self._generator(seed))
-        if group_by_run:  # draw s is from run s mod R: (S, R) -> (R, S)
+        if group_by_chain:
             theta = theta.reshape(num_samples, self.num_runs, -1).transpose(0, 1)
         return self.bridge.constrain(self.layout.unflatten(theta))
 

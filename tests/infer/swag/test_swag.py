@@ -209,7 +209,7 @@ def test_multiswag_on_a_pyromodule_gives_the_result_surface():
     assert samples["hidden.weight"].shape == (30, 8, 2) and samples["scale"].shape == (30,)
     assert bool((samples["scale"] > 0).all()) and all(bool(torch.isfinite(v).all()) for v in samples.values())
     assert samples["scale"].dtype == torch.float32
-    grouped = posterior.get_samples(5, seed=0, group_by_run=True)
+    grouped = posterior.get_samples(5, group_by_chain=True, seed=0)
     assert grouped["out.bias"].shape == (3, 5, 1)
     predictive = posterior.posterior_predictive(x[:7], num_samples=11, seed=0)
     assert predictive["y"].shape == (11, 7)
