@@ -32,7 +32,7 @@ from pyro_scalable.bridge import FullDataModel
 from pyro_scalable.bridge.likelihood import full_data_log_likelihood
 from pyro_scalable.bridge.model import ModelBridge
 from pyro_scalable.infer.predictive import sample_posterior_predictive
-from pyro_scalable.infer.results import RunRecord
+from pyro_scalable.infer.record import RunRecord
 from pyro_scalable.sources import run_record
 
 with warnings.catch_warnings():

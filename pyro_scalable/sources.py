@@ -1,13 +1,12 @@
-"""What the ArviZ adapter can convert: one :class:`~pyro_scalable.infer.results.RunRecord` from every kind of result.
+"""What the ArviZ adapter can convert: one :class:`~pyro_scalable.infer.record.RunRecord` from every kind of result.
 
 A record is the draws of every latent site (unconstrained, ``(chains, draws, *shape)``), their statistics, and the
 model bound to its full data (a :class:`~pyro_scalable.bridge.ModelBridge`). Our engines fill one as they run;
-this module builds one from
+this module builds one from (reading the protocols of :mod:`~pyro_scalable.infer.record`, importing no engine)
 
 * a finished :class:`~pyro_scalable.infer.StochasticMCMC` or :class:`~pyro_scalable.infer.SampleThenOptimize`
   (its own record; ``args=`` may supply the full data a DataLoader run was not given);
-* a fitted :class:`~pyro_scalable.infer.LaplacePosterior` (``num_samples`` draws);
-* a :class:`~pyro_scalable.infer.SWAGPosterior` (``num_samples`` draws, spread over its runs, one chain per run);
+* a Gaussian posterior — Laplace, SWAG, the EKF — (``num_samples`` draws, spread over its chains: one per SWAG run);
 * Pyro's ``pyro.infer.MCMC`` after NUTS/HMC (draws, and ``diverging`` from its diagnostics);
 * any Pyro guide — an ``AutoGuide`` after SVI, or a callable guide with ``model=`` (``num_samples`` calls of it);
 * a dict of draws ``{site: (S, ...)}``, e.g. ``pyro.infer.Predictive``'s output or ``mcmc.get_samples()``, with
@@ -31,9 +30,7 @@ from torch import Tensor
 from pyro_scalable.arguments import check_count, check_seed
 from pyro_scalable.bridge import FullDataModel, ModelBridge
 from pyro_scalable.bridge.guides import guide_draws
-from pyro_scalable.infer.laplace import LaplacePosterior
-from pyro_scalable.infer.results import Draws, RunRecord
-from pyro_scalable.infer.swag import SWAGPosterior
+from pyro_scalable.infer.record import GaussianSource, RecordSource, RunRecord
 
 __all__ = ["run_record"]
 
@@ -64,17 +61,13 @@ def run_record(
     if kwargs is not None and not isinstance(kwargs, Mapping):
         raise TypeError(f"kwargs must be a dict of the model's keyword arguments, got {type(kwargs).__name__}.")
     args, kwargs = tuple(args), dict(kwargs or {})
-    if isinstance(source, Draws):
+    if isinstance(source, RecordSource):
         _no_model(source, model)
         return _from_draws(source, args, kwargs), {}
-    if isinstance(source, LaplacePosterior):
+    if isinstance(source, GaussianSource):  # num_samples spread over its chains: MultiSWAG's runs stay apart
         _no_model(source, model)
-        draws = source.get_samples(num_samples, seed=seed)
-        return _record(source.bridge, {k: v.unsqueeze(0) for k, v in draws.items()}), {}
-    if isinstance(source, SWAGPosterior):  # one chain per run: MultiSWAG's runs stay apart
-        _no_model(source, model)
-        per_run = -(-num_samples // source.num_runs)
-        return _record(source.bridge, source.get_samples(per_run, group_by_chain=True, seed=seed)), {}
+        per_chain = -(-num_samples // source.num_chains)
+        return _record(source.bridge, source.get_samples(per_chain, group_by_chain=True, seed=seed)), {}
     if isinstance(source, pyro.infer.MCMC):
         _no_model(source, model)
         return _from_pyro_mcmc(source, args, kwargs), {}
@@ -124,8 +117,8 @@ def _record(bridge: ModelBridge, constrained: Mapping[str, Tensor], stats: dict 
     return RunRecord(bridge, bridge, bridge.args, bridge.kwargs, draws, dict(stats or {}))
 
 
-def _from_draws(run: Draws, args: tuple, kwargs: dict) -> RunRecord:
-    record = run._require_run()
+def _from_draws(run: RecordSource, args: tuple, kwargs: dict) -> RunRecord:
+    record = run.run_record()
     if not args and not kwargs:
         return record
     full = ModelBridge(record.bridge.model, args, kwargs)

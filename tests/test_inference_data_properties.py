@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 
 from pyro_scalable import FullDataModel
 from pyro_scalable.bridge import ModelBridge
-from pyro_scalable.infer.results import Draws, RunRecord
+from pyro_scalable.infer.record import RunRecord
+from pyro_scalable.infer.results import Draws
 from pyro_scalable.inference_data import draws_to_inference_data, to_inference_data
 from tests.arviz_compat import group_names, needs_from_pyro
 from tests.random_models import build, specs

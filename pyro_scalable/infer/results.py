@@ -1,6 +1,6 @@
 """The result surface every engine shares: ``pyro.infer.MCMC``'s, so that ArviZ and Pyro users read it as usual.
 
-A run fills one :class:`RunRecord` (the draws, their statistics, the model as the steps saw it and on the full
+A run fills one :class:`~.record.RunRecord` (the draws, their statistics, the model as the steps saw it and on the full
 data, the model's arguments) and sets it as ``results``. An engine that subclasses :class:`Draws` and has a
 ``kernel.model`` (the model on the full data) then offers ``get_samples``, ``diagnostics``, ``summary``,
 ``posterior_predictive``, ``to_inference_data`` and works with ``arviz.from_pyro``; the ArviZ adapter reads the
@@ -9,7 +9,6 @@ record, nothing private.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -21,79 +20,11 @@ from pyro_scalable.arguments import check_count, check_flag, check_number, check
 from pyro_scalable.bridge.model import ModelBridge
 from pyro_scalable.infer.health import effective_sample_size
 from pyro_scalable.infer.predictive import sample_posterior_predictive
+from pyro_scalable.infer.record import RunRecord
 
 __all__ = ["DEFAULT_DRAWS", "Draws", "GaussianDraws", "RunRecord"]
 
 DEFAULT_DRAWS = 1000  # draws a Gaussian posterior hands out when not told how many
-
-
-@dataclass
-class RunRecord:
-    """What a run leaves behind: its draws and their statistics, the model they belong to, and its data.
-
-    ``draws`` are unconstrained, ``(chains, draws, *site shape)``; ``stats`` are ``(chains, draws)``. ``bridge`` is
-    the model as the steps saw it (it maps the draws to constrained values); ``full_bridge`` the model on all the
-    data, for the full-data log-likelihood and observed data (``None`` where a DataLoader run was given no full
-    data). ``args``/``kwargs`` are the model's arguments on the full data.
-    """
-
-    bridge: ModelBridge
-    full_bridge: ModelBridge | None
-    args: tuple = ()
-    kwargs: dict = field(default_factory=dict)
-    draws: dict[str, Tensor] = field(default_factory=dict)
-    stats: dict[str, Tensor] = field(default_factory=dict)
-    pinned: torch.device | None = None  # the GPU whose draws are copied into page-locked memory without waiting
-
-    def allocate(self, latents: dict[str, Tensor], num_samples: int, device: torch.device) -> None:
-        """Empty buffers on ``device`` for ``num_samples`` draws of each chain in ``latents`` (statistics: on use).
-
-        Draws from a GPU kept on the CPU go to page-locked memory: each step's copy is then queued without waiting
-        for the device (a copy to ordinary memory would wait for it on every kept step); :meth:`settle` waits.
-
-        Example:
-            >>> from collections import namedtuple
-            >>> record = RunRecord(bridge=None, full_bridge=None)
-            >>> record.allocate({"w": torch.zeros(2, 3)}, num_samples=4, device=torch.device("cpu"))
-            >>> Info = namedtuple("Info", "log_posterior")
-            >>> record.record(0, {"w": torch.ones(2, 3)}, Info(torch.tensor([-1.0, -2.0])))
-            >>> record.settle()
-            >>> record.draws["w"].shape, record.stats["lp"][:, 0]
-            (torch.Size([2, 4, 3]), tensor([-1., -2.]))
-
-        """
-        first = next(iter(latents.values()))
-        self.pinned = first.device if first.is_cuda and device.type == "cpu" else None
-        shape = (first.shape[0], num_samples)
-        self.draws = {name: self._empty(shape + x.shape[1:], x.dtype, device) for name, x in latents.items()}
-        self.stats = {}
-
-    def _empty(self, shape: tuple, dtype: torch.dtype, device: torch.device) -> Tensor:
-        if self.pinned is not None:
-            try:
-                return torch.empty(shape, dtype=dtype, device=device, pin_memory=True)
-            except RuntimeError:  # more than the system lets be page-locked: ordinary memory (each copy then waits)
-                pass
-        return torch.empty(shape, dtype=dtype, device=device)
-
-    def record(self, index: int, latents: dict[str, Tensor], info: Any) -> None:
-        """Draw ``index`` of every chain and the step's statistics (``info``: a NamedTuple of per-chain values).
-
-        One chain's values may be 0-d: they broadcast into the chains' dimension of the buffers.
-        """
-        for name, x in latents.items():
-            self.draws[name][:, index].copy_(x.detach(), non_blocking=True)
-        for stat, value in info._asdict().items():
-            name = "lp" if stat == "log_posterior" else stat
-            if name not in self.stats:  # shaped and placed as the draws' buffers
-                buffer = next(iter(self.draws.values()))
-                self.stats[name] = self._empty(buffer.shape[:2], value.dtype, buffer.device)
-            self.stats[name][:, index].copy_(value.detach(), non_blocking=True)
-
-    def settle(self) -> None:
-        """Wait until the draws copied from a GPU have landed (before anything reads them)."""
-        if self.pinned is not None:
-            torch.cuda.synchronize(self.pinned)
 
 
 class Draws:
@@ -129,6 +60,10 @@ class Draws:
         if self.results is None:
             raise RuntimeError("call run(...) before asking for results.")
         return self.results
+
+    def run_record(self) -> RunRecord:
+        """The record the run filled: what the ArviZ adapter reads (:class:`~.record.RecordSource`)."""
+        return self._require_run()
 
     def get_samples(
         self, num_samples: int | None = None, group_by_chain: bool = False, seed: int | None = None

@@ -48,7 +48,8 @@ from pyro_scalable.bridge.checks import ModelError
 from pyro_scalable.bridge.model import FullDataModel, ModelBridge
 from pyro_scalable.infer.linearized.layout import ParameterLayout
 from pyro_scalable.infer.linearized.network import NetworkFunction, choose_sites, observed_site
-from pyro_scalable.infer.results import Draws, RunRecord
+from pyro_scalable.infer.record import RunRecord
+from pyro_scalable.infer.results import Draws
 from pyro_scalable.infer.sample_then_optimize import core
 from pyro_scalable.infer.sample_then_optimize.distributed import DistributedMode, OneProcess
 from pyro_scalable.infer.sample_then_optimize.distributed import setup as setup_parallel

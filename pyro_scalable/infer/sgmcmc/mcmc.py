@@ -28,7 +28,8 @@ from pyro_scalable.bridge.minibatches import EpochSampler, data_passes
 from pyro_scalable.bridge.model import Batch, Latents, ModelBridge
 from pyro_scalable.infer.distributed import broadcast_seed
 from pyro_scalable.infer.health import repeated_draws, warn_unhealthy
-from pyro_scalable.infer.results import Draws, RunRecord
+from pyro_scalable.infer.record import RunRecord
+from pyro_scalable.infer.results import Draws
 from pyro_scalable.infer.sgmcmc.adaptation import Adaptation
 from pyro_scalable.infer.sgmcmc.chains import ChainStepper
 from pyro_scalable.infer.sgmcmc.checkpoint import RunCheckpoint

@@ -1,0 +1,84 @@
+"""No import circle in the package: not at module level, and not hidden in a function body.
+
+Every ``import``/``from ... import`` of a ``pyro_scalable`` module counts, wherever it stands, but for those under
+``if TYPE_CHECKING:`` (annotations only); a package's ``__init__`` counts as the module ``package``, and
+``from package import submodule`` as an import of the submodule. A circle
+means two layers that each need the other: the architecture (docs/developer/architecture.md) has none.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1] / "pyro_scalable"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path, modules: set[str]) -> set[str]:
+    tree = ast.parse(path.read_text())
+    skipped = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skipped.update(id(child) for stmt in node.body for child in ast.walk(stmt))
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            # ``from package import submodule`` imports the submodule (the package's __init__ runs before any of
+            # its submodules anyway); ``from module import name`` imports the module
+            submodules = [f"{node.module}.{alias.name}" for alias in node.names]
+            names = [name for name in submodules if name in modules] or [node.module]
+        else:
+            continue
+        found.update(name for name in names if name in modules)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    paths = {_module_name(p): p for p in ROOT.rglob("*.py")}
+    return {name: _imports(path, set(paths)) - {name} for name, path in paths.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on_stack, found, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_circle():
+    cycles = _cycles(_graph())
+    assert not cycles, "import circles: " + "; ".join(" <-> ".join(c) for c in cycles)
