@@ -53,7 +53,6 @@ regression from ESS 392 to 566.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -61,6 +60,7 @@ import torch
 from torch import Tensor
 
 from pyro_scalable.bridge.model import Batch, Latents
+from pyro_scalable.infer.linearized.layout import ParameterLayout
 
 __all__ = ["AffineLogPosterior", "AffineMap", "MetricSchedule", "check_metric"]
 
@@ -116,30 +116,10 @@ class AffineMap(NamedTuple):
         return solved.T.reshape(shape)
 
 
-class Layout:
-    """The latent sites as one flat vector: names, shapes and offsets (with any leading dims)."""
-
-    def __init__(self, latents: Latents, leading: int):
-        self.shapes = {name: x.shape[leading:] for name, x in latents.items()}
-        self.sizes = {name: math.prod(shape) for name, shape in self.shapes.items()}
-        self.dim = sum(self.sizes.values())
-
-    def flatten(self, latents: Latents, leading: int) -> Tensor:
-        first = next(iter(latents.values()))
-        return torch.cat([x.reshape(*first.shape[:leading], -1) for x in latents.values()], dim=-1)
-
-    def unflatten(self, flat: Tensor) -> Latents:
-        out, start = {}, 0
-        for name, shape in self.shapes.items():
-            out[name] = flat[..., start : start + self.sizes[name]].reshape(tuple(flat.shape[:-1]) + tuple(shape))
-            start += self.sizes[name]
-        return out
-
-
 class AffineLogPosterior:
     """``log_posterior_fn(z, batch) = inner(mean + L z, batch)`` (log|det L| is a constant and left out)."""
 
-    def __init__(self, inner: Callable, layout: Layout, affine: AffineMap):
+    def __init__(self, inner: Callable, layout: ParameterLayout, affine: AffineMap):
         self.inner, self.layout, self.affine = inner, layout, affine
 
     @property
@@ -156,7 +136,7 @@ class AffineLogPosterior:
         return None if split is None else split(batch)
 
     def __call__(self, latents: Latents, batch: Batch) -> Tensor:
-        flat = self.affine.to_theta(self.layout.flatten(latents, 0))
+        flat = self.affine.to_theta(self.layout.flatten(latents))
         return self.inner(self.layout.unflatten(flat), batch)
 
     def batched_gradient(self, latents: Latents, batch: Batch) -> tuple[Latents, Tensor] | None:
@@ -167,16 +147,16 @@ class AffineLogPosterior:
         inner = getattr(self.inner, "batched_gradient", None)
         if inner is None:
             return None
-        theta = self.layout.unflatten(self.affine.to_theta(self.layout.flatten(latents, 1)))
+        theta = self.layout.unflatten(self.affine.to_theta(self.layout.flatten(latents, batch_dims=1)))
         grads, values = inner(theta, batch)
-        return self.layout.unflatten(self.affine.gradient_to_z(self.layout.flatten(grads, 1))), values
+        return self.layout.unflatten(self.affine.gradient_to_z(self.layout.flatten(grads, batch_dims=1))), values
 
 
 class MetricSchedule:
     """The driver's side: stage boundaries, the window's pooled moments, and the map of the stage running now."""
 
     def __init__(self, kind: str, num_warmup: int, latents: Latents):
-        self.layout = Layout(latents, 1)
+        self.layout = ParameterLayout({name: x.shape[1:] for name, x in latents.items()})
         self.num_warmup = num_warmup
         self.ends = sorted({max(1, int(round(share * num_warmup))) for share in STAGES})
         self.kind = kind
@@ -219,10 +199,10 @@ class MetricSchedule:
         """
         if self.stage >= len(self.ends) or not self.in_window(step):
             return
-        flat = self.layout.flatten(theta, 1).detach().double()
+        flat = self.layout.flatten(theta, batch_dims=1).detach().double()
         self.count += 1
         self.total = self.total + flat
-        dense = self.kind == "dense" or (self.kind == "auto" and self.layout.dim <= DENSE_LIMIT)
+        dense = self.kind == "dense" or (self.kind == "auto" and self.layout.num_params <= DENSE_LIMIT)
         self.outer = self.outer + (flat[:, :, None] * flat[:, None, :] if dense else flat.square())
 
     def hessian(self, log_posterior_fn: Callable, batch: Batch) -> Callable[[Tensor], Tensor]:
@@ -276,7 +256,7 @@ class MetricSchedule:
                 return self._stop()
             inverse = (vectors / values) @ vectors.T
             return self._advance(torch.linalg.cholesky(0.5 * (inverse + inverse.T)).to(like))
-        use_dense = covariance.dim() == 2 and (self.kind == "dense" or n >= 10 * self.layout.dim)
+        use_dense = covariance.dim() == 2 and (self.kind == "dense" or n >= 10 * self.layout.num_params)
         if use_dense:
             scale = torch.linalg.cholesky(covariance)
         else:
@@ -304,19 +284,19 @@ class MetricSchedule:
         """The chains' unconstrained latents from the running stage's z (as they are in the unit metric)."""
         if self.affine is None:
             return latents
-        return self.layout.unflatten(self.affine.to_theta(self.layout.flatten(latents, 1)))
+        return self.layout.unflatten(self.affine.to_theta(self.layout.flatten(latents, batch_dims=1)))
 
     def to_z(self, latents: Latents) -> Latents:
         """The running stage's z of the chains' unconstrained latents."""
         if self.affine is None:
             return latents
-        return self.layout.unflatten(self.affine.to_z(self.layout.flatten(latents, 1)))
+        return self.layout.unflatten(self.affine.to_z(self.layout.flatten(latents, batch_dims=1)))
 
     def wrap(self, log_posterior_fn: Callable) -> Callable:
         """``log_posterior_fn`` in the running stage's z."""
         if self.affine is None:
             return log_posterior_fn
-        return AffineLogPosterior(log_posterior_fn, Layout(self.layout.unflatten(self.affine.mean), 0), self.affine)
+        return AffineLogPosterior(log_posterior_fn, self.layout, self.affine)
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps: the stage, its map and the window's moments so far (references: cheap)."""

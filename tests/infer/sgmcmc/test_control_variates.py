@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from pyro_scalable.bridge.model import Batch, ModelBridge
 from pyro_scalable.infer import BAOAB, PSGLD, SGHMC, SGLD, SGNHT, StochasticMCMC
 from pyro_scalable.infer.checkpoint import load
+from pyro_scalable.infer.linearized.layout import ParameterLayout
 from pyro_scalable.infer.sgmcmc.base import estimate_gradient
 from pyro_scalable.infer.sgmcmc.chains import chains_gradient
 from pyro_scalable.infer.sgmcmc.control_choice import choose
@@ -29,7 +30,7 @@ from pyro_scalable.infer.sgmcmc.control_variates import (
     find_mode,
     full_data_gradient,
 )
-from pyro_scalable.infer.sgmcmc.metric import AffineLogPosterior, AffineMap, Layout
+from pyro_scalable.infer.sgmcmc.metric import AffineLogPosterior, AffineMap
 
 from ...conftest import LinearRegression
 from .test_calibration import sd_ratio
@@ -90,7 +91,7 @@ def test_all_chains_controlled_gradients_in_one_pass_are_each_chains_own(shared,
         if metric == "dense":
             scale = torch.linalg.cholesky(torch.eye(3, **f64) + 0.3 * torch.ones(3, 3, **f64))
         affine = AffineMap(torch.tensor([0.4, -0.9, 0.1], **f64), scale)
-        fn = AffineLogPosterior(controlled, Layout(centre, 0), affine)
+        fn = AffineLogPosterior(controlled, ParameterLayout({k: v.shape for k, v in centre.items()}), affine)
     latents = {
         "w": torch.tensor([[0.9, -0.4], [0.1, 0.2], [-1.0, 0.7]], **f64),
         "scale": torch.tensor([0.5, -0.3, 0.1], **f64),
@@ -431,7 +432,7 @@ def test_the_warmup_centre_is_each_windows_mean_and_burn_in_is_plain(monkeypatch
     expected += [True] * 20
     assert flags == [True, *expected]  # on as built; then one setting per step
     assert len(centres) == len(ends)
-    layout = metric.Layout({k: v[0] for k, v in mcmc.state.kernel.latents.items()}, 0)
+    layout = ParameterLayout({k: v.shape[1:] for k, v in mcmc.state.kernel.latents.items()})
     centre = mcmc.control_variate.centre
     torch.testing.assert_close(layout.flatten(centre, 0), centres[-1])
     exact = full_data_gradient(ModelBridge(hierarchical, data), centre)

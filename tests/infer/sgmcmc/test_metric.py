@@ -16,7 +16,8 @@ import torch
 from pyro_scalable.bridge.model import Batch, ModelBridge
 from pyro_scalable.infer import SGHMC, SGLD, StochasticMCMC
 from pyro_scalable.infer.health import effective_sample_size
-from pyro_scalable.infer.sgmcmc.metric import SPREAD_LIMIT, AffineLogPosterior, AffineMap, Layout, MetricSchedule
+from pyro_scalable.infer.linearized.layout import ParameterLayout
+from pyro_scalable.infer.sgmcmc.metric import SPREAD_LIMIT, AffineLogPosterior, AffineMap, MetricSchedule
 
 from .test_checkpoint import Killed, assert_same_run, stop_at
 
@@ -46,7 +47,7 @@ def test_the_change_of_variables_is_exact():
     g = torch.Generator().manual_seed(3)
     lower = torch.tril(torch.randn(3, 3, generator=g, dtype=torch.float64)) + 3 * torch.eye(3, dtype=torch.float64)
     affine = AffineMap(torch.randn(3, generator=g, dtype=torch.float64), lower)
-    layout = Layout({"w": torch.zeros(3)}, 0)
+    layout = ParameterLayout({"w": torch.Size([3])})
     wrapped = AffineLogPosterior(bridge.log_posterior_fn, layout, affine)
     batch = Batch({"data": torch.arange(10)}, bridge.args, {})
     z = torch.randn(3, generator=g, dtype=torch.float64)
@@ -172,7 +173,7 @@ def test_unit_is_no_metric_and_bad_choices_are_named():
 
 
 def test_scalar_and_matrix_sites_share_one_metric():
-    layout = Layout({"b": torch.zeros(4), "W": torch.zeros(4, 2, 3)}, 1)
+    layout = ParameterLayout({"b": torch.Size([]), "W": torch.Size([2, 3])})
     latents = {"b": torch.randn(4), "W": torch.randn(4, 2, 3)}
     flat = layout.flatten(latents, 1)
     assert flat.shape == (4, 7)
