@@ -11,39 +11,23 @@ do not fill the GPU. ``run`` returns the driver, which answers the result surfac
 
 from __future__ import annotations
 
-import itertools
 import operator
 import os
-import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any, Literal
 
 import torch
 from torch import Tensor
-from tqdm.auto import tqdm
 
 from pyro_scalable.arguments import check_device, check_flag, check_seed
-from pyro_scalable.bridge.checks import ModelError, first_line
-from pyro_scalable.bridge.minibatches import EpochSampler, data_passes
-from pyro_scalable.bridge.model import Batch, Latents, ModelBridge
-from pyro_scalable.infer.distributed import broadcast_seed
-from pyro_scalable.infer.health import repeated_draws, warn_unhealthy
 from pyro_scalable.infer.record import RunRecord
 from pyro_scalable.infer.results import Draws
-from pyro_scalable.infer.sgmcmc.adaptation import Adaptation
-from pyro_scalable.infer.sgmcmc.chains import ChainStepper
-from pyro_scalable.infer.sgmcmc.checkpoint import RunCheckpoint
-from pyro_scalable.infer.sgmcmc.control_choice import attach, choose, recentre
+from pyro_scalable.infer.sgmcmc import phases
 from pyro_scalable.infer.sgmcmc.distributed import DistributedMode
-from pyro_scalable.infer.sgmcmc.distributed import setup as setup_parallel
-from pyro_scalable.infer.sgmcmc.metric import MetricSchedule, check_metric
-from pyro_scalable.infer.sgmcmc.noise_probe import probe_gradient_noise, warn_ignored_noise, warn_uncorrected_noise
-from pyro_scalable.infer.sgmcmc.run_arguments import check_choices, cycle, refuse_pyro_spellings
-from pyro_scalable.infer.sgmcmc.stragglers import WindowLog
+from pyro_scalable.infer.sgmcmc.metric import check_metric
+from pyro_scalable.infer.sgmcmc.run_arguments import check_choices, refuse_pyro_spellings
 
 __all__ = ["StochasticMCMC"]
-
-_NOISE_STATS = ("noise_ratio", "uncorrected")
 
 
 class StochasticMCMC(Draws):
@@ -187,214 +171,16 @@ class StochasticMCMC(Draws):
 
     # ------------------------------------------------------------------ running
     def run(self, *args: Any, batches: Iterable | None = None, **kwargs: Any) -> StochasticMCMC:
-        """Sample. ``args``/``kwargs`` are the model's, on the full data.
+        """Sample, and return this driver: the result (``get_samples``, ``summary``, ``to_inference_data``, ...).
 
-        With ``batches`` (e.g. a ``DataLoader``), each step calls the model on the next element instead — a
-        tuple of positional arguments or a dict of keyword arguments, whose plate uses ``subsample=idx`` — and
-        ``args``/``kwargs`` (if given) are the full data for the log-likelihood and ``arviz.from_pyro``.
+        ``args``/``kwargs`` are the model's, on the full data. With ``batches`` (e.g. a ``DataLoader``), each step
+        calls the model on the next element instead — a tuple of positional arguments or a dict of keyword
+        arguments, whose plate uses ``subsample=idx`` — and ``args``/``kwargs`` (if given) are the full data for the
+        log-likelihood and ``arviz.from_pyro``. The phases are those of :mod:`.phases`.
         """
-        self.num_samples = self._num_samples_requested  # a stopped earlier run may have kept fewer
-        self.num_chains = self._num_chains_requested  # a chain-parallel run leaves a rank's share on ranks > 0
-        seed = int(torch.randint(0, 2**62, ())) if self.seed is None else self.seed
-        self.results, batch_iter = self._bind(args, kwargs, batches)
-        bridge = self.results.bridge
-        parallel = setup_parallel(self.distributed, bridge.plates, self.num_chains, sharded=batch_iter is None)
-        if parallel is not None:
-            seed = broadcast_seed(seed, bridge.device)
-        generator = torch.Generator(device=bridge.device).manual_seed(parallel.noise_seed(seed) if parallel else seed)
-        latents = bridge.init_latents(self.num_chains, self.kernel.init_strategy, seed=seed)
-        if parallel is not None:
-            latents = parallel.local_chains(latents)
-        sampler = EpochSampler(
-            bridge.plates,
-            next(iter(latents.values())).shape[0],
-            generator,
-            bridge.device,
-            replacement=self.minibatches == "independent",
-            shared=self.shared_minibatches,
-        )
-        reducer = parallel if self.distributed == "data" else None
-        # warm-up wraps a kernel that adapts; at its end the stepper unwraps it (the chains keep what it chose)
-        schedule = self._schedule = MetricSchedule.for_run(self.metric, self.kernel, self.num_warmup, latents)
-
-        def stage_stepper(start: Latents, method: str) -> ChainStepper:  # warm-up's stage (all of it without metric)
-            program = Adaptation(self.kernel, schedule.stage_length(schedule.stage)) if schedule else self.kernel
-            return ChainStepper(program, bridge, start, generator, method, reducer)
-
-        # the first stage is warm-up as without a metric: the metric's stages replace its rest only if they are needed
-        program = Adaptation(self.kernel, self.num_warmup) if getattr(self.kernel, "adapts", False) else self.kernel
-        stepper = ChainStepper(program, bridge, latents, generator, self.chain_method, reducer)
-        base = stepper.log_posterior_fn
-        base.replacement = sampler.replacement  # no finite-population correction then
-        self.control_variate = self.mode_search = None  # a checkpoint's resume puts its control variate back
-
-        self.results.allocate(latents, self.num_samples, self.draws_device)
-        total = self.num_warmup + self.num_samples * self.thin
-        start, kept, diverged = 0, 0, False
-        num_chains = next(iter(latents.values())).shape[0]
-        self.num_warmup_divergences = torch.zeros(num_chains, dtype=torch.int64, device=bridge.device)
-        self.restarted = torch.zeros(num_chains, dtype=torch.int64)
-        window = WindowLog()  # each window's log densities per chain: which chains warm-up left behind (.stragglers)
-        checkpoint = None
-        if self.checkpoint is not None:
-            checkpoint = RunCheckpoint(
-                self.checkpoint,
-                self.checkpoint_every,
-                run=self,
-                stepper=stepper,
-                generator=generator,
-                sampler=sampler if batch_iter is None else None,
-                total=total,
-                batches=batches,
-                metric=schedule,
-                window=window,
-                rebuild=lambda: stage_stepper(latents, self.chain_method),
-            )
-            start, kept, diverged = checkpoint.resume(self.resume)
-            stepper = checkpoint.stepper  # in a later stage of warm-up's metric, the stage's
-            for _ in range(start if batch_iter is not None else 0):
-                next(batch_iter)  # exact only where iterating `batches` again yields the same sequence
-        option = choose(
-            getattr(self.kernel, "control_variate", None), self.kernel, bridge, windows=schedule is not None
-        )
-        chosen = getattr(self.kernel, "control_variate", None) == "auto"
-        first = {k: x[0] for k, x in latents.items()}  # one chain's initial point starts a mode search
-        base = attach(self, option, base, first, seed, reducer, checkpoint, chosen=chosen)
-        stepper.log_posterior_fn = schedule.wrap(base) if schedule else base
-        quiet = not self.progress_bar or (parallel is not None and not parallel.is_main)
-        bar = tqdm(total=total, initial=start, disable=quiet, desc="Warmup" if start < self.num_warmup else "Sample")
-        try:
-            for t in range(start, start if diverged else total):  # a run stopped at a divergence stays stopped
-                if batch_iter is not None:
-                    step_args, step_kwargs = next(batch_iter)
-                    batch = Batch({}, step_args, step_kwargs)
-                else:
-                    batch = Batch(next(sampler), bridge.args, bridge.kwargs)
-                if option == "warmup":  # plain in burn-in: the controlled noise grows with the distance to the centre
-                    base.active = t >= self.num_warmup or not stepper.program.phase(t - schedule.stage_start()).burn_in
-                info = stepper.step(batch, t - (schedule.stage_start() if schedule else 0))
-                if t < self.num_warmup and (schedule.in_window(t) if schedule else t >= self.num_warmup // 2):
-                    window.observe(info.log_posterior, info.diverging)
-                if schedule is not None and t < self.num_warmup:
-                    schedule.observe(t, schedule.to_theta(stepper.latents()))
-                    if schedule.due(t):  # the next stage of warm-up, in the metric this one's positions give
-                        behind, restart = window.close(parallel is None)
-                        theta = schedule.to_theta(stepper.latents())
-                        if restart is not None:  # a straggler neither shapes the metric nor stays where it is
-                            theta = {k: v.index_copy(0, restart[0], v[restart[1]]) for k, v in theta.items()}
-                            self.restarted[restart[0].cpu()] += 1
-                        big = batch.indices if batch_iter else {k: v[0] for k, v in sampler.larger(4096).items()}
-                        curvature = schedule.hessian(base, Batch(big, batch.args, batch.kwargs))
-                        keep = None if restart is None else ~behind
-                        moved = schedule.next_map(next(iter(theta.values())), curvature, keep=keep)
-                        if option == "warmup":  # recentred at each window's mean: one full-data pass
-                            self.control_variate = base.control = recentre(self.results.full_bridge, schedule, reducer)
-                        if moved is not None:
-                            stepper = stage_stepper(schedule.to_z(theta), stepper.mode)
-                            stepper.log_posterior_fn = schedule.wrap(base)
-                            if checkpoint is not None:
-                                checkpoint.stepper = stepper
-                        elif restart is not None:
-                            stepper.restart(*restart)
-                if t + 1 == self.num_warmup:
-                    _, restart = window.close(parallel is None)
-                    if restart is not None:  # sampling starts from healthy chains only
-                        stepper.restart(*restart)
-                        self.restarted[restart[0].cpu()] += 1
-                    stepper.end_warmup()
-                diverged = bool(info.diverging.any()) if self.on_divergence == "stop" else False
-                if t < self.num_warmup:  # a tensor until the run ends: no wait for the device on every step
-                    self.num_warmup_divergences = self.num_warmup_divergences + info.diverging.to(torch.int64)
-                elif (t - self.num_warmup + 1) % self.thin == 0:
-                    draw = schedule.to_theta(stepper.latents()) if schedule else stepper.latents()
-                    self.results.record(kept, draw, info)
-                    kept += 1
-                if checkpoint is not None:
-                    checkpoint.step_done(t + 1, kept, stopped=diverged)
-                if t + 1 == self.num_warmup:
-                    bar.set_description("Sample")
-                if not quiet and (t % 50 == 0 or t + 1 == total):
-                    bar.set_postfix(
-                        lp=f"{float(info.log_posterior.float().mean()):.4g}",
-                        step_size=f"{float(info.step_size.float().mean()):.3g}",
-                    )
-                bar.update()
-                if diverged:
-                    warnings.warn(
-                        f"a chain diverged at step {t} (non-finite log density or gradient) and on_divergence='stop': "
-                        f"the run ends with {kept} draws per chain.",
-                        stacklevel=2,
-                    )
-                    break
-        except KeyboardInterrupt:
-            if checkpoint is not None:
-                checkpoint.write()  # as the last completed step left the run
-            self._truncate(kept, stepper)
-            warnings.warn(f"interrupted: keeping the {kept} draws per chain taken so far.", stacklevel=2)
-            raise
-        except BaseException:
-            self._truncate(kept, stepper)  # the draws taken stay readable; the buffers beyond them are dropped
-            raise
-        finally:
-            bar.close()
-        self._truncate(kept, stepper)
-        self.results.stats = {  # statistics of a gradient noise the kernel did not estimate are NaN: leave them out
-            k: v for k, v in self.results.stats.items() if not (k in _NOISE_STATS and bool(v.isnan().all()))
-        }
-        if parallel is not None:
-            parallel.gather(self)
-        if diverged and kept == 0:
-            raise RuntimeError(
-                "a chain diverged during warmup and on_divergence='stop'; no draw was kept. "
-                "Lower the step size, or use on_divergence='continue'."
-            )
-        if self.num_samples > 0:
-            self.results.stats["repeated"] = repeated_draws(self.results.draws)
-            if self.distributed != "chains":  # each chain's warm-up, repeated along its draws (sample_stats' shape)
-                shape = self.results.stats["repeated"].shape
-                for name, value in (("warmup_divergences", self.warmup_divergences), ("restarted", self.restarted)):
-                    self.results.stats[name] = value[:, None].expand(shape).to(self.results.stats["repeated"].device)
-        passes = data_passes(bridge.plates, total * self.num_chains)
-        warn_unhealthy(self.results.draws, self.results.stats, self.num_warmup_divergences, data_passes=passes)
-        warn_uncorrected_noise(self.results.stats, self.num_samples, getattr(self.kernel, "adapts", False))
-        if self.num_samples and parallel is None and start < total:  # not for a finished run read back
-            probe = probe_gradient_noise(self.kernel, bridge, stepper.latents(), seed, total, stepper.log_posterior_fn)
-            warn_ignored_noise(probe)
+        state = phases.prepare(self, args, kwargs, batches)  # the model bound, the chains started, warm-up's stepper
+        phases.resume(self, state, batches)  # a checkpoint's run goes on from its last completed step
+        phases.attach_control_variate(self, state)  # the gradient the control-variate policy chose
+        phases.sample(self, state)  # warm-up and sampling, step by step
+        phases.finish(self, state)  # the statistics, the ranks' draws gathered, the health checks
         return self
-
-    def _bind(self, args: tuple, kwargs: dict, batches: Iterable | None) -> tuple[RunRecord, Iterator | None]:
-        """The run's record (the model on the steps' data and on the full data) and the DataLoader's iterator."""
-        model = self.kernel.model
-        if batches is None:
-            bridge = ModelBridge(model, args, kwargs)
-            return RunRecord(bridge, bridge, args, kwargs), None
-        if not isinstance(batches, Iterable) or isinstance(batches, (Tensor, str)):
-            raise TypeError(
-                f"batches must be an iterable of minibatches (e.g. a DataLoader), got {type(batches).__name__}."
-            )
-        batch_iter = cycle(batches)
-        first = next(batch_iter)
-        try:
-            bridge = ModelBridge(model, *first)
-        except (TypeError, ValueError, IndexError, RuntimeError) as error:
-            # a ModelError is the data's fault, unless torch failed inside the model on this element (its cause)
-            if isinstance(error, ModelError) and not isinstance(error.__cause__, RuntimeError):
-                raise
-            raise TypeError(
-                f"the model failed on the first element of batches ({first_line(error)}); batches must yield a "
-                "tuple of the model's positional arguments or a dict of its keyword arguments."
-            ) from error
-        full = ModelBridge(model, args, kwargs) if (args or kwargs) else None
-        return RunRecord(bridge, full, args, kwargs), itertools.chain([first], batch_iter)
-
-    def _truncate(self, kept: int, stepper: ChainStepper) -> None:
-        self.results.settle()
-        if isinstance(self.num_warmup_divergences, Tensor):
-            self.warmup_divergences = self.num_warmup_divergences.cpu()
-            self.num_warmup_divergences = int(self.warmup_divergences.sum())
-        self.state = stepper.final_state
-        self.metric_map = self._schedule.affine if self._schedule is not None else None
-        if kept < self.num_samples:
-            self.results.draws = {k: v[:, :kept] for k, v in self.results.draws.items()}
-            self.results.stats = {k: v[:, :kept] for k, v in self.results.stats.items()}
-            self.num_samples = kept

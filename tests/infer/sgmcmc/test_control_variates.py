@@ -409,7 +409,7 @@ def test_the_warmup_centre_is_each_windows_mean_and_burn_in_is_plain(monkeypatch
         centres.append(schedule.window_mean.clone())
         return original(full, schedule, reducer)
 
-    monkeypatch.setattr("pyro_scalable.infer.sgmcmc.mcmc.recentre", spy)
+    monkeypatch.setattr("pyro_scalable.infer.sgmcmc.phases.recentre", spy)
     data = hierarchical_data()
     num_warmup = 200
     mcmc = StochasticMCMC(

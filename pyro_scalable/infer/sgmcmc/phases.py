@@ -1,0 +1,341 @@
+"""The phases of one ``StochasticMCMC.run``, in the order the driver calls them, and the state they hand on.
+
+1. :func:`prepare`: bind the model to its data (or a ``DataLoader``), set up the distributed mode, draw each chain's
+   initial point, the minibatch sampler and warm-up's stepper (its metric's schedule where one is needed).
+2. :func:`resume`: a checkpoint's run goes on from its last completed step.
+3. :func:`attach_control_variate`: the gradient the control-variate policy (:mod:`.control_choice`) chose.
+4. :func:`sample`: warm-up and sampling, one :func:`step` at a time; a warm-up window's end (:func:`window_end`:
+   the chains left behind, the metric's next stage) and warm-up's end (:func:`warmup_end`) happen inside it. An
+   interruption keeps every draw taken.
+5. :func:`finish`: the record's statistics, the distributed gather, the health checks.
+
+The phases read and write the driver's public results (``results``, ``restarted``, ``control_variate``, ...) as
+the driver itself did; what moves between them is the :class:`RunState`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from pyro_scalable.bridge.checks import ModelError, first_line
+from pyro_scalable.bridge.minibatches import EpochSampler, data_passes
+from pyro_scalable.bridge.model import Batch, Latents, ModelBridge
+from pyro_scalable.infer.distributed import broadcast_seed
+from pyro_scalable.infer.health import repeated_draws, warn_unhealthy
+from pyro_scalable.infer.record import RunRecord
+from pyro_scalable.infer.sgmcmc.adaptation import Adaptation
+from pyro_scalable.infer.sgmcmc.chains import ChainStepper
+from pyro_scalable.infer.sgmcmc.checkpoint import RunCheckpoint
+from pyro_scalable.infer.sgmcmc.control_choice import attach, choose, recentre
+from pyro_scalable.infer.sgmcmc.distributed import setup as setup_parallel
+from pyro_scalable.infer.sgmcmc.metric import MetricSchedule
+from pyro_scalable.infer.sgmcmc.noise_probe import probe_gradient_noise, warn_ignored_noise, warn_uncorrected_noise
+from pyro_scalable.infer.sgmcmc.run_arguments import cycle
+from pyro_scalable.infer.sgmcmc.stragglers import WindowLog
+
+__all__ = ["RunState", "attach_control_variate", "finish", "prepare", "resume", "sample", "step"]
+
+_NOISE_STATS = ("noise_ratio", "uncorrected")
+
+
+@dataclass
+class RunState:
+    """What one run's phases hand on: the model, the chains' stepper, the minibatches, the warm-up's bookkeeping."""
+
+    bridge: ModelBridge
+    parallel: Any  # the distributed mode's helper, or None
+    reducer: Any  # the data-parallel all-reduce, or None
+    seed: int
+    generator: torch.Generator
+    latents: Latents  # every chain's initial point
+    sampler: EpochSampler
+    schedule: MetricSchedule | None  # warm-up's metric stages, where a metric is needed
+    stepper: ChainStepper
+    base: Any  # the log posterior the kernels step on (plain, or controlled after attach_control_variate)
+    window: WindowLog
+    batch_iter: Iterator | None  # a DataLoader's elements, cycled
+    batches: Iterable | None
+    total: int  # warm-up steps + sampling steps
+    option: Any = None  # the control-variate policy's choice
+    checkpoint: RunCheckpoint | None = None
+    start: int = 0
+    kept: int = 0
+    diverged: bool = False
+
+
+def prepare(run: Any, args: tuple, kwargs: dict, batches: Iterable | None) -> RunState:
+    """Bind the model, start the chains, and build warm-up's stepper (its first stage, without a metric)."""
+    run.num_samples = run._num_samples_requested  # a stopped earlier run may have kept fewer
+    run.num_chains = run._num_chains_requested  # a chain-parallel run leaves a rank's share on ranks > 0
+    seed = int(torch.randint(0, 2**62, ())) if run.seed is None else run.seed
+    run.results, batch_iter = bind(run, args, kwargs, batches)
+    bridge = run.results.bridge
+    parallel = setup_parallel(run.distributed, bridge.plates, run.num_chains, sharded=batch_iter is None)
+    if parallel is not None:
+        seed = broadcast_seed(seed, bridge.device)
+    generator = torch.Generator(device=bridge.device).manual_seed(parallel.noise_seed(seed) if parallel else seed)
+    latents = bridge.init_latents(run.num_chains, run.kernel.init_strategy, seed=seed)
+    if parallel is not None:
+        latents = parallel.local_chains(latents)
+    sampler = EpochSampler(
+        bridge.plates,
+        next(iter(latents.values())).shape[0],
+        generator,
+        bridge.device,
+        replacement=run.minibatches == "independent",
+        shared=run.shared_minibatches,
+    )
+    reducer = parallel if run.distributed == "data" else None
+    # warm-up wraps a kernel that adapts; at its end the stepper unwraps it (the chains keep what it chose)
+    schedule = run._schedule = MetricSchedule.for_run(run.metric, run.kernel, run.num_warmup, latents)
+    # the first stage is warm-up as without a metric: the metric's stages replace its rest only if they are needed
+    program = Adaptation(run.kernel, run.num_warmup) if getattr(run.kernel, "adapts", False) else run.kernel
+    stepper = ChainStepper(program, bridge, latents, generator, run.chain_method, reducer)
+    base = stepper.log_posterior_fn
+    base.replacement = sampler.replacement  # no finite-population correction then
+    run.control_variate = run.mode_search = None  # a checkpoint's resume puts its control variate back
+    run.results.allocate(latents, run.num_samples, run.draws_device)
+    num_chains = next(iter(latents.values())).shape[0]
+    run.num_warmup_divergences = torch.zeros(num_chains, dtype=torch.int64, device=bridge.device)
+    run.restarted = torch.zeros(num_chains, dtype=torch.int64)
+    total = run.num_warmup + run.num_samples * run.thin
+    window = WindowLog()  # each window's log densities per chain: which chains warm-up left behind (.stragglers)
+    return RunState(
+        bridge,
+        parallel,
+        reducer,
+        seed,
+        generator,
+        latents,
+        sampler,
+        schedule,
+        stepper,
+        base,
+        window,
+        batch_iter,
+        batches,
+        total,
+    )
+
+
+def stage_stepper(run: Any, state: RunState, start: Latents, method: str) -> ChainStepper:
+    """A stepper for warm-up's current metric stage (all of warm-up without a metric), from ``start``."""
+    schedule = state.schedule
+    program = Adaptation(run.kernel, schedule.stage_length(schedule.stage)) if schedule else run.kernel
+    return ChainStepper(program, state.bridge, start, state.generator, method, state.reducer)
+
+
+def resume(run: Any, state: RunState, batches: Iterable | None) -> None:
+    """Open the checkpoint, if one is asked for; a run it holds goes on from its last completed step."""
+    if run.checkpoint is None:
+        return
+    state.checkpoint = RunCheckpoint(
+        run.checkpoint,
+        run.checkpoint_every,
+        run=run,
+        stepper=state.stepper,
+        generator=state.generator,
+        sampler=state.sampler if state.batch_iter is None else None,
+        total=state.total,
+        batches=batches,
+        metric=state.schedule,
+        window=state.window,
+        rebuild=lambda: stage_stepper(run, state, state.latents, run.chain_method),
+    )
+    state.start, state.kept, state.diverged = state.checkpoint.resume(run.resume)
+    state.stepper = state.checkpoint.stepper  # in a later stage of warm-up's metric, the stage's
+    for _ in range(state.start if state.batch_iter is not None else 0):
+        next(state.batch_iter)  # exact only where iterating `batches` again yields the same sequence
+
+
+def attach_control_variate(run: Any, state: RunState) -> None:
+    """Wrap the log posterior in the control variate the policy chose (or leave it plain)."""
+    wanted = getattr(run.kernel, "control_variate", None)
+    state.option = choose(wanted, run.kernel, state.bridge, windows=state.schedule is not None)
+    first = {k: x[0] for k, x in state.latents.items()}  # one chain's initial point starts a mode search
+    state.base = attach(
+        run, state.option, state.base, first, state.seed, state.reducer, state.checkpoint, chosen=wanted == "auto"
+    )
+    state.stepper.log_posterior_fn = state.schedule.wrap(state.base) if state.schedule else state.base
+
+
+def sample(run: Any, state: RunState) -> None:
+    """Warm-up and sampling, step by step, with a progress bar; an interruption keeps every draw taken."""
+    quiet = not run.progress_bar or (state.parallel is not None and not state.parallel.is_main)
+    description = "Warmup" if state.start < run.num_warmup else "Sample"
+    bar = tqdm(total=state.total, initial=state.start, disable=quiet, desc=description)
+    try:
+        for t in range(state.start, state.start if state.diverged else state.total):  # a stopped run stays stopped
+            info = step(run, state, t)
+            if t + 1 == run.num_warmup:
+                bar.set_description("Sample")
+            if not quiet and (t % 50 == 0 or t + 1 == state.total):
+                bar.set_postfix(
+                    lp=f"{float(info.log_posterior.float().mean()):.4g}",
+                    step_size=f"{float(info.step_size.float().mean()):.3g}",
+                )
+            bar.update()
+            if state.diverged:
+                warnings.warn(
+                    f"a chain diverged at step {t} (non-finite log density or gradient) and on_divergence='stop': "
+                    f"the run ends with {state.kept} draws per chain.",
+                    stacklevel=3,
+                )
+                break
+    except KeyboardInterrupt:
+        if state.checkpoint is not None:
+            state.checkpoint.write()  # as the last completed step left the run
+        truncate(run, state)
+        warnings.warn(f"interrupted: keeping the {state.kept} draws per chain taken so far.", stacklevel=3)
+        raise
+    except BaseException:
+        truncate(run, state)  # the draws taken stay readable; the buffers beyond them are dropped
+        raise
+    finally:
+        bar.close()
+    truncate(run, state)
+
+
+def step(run: Any, state: RunState, t: int) -> Any:
+    """Step ``t`` of the run: every chain one step, warm-up's bookkeeping, the draw kept, the checkpoint."""
+    schedule = state.schedule
+    if state.batch_iter is not None:
+        step_args, step_kwargs = next(state.batch_iter)
+        batch = Batch({}, step_args, step_kwargs)
+    else:
+        batch = Batch(next(state.sampler), state.bridge.args, state.bridge.kwargs)
+    if state.option == "warmup":  # plain in burn-in: the controlled noise grows with the distance to the centre
+        burn_in = lambda: state.stepper.program.phase(t - schedule.stage_start()).burn_in  # noqa: E731
+        state.base.active = t >= run.num_warmup or not burn_in()
+    info = state.stepper.step(batch, t - (schedule.stage_start() if schedule else 0))
+    if t < run.num_warmup and (schedule.in_window(t) if schedule else t >= run.num_warmup // 2):
+        state.window.observe(info.log_posterior, info.diverging)
+    if schedule is not None and t < run.num_warmup:
+        schedule.observe(t, schedule.to_theta(state.stepper.latents()))
+        if schedule.due(t):
+            window_end(run, state, batch)
+    if t + 1 == run.num_warmup:
+        warmup_end(run, state)
+    state.diverged = bool(info.diverging.any()) if run.on_divergence == "stop" else False
+    if t < run.num_warmup:  # a tensor until the run ends: no wait for the device on every step
+        run.num_warmup_divergences = run.num_warmup_divergences + info.diverging.to(torch.int64)
+    elif (t - run.num_warmup + 1) % run.thin == 0:
+        draw = schedule.to_theta(state.stepper.latents()) if schedule else state.stepper.latents()
+        run.results.record(state.kept, draw, info)
+        state.kept += 1
+    if state.checkpoint is not None:
+        state.checkpoint.step_done(t + 1, state.kept, stopped=state.diverged)
+    return info
+
+
+def window_end(run: Any, state: RunState, batch: Batch) -> None:
+    """The next stage of warm-up, in the metric this one's positions give; a straggler restarts from a healthy one.
+
+    A chain left behind (:mod:`.stragglers`) neither shapes the next metric nor stays where it is.
+    """
+    schedule = state.schedule
+    behind, restart = state.window.close(state.parallel is None)
+    theta = schedule.to_theta(state.stepper.latents())
+    if restart is not None:
+        theta = {k: v.index_copy(0, restart[0], v[restart[1]]) for k, v in theta.items()}
+        run.restarted[restart[0].cpu()] += 1
+    big = batch.indices if state.batch_iter else {k: v[0] for k, v in state.sampler.larger(4096).items()}
+    curvature = schedule.hessian(state.base, Batch(big, batch.args, batch.kwargs))
+    keep = None if restart is None else ~behind
+    moved = schedule.next_map(next(iter(theta.values())), curvature, keep=keep)
+    if state.option == "warmup":  # recentred at each window's mean: one full-data pass
+        run.control_variate = state.base.control = recentre(run.results.full_bridge, schedule, state.reducer)
+    if moved is not None:
+        state.stepper = stage_stepper(run, state, schedule.to_z(theta), state.stepper.mode)
+        state.stepper.log_posterior_fn = schedule.wrap(state.base)
+        if state.checkpoint is not None:
+            state.checkpoint.stepper = state.stepper
+    elif restart is not None:
+        state.stepper.restart(*restart)
+
+
+def warmup_end(run: Any, state: RunState) -> None:
+    """Sampling starts from healthy chains only; the stepper unwraps warm-up (the chains keep what it chose)."""
+    _, restart = state.window.close(state.parallel is None)
+    if restart is not None:
+        state.stepper.restart(*restart)
+        run.restarted[restart[0].cpu()] += 1
+    state.stepper.end_warmup()
+
+
+def finish(run: Any, state: RunState) -> None:
+    """The record's statistics and the per-chain warm-up counts, the ranks' draws gathered, the health checks."""
+    results = run.results
+    results.stats = {  # statistics of a gradient noise the kernel did not estimate are NaN: leave them out
+        k: v for k, v in results.stats.items() if not (k in _NOISE_STATS and bool(v.isnan().all()))
+    }
+    if state.parallel is not None:
+        state.parallel.gather(run)
+    if state.diverged and state.kept == 0:
+        raise RuntimeError(
+            "a chain diverged during warmup and on_divergence='stop'; no draw was kept. "
+            "Lower the step size, or use on_divergence='continue'."
+        )
+    if run.num_samples > 0:
+        results.stats["repeated"] = repeated_draws(results.draws)
+        if run.distributed != "chains":  # each chain's warm-up, repeated along its draws (sample_stats' shape)
+            shape = results.stats["repeated"].shape
+            for name, value in (("warmup_divergences", run.warmup_divergences), ("restarted", run.restarted)):
+                results.stats[name] = value[:, None].expand(shape).to(results.stats["repeated"].device)
+    passes = data_passes(state.bridge.plates, state.total * run.num_chains)
+    warn_unhealthy(results.draws, results.stats, run.num_warmup_divergences, data_passes=passes)
+    warn_uncorrected_noise(results.stats, run.num_samples, getattr(run.kernel, "adapts", False))
+    if run.num_samples and state.parallel is None and state.start < state.total:  # not for a run read back
+        stepper = state.stepper
+        probe = probe_gradient_noise(
+            run.kernel, state.bridge, stepper.latents(), state.seed, state.total, stepper.log_posterior_fn
+        )
+        warn_ignored_noise(probe)
+
+
+def bind(run: Any, args: tuple, kwargs: dict, batches: Iterable | None) -> tuple[RunRecord, Iterator | None]:
+    """The run's record (the model on the steps' data and on the full data) and the DataLoader's iterator."""
+    model = run.kernel.model
+    if batches is None:
+        bridge = ModelBridge(model, args, kwargs)
+        return RunRecord(bridge, bridge, args, kwargs), None
+    if not isinstance(batches, Iterable) or isinstance(batches, (Tensor, str)):
+        raise TypeError(
+            f"batches must be an iterable of minibatches (e.g. a DataLoader), got {type(batches).__name__}."
+        )
+    batch_iter = cycle(batches)
+    first = next(batch_iter)
+    try:
+        bridge = ModelBridge(model, *first)
+    except (TypeError, ValueError, IndexError, RuntimeError) as error:
+        # a ModelError is the data's fault, unless torch failed inside the model on this element (its cause)
+        if isinstance(error, ModelError) and not isinstance(error.__cause__, RuntimeError):
+            raise
+        raise TypeError(
+            f"the model failed on the first element of batches ({first_line(error)}); batches must yield a "
+            "tuple of the model's positional arguments or a dict of its keyword arguments."
+        ) from error
+    full = ModelBridge(model, args, kwargs) if (args or kwargs) else None
+    return RunRecord(bridge, full, args, kwargs), itertools.chain([first], batch_iter)
+
+
+def truncate(run: Any, state: RunState) -> None:
+    """Settle the draws, keep the chains' final state and per-chain warm-up counts, drop the buffers never filled."""
+    run.results.settle()
+    if isinstance(run.num_warmup_divergences, Tensor):
+        run.warmup_divergences = run.num_warmup_divergences.cpu()
+        run.num_warmup_divergences = int(run.warmup_divergences.sum())
+    run.state = state.stepper.final_state
+    run.metric_map = run._schedule.affine if run._schedule is not None else None
+    if state.kept < run.num_samples:
+        run.results.draws = {k: v[:, : state.kept] for k, v in run.results.draws.items()}
+        run.results.stats = {k: v[:, : state.kept] for k, v in run.results.stats.items()}
+        run.num_samples = state.kept
