@@ -92,9 +92,8 @@ class SampleThenOptimize(SampleThenOptimizePredictives, Draws):
         em_steps: MacKay updates of the prior precision; ``0`` keeps the model's prior.
         em_groups: one precision for all parameters (``"scalar"``) or one per Pyro site (``"site"``).
         em_epochs: epochs of each warm-started solve after the first (default ``num_epochs``).
-        em_noise: also update a Normal likelihood's scalar noise scale at every EM step (MacKay's
-            ``beta = (n - gamma) / |y - f|^2``, :mod:`.em`); it then replaces the model's value
-            (a latent site held fixed, or a constant) in the draws, the predictions and ``noise_scale``.
+        em_noise: also update a Normal likelihood's scalar noise scale at every EM step (MacKay's, :mod:`.em`); it
+            replaces the model's value (a latent site held fixed, or a constant) in draws, predictions, ``noise_scale``.
         variance_reduction: which rows get an SVRG control variate (re-anchored every epoch with one full-data
             pass): the mean only (``"mean"``), or every row (``"all"``: twice the products per step, linear
             convergence instead of SGD's ``O(1/sqrt(T))``: samples accurate to many digits).
@@ -104,8 +103,7 @@ class SampleThenOptimize(SampleThenOptimizePredictives, Draws):
         refine_passes: after each solve's epochs, at most this many conjugate-gradient iterations on the full data
             (one pass each), stopped as soon as every row (each draw and the mean) is within ``tolerance`` posterior
             sds of its exact solution in every direction, by CG's energy-error estimate (:mod:`.krylov`); a run
-            whose budget ends first warns with the estimate. ``0``: the epochs only. Passes are spent only where the
-            epochs left the draws off (110 on a correlated d = 200 regression: ``bench_as_prior.py --convergence``).
+            whose budget ends first warns with the estimate. ``0``: the epochs only.
         tolerance: the error allowed, in posterior sds along any direction (the energy norm ``‖z − z*‖_H``).
         map_steps: Adam steps to find the MAP when ``linearize_at`` is needed and not given.
         chunk_size: points per chunk in the full-data passes (default: max(B, 1024)).
@@ -313,7 +311,8 @@ class SampleThenOptimize(SampleThenOptimizePredictives, Draws):
         self.net = net = NetworkFunction(
             bridge, site, layout, theta, latents, heteroscedastic=heteroscedastic, chunk_size=self.chunk_size
         )
-        problem = Problem(self, net, theta, generator, parallel, noise=noise)
+        linear, site = self._linear, noise_site
+        problem = Problem(self, net, theta, generator, parallel, noise=noise, linear=linear, noise_site=site)
         self._solve_all(problem, generator)
         return self
 

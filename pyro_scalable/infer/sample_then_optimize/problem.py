@@ -38,8 +38,12 @@ class Problem:
         generator: torch.Generator,
         parallel: OneProcess | None = None,
         noise: Tensor | None = None,
+        *,
+        linear: bool = False,
+        noise_site: str | None = None,
     ):
         self.engine, self.net, self.theta = engine, net, theta
+        self.linear, self.noise_site = linear, noise_site  # f linear in θ (no MAP to check); σ's latent site
         bridge = net.bridge
         self.num_samples = engine.num_samples
         self.parallel = parallel = OneProcess(engine.num_samples) if parallel is None else parallel
@@ -351,7 +355,7 @@ class Problem:
         return mean - self.prior_mean, rows[:-1], ggn
 
     def check_noise(self, gamma: Tensor, step: Tensor) -> bool:
-        """Warn when a Normal's σ has too few observations left beyond γ to measure it, as the Laplace guide does.
+        """Warn, as the Laplace guide does, when N − γ leaves too few observations to measure a Normal's σ.
 
         The residuals are the linearised model's at the mean ``θ* + step`` (one more pass over the data).
         """
@@ -360,47 +364,29 @@ class Problem:
             return False
         batches = [b for b in map(self._local, self.net.batches()) if b is not None]
         sums = self.parallel.sum_over_data(linearized_sum_squares(self.net, self.theta, step.detach(), batches))
-        return self.parallel.is_main and check_noise_fit(
-            float(gamma.sum()),
-            int(sums[1]),
-            float(sums[0]),
-            float(noise),
-            self.engine._noise_site,
-            "the sample-then-optimise posterior",
-            fitted_by="EM" if self.engine.em_noise else None,
-            stacklevel=4,
-        )
+        args = float(gamma.sum()), int(sums[1]), float(sums[0]), float(noise), self.noise_site
+        fitted_by = "EM" if self.engine.em_noise else None
+        source = "the sample-then-optimise posterior"
+        return self.parallel.is_main and check_noise_fit(*args, source, fitted_by=fitted_by, stacklevel=4)
 
     def check_map(self, state: core.SampleState, product: Tensor) -> None:
-        """Warn when a nonlinear model's linearisation point is not a MAP, as the Laplace guide does.
+        """Warn, as the Laplace guide does, when a nonlinear model's linearisation point is not a MAP.
 
         The gain of a Gauss-Newton step on the exact GGN (:mod:`~pyro_scalable.infer.linearized.map_check`), from
         the solved mean row (``product``: ``M`` times it) and a few preconditioned CG iterations on.
         """
-        if self.engine._linear:
+        if self.linear:
             return
-        precision = self.precision
+        precision, inverse, step = self.precision, self.inverse_preconditioner(), state.samples[-1].detach()
         b = self.gradient - precision * (self.theta - self.prior_mean)
-        step = state.samples[-1].detach()
-        inverse = self.inverse_preconditioner()
-        gain = gauss_newton_gain(
-            lambda v: self.full_ggn_vp(v.unsqueeze(0)).squeeze(0) + precision * v,
-            b,
-            solve=None if inverse is None else (lambda r: inverse * r),
-            start=step,
-            start_product=product + precision * step,
+        matvec = lambda v: self.full_ggn_vp(v.unsqueeze(0)).squeeze(0) + precision * v  # noqa: E731
+        solve = None if inverse is None else (lambda r: inverse * r)
+        gain = gauss_newton_gain(matvec, b, solve=solve, start=step, start_product=product + precision * step)
+        found = (
+            " (The MAP was found by map_steps Adam steps: raise map_steps.)" if self.engine.linearize_at is None else ""
         )
-        warn_not_map(
-            gain,
-            float(b.norm()),
-            "The samples are those of the model linearised there, not the linearised-Laplace posterior."
-            + (
-                " (The MAP was found by map_steps Adam steps: raise map_steps.)"
-                if self.engine.linearize_at is None
-                else ""
-            ),
-            stacklevel=5,
-        )
+        consequence = "The samples are those of the model linearised there, not the linearised-Laplace posterior."
+        warn_not_map(gain, float(b.norm()), consequence + found, stacklevel=5)
 
 
 def _ggn_diagonal(net: NetworkFunction, theta: Tensor) -> Tensor:

@@ -100,7 +100,7 @@ def run_fingerprint(run: Any, batches: Any = None) -> dict[str, str]:
     fields = {
         "kernel": run.kernel,
         "model": getattr(model, "__qualname__", type(model).__name__),
-        "num_samples": run._num_samples_requested,
+        "num_samples": run.num_samples,  # as requested: the checkpoint is opened before any draw is dropped
         "num_warmup": run.num_warmup,
         "num_chains": run.num_chains,
         "thin": run.thin,

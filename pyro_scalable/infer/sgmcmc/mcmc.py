@@ -167,7 +167,7 @@ class StochasticMCMC(Draws):
         self.num_warmup_divergences = 0
         self.warmup_divergences: Tensor | None = None  # per chain, after a run
         self.restarted: Tensor | None = None  # per chain: how often warm-up restarted it from a healthy chain
-        self.control_variate = self.mode_search = self.metric_map = self._schedule = None
+        self.control_variate = self.mode_search = self.metric_map = None
 
     # ------------------------------------------------------------------ running
     def run(self, *args: Any, batches: Iterable | None = None, **kwargs: Any) -> StochasticMCMC:
@@ -178,6 +178,8 @@ class StochasticMCMC(Draws):
         arguments, whose plate uses ``subsample=idx`` — and ``args``/``kwargs`` (if given) are the full data for the
         log-likelihood and ``arviz.from_pyro``. The phases are those of :mod:`.phases`.
         """
+        # a stopped earlier run may have kept fewer draws, a chain-parallel one a rank's share of the chains
+        self.num_samples, self.num_chains = self._num_samples_requested, self._num_chains_requested
         state = phases.prepare(self, args, kwargs, batches)  # the model bound, the chains started, warm-up's stepper
         phases.resume(self, state, batches)  # a checkpoint's run goes on from its last completed step
         phases.attach_control_variate(self, state)  # the gradient the control-variate policy chose

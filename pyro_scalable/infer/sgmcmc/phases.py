@@ -73,8 +73,6 @@ class RunState:
 
 def prepare(run: Any, args: tuple, kwargs: dict, batches: Iterable | None) -> RunState:
     """Bind the model, start the chains, and build warm-up's stepper (its first stage, without a metric)."""
-    run.num_samples = run._num_samples_requested  # a stopped earlier run may have kept fewer
-    run.num_chains = run._num_chains_requested  # a chain-parallel run leaves a rank's share on ranks > 0
     seed = int(torch.randint(0, 2**62, ())) if run.seed is None else run.seed
     run.results, batch_iter = bind(run, args, kwargs, batches)
     bridge = run.results.bridge
@@ -95,7 +93,7 @@ def prepare(run: Any, args: tuple, kwargs: dict, batches: Iterable | None) -> Ru
     )
     reducer = parallel if run.distributed == "data" else None
     # warm-up wraps a kernel that adapts; at its end the stepper unwraps it (the chains keep what it chose)
-    schedule = run._schedule = MetricSchedule.for_run(run.metric, run.kernel, run.num_warmup, latents)
+    schedule = MetricSchedule.for_run(run.metric, run.kernel, run.num_warmup, latents)
     # the first stage is warm-up as without a metric: the metric's stages replace its rest only if they are needed
     program = Adaptation(run.kernel, run.num_warmup) if getattr(run.kernel, "adapts", False) else run.kernel
     stepper = ChainStepper(program, bridge, latents, generator, run.chain_method, reducer)
@@ -334,7 +332,7 @@ def truncate(run: Any, state: RunState) -> None:
         run.warmup_divergences = run.num_warmup_divergences.cpu()
         run.num_warmup_divergences = int(run.warmup_divergences.sum())
     run.state = state.stepper.final_state
-    run.metric_map = run._schedule.affine if run._schedule is not None else None
+    run.metric_map = state.schedule.affine if state.schedule is not None else None
     if state.kept < run.num_samples:
         run.results.draws = {k: v[:, : state.kept] for k, v in run.results.draws.items()}
         run.results.stats = {k: v[:, : state.kept] for k, v in run.results.stats.items()}
