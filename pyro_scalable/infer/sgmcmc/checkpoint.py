@@ -18,7 +18,7 @@ killed write is removed when the run resumes.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -37,7 +37,7 @@ from pyro_scalable.infer.checkpoint import (
 from pyro_scalable.infer.digest import digest
 from pyro_scalable.infer.sgmcmc.control_variates import ControlVariate
 
-__all__ = ["FORMAT", "RunCheckpoint", "run_fingerprint"]
+__all__ = ["FORMAT", "Resumed", "RunCheckpoint", "run_fingerprint"]
 
 # bumped when the layout of a run checkpoint changes (2: warm-up's state apart from the kernel's; 3: the kind, the
 # model's code and the data's values in the fingerprint; 4: the control variate's centre and full-data gradient,
@@ -142,6 +142,17 @@ def _loader(batches: Any) -> Any:
     }
 
 
+class Resumed(NamedTuple):
+    """Where a checkpointed run goes on from, and the driver's counts and control variate it held (``None``: new)."""
+
+    step: int
+    kept: int
+    stopped: bool
+    warmup_divergences: Tensor | None = None
+    restarted: Tensor | None = None
+    control_variate: ControlVariate | None = None
+
+
 class RunCheckpoint:
     """The driver's side: put a run back from its checkpoint, remember where each step left it, write when due.
 
@@ -178,18 +189,16 @@ class RunCheckpoint:
         self.rebuild = rebuild  # a stepper for the metric's stage (its state then restored)
         self._last: dict[str, Any] = {}
 
-    def resume(self, existing: bool = True) -> tuple[int, int, bool]:
-        """Put the run back as the checkpoint left it, if there is one and ``existing``.
+    def resume(self, existing: bool = True) -> Resumed:
+        """Put the chains, the generators and the draws back as the checkpoint left them, if there is one.
 
-        Returns:
-            The step to go on from, the number of draws kept, and whether the run had stopped at a divergence.
-
+        Returns where the run goes on from and what the driver keeps of it (:class:`Resumed`); the driver puts those
+        back and then calls :meth:`remember`.
         """
         remove_partial_write(self.path)
         saved = load(self.path, kind=KIND, version=FORMAT, keys=_KEYS) if existing else None
         if saved is None:
-            self.remember(0, 0)
-            return 0, 0, False
+            return Resumed(0, 0, False)
         check_fingerprint(saved["fingerprint"], self.fingerprint, self.path)
         if saved["metric"] is not None and self.metric is not None:
             self.metric.load_state_dict(saved["metric"], self.stepper.bridge.device)
@@ -201,23 +210,26 @@ class RunCheckpoint:
         self.generator.set_state(saved["generator"])
         if self.sampler is not None:
             self.sampler.load_state_dict(saved["sampler"])
-        run, kept = self.run, saved["kept"]
+        results, kept = self.run.results, saved["kept"]
         for name, value in saved["draws"].items():
-            run.results.draws[name][:, :kept].copy_(value)
+            results.draws[name][:, :kept].copy_(value)
         for name, value in saved["stats"].items():
-            run.results.stats[name] = torch.empty(
-                (value.shape[0], run.num_samples), dtype=value.dtype, device=run.draws_device
+            results.stats[name] = torch.empty(
+                (value.shape[0], self.run.num_samples), dtype=value.dtype, device=self.run.draws_device
             )
-            run.results.stats[name][:, :kept].copy_(value)
-        run.num_warmup_divergences = saved["warmup_divergences"].to(self.stepper.bridge.device)
-        run.restarted = saved["restarted"].clone()
+            results.stats[name][:, :kept].copy_(value)
         if self.window is not None:
             self.window.load_state_dict(saved["window"], self.stepper.bridge.device)
         control = saved["control_variate"]
-        if control is not None:
-            run.control_variate = ControlVariate(**_to(control, self.stepper.bridge.device))
-        self.remember(saved["step"], kept, stopped=saved["stopped"])
-        return saved["step"], kept, saved["stopped"]
+        device = self.stepper.bridge.device
+        return Resumed(
+            saved["step"],
+            kept,
+            saved["stopped"],
+            saved["warmup_divergences"].to(device),
+            saved["restarted"].clone(),
+            None if control is None else ControlVariate(**_to(control, device)),
+        )
 
     def remember(self, step: int, kept: int, *, stopped: bool = False) -> None:
         """Note the run as it stands after ``step`` steps (references and small copies only: cheap every step)."""

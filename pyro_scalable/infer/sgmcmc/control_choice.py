@@ -99,54 +99,53 @@ def choose(option: Any, kernel: Any, bridge: ModelBridge, *, windows: bool = Tru
 
 
 def attach(
-    run: Any,
     option: Any,
     base: Callable,
     start: Latents,
     seed: int,
     reducer: Any,
-    checkpoint: Any,
     *,
+    bridge: ModelBridge,
+    full: ModelBridge | None,
+    resumed: ControlVariate | None = None,
     chosen: bool = False,
-) -> Callable:
-    """``run``'s log posterior with the control variate ``option`` (from :func:`choose`) asks for, or ``base``.
+) -> tuple[Callable, ControlVariate | None, Any]:
+    """The log posterior with the control variate ``option`` (from :func:`choose`) asks for, its centre and search.
 
-    ``chosen``: ``option`` is what ``"auto"`` chose. A mode search that finds no finite mode (a centred hierarchy
-    whose group effects are not in a plate has none: its group scale runs to 0) then leaves the run plain instead of
-    failing it.
-
-    A centre not read back from a checkpoint is found (one chain's initial point ``start`` begins a mode search) and
-    checkpointed at once; ``"warmup"`` starts with none (the plain estimate until warm-up's first window).
+    Returns ``(log posterior, control variate, mode search)``: ``base`` and ``None`` where ``option`` is ``None``. A
+    centre ``resumed`` from a checkpoint is used as it is; otherwise one is found (one chain's initial point ``start``
+    begins a mode search on ``bridge``, the full-data gradient on ``full``); ``"warmup"`` starts with none (the
+    plain estimate until warm-up's first window). ``chosen``: ``option`` is what ``"auto"`` chose, and a mode search
+    that finds no finite mode (a centred hierarchy whose group effects are not in a plate has none: its group scale
+    runs to 0) leaves the run plain instead of failing it. The driver keeps what this returns, and checkpoints a new
+    centre at once.
 
     Example:
         >>> import pyro, pyro.distributions as dist, torch
-        >>> from types import SimpleNamespace
         >>> from pyro_scalable.bridge import ModelBridge
         >>> def model(y):
         ...     mu = pyro.sample("mu", dist.Normal(0.0, 10.0))
         ...     with pyro.plate("data", len(y), subsample_size=5) as idx:
         ...         pyro.sample("obs", dist.Normal(mu, 1.0), obs=y[idx])
         >>> bridge = ModelBridge(model, (torch.arange(20.0),))
-        >>> run = SimpleNamespace(results=SimpleNamespace(bridge=bridge, full_bridge=bridge), control_variate=None)
-        >>> controlled = attach(run, {"mu": torch.tensor(9.5)}, bridge.log_posterior_fn, {}, 0, None, None)
-        >>> float(run.control_variate.centre["mu"]), controlled.active
+        >>> fn, control, _ = attach({"mu": torch.tensor(9.5)}, bridge.log_posterior_fn, {}, 0, None,
+        ...                         bridge=bridge, full=bridge)
+        >>> float(control.centre["mu"]), fn.active
         (9.5, True)
 
     """
     if option is None:
-        return base
-    require_full_data(run.results.full_bridge)
-    if run.control_variate is None and option != "warmup":
-        bridge, full = run.results.bridge, run.results.full_bridge
+        return base, None, None
+    require_full_data(full)
+    control, search = resumed, None
+    if control is None and option != "warmup":
         try:
-            run.control_variate, run.mode_search = prepare(option, bridge, full, start, seed, reducer=reducer)
+            control, search = prepare(option, bridge, full, start, seed, reducer=reducer)
         except CentreError:
             if not chosen:
                 raise
-            return base
-        if checkpoint is not None:
-            checkpoint.write()  # the centre and its full-data pass are not redone on resume
-    return ControlledLogPosterior(base, run.control_variate)
+            return base, None, None
+    return ControlledLogPosterior(base, control), control, search
 
 
 def recentre(full: ModelBridge, schedule: Any, reducer: Any = None) -> ControlVariate:

@@ -148,20 +148,39 @@ def resume(run: Any, state: RunState, batches: Iterable | None) -> None:
         window=state.window,
         rebuild=lambda: stage_stepper(run, state, state.latents, run.chain_method),
     )
-    state.start, state.kept, state.diverged = state.checkpoint.resume(run.resume)
+    resumed = state.checkpoint.resume(run.resume)
+    state.start, state.kept, state.diverged = resumed.step, resumed.kept, resumed.stopped
+    if resumed.warmup_divergences is not None:
+        run.num_warmup_divergences, run.restarted = resumed.warmup_divergences, resumed.restarted
+    if resumed.control_variate is not None:
+        run.control_variate = resumed.control_variate
+    state.checkpoint.remember(state.start, state.kept, stopped=state.diverged)
     state.stepper = state.checkpoint.stepper  # in a later stage of warm-up's metric, the stage's
     for _ in range(state.start if state.batch_iter is not None else 0):
         next(state.batch_iter)  # exact only where iterating `batches` again yields the same sequence
 
 
 def attach_control_variate(run: Any, state: RunState) -> None:
-    """Wrap the log posterior in the control variate the policy chose (or leave it plain)."""
+    """Wrap the log posterior in the control variate the policy chose (or leave it plain); keep a new centre."""
     wanted = getattr(run.kernel, "control_variate", None)
     state.option = choose(wanted, run.kernel, state.bridge, windows=state.schedule is not None)
     first = {k: x[0] for k, x in state.latents.items()}  # one chain's initial point starts a mode search
-    state.base = attach(
-        run, state.option, state.base, first, state.seed, state.reducer, state.checkpoint, chosen=wanted == "auto"
+    resumed = run.control_variate  # a checkpoint's centre, if it held one
+    state.base, control, search = attach(
+        state.option,
+        state.base,
+        first,
+        state.seed,
+        state.reducer,
+        bridge=state.bridge,
+        full=run.results.full_bridge,
+        resumed=resumed,
+        chosen=wanted == "auto",
     )
+    if control is not None and control is not resumed:
+        run.control_variate, run.mode_search = control, search
+        if state.checkpoint is not None:
+            state.checkpoint.write()  # the centre and its full-data pass are not redone on resume
     state.stepper.log_posterior_fn = state.schedule.wrap(state.base) if state.schedule else state.base
 
 
