@@ -44,7 +44,7 @@ most one), starting from the same initial points as a one-process run, with a ge
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Literal, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -54,7 +54,7 @@ from pyro_scalable.bridge.model import Batch, DataPlate, Latents
 from pyro_scalable.infer.distributed import all_reduce_sum
 from pyro_scalable.infer.sgmcmc.base import GradientEstimate
 
-__all__ = ["ChainParallel", "DataParallel", "DistributedMode", "normalised_per_chain", "setup"]
+__all__ = ["ChainParallel", "DataParallel", "DistributedMode", "Gathered", "normalised_per_chain", "setup"]
 
 DistributedMode = Literal["data", "chains"]
 _SEED_STRIDE = 1_000_003  # chain-parallel generators: seed * stride + rank (distinct for any rank < stride)
@@ -76,6 +76,15 @@ def setup(
             "torch.distributed.init_process_group('gloo' or 'nccl') before run()."
         )
     return DataParallel(plates, sharded=sharded) if mode == "data" else ChainParallel(num_chains)
+
+
+class Gathered(NamedTuple):
+    """The run's draws and statistics after the ranks' gather; a count that changed (``None``: as it was)."""
+
+    draws: dict
+    stats: dict
+    num_chains: int | None = None
+    num_samples: int | None = None
 
 
 class DataParallel:
@@ -152,8 +161,9 @@ class DataParallel:
         diverging = (flags > 0) | ~finite
         return GradientEstimate(grads, log_posterior, grad_sq.sqrt(), diverging, noise_variance, count, hessian_product)
 
-    def gather(self, mcmc: Any) -> None:
+    def gather(self, draws: dict, stats: dict) -> Gathered:
         """Nothing to gather: every rank holds every chain."""
+        return Gathered(draws, stats)
 
 
 class ChainParallel:
@@ -184,23 +194,20 @@ class ChainParallel:
     def shard(self, batch: Batch) -> Batch:
         return batch
 
-    def gather(self, mcmc: Any) -> None:
+    def gather(self, draws: dict, stats: dict) -> Gathered:
         """Rank 0 receives every rank's draws and statistics, in chain order; other ranks keep their own chains.
 
         A rank stopped early by a divergence has fewer draws: every rank's are cut to the shortest.
         """
         parts = [None] * self.world_size if self.is_main else None
-        dist.gather_object((mcmc.results.draws, mcmc.results.stats), parts, dst=0)
+        dist.gather_object((draws, stats), parts, dst=0)
         if not self.is_main:
-            mcmc.num_chains = self.stop - self.start
-            return
+            return Gathered(draws, stats, num_chains=self.stop - self.start)
         kept = min(next(iter(d.values())).shape[1] for d, _ in parts)
         names = set.intersection(*(set(s) for _, s in parts))
-        mcmc.results.draws = {k: torch.cat([d[k][:, :kept] for d, _ in parts]) for k in mcmc.results.draws}
-        mcmc.results.stats = {
-            k: torch.cat([s[k][:, :kept] for _, s in parts]) for k in mcmc.results.stats if k in names
-        }
-        mcmc.num_samples = kept
+        draws = {k: torch.cat([d[k][:, :kept] for d, _ in parts]) for k in draws}
+        stats = {k: torch.cat([s[k][:, :kept] for _, s in parts]) for k in stats if k in names}
+        return Gathered(draws, stats, num_samples=kept)
 
 
 def _pool_noise(estimate: GradientEstimate, mean: Latents, count: Tensor, population: float) -> Latents:

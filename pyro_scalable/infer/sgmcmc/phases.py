@@ -294,8 +294,11 @@ def finish(run: Any, state: RunState) -> None:
     results.stats = {  # statistics of a gradient noise the kernel did not estimate are NaN: leave them out
         k: v for k, v in results.stats.items() if not (k in _NOISE_STATS and bool(v.isnan().all()))
     }
-    if state.parallel is not None:
-        state.parallel.gather(run)
+    if state.parallel is not None:  # the ranks' draws on rank 0 (chain-parallel), or nothing to do (data-parallel)
+        gathered = state.parallel.gather(results.draws, results.stats)
+        results.draws, results.stats = gathered.draws, gathered.stats
+        run.num_chains = gathered.num_chains or run.num_chains
+        run.num_samples = run.num_samples if gathered.num_samples is None else gathered.num_samples
     if state.diverged and state.kept == 0:
         raise RuntimeError(
             "a chain diverged during warmup and on_divergence='stop'; no draw was kept. "
