@@ -125,16 +125,14 @@ class SampleThenOptimize(SampleThenOptimizePredictives, Draws):
 
     Attributes:
         net: the model as a network function of the flat sampled latents, linearised at ``net.theta_star``.
-        state: the solver's last :class:`~pyro_scalable.infer.sample_then_optimize.core.SampleState`: one row per
-            sample, then the mean row.
+        state: the solver's last :class:`~.core.SampleState`: one row per sample, then the mean row.
         mean_unconstrained: the flat posterior mean the draws are centred at.
         cg_passes: the refinement's conjugate-gradient passes in each solve (the first, then one per EM step).
         mean_error: CG's estimate of the mean row's error in posterior sds along any direction (after a
             refinement; the draws' are ``sample_stats["cg_error"]``).
         newton_step: the mean row's solution, the Newton step from ``net.theta_star`` (a check that it is a MAP).
         data_gradient: the full-data gradient of the log-likelihood at ``net.theta_star`` (flat).
-        em_history: the prior precision and effective dimension of every EM step (and with ``em_noise`` the noise
-            scale, ``"noise_scale"``).
+        em_history: every EM step's prior precision and effective dimension (with ``em_noise``, ``"noise_scale"``).
         noise_scale: with ``em_noise``, the fitted noise scale of the Normal likelihood (else ``None``).
 
     Example:
@@ -318,6 +316,8 @@ class SampleThenOptimize(SampleThenOptimizePredictives, Draws):
 
     def _solve_all(self, problem: Problem, generator: torch.Generator) -> None:
         state, alphas, gammas, noises = solve_with_em(self, problem, generator)
+        p = problem  # the solves' diagnostics
+        self.cg_passes, self.mean_error, self.mean_grad_norm = p.cg_passes, p.mean_error, p.mean_grad_norm
         parallel = problem.parallel
         state, problem.final_stats, self.trace = parallel.gather(state, problem.final_stats, self.trace)
         self.state = state

@@ -83,6 +83,9 @@ class Problem:
         self.last_solve = False  # set by the solve loop before its last solve (targets then drops the sum)
         self.final_stats: dict[str, Tensor] = {}
         self.refinement: krylov.RefineResult | None = None
+        self.cg_passes: list[int] = []  # per solve; the mean row's CG error and gradient norm after finish()
+        self.mean_error: float | None = None
+        self.mean_grad_norm: float | None = None
 
     def _check_prior(self, precision: Tensor) -> None:
         bad = ~(torch.isfinite(precision) & (precision > 0))
@@ -335,7 +338,7 @@ class Problem:
         )
         self.targets(out=buffer)
         self.refinement = result
-        self.engine.cg_passes.append(result.passes)
+        self.cg_passes.append(result.passes)
         if bar is not None and result.passes < max_passes:  # stopped early: the passes it did not need
             bar.total -= (max_passes - result.passes) * self.steps_per_epoch
             bar.refresh()
@@ -349,8 +352,8 @@ class Problem:
         self.final_stats = {name: value[:-1] for name, value in stats.items()}
         if self.refinement is not None:
             self.final_stats["cg_error"] = self.refinement.error[:-1]
-            self.engine.mean_error = float(self.refinement.error[-1])
-        self.engine.mean_grad_norm = float(stats["grad_norm"][-1])
+            self.mean_error = float(self.refinement.error[-1])
+        self.mean_grad_norm = float(stats["grad_norm"][-1])
         mean = self.theta + rows[-1] if self.quadratic else self.theta
         return mean - self.prior_mean, rows[:-1], ggn
 

@@ -33,7 +33,6 @@ def solve_with_em(
     With ``em_noise`` also every step's noise scale (else an empty list).
     """
     num_groups = problem.num_groups
-    engine.cg_passes = []
     alphas, gammas = [problem.alpha.clone()], []
     noises = [problem.noise0] if engine.em_noise else []
     epochs = engine.num_epochs + engine.em_steps * engine.em_epochs + (engine.em_steps + 1) * engine.refine_passes
