@@ -253,6 +253,13 @@ class Tuned:
         """The chain's draw: its last point with a finite log density and gradient."""
         return state.kernel.checked_latents
 
+    @staticmethod
+    def finish(state: TunedState) -> TunedState:
+        """Warm-up is over already: the state as it is (and :attr:`sampler` is this program)."""
+        return state
+
+    sampler = property(lambda self: self)
+
 
 def hessian_product(
     log_posterior_fn: LogPosteriorFn,

@@ -384,13 +384,17 @@ class Kernel:
 
     def setup(self, *args: Any, **kwargs: Any) -> None:
         """Refuse ``pyro.infer.MCMC``, which calls this first: these kernels need a minibatch driver."""
+        name = type(self).__name__
         raise TypeError(
-            f"{type(self).__name__} is a stochastic-gradient kernel, which pyro.infer.MCMC cannot run (it has no "
-            f"accept step and needs minibatches); use pyro_scalable.infer.StochasticMCMC({type(self).__name__}(...), "
-            "num_samples=..., num_warmup=...) and call .run(*args) as with MCMC."
+            f"{name} is a stochastic-gradient kernel, which pyro.infer.MCMC cannot run (no accept step, minibatches); "
+            f"use pyro_scalable.infer.StochasticMCMC({name}(...), num_samples=..., num_warmup=...).run(*args)."
         )
 
     @staticmethod
     def latents(state: Any) -> Latents:
         """The chain's draw: its last point with a finite log density and gradient."""
         return state.checked_latents
+
+    finish = staticmethod(lambda state: state)  # the end of warm-up, for a kernel that has none: nothing to unwrap
+
+    sampler = property(lambda self: self)

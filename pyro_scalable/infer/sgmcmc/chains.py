@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from pyro_scalable.bridge.checks import ModelError, first_line
 from pyro_scalable.bridge.model import Batch, Latents, ModelBridge
-from pyro_scalable.infer.sgmcmc.base import SAMPLING, GradientEstimate, Phase
+from pyro_scalable.infer.sgmcmc.base import GradientEstimate, Phase
 from pyro_scalable.infer.sgmcmc.distributed import normalised_per_chain
 from pyro_scalable.infer.sgmcmc.stragglers import copy_chains
 
@@ -62,14 +62,14 @@ class ChainStepper:
 
     def end_warmup(self) -> None:
         """Unwrap warm-up (where the program is one): each chain goes on with its kernel and chosen hyperparameters."""
-        finish = getattr(self.program, "finish", None)
-        if finish is None:
+        program, finish = self.program, self.program.finish
+        if program.sampler is program:  # no warm-up to unwrap
             return
         if self.mode == "vectorized":
             self.state = finish(self.state)
         else:
             self._chains = [finish(chain) for chain in self._chains]
-        self.program = self.program.sampler
+        self.program = program.sampler
         self._vsteps.clear()
 
     def _one(self, state: Any, indices: dict, args: tuple, kwargs: dict, phase: Phase):
@@ -98,13 +98,12 @@ class ChainStepper:
 
     def step(self, batch: Batch, step_index: int):
         """Step every chain on ``batch``, the run's step ``step_index``; returns the stacked Info (one chain's: 0-d)."""
-        phase = self.program.phase(step_index) if hasattr(self.program, "phase") else SAMPLING
+        phase = self.program.phase(step_index)
         if self.reducer is not None:
             return self._reduced_step(batch, phase)
         if self.mode == "vectorized":
             try:
-                at = getattr(self.program, "plain_gradient_at", None)
-                latents = at(self.state, phase) if at is not None else None
+                latents = self.program.plain_gradient_at(self.state, phase)
                 if latents is None:
                     self.state, info = self._vstep(phase, batch.indices)(
                         self.state, batch.indices, batch.args, batch.kwargs
@@ -192,7 +191,7 @@ class ChainStepper:
 
     def latents(self) -> Latents:
         """The draw of each chain: its last point with a finite log density and gradient."""
-        draw = getattr(self.program, "latents", _checked_latents)
+        draw = self.program.latents
         if self.mode == "vectorized":
             return draw(self.state)
         per_chain = [draw(s) for s in self._chains]
@@ -268,10 +267,6 @@ def index_dims(indices: dict) -> dict:
 def chain_indices(indices: dict, chain: int) -> dict:
     """Chain ``chain``'s minibatch indices (a shared minibatch is every chain's)."""
     return {name: idx[chain] if idx.dim() == 2 else idx for name, idx in indices.items()}
-
-
-def _checked_latents(state: Any) -> Latents:
-    return state.checked_latents
 
 
 def _stack(records: list) -> Any:

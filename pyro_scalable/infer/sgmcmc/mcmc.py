@@ -25,6 +25,7 @@ from pyro_scalable.infer.results import Draws
 from pyro_scalable.infer.sgmcmc import phases
 from pyro_scalable.infer.sgmcmc.distributed import DistributedMode
 from pyro_scalable.infer.sgmcmc.metric import check_metric
+from pyro_scalable.infer.sgmcmc.program import KernelContract
 from pyro_scalable.infer.sgmcmc.run_arguments import check_choices, refuse_pyro_spellings
 
 __all__ = ["StochasticMCMC"]
@@ -133,14 +134,15 @@ class StochasticMCMC(Draws):
         self.metric = check_metric(metric)
         if distributed not in ("data", "chains", None):
             raise ValueError(f"distributed must be 'data', 'chains' or None, got {distributed!r}.")
-        if distributed == "data" and not (hasattr(kernel, "estimate") and hasattr(kernel, "update")):
-            raise TypeError(f"distributed='data' needs a kernel with estimate() and update(), got {kernel!r}.")
-        if not (hasattr(kernel, "init") and hasattr(kernel, "step") and hasattr(kernel, "model")):
-            raise TypeError(f"kernel must be an engine such as SGLD(model, ...) or SGHMC(model, ...), got {kernel!r}.")
+        if not isinstance(kernel, KernelContract):
+            raise TypeError(
+                f"kernel must be an engine such as SGLD(model, ...) or SGHMC(model, ...) (the calls of "
+                f"pyro_scalable.infer.sgmcmc.program.KernelContract), got {kernel!r}."
+            )
         self.kernel = kernel
         self.num_samples = operator.index(num_samples)
         self.num_warmup = operator.index(num_warmup)
-        if getattr(kernel, "adapts", False) and self.num_warmup == 0:
+        if kernel.adapts and self.num_warmup == 0:
             raise ValueError(
                 f"{kernel!r} learns its step size (or metric) in warm-up, but num_warmup=0: give num_warmup "
                 "(a few hundred steps), or a step_size."

@@ -95,7 +95,7 @@ def prepare(run: Any, args: tuple, kwargs: dict, batches: Iterable | None) -> Ru
     # warm-up wraps a kernel that adapts; at its end the stepper unwraps it (the chains keep what it chose)
     schedule = MetricSchedule.for_run(run.metric, run.kernel, run.num_warmup, latents)
     # the first stage is warm-up as without a metric: the metric's stages replace its rest only if they are needed
-    program = Adaptation(run.kernel, run.num_warmup) if getattr(run.kernel, "adapts", False) else run.kernel
+    program = Adaptation(run.kernel, run.num_warmup) if run.kernel.adapts else run.kernel
     stepper = ChainStepper(program, bridge, latents, generator, run.chain_method, reducer)
     base = stepper.log_posterior_fn
     base.replacement = sampler.replacement  # no finite-population correction then
@@ -162,7 +162,7 @@ def resume(run: Any, state: RunState, batches: Iterable | None) -> None:
 
 def attach_control_variate(run: Any, state: RunState) -> None:
     """Wrap the log posterior in the control variate the policy chose (or leave it plain); keep a new centre."""
-    wanted = getattr(run.kernel, "control_variate", None)
+    wanted = run.kernel.control_variate
     state.option = choose(wanted, run.kernel, state.bridge, windows=state.schedule is not None)
     first = {k: x[0] for k, x in state.latents.items()}  # one chain's initial point starts a mode search
     resumed = run.control_variate  # a checkpoint's centre, if it held one
@@ -312,7 +312,7 @@ def finish(run: Any, state: RunState) -> None:
                 results.stats[name] = value[:, None].expand(shape).to(results.stats["repeated"].device)
     passes = data_passes(state.bridge.plates, state.total * run.num_chains)
     warn_unhealthy(results.draws, results.stats, run.num_warmup_divergences, data_passes=passes)
-    warn_uncorrected_noise(results.stats, run.num_samples, getattr(run.kernel, "adapts", False))
+    warn_uncorrected_noise(results.stats, run.num_samples, run.kernel.adapts)
     if run.num_samples and state.parallel is None and state.start < state.total:  # not for a run read back
         stepper = state.stepper
         probe = probe_gradient_noise(

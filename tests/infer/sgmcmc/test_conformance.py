@@ -213,3 +213,21 @@ def test_after_warmup_a_chain_holds_only_what_its_update_reads(cls, options, fie
             assert bool(torch.isfinite(leaf).all()), name
             assert leaf.shape[0] == 2, name  # one per chain
     assert all(isinstance(t, torch.Tensor) for t in tensors(state))
+
+
+@pytest.mark.parametrize("module,cls,hyper", ENGINES)
+def test_kernel_and_its_warmup_honour_the_written_contract(module, cls, hyper):
+    """The driver and the chain stepper call the Protocols of sgmcmc/program.py and probe for nothing else."""
+    from pyro_scalable.infer.sgmcmc.adaptation import Adaptation, Tuned
+    from pyro_scalable.infer.sgmcmc.program import KernelContract, Program
+
+    problem = LinearRegression(num_data=40, dim=2, batch_size=10)
+    kernel = cls(problem.model, **hyper)
+    assert isinstance(kernel, KernelContract) and kernel.sampler is kernel
+    assert isinstance(Tuned(kernel), Program) and Tuned(kernel).sampler is not kernel
+    adaptive = cls(problem.model)
+    if adaptive.adapts:
+        warmup = Adaptation(adaptive, 10)
+        assert isinstance(warmup, Program) and isinstance(warmup.sampler, Tuned)
+    with pytest.raises(TypeError, match="KernelContract"):
+        StochasticMCMC(object(), num_samples=2)
