@@ -51,10 +51,12 @@ class Draws:
         return {} if self.results is None else self.results.kwargs
 
     def __repr__(self) -> str:
-        kernel = "" if type(self.kernel).__name__ == "_Kernel" else f"{type(self.kernel).__name__}, "
+        name = type(getattr(self, "kernel", None)).__name__  # (a driver whose arguments were refused has none)
+        kernel = "" if name in ("_Kernel", "NoneType") else f"{name}, "
+        if getattr(self, "results", None) is None:
+            return f"{type(self).__name__}({kernel}not run)"
         chains = f"{self.num_chains} chain{'s' if self.num_chains != 1 else ''}"
-        drawn = f"{chains} x {self.num_samples} draws" if self.results is not None else "not run"
-        return f"{type(self).__name__}({kernel}{drawn})"
+        return f"{type(self).__name__}({kernel}{chains} x {self.num_samples} draws)"
 
     def _require_run(self) -> RunRecord:
         if self.results is None:
