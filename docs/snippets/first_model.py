@@ -25,7 +25,7 @@ y = torch.bernoulli(torch.sigmoid(x @ true_weight - 1.0))
 # --8<-- [start:model]
 def model(x, y=None):
     """Logistic regression with Normal priors on the weights and the bias."""
-    weight = pyro.sample("weight", dist.Normal(torch.zeros(x.shape[1]), 1.0).to_event(1))
+    weight = pyro.sample("weight", dist.Normal(x.new_zeros(x.shape[1]), 1.0).to_event(1))
     bias = pyro.sample("bias", dist.Normal(0.0, 5.0))
     # The plate knows N = len(x): each step sees 500 points, and Pyro scales their log-likelihood by N/500.
     with pyro.plate("data", len(x), subsample_size=500) as idx:

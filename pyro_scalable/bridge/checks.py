@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import inspect
+import os
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -18,6 +20,7 @@ __all__ = [
     "first_line",
     "named_tensors",
     "one_subsampled_plate",
+    "user_stacklevel",
 ]
 
 
@@ -175,3 +178,18 @@ def explain_mixed_tensors(trace, tensors: Iterator[tuple[str, Tensor]], error: E
                 f"latent site '{name}' is {mine} but {other[0]} is {other[1]}, and the model failed mixing them "
                 f"({first_line(error)}). {fix}"
             ) from error
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that makes a ``warnings.warn`` in the calling function point at the user's code.
+
+    The first frame outside the package: a warning raised deep inside a run (a phase of the driver, the chain
+    stepper) names the user's ``mcmc.run(...)`` line, however many of our frames lie between.
+    """
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE + os.sep):
+        frame, level = frame.f_back, level + 1
+    return level

@@ -37,6 +37,7 @@ from pyro_scalable.bridge.checks import (
     explain_latent_in_plate,
     explain_mixed_tensors,
     named_tensors,
+    user_stacklevel,
 )
 from pyro_scalable.bridge.densities import summed_log_prob
 from pyro_scalable.bridge.log_posterior import LogPosterior
@@ -213,7 +214,7 @@ class ModelBridge:
             warnings.warn(
                 f"the model has pyro.param sites {params}; they are held fixed at their current values "
                 "(use PyroSample / pyro.sample to give them a prior).",
-                stacklevel=4,
+                stacklevel=user_stacklevel(),
             )
         sites = {}
         self._supports = {}

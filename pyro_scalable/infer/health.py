@@ -31,6 +31,8 @@ import torch
 from pyro.ops.stats import autocovariance, gelman_rubin
 from torch import Tensor
 
+from pyro_scalable.bridge.checks import user_stacklevel
+
 __all__ = ["HealthWarning", "bulk_ess", "effective_sample_size", "rank_r_hat", "repeated_draws", "warn_unhealthy"]
 
 R_HAT_LIMIT = 1.01
@@ -161,7 +163,7 @@ def warn_unhealthy(
     warmup_divergences: int = 0,
     *,
     data_passes: float | None = None,
-    stacklevel: int = 3,
+    stacklevel: int | None = None,
 ) -> None:
     """One :class:`HealthWarning` saying what is wrong with the chains ``{site: (chains, draws, ...)}``, if anything.
 
@@ -245,7 +247,7 @@ def warn_unhealthy(
             + advice[1:]
             + ". The diagnostics are in summary() and to_inference_data().",
             HealthWarning,
-            stacklevel=stacklevel,
+            stacklevel=user_stacklevel() if stacklevel is None else stacklevel,
         )
 
 

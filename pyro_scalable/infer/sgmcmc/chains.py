@@ -21,7 +21,7 @@ from torch import Tensor
 from torch.func import vmap
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from pyro_scalable.bridge.checks import ModelError, first_line
+from pyro_scalable.bridge.checks import ModelError, first_line, user_stacklevel
 from pyro_scalable.bridge.model import Batch, Latents, ModelBridge
 from pyro_scalable.infer.sgmcmc.base import GradientEstimate, Phase
 from pyro_scalable.infer.sgmcmc.distributed import normalised_per_chain
@@ -119,7 +119,7 @@ class ChainStepper:
                 warnings.warn(
                     "chains run one after another: the model cannot be vectorised with torch.func.vmap "
                     f"({first_line(error)}).",
-                    stacklevel=4,
+                    stacklevel=user_stacklevel(),
                 )
                 return info
         return self._sequential(batch, phase)
@@ -179,7 +179,7 @@ class ChainStepper:
                 warnings.warn(
                     "chains run one after another: the model cannot be vectorised with torch.func.vmap "
                     f"({first_line(error)}).",
-                    stacklevel=5,
+                    stacklevel=user_stacklevel(),
                 )
                 return estimate
         estimates = []

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from pyro_scalable.bridge.checks import user_stacklevel
 from pyro_scalable.bridge.minibatches import EpochSampler
 from pyro_scalable.bridge.model import Batch, Latents, ModelBridge
 from pyro_scalable.infer.health import HealthWarning
@@ -63,7 +64,7 @@ def probe_gradient_noise(
     return ratio if math.isfinite(ratio) else None
 
 
-def warn_ignored_noise(ratio: float | None, *, stacklevel: int = 3) -> None:
+def warn_ignored_noise(ratio: float | None, *, stacklevel: int | None = None) -> None:
     """Warn when the ignored gradient noise widened the draws by more than :data:`TOLERATED` in variance."""
     if ratio is None or ratio <= TOLERATED:
         return
@@ -75,7 +76,7 @@ def warn_ignored_noise(ratio: float | None, *, stacklevel: int = 3) -> None:
         "directions. Pass gradient_noise='correct' (or leave step_size to warm-up) for calibrated draws, or lower "
         "the step size or raise the minibatch size.",
         HealthWarning,
-        stacklevel=stacklevel,
+        stacklevel=user_stacklevel() if stacklevel is None else stacklevel,
     )
 
 
@@ -100,5 +101,5 @@ def warn_uncorrected_noise(stats: dict, num_samples: int, step_chosen: bool = Fa
             f"in {share:.1%} of the coordinates of the kept steps the minibatch gradient alone brought more "
             "noise than the sampler should inject, so no correction was possible there and the draws are too "
             f"wide (sample_stats.noise_ratio > 1). {remedy}",
-            stacklevel=3,
+            stacklevel=user_stacklevel(),
         )

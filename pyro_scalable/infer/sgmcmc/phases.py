@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from pyro_scalable.bridge.checks import ModelError, first_line
+from pyro_scalable.bridge.checks import ModelError, first_line, user_stacklevel
 from pyro_scalable.bridge.minibatches import EpochSampler, data_passes
 from pyro_scalable.bridge.model import Batch, Latents, ModelBridge
 from pyro_scalable.infer.distributed import broadcast_seed
@@ -204,14 +204,16 @@ def sample(run: Any, state: RunState) -> None:
                 warnings.warn(
                     f"a chain diverged at step {t} (non-finite log density or gradient) and on_divergence='stop': "
                     f"the run ends with {state.kept} draws per chain.",
-                    stacklevel=3,
+                    stacklevel=user_stacklevel(),
                 )
                 break
     except KeyboardInterrupt:
         if state.checkpoint is not None:
             state.checkpoint.write()  # as the last completed step left the run
         truncate(run, state)
-        warnings.warn(f"interrupted: keeping the {state.kept} draws per chain taken so far.", stacklevel=3)
+        warnings.warn(
+            f"interrupted: keeping the {state.kept} draws per chain taken so far.", stacklevel=user_stacklevel()
+        )
         raise
     except BaseException:
         truncate(run, state)  # the draws taken stay readable; the buffers beyond them are dropped

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pyro
 import pyro.distributions as dist
 import pytest
@@ -145,3 +147,14 @@ def test_runs_on_the_data_device(kernel_cls, device):
     assert mcmc.bridge.device.type == device.type
     assert mcmc.get_samples()["w"].device.type == "cpu"
     assert torch.isfinite(mcmc.get_samples()["w"]).all()
+
+
+def test_warnings_from_inside_a_run_point_at_the_users_call():
+    """However many of the package's frames lie between (the driver's phases, the stepper), the user's line."""
+    problem = LinearRegression(num_data=100, dim=2, batch_size=10)
+    mcmc = StochasticMCMC(SGLD(problem.model, step_size=1e-3), num_samples=20, num_warmup=0, progress_bar=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mcmc.run(problem.x, problem.y)
+    assert caught, "a 20-draw run should warn about its health"
+    assert {w.filename for w in caught} == {__file__}
