@@ -163,7 +163,6 @@ def warn_unhealthy(
     warmup_divergences: int = 0,
     *,
     data_passes: float | None = None,
-    stacklevel: int | None = None,
 ) -> None:
     """One :class:`HealthWarning` saying what is wrong with the chains ``{site: (chains, draws, ...)}``, if anything.
 
@@ -247,7 +246,7 @@ def warn_unhealthy(
             + advice[1:]
             + ". The diagnostics are in summary() and to_inference_data().",
             HealthWarning,
-            stacklevel=user_stacklevel() if stacklevel is None else stacklevel,
+            stacklevel=user_stacklevel(),
         )
 
 

@@ -283,7 +283,7 @@ class LaplacePosterior(LaplacePredictives, GaussianDraws):
         if self._map_noise is not None and not given and self._prior_precision.dim() == 1:
             fit, gamma, source = self.fit, self.effective_parameters(), f"the {self.structure!r} Laplace posterior"
             args = (int(fit.num_observations), float(fit.sum_squares), float(self._observation_noise), self._noise_site)
-            check_noise_fit(gamma, *args, source, fitted_by=fitted and "the evidence", stacklevel=3)
+            check_noise_fit(gamma, *args, source, fitted_by="the evidence" if fitted else None)
 
     def effective_parameters(self) -> float:
         r"""MacKay's :math:`\gamma = \sum_j (1 - P_j (H^{-1})_{jj})` in the fitted structure's H (diagonal priors).
@@ -377,7 +377,7 @@ class LaplacePosterior(LaplacePredictives, GaussianDraws):
             if self.recenter
             else "The curvature is taken there, as if it were one."
         )
-        warn_not_map(gain, float(b.norm()), consequence, threshold=threshold, stacklevel=3)
+        warn_not_map(gain, float(b.norm()), consequence, threshold=threshold)
         return gain
 
 

@@ -45,6 +45,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from pyro_scalable.bridge.checks import user_stacklevel
+
 __all__ = ["GAIN_THRESHOLD", "ITERATIONS", "NOISE_POINTS", "check_noise_fit", "gauss_newton_gain", "warn_not_map"]
 
 GAIN_THRESHOLD = 1.0  # nats: a Gauss-Newton step that would gain more than this means θ* is not a MAP
@@ -109,9 +111,7 @@ def gauss_newton_gain(
     return best
 
 
-def warn_not_map(
-    gain: float, gradient_norm: float, consequence: str, *, threshold: float = GAIN_THRESHOLD, stacklevel: int = 2
-) -> None:
+def warn_not_map(gain: float, gradient_norm: float, consequence: str, *, threshold: float = GAIN_THRESHOLD) -> None:
     """The one warning of both engines when the linearisation point is not a MAP (``gain`` > ``threshold`` nats)."""
     if gain <= threshold:
         return
@@ -120,7 +120,7 @@ def warn_not_map(
         f"{gradient_norm:.3g} "
         f"and a Gauss-Newton step would gain at least {gain:.3g} nats. Train the MAP longer (or finish with full-batch "
         f"steps at a smaller learning rate). {consequence}",
-        stacklevel=stacklevel + 1,
+        stacklevel=user_stacklevel(),
     )
 
 
@@ -133,7 +133,6 @@ def check_noise_fit(
     source: str,
     *,
     fitted_by: str | None = None,
-    stacklevel: int = 2,
 ) -> bool:
     """Warn when σ = ``noise`` has too few observations left to measure it (module docstring); whether it warned.
 
@@ -158,6 +157,6 @@ def check_noise_fit(
         f"residuals have rms {rms:.3g}). {cause}. Do not trust this "
         "σ or the predictive intervals built on it: retrain the MAP with a larger prior precision on the weights (a "
         "smaller prior sd) or a smaller network, until N − γ is most of N.",
-        stacklevel=stacklevel + 1,
+        stacklevel=user_stacklevel(),
     )
     return True

@@ -370,7 +370,7 @@ class Problem:
         args = float(gamma.sum()), int(sums[1]), float(sums[0]), float(noise), self.noise_site
         fitted_by = "EM" if self.engine.em_noise else None
         source = "the sample-then-optimise posterior"
-        return self.parallel.is_main and check_noise_fit(*args, source, fitted_by=fitted_by, stacklevel=4)
+        return self.parallel.is_main and check_noise_fit(*args, source, fitted_by=fitted_by)
 
     def check_map(self, state: core.SampleState, product: Tensor) -> None:
         """Warn, as the Laplace guide does, when a nonlinear model's linearisation point is not a MAP.
@@ -389,7 +389,7 @@ class Problem:
             " (The MAP was found by map_steps Adam steps: raise map_steps.)" if self.engine.linearize_at is None else ""
         )
         consequence = "The samples are those of the model linearised there, not the linearised-Laplace posterior."
-        warn_not_map(gain, float(b.norm()), consequence + found, stacklevel=5)
+        warn_not_map(gain, float(b.norm()), consequence + found)
 
 
 def _ggn_diagonal(net: NetworkFunction, theta: Tensor) -> Tensor:

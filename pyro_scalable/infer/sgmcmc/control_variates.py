@@ -381,22 +381,19 @@ def prepare(
     bad = [name for name, g in control.gradient.items() if not bool(torch.isfinite(g).all())]
     if bad or not bool(torch.isfinite(control.log_joint)):
         found = "the mode search found no finite mode" if search is not None else "the given centre is not finite"
-        raise CentreError(
-            f"the control variate's centre has a non-finite log joint or gradient ({found})"
-            + (f" at site(s) {', '.join(map(repr, bad))}" if bad else "")
-            + (
-                "; the log density may have no finite mode (a centred hierarchy's group scale at 0): use "
-                "control_variate='warmup' with a metric, or None."
-                if search is not None
-                else "; give a centre inside the prior's support, or control_variate='map'."
-            )
+        fix = (
+            "the log density may have no finite mode (a centred hierarchy's group scale at 0): use "
+            "control_variate='warmup' with a metric, or None."
+            if search is not None
+            else "give a centre inside the prior's support, or control_variate='map'."
         )
+        at = f" at site(s) {', '.join(map(repr, bad))}" if bad else ""
+        raise CentreError(f"the control variate's centre has a non-finite log joint or gradient ({found}){at}; {fix}")
     return control, search
 
 
 class CentreError(ValueError):
-    """The control variate's centre has a non-finite log joint or gradient.
+    """The control variate's centre has a non-finite log joint or gradient: ``"auto"`` then runs without one.
 
-    ``control_variate="auto"`` then runs without one; a centre the user asked for (``"map"``, a dict, a guide) raises
-    it, saying whether the mode search found no finite mode or the given centre is not finite.
+    A centre the user asked for (``"map"``, a dict, a guide) raises it, saying whether a mode search found it.
     """

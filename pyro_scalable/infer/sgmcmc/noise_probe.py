@@ -64,7 +64,7 @@ def probe_gradient_noise(
     return ratio if math.isfinite(ratio) else None
 
 
-def warn_ignored_noise(ratio: float | None, *, stacklevel: int | None = None) -> None:
+def warn_ignored_noise(ratio: float | None) -> None:
     """Warn when the ignored gradient noise widened the draws by more than :data:`TOLERATED` in variance."""
     if ratio is None or ratio <= TOLERATED:
         return
@@ -76,7 +76,7 @@ def warn_ignored_noise(ratio: float | None, *, stacklevel: int | None = None) ->
         "directions. Pass gradient_noise='correct' (or leave step_size to warm-up) for calibrated draws, or lower "
         "the step size or raise the minibatch size.",
         HealthWarning,
-        stacklevel=user_stacklevel() if stacklevel is None else stacklevel,
+        stacklevel=user_stacklevel(),
     )
 
 

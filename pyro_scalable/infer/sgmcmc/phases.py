@@ -232,8 +232,7 @@ def step(run: Any, state: RunState, t: int) -> Any:
     else:
         batch = Batch(next(state.sampler), state.bridge.args, state.bridge.kwargs)
     if state.option == "warmup":  # plain in burn-in: the controlled noise grows with the distance to the centre
-        burn_in = lambda: state.stepper.program.phase(t - schedule.stage_start()).burn_in  # noqa: E731
-        state.base.active = t >= run.num_warmup or not burn_in()
+        state.base.active = t >= run.num_warmup or not state.stepper.program.phase(t - schedule.stage_start()).burn_in
     info = state.stepper.step(batch, t - (schedule.stage_start() if schedule else 0))
     if t < run.num_warmup and (schedule.in_window(t) if schedule else t >= run.num_warmup // 2):
         state.window.observe(info.log_posterior, info.diverging)
