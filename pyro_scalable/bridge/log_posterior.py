@@ -7,11 +7,10 @@ gradient :math:`h_g`, the mean of its :math:`g_i`. Over random partitions
 :math:`\mathbb{E}[\sum_g (h_g - \bar h)^2] = (G - 1)\,s^2/m` (:math:`s^2` the sample variance of the
 :math:`B` per-example gradients), so :math:`m\,\mathrm{var}_G(h_g)` estimates :math:`s^2` without bias from
 :math:`G` gradients instead of :math:`B`. Per example (:math:`m = 1`) costs :math:`B` gradients of one example
-each: on a 90,701-weight MLP at :math:`B = 1000`, 720 ms per step against 7 ms for the minibatch gradient; 25
-groups of 40 cost 17 ms (2 threads). The fewer degrees of freedom (:math:`G - 1` instead of :math:`B - 1`) are
-averaged away by the engines' moving average of the noise over about 50 steps. A minibatch of at most
-:data:`MAX_GROUPS` examples, or one whose size has no divisor between :data:`MIN_GROUPS` and :data:`MAX_GROUPS`,
-is split into single examples.
+each, on a network about a hundred times the minibatch gradient at :math:`B = 1000`; :math:`G` groups cost a few
+times it. The fewer degrees of freedom (:math:`G - 1` instead of :math:`B - 1`) are averaged away by the engines'
+moving average of the noise over about 50 steps. A minibatch of at most :data:`MAX_GROUPS` examples, or one whose
+size has no divisor between :data:`MIN_GROUPS` and :data:`MAX_GROUPS`, is split into single examples.
 """
 
 from __future__ import annotations
@@ -59,11 +58,12 @@ def group_size(batch_size: int) -> int:
 
 
 class LogPosterior:
-    """A bridge's log posterior as an engine's ``log_posterior_fn``, with the per-example split of a minibatch.
+    """A bridge's log posterior as an engine's ``log_posterior_fn``, with the grouped split of a minibatch.
 
-    ``examples(batch)`` turns the subsampled plate's ``B`` indices into ``B`` batches of one index each, stacked on
-    a leading dimension, so that ``torch.func.vmap`` evaluates ``log p(θ) + N log p(y_i | θ)`` for every example at
-    once: the per-example gradients whose spread is the minibatch gradient's noise.
+    ``examples(batch)`` splits the subsampled plate's ``B`` indices into ``G`` groups of ``m`` (:func:`group_size`;
+    ``m = 1`` for small minibatches), stacked on a leading dimension, so that ``torch.func.vmap`` evaluates
+    ``log p(θ) + (N/m) Σ_{i∈g} log p(y_i | θ)`` for every group at once: the group gradients whose spread estimates the
+    minibatch gradient's noise (module docstring).
     """
 
     def __init__(self, bridge: ModelBridge, *, replacement: bool = False):

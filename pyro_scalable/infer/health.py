@@ -12,8 +12,8 @@ After a run, three things can make the draws unusable while every number in them
 
 :math:`\hat R` and the ESS are the rank-normalised split :math:`\hat R` (the larger of the bulk's and the folded
 tails') and the bulk ESS of Vehtari et al. (2021), the statistics ``az.summary`` shows and its 1.01 / 100 thresholds
-are for (:func:`rank_r_hat`, :func:`bulk_ess`): with Pyro's plain split :math:`\hat R` the warning stayed silent on
-runs ``az.summary`` gave 1.014-1.025. The autocorrelation estimator under the ESS is :func:`effective_sample_size`,
+are for (:func:`rank_r_hat`, :func:`bulk_ess`); Pyro's plain split :math:`\hat R` reads lower and would pass runs
+that ``az.summary`` flags. The autocorrelation estimator under the ESS is :func:`effective_sample_size`,
 the same estimator as :func:`pyro.ops.stats.effective_sample_size` (Geyer's initial monotone sequence on the
 multi-chain autocorrelation of the Stan reference manual) in O(chains × draws) memory: Pyro's builds a
 (draws/2)² matrix per coordinate for the monotone sequence, 20 GB for 10 coordinates at 16,000 draws per chain.
@@ -37,14 +37,13 @@ __all__ = ["HealthWarning", "bulk_ess", "effective_sample_size", "rank_r_hat", "
 
 R_HAT_LIMIT = 1.01
 ESS_PER_CHAIN = 100
-# what the warning's num_samples aims at: on the zoo's models (benchmarks/bench_zoo_seeds.py) r_hat <= 1.01 held in
-# every seed from about this ESS per chain, and failed in some at 100-120
+# what the warning's num_samples aims at: from about this ESS per chain r_hat <= 1.01 holds in every seed on the
+# zoo of test models (at 100-120 it fails in some)
 ESS_ADVISED = 250
 R_HAT_MIXED = 1.1  # above this the chains have not mixed, and their ESS per draw does not tell how long to run
-# the most full-data gradients per effective draw Pyro's NUTS needed on the zoo's models (warm-up included; 500 +
-# 1,000 draws: 8.5 on the logistic and Gamma-precision regressions, 65 and 93 on the non-centred and centred
-# hierarchies; benchmarks/bench_zoo_nuts_cost.py): a run that made more data passes than this per effective draw
-# would have been cheaper as full-batch NUTS on every model measured
+# the most full-data gradients per effective draw that full-batch NUTS spends on the zoo of test models (warm-up
+# included; the centred hierarchy's): a run that makes more data passes than this per effective draw costs more
+# than full-batch NUTS would
 NUTS_PASSES_PER_ESS = 93.0
 _CHUNK = 1024  # coordinates per FFT
 

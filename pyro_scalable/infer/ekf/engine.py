@@ -17,8 +17,8 @@ For a model linear in its latents, with a Normal likelihood and a posterior whos
 latent, or orthogonal features), this is the Kalman filter, and one pass gives the exact posterior (the gold
 test). Otherwise the diagonal and the linearisation at the running mean are approximations, which the order of
 the minibatches affects. The default is the empirical Fisher, as in `posteriors`' ``ekf.diag_fisher``: its
-:math:`F \ge (\sum_i g_i)^2/B` bounds each step, where the GGN's gain does not (on a network the GGN filter's first
-steps threw the weights far off; ``docs/ekf.md`` has the figures).
+:math:`F \ge (\sum_i g_i)^2/B` bounds each step, where the GGN's gain does not (on a network, the GGN filter's
+first steps can throw the weights far from the data's fit).
 
 The prior enters only as the starting state: the mode of the prior in unconstrained space (diagonal Newton steps
 from its median; a Normal's mean) and, per coordinate, the inverse of the prior's curvature there (exact for
@@ -85,8 +85,8 @@ class DiagonalEKF:
         num_epochs: passes over the data. Each pass counts the data again (a second pass is the posterior of the
             data seen twice): keep 1 for the posterior.
         curvature: ``"ef"`` (the empirical Fisher :math:`\sum_i g_i^2`, as ``posteriors``' ``ekf.diag_fisher``:
-            it bounds each step, and was as accurate or better on every non-linear problem measured) or ``"ggn"``
-            (the likelihood's expected Fisher: the Kalman filter's own, exact for a linear-Gaussian model).
+            it bounds each step) or ``"ggn"`` (the likelihood's expected Fisher: the Kalman filter's own, exact for
+            a linear-Gaussian model).
         shuffle: visit the minibatches in a random order (``seed``); ``False`` walks the data in its order (a
             time series).
         start: the starting mean: ``"prior"`` (the prior's mode: the Bayesian filter, exact where the module

@@ -92,9 +92,10 @@ def layer_plan(net: NetworkFunction, theta: Tensor) -> tuple[list[LayerPlan], Te
 def _verify_rtol(reference: Tensor) -> float:
     """How far a recorded layer's assembled gradient may be from autograd's, relative, and still be the layer's.
 
-    sqrt(eps) of the dtype (float32 3.5e-4, float64 1.5e-8; measured on float32 layers of a CIFAR-layout ResNet:
-    2e-7 to 3e-6), and 1e-2 for float32 on a GPU where TF32 is allowed (cuDNN's convolutions by default): TF32's
-    10-bit mantissa gives about 5e-4 per product. A layer that is not what it seems is off by O(1).
+    sqrt(eps) of the dtype (float32 3.5e-4, float64 1.5e-8: well above the 2e-7 to 3e-6 that rounding leaves on the
+    float32 layers of a CIFAR-sized ResNet), and 1e-2 for float32 on a GPU where TF32 is allowed (cuDNN's convolutions
+    by default): TF32's 10-bit mantissa gives about 5e-4 per product. A layer that is not what it seems is off by
+    O(1).
     """
     rtol = torch.finfo(reference.dtype).eps ** 0.5
     tf32 = torch.backends.cudnn.allow_tf32 or torch.backends.cuda.matmul.allow_tf32

@@ -152,8 +152,7 @@ class NetworkFunction:
         The rows go through the JVP and the VJP a group at a time (about :data:`ROWS_PER_PASS` numbers: 4 rows at
         d = 10⁶, all of them at d ≤ 10⁴), so that the tangents of the network's activations and the pullback's
         per-site pieces exist for one group rather than for all ``k`` rows (at the price of one more forward pass
-        of the network per group; measured in ``docs/benchmarks.md``). With ``out``, the products are added to it
-        (a full-data sum in place).
+        of the network per group). With ``out``, the products are added to it (a full-data sum in place).
         """
 
         def forward(values):

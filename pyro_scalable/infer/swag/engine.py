@@ -16,12 +16,13 @@ give the constant step whose stationary Gaussian is closest in KL to the posteri
 :math:`\eta/(1-\mu) = 2d/\mathrm{tr}\,S`. ``lr="auto"`` uses it, with :math:`\mathrm{tr}\,S` estimated from
 :data:`NOISE_PROBES` minibatch gradients at the first run's start, and capped so that the effective step
 :math:`\eta/(1-\mu)` is at most :math:`1/\lambda_{\max}` (:math:`\lambda_{\max}` the largest curvature of the
-minibatch log joint there, by power iteration on Hessian-vector products). Mandt's rate looks at the noise only: on
-the digits MLP of the continual-learning tutorial it is 150 times the step at which SGD leaves the mode, and a
-stiff direction without noise (a sharp prior, e.g. the previous episode's posterior from ``as_prior``) makes it
-diverge. Heavy ball's own bound, :math:`\eta\lambda < 2(1+\mu)`, is too loose here: at half of it SGD on that
-MLP left the mode within a few epochs (the curvature grows away from the mode); the cap is 19 times below it.
-SWAG's paper sets the step by hand per data set; a given ``lr`` is used as is.
+minibatch log joint there, by power iteration on Hessian-vector products). Mandt's rate looks at the noise only:
+on a network it can be two orders of magnitude above the step at which SGD leaves the mode, and a stiff direction
+without noise (a sharp prior, e.g. the previous episode's posterior from ``as_prior``) makes it diverge. Heavy
+ball's own stability bound, :math:`\eta\lambda < 2(1+\mu)`, is too loose: the curvature grows away from the mode,
+so SGD at half of that bound still leaves it; the cap, :math:`\eta\lambda \le 1-\mu`, is :math:`2(1+\mu)/(1-\mu)`
+times below the bound (38 at :math:`\mu = 0.9`). SWAG's paper sets the step by hand per data set; a given ``lr``
+is used as is.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from pyro_scalable.bridge.plates import FullDataModel
 from pyro_scalable.infer.autodiff import hvp
 from pyro_scalable.infer.linearized.layout import ParameterLayout
 from pyro_scalable.infer.schedules import Cyclical
+from pyro_scalable.infer.sgmcmc.adaptation import Tuned
 from pyro_scalable.infer.sgmcmc.chains import ChainStepper
 from pyro_scalable.infer.sgmcmc.control_variates import find_mode
 from pyro_scalable.infer.sgmcmc.sghmc import SGHMC, sgd_hyperparameters
@@ -91,8 +93,8 @@ class SWAG:
             autoguide (its ``median()``), shared by all runs.
         minibatches: ``"independent"`` (each minibatch drawn with replacement, independently: the noise
             ``lr="auto"``'s rule assumes) or ``"epoch"`` (each point once per epoch, as a DataLoader shuffles). Over
-            an epoch the shuffled minibatches' noise sums to zero, so SGD's spread is smaller than the rule's —
-            measured 2.5× smaller in sd on a regression whose SGD relaxes within an epoch.
+            an epoch the shuffled minibatches' noise sums to zero, so SGD's spread is smaller than the rule's, by
+            a factor of a few in sd where SGD relaxes within an epoch.
         chain_method: ``"vectorized"`` or ``"sequential"`` over runs.
         seed: seeds the initial points, the MAP searches and the minibatches.
 
@@ -201,7 +203,7 @@ class SWAG:
             control_variate=None,
             init_strategy=init_to_uniform,
         )
-        stepper = ChainStepper(kernel, bridge, starts, generator, self.chain_method)
+        stepper = ChainStepper(Tuned(kernel), bridge, starts, generator, self.chain_method)
         stepper.log_posterior_fn.replacement = sampler.replacement
         accumulator = MomentAccumulator(layout.flatten(starts, 1), min(self.rank, num_snapshots))
         total = burn_in + num_snapshots * every

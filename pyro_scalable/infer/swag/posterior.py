@@ -148,8 +148,8 @@ class SWAGPosterior(GaussianDraws):
         SWAG's spread comes from the minibatch gradient noise, so it is narrower than the posterior wherever the
         data's noise is small against the curvature: in the directions the prior rather than the data pins, and
         everywhere when ``lr="auto"`` was capped below Mandt's rate (a warning says so). As a prior it then holds
-        the next episode's weights too tightly: on the permuted-digits tutorial a SWAG prior kept episode 1 at 0.66
-        but learnt episode 2 to 0.35 (Laplace ``full``: 0.82 and 0.88). Prefer a Laplace posterior as the prior.
+        the next episode's weights too tightly, and the next episode learns its data poorly: prefer a Laplace
+        posterior as the prior.
 
         Args:
             model: the model the prior goes into (default: the one SWAG ran on); same latent sites, same order.
