@@ -1,4 +1,7 @@
-"""pyro_scalable: scalable Bayesian inference for Pyro models (SG-MCMC, linearised Laplace, sample-then-optimise)."""
+"""pyro_scalable: scalable Bayesian inference for Pyro models.
+
+SG-MCMC, linearised Laplace, sample-then-optimise, SWAG and a diagonal extended Kalman filter.
+"""
 
 from pyro_scalable import infer
 from pyro_scalable.bridge import FullDataModel, ModelError, model_tracing

@@ -1,4 +1,4 @@
-"""The ArviZ adapter: the one module that imports ArviZ, and the one converter from Pyro results to ArviZ.
+"""The ArviZ adapter: the one library module that imports ArviZ, and the one converter from Pyro results to ArviZ.
 
 :func:`to_inference_data` takes any result :mod:`pyro_scalable.sources` reads — our engines' runs and posteriors,
 Pyro's ``MCMC``, a trained guide, a dict of draws — and writes, each with dimensions ``(chain, draw, *site_shape)``:
@@ -77,7 +77,8 @@ def to_inference_data(
 
     Args:
         source: a finished :class:`~pyro_scalable.infer.StochasticMCMC` or
-            :class:`~pyro_scalable.infer.SampleThenOptimize`, a :class:`~pyro_scalable.infer.LaplacePosterior`, a
+            :class:`~pyro_scalable.infer.SampleThenOptimize`, a :class:`~pyro_scalable.infer.LaplacePosterior`,
+            :class:`~pyro_scalable.infer.SWAGPosterior` or :class:`~pyro_scalable.infer.EKFPosterior`, a
             finished ``pyro.infer.MCMC`` (NUTS, HMC), a Pyro guide (an ``AutoGuide`` after SVI, or any callable
             guide with ``model``), or a dict of draws ``{site: (num_draws, ...)}`` with ``model`` (for example
             ``pyro.infer.Predictive``'s output; its observed sites become ``posterior_predictive``).
@@ -86,7 +87,7 @@ def to_inference_data(
         args: the model's positional arguments on the full data (``x, y``). Our runs and Pyro's MCMC know them;
             given for a DataLoader run, they supply the full data the run was not given.
         kwargs: the model's keyword arguments on the full data.
-        num_samples: draws to take from a Laplace posterior or a guide.
+        num_samples: draws to take from a Gaussian posterior (Laplace, SWAG, the EKF) or a guide.
         seed: seeds those draws and the predictive ones (``None``: the global RNG).
         log_likelihood: compute the full-data ``log_likelihood`` group (one pass over the data per
             ``draws_chunk_size`` draws).

@@ -1,4 +1,4 @@
-"""Products with Jacobians and Hessians shared by the engines (Laplace curvature, sample-then-optimise, warm-up)."""
+"""Jacobian- and Hessian-vector products, and row-sliced work on ``(K, d)`` tensors, shared by the engines."""
 
 from __future__ import annotations
 

@@ -2,10 +2,11 @@
 
 :func:`sample_posterior_predictive` runs the model on full data (every ``subsample_size`` plate switched off),
 conditioned on each posterior draw in turn (vectorised over draws where the model broadcasts, in chunks), and
-samples its observed sites. Every result (``StochasticMCMC``, ``SampleThenOptimize``, ``LaplacePosterior``) offers
-it as ``posterior_predictive(*args)``; ``pyro.infer.Predictive`` gives the same law when handed the full-data model
-(``result.kernel.model`` or ``FullDataModel(model)``), never the subsampled model itself, which would predict a
-random minibatch of the points.
+samples its observed sites. ``StochasticMCMC`` and the SWAG and EKF posteriors offer it as
+``posterior_predictive(*args)``; ``SampleThenOptimize`` and ``LaplacePosterior`` with ``linearized=False`` (by
+default they draw ``y`` at the linearised network instead). ``pyro.infer.Predictive`` gives the same law when
+handed the full-data model (``result.kernel.model`` or ``FullDataModel(model)``), never the subsampled model
+itself, which would predict a random minibatch of the points.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-r"""The linearisation floor shared by Laplace and sample-then-optimise.
+r"""The linearisation floor shared by Laplace, sample-then-optimise, the EKF and SWAG's linearised predictive.
 
 A Pyro model as a network :math:`f(x, \theta)` of a flat parameter vector (``network``, ``layout``), its
 likelihood family and curvature :math:`\Lambda` (``likelihoods``), per-example Jacobian rows by layer
-(``jacobians``), the one pass over the data for the GGN (``ggn``), and the GLM predictive (``glm``). Nothing
-here knows about an engine; the engines stand on it and never on each other.
+(``jacobians``), the one pass over the data for the GGN (``ggn``), the GLM predictive (``glm``), and the checks of
+a linearisation point (``map_check``). Nothing here knows about an engine; the engines stand on it.
 """
 
 from pyro_scalable.infer.linearized.ggn import DataFit, GGNDiagonal, ggn_pass
