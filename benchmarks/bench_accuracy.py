@@ -43,7 +43,7 @@ from pathlib import Path
 import pyro
 import pyro.distributions as dist
 import torch
-from harness import ForeignLoad, load_average, log, machine, write_report  # benchmarks/ is on sys.path
+from harness import ForeignLoad, _code_version, load_average, log, machine, write_report  # benchmarks/ is on sys.path
 from pyro.infer import MCMC, NUTS
 from pyro.infer.mcmc.util import initialize_model
 from torch import Tensor
@@ -334,7 +334,8 @@ def main() -> None:
     known["regression10"] = ("regression", 10, 1000)
     problems = [known[name] for name in args.problems.split(",")]
     report = [
-        "# Time to accuracy against full-batch NUTS",
+        f"# Time to accuracy against full-batch Pyro NUTS: {', '.join(args.problems.split(','))} at N = "
+        f"{', '.join(f'{n:.0e}' for n in sizes)} ({_code_version()})",
         "",
         f"Command: `python {' '.join(['benchmarks/bench_accuracy.py', *sys.argv[1:]])}`",
         "",

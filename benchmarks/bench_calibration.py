@@ -51,6 +51,7 @@ import pyro.distributions as dist
 import torch
 from harness import (  # benchmarks/ is on sys.path when a script runs
     ForeignLoad,
+    _code_version,
     clean_indices,
     is_clean,
     load_average,
@@ -598,7 +599,9 @@ def main() -> None:
     parts = {int(p) for p in args.parts.split(",")}
     command = " ".join(["python benchmarks/bench_calibration.py", *sys.argv[1:]])
     report = [
-        f"# Calibrated SG-MCMC benchmark ({'quick' if args.quick else 'full'} run)",
+        f"# Calibrated SG-MCMC, part{'s' if len(parts) > 1 else ''} {args.parts} (1: posterior sd against "
+        f"minibatch size, 2: the correction's cost per step), ours and posteriors, "
+        f"{'quick' if args.quick else 'full'} run ({_code_version()})",
         "",
         f"Command: `{command}`",
         "",

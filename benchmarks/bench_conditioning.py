@@ -34,7 +34,7 @@ from pathlib import Path
 import pyro
 import pyro.distributions as dist
 import torch
-from harness import ForeignLoad, load_average, log, machine, write_report  # benchmarks/ is on sys.path
+from harness import ForeignLoad, _code_version, load_average, log, machine, write_report  # benchmarks/ is on sys.path
 from pyro.infer import MCMC, NUTS
 from pyro.ops.stats import split_gelman_rubin
 
@@ -173,7 +173,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     warmup = draws = 300 if args.quick else 1000
     report = [
-        "# Ill-conditioned and hierarchical posteriors: SGHMC's defaults against NUTS",
+        f"# Ill-conditioned and hierarchical posteriors: SGHMC's defaults against Pyro NUTS ({_code_version()}"
+        f"{', quick run' if args.quick else ''})",
         "",
         f"Command: `python benchmarks/bench_conditioning.py{' --quick' if args.quick else ''}` "
         f"({warmup} warm-up steps and {draws} draws per chain)",

@@ -57,7 +57,8 @@ def main() -> None:
         value = getattr(args, name)
         option += f" --{name} {value}" if value != parser.get_default(name) else ""
     lines = [
-        "# The hierarchies under three seeds: warm-up's defaults",
+        f"# The hierarchies under three seeds, warm-up's defaults: {args.kernels.replace(',', ' and ')}, "
+        f"{args.draws:,} draws per chain, models {args.models}, package {args.commit or 'of this checkout'}",
         "",
         f"Command: `python benchmarks/bench_friction.py{option}` (package from `{package}`{origin})",
         "",

@@ -55,6 +55,7 @@ from harness import (  # benchmarks/ is on sys.path when a script runs
     CLEAN_LIMIT,
     RESOLUTION_MB,
     ForeignLoad,
+    _code_version,
     load_average,
     log,
     machine,
@@ -813,7 +814,8 @@ def main() -> None:
     parts = {int(p) for p in args.parts.split(",")}
     command = " ".join(["python benchmarks/bench_laplace.py", *sys.argv[1:]])
     report = [
-        f"# Linearised Laplace benchmark ({'quick' if args.quick else 'full'} run)",
+        f"# Linearised Laplace against laplace-torch, part{'s' if len(parts) > 1 else ''} {args.parts} "
+        f"(1: cost and memory, 2: digits calibration), {'quick' if args.quick else 'full'} run ({_code_version()})",
         "",
         f"Command: `{command}`",
         "",

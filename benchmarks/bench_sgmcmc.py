@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from harness import (  # benchmarks/ is on sys.path when a script runs
     CLEAN_LIMIT,
+    _code_version,
     clean_note,
     load_average,
     log,
@@ -617,7 +618,12 @@ def main() -> None:
         peers = ", ".join(filter(None, [peers, f"device {torch.cuda.get_device_name(DEVICE)}"]))
     command = " ".join(["python benchmarks/bench_sgmcmc.py", *sys.argv[1:]])
     report = [
-        f"# SG-MCMC benchmark ({'quick' if args.quick else 'full'} run)",
+        # the title says what ran (the parts, the device, the code; a non-default --out's name), so that each
+        # results page has a title of its own
+        f"# SG-MCMC {' and '.join(p for i, p in ((1, 'step cost'), (2, '16 vectorised chains')) if i in parts)} "
+        f"on {'the CPU' if DEVICE.type == 'cpu' else torch.cuda.get_device_name(DEVICE)}: logistic regression "
+        f"(N = 10⁶, d = 100) and an MLP (90,701 weights, N = 10⁵), {'quick' if args.quick else 'full'} run, "
+        f"{_code_version()}" + ("" if args.out == RESULTS else f" (`{args.out.stem}`)"),
         "",
         f"Command: `{command}`",
         "",

@@ -87,7 +87,7 @@ def main() -> None:
                 f"| {sum(r['seconds'] for r in results) / len(results):.1f} |"
             )
     lines = [
-        f"# The default kernels on the zoo over {options.seeds} seeds",
+        f"# The default kernels on the zoo over {options.seeds} seeds: {', '.join(models)}",
         "",
         f"`python benchmarks/bench_zoo_seeds.py --seeds {options.seeds}` ({options.chains} chains, "
         f"{options.warmup} warm-up steps, {options.samples} draws; pass: every element's mean within 0.2 reference "

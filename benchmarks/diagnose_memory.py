@@ -28,7 +28,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from harness import machine, peak_mb, reset_peak, rss_mb, write_report  # noqa: E402
+from harness import _code_version, machine, peak_mb, reset_peak, rss_mb, write_report  # noqa: E402
 
 RESULTS = HERE / "results" / "memory.md"
 LIVE = {"MALLOC_MMAP_THRESHOLD_": "131072"}
@@ -136,7 +136,8 @@ def main() -> None:
         return f"{(many - one) * 2**20 / (args.k - args.k0) / (4 * d):.2f}"
 
     lines = [
-        "# Sample-then-optimise: live memory by phase",
+        f"# Sample-then-optimise: live memory by phase, width {args.width}, K = {args.k} against {args.k0} "
+        f"({_code_version()})",
         "",
         f"Command: `python benchmarks/diagnose_memory.py --width {args.width} --k {args.k}"
         + (f" --k0 {args.k0}" if args.k0 != 1 else "")

@@ -71,7 +71,7 @@ def main() -> None:
 
     chains.ChainStepper.step = timed
     lines = [
-        "# The hierarchies' runs, step by step",
+        f"# The hierarchies' runs, step by step (package {args.commit or 'of this checkout'})",
         "",
         f"Command: `python benchmarks/diagnose_step_phases.py{option}` (package from `{package}`{origin}; the "
         "stamp below is the script's)",

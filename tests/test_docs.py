@@ -51,7 +51,7 @@ def test_site_builds_strict(site):
     assert ":math:" not in api, "a reST math role reached the HTML (docs/_hooks/rst_math.py)"
     # docs/benchmarks.md and benchmarks/README.md both want benchmarks/index.html: each keeps a page of its own
     results = (site / "benchmarks" / "index.html").read_text(encoding="utf-8")
-    assert "Benchmarks: the SG-MCMC engines" in results, "the benchmark results page was overwritten"
+    assert "Benchmark results" in results, "the benchmark results page was overwritten"
     assert "Install the peers" in (site / "benchmarks" / "readme" / "index.html").read_text(encoding="utf-8")
 
 
@@ -78,6 +78,41 @@ def test_mathjax_is_served_with_the_site(site):
         html = page.read_text(encoding="utf-8")
         assert "javascripts/mathjax/tex-mml-chtml.js" in html, page
         assert not re.search(r'src="https?://[^"]*mathjax', html, flags=re.I), f"{page} loads MathJax from the web"
+
+
+# What a page loads (not what it links to): <link href>, <script src>, <img src>, <source src/srcset>, <iframe src>.
+_LOADS = re.compile(
+    r"<(?:link|script|img|source|iframe|embed|video|audio)\b[^>]*?\b(?:src|href|srcset)\s*=\s*[\"']([^\"']+)[\"']",
+    flags=re.I,
+)
+# A url() in an inline style or <style> block (a web font's @font-face, an @import).
+_CSS_URL = re.compile(r"(?:url\(\s*[\"']?|@import\s+[\"'])((?:https?:)?//[^\"')\s]+)", flags=re.I)
+
+
+def _external(url: str) -> bool:
+    return bool(re.match(r"(?:[a-z][a-z0-9+.-]*:)?//", url.strip(), flags=re.I)) and not url.startswith("data:")
+
+
+def test_no_page_loads_anything_from_another_host(site):
+    """The site works offline: no built page loads a font, script, style sheet or image from an external host.
+
+    mkdocs-material's default ``theme.font`` requests Google Fonts on every page (mkdocs.yml sets ``font: false``);
+    a CDN's MathJax or a badge image would be the same fault. Plain ``<a href>`` links to other sites are fine.
+    """
+    pages = sorted(site.rglob("*.html"))
+    assert len(pages) > 20, "the site looks empty"
+    found = []
+    for page in pages:
+        html = page.read_text(encoding="utf-8")
+        urls = [m.group(1) for m in _LOADS.finditer(html)] + [m.group(1) for m in _CSS_URL.finditer(html)]
+        found += [f"{page.relative_to(site)}: {url}" for url in urls if _external(url)]
+    for css in site.rglob("*.css"):
+        text = css.read_text(encoding="utf-8", errors="replace")
+        found += [f"{css.relative_to(site)}: {m.group(1)}" for m in _CSS_URL.finditer(text)]
+    assert not found, "pages load from other hosts (the site must work offline):\n" + "\n".join(found[:20])
+    # the known offender by name, wherever it appears (a <link rel=preconnect> counts too)
+    index = (site / "index.html").read_text(encoding="utf-8")
+    assert "fonts.googleapis.com" not in index and "fonts.gstatic.com" not in index
 
 
 def _render_module():
