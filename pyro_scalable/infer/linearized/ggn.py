@@ -151,8 +151,8 @@ def ggn_pass(
         log_likelihood = log_likelihood + log_prob.detach()
         gradient = gradient + grad_theta
         if likelihood.name == "Normal" and not likelihood.heteroscedastic:
-            keep = likelihood._mask_outputs(f) if likelihood.mask is not None else torch.ones_like(f)
-            residual = likelihood._flatten(chunk.out.value) - f.detach()
+            keep = likelihood.mask_outputs(f) if likelihood.mask is not None else torch.ones_like(f)
+            residual = likelihood.flatten(chunk.out.value) - f.detach()
             sum_squares = sum_squares + (keep * residual**2).sum()
             num_observations = num_observations + keep.sum()
         accumulator.accumulate(chunk)

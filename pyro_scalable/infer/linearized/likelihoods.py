@@ -108,7 +108,12 @@ class Likelihood:
 
     _event_dims = 0
 
-    def _flatten(self, value: Tensor) -> Tensor:
+    def flatten(self, value: Tensor) -> Tensor:
+        """``value`` (the site's shape) as ``(points, outputs)``: the layout of the network output ``f``.
+
+        The observed value, a scale or a mask per point reads row by row against ``f`` (a residual ``y - f``, the
+        curvature's diagonal) only in this layout.
+        """
         return value.reshape(self.num_points, -1)
 
     def _unflatten(self, f: Tensor) -> Tensor:
@@ -121,13 +126,18 @@ class Likelihood:
         r""":math:`L` with :math:`\Lambda = L L^\top`, ``(points, outputs, outputs)``, zero rows where masked."""
         root = self._sqrt_lambda(f)
         if self.mask is not None:
-            root = root * self._mask_outputs(f).unsqueeze(-1)
+            root = root * self.mask_outputs(f).unsqueeze(-1)
         return root
 
-    def _mask_outputs(self, f: Tensor) -> Tensor:
+    def mask_outputs(self, f: Tensor) -> Tensor:
+        """The site's ``mask`` as ``f``'s ``(points, outputs)``: 1 where an output is observed, 0 where masked.
+
+        Sums over the data (a residual sum of squares, the observation count) weight each output by it, so that a
+        masked output counts as not observed.
+        """
         batch = self.base.batch_shape
         mask = torch.broadcast_to(self.mask, batch).reshape(batch + (1,) * (len(self.shape) - len(batch)))
-        return self._flatten(torch.broadcast_to(mask, self.shape).to(f.dtype))
+        return self.flatten(torch.broadcast_to(mask, self.shape).to(f.dtype))
 
     def _base(self, f: Tensor):
         raise NotImplementedError
@@ -161,9 +171,9 @@ class _Normal(Likelihood):
         return copy
 
     def outputs(self) -> Tensor:
-        loc = self._flatten(torch.broadcast_to(self.base.loc, self.shape))
+        loc = self.flatten(torch.broadcast_to(self.base.loc, self.shape))
         if self.heteroscedastic:
-            return torch.cat([loc, self._flatten(self.scale).log()], dim=-1)
+            return torch.cat([loc, self.flatten(self.scale).log()], dim=-1)
         return loc
 
     @property
@@ -174,11 +184,12 @@ class _Normal(Likelihood):
         if self.heteroscedastic:
             diagonal = torch.cat([(-f[..., self.width :]).exp(), torch.full_like(f[..., self.width :], 2**0.5)], -1)
         else:
-            diagonal = self._flatten(self.scale).reciprocal().expand_as(f)
+            diagonal = self.flatten(self.scale).reciprocal().expand_as(f)
         return torch.diag_embed(diagonal)
 
-    def _mask_outputs(self, f: Tensor) -> Tensor:
-        keep = super()._mask_outputs(f[..., : self.width])
+    def mask_outputs(self, f: Tensor) -> Tensor:
+        """The mask of the mean outputs, repeated for the log-scale outputs when the scale is heteroscedastic."""
+        keep = super().mask_outputs(f[..., : self.width])
         return torch.cat([keep, keep], -1) if self.heteroscedastic else keep
 
     def _split(self, f: Tensor) -> tuple[Tensor, Tensor]:
@@ -206,7 +217,7 @@ class _Bernoulli(Likelihood):
     classification = True
 
     def outputs(self) -> Tensor:
-        return self._flatten(torch.broadcast_to(self.base.logits, self.shape))
+        return self.flatten(torch.broadcast_to(self.base.logits, self.shape))
 
     def _count(self) -> Tensor | float:
         return 1.0
@@ -238,7 +249,7 @@ class _Binomial(_Bernoulli):
         self.total_count = torch.broadcast_to(torch.as_tensor(self.base.total_count), self.shape)
 
     def _count(self) -> Tensor:
-        return self._flatten(self.total_count)
+        return self.flatten(self.total_count)
 
     def _base(self, f: Tensor):
         return dist.Binomial(self.total_count, logits=self._unflatten(f))
@@ -262,7 +273,7 @@ class _Categorical(Likelihood):
 
     def outputs(self) -> Tensor:
         logits = self.base.logits if self.raw_logits is None else self.raw_logits
-        return self._flatten(torch.broadcast_to(logits, self.shape))
+        return self.flatten(torch.broadcast_to(logits, self.shape))
 
     def _groups(self, f: Tensor) -> Tensor:
         return f.reshape(f.shape[:-1] + (-1, self.num_classes))
@@ -290,7 +301,7 @@ class _Poisson(Likelihood):
     name = "Poisson"
 
     def outputs(self) -> Tensor:
-        return self._flatten(torch.broadcast_to(self.base.rate, self.shape)).log()
+        return self.flatten(torch.broadcast_to(self.base.rate, self.shape)).log()
 
     def _sqrt_lambda(self, f: Tensor) -> Tensor:
         return torch.diag_embed((0.5 * f).exp())

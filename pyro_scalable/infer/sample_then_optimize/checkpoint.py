@@ -18,7 +18,7 @@ import torch
 
 from pyro_scalable.infer.checkpoint import check_fingerprint, describe, load, remove_partial_write, save, stable_repr
 from pyro_scalable.infer.digest import digest
-from pyro_scalable.infer.sample_then_optimize import core
+from pyro_scalable.infer.linearized.sampling import core
 
 __all__ = ["FORMAT", "SolveCheckpoint"]
 
@@ -65,37 +65,42 @@ def fingerprint(engine: Any) -> dict[str, str]:
 
 
 class SolveCheckpoint:
-    """The engine's side: put the solves back where the checkpoint left them; write one every ``every`` epochs."""
+    """The engine's checkpoint of its solves (:class:`~pyro_scalable.infer.linearized.sampling.solve.Checkpoint`).
 
-    def __init__(self, engine: Any, problem: Any, generator: torch.Generator):
-        self.engine, self.problem, self.generator = engine, problem, generator
+    :meth:`resume` hands the saved run back for the solve to put back; :meth:`on_epoch` writes one every
+    ``engine.checkpoint_every`` epochs and at the end of each solve. Neither changes the engine or the problem.
+    """
+
+    def __init__(self, engine: Any, generator: torch.Generator):
+        self.generator = generator
         self.path: str | os.PathLike = engine.checkpoint
+        self.every: int = engine.checkpoint_every
+        self.allowed: bool = engine.resume
         self.fingerprint = fingerprint(engine)
 
-    def resume(self) -> dict[str, Any] | None:
-        """The saved run (the EM step, the solve's progress, the EM history), its prior precision put back."""
+    def resume(self, device: torch.device) -> dict[str, Any] | None:
+        """The saved run (the EM step, the solve's progress, the EM history and trace), its tensors on ``device``."""
         remove_partial_write(self.path)
-        saved = load(self.path, kind=KIND, version=FORMAT, keys=_KEYS) if self.engine.resume else None
+        saved = load(self.path, kind=KIND, version=FORMAT, keys=_KEYS) if self.allowed else None
         if saved is None:
             return None
         check_fingerprint(saved["fingerprint"], self.fingerprint, self.path)
-        device = self.problem.theta.device
         progress = saved["progress"]
         progress["state"] = core.SampleState(**{k: v.to(device) for k, v in progress["state"].items()})
         progress["first"] = progress["first"].to(device)
         progress["generator"] = saved["generator"]
-        self.problem.alpha = saved["alpha"].to(device)
-        self.engine.trace = {name: list(values) for name, values in saved["trace"].items()}
+        saved["alpha"] = saved["alpha"].to(device)
         saved["alphas"] = [a.to(device) for a in saved["alphas"]]
         saved["gammas"] = [g.to(device) for g in saved["gammas"]]
         saved["noises"] = [s.to(device) for s in saved["noises"]]
-        if saved["noises"]:
-            self.problem.net.noise = saved["noises"][-1]
         return saved
 
-    def on_epoch(self, em_step: int, epochs: int, alphas: list, gammas: list, noises: list):
-        """The ``on_epoch`` of ``Problem.solve`` in EM step ``em_step``: write every ``every`` epochs and at the end."""
-        steps_per_epoch, every = self.problem.steps_per_epoch, self.engine.checkpoint_every
+    def on_epoch(self, em_step: int, epochs: int, problem: Any, alphas: list, gammas: list, noises: list):
+        """The ``on_epoch`` of ``Problem.solve`` in EM step ``em_step``: write every ``every`` epochs and at the end.
+
+        Each write reads the problem's prior precision and trace, and the EM history, as they are then.
+        """
+        steps_per_epoch, every = problem.steps_per_epoch, self.every
 
         def write(progress: dict[str, Any]) -> None:
             epoch = progress["t"] // steps_per_epoch
@@ -111,11 +116,11 @@ class SolveCheckpoint:
                     "em_step": em_step,
                     "progress": {**progress, "state": state, "first": progress["first"].detach().cpu()},
                     "generator": self.generator.get_state(),
-                    "alpha": self.problem.alpha.cpu(),
+                    "alpha": problem.alpha.cpu(),
                     "alphas": [a.cpu() for a in alphas],
                     "gammas": [g.cpu() for g in gammas],
                     "noises": [s.cpu() for s in noises],
-                    "trace": self.engine.trace,
+                    "trace": problem.trace,
                 },
             )
 

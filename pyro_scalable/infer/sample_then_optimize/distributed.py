@@ -32,11 +32,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from pyro_scalable.bridge.model import Batch, DataPlate
+from pyro_scalable.bridge.model import DataPlate
 from pyro_scalable.infer.distributed import broadcast_seed
-from pyro_scalable.infer.sample_then_optimize import core
+from pyro_scalable.infer.linearized.sampling import core
+from pyro_scalable.infer.linearized.sampling.plan import OneProcess
 
-__all__ = ["DataShards", "DistributedMode", "OneProcess", "SampleBlocks", "setup"]
+__all__ = ["DataShards", "DistributedMode", "SampleBlocks", "setup"]
 
 DistributedMode = Literal["samples", "data"]
 
@@ -51,40 +52,6 @@ def setup(mode: DistributedMode | None, num_samples: int, plate: DataPlate | Non
             "torch.distributed.init_process_group('gloo' or 'nccl') before run()."
         )
     return SampleBlocks(num_samples) if mode == "samples" else DataShards(num_samples, plate)
-
-
-class OneProcess:
-    """The plan of a one-process run: every row, every point, no communication."""
-
-    rank, world_size = 0, 1
-
-    def __init__(self, num_samples: int):
-        self.num_samples = num_samples
-        self.rows = slice(0, num_samples)  # this rank's sample rows
-        self.share = slice(None)  # this rank's positions in a batch of points
-
-    is_main = property(lambda self: self.rank == 0)
-    num_local = property(lambda self: self.rows.stop - self.rows.start)
-
-    def seed(self, seed: int, device: torch.device) -> int:
-        """The run's seed, the same on every rank."""
-        return seed
-
-    def sum_over_data(self, x: Tensor) -> Tensor:
-        """The sum over the ranks of a sum over this rank's share of the points."""
-        return x
-
-    def mean_over_samples(self, x: Tensor, local: int) -> Tensor:
-        """The mean over all K samples of a quantity averaged over this rank's ``local`` samples."""
-        return x
-
-    def agree(self, state: core.SampleState) -> core.SampleState:
-        """``state`` with the mean row (the last) the same on every rank."""
-        return state
-
-    def gather(self, state: core.SampleState, stats: dict[str, Tensor], trace: dict[str, list[Tensor]]):
-        """Every rank's rows, diagnostics and trace in sample order on rank 0; elsewhere this rank's own."""
-        return state, stats, trace
 
 
 class SampleBlocks(OneProcess):
@@ -168,14 +135,6 @@ class DataShards(OneProcess):
 
     def sum_over_data(self, x: Tensor) -> Tensor:
         return _sum(x)
-
-
-def local_batch(batch: Batch, plate: DataPlate | None, share: slice) -> Batch | None:
-    """Cut ``batch`` to the points at positions ``share`` of the plate (``None`` where none are left)."""
-    if plate is None or share == slice(None):
-        return batch
-    indices = batch.indices[plate.name][share]
-    return batch._replace(indices={**batch.indices, plate.name: indices}) if indices.numel() else None
 
 
 def _sum(x: Tensor) -> Tensor:

@@ -8,7 +8,7 @@ Categorical's logits, ...) and the latent sites :math:`\theta` the engine covers
 \Lambda_i J_i` and :math:`H = M + A`. The engine returns :math:`K` draws :math:`\bar\theta + \zeta_j`:
 
 * :math:`\zeta_j \sim \mathcal N(0, H^{-1})` minimise the low-variance objective :math:`L'` of
-  :mod:`~pyro_scalable.infer.sample_then_optimize.core`, with :math:`\phi = J` never formed (``torch.func``
+  :mod:`~pyro_scalable.infer.linearized.sampling.core`, with :math:`\phi = J` never formed (``torch.func``
   Jacobian-vector and vector-Jacobian products);
 * the mean :math:`\bar\theta = \theta_* + \bar\delta`, :math:`H\bar\delta = b - A(\theta_* - m)` with
   :math:`b = \sum_i J_i^\top \nabla_f \log p(y_i \mid f_i)`, is one more row of the same batched quadratic
@@ -22,42 +22,45 @@ The regulariser centres need one pass over the data (one VJP per chunk for all r
 \mathcal N(0, I)` drawn there and summed into :math:`\sum_i J_i^\top \Lambda_i^{1/2}\xi_i`); each optimisation step
 is one batched JVP and one batched VJP on a minibatch of the model's subsampled plate; after each solve one more
 pass gives the exact gradient norm of every row (a convergence diagnostic) and :math:`M\zeta_j` for the
-effective dimension of :mod:`~pyro_scalable.infer.sample_then_optimize.em`.
+effective dimension of :mod:`~pyro_scalable.infer.linearized.sampling.em`.
+
+The solver is the linearisation floor's (:func:`~pyro_scalable.infer.linearized.sampling.sample_linearized`);
+the engine finds the linearisation point, builds the network and the parallel plan, runs the solver and keeps what
+it returns.
 """
 
 from __future__ import annotations
 
 import operator
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 import torch
 from torch import Tensor
 
-from pyro_scalable.arguments import (
-    check_choice,
-    check_count,
-    check_device,
-    check_flag,
-    check_number,
-    check_seed,
-    check_tensor,
-)
+from pyro_scalable.arguments import check_choice, check_count, check_device, check_flag, check_seed, check_tensor
 from pyro_scalable.bridge.checks import ModelError
 from pyro_scalable.bridge.model import FullDataModel, ModelBridge
 from pyro_scalable.infer.linearized.layout import ParameterLayout
 from pyro_scalable.infer.linearized.network import NetworkFunction, choose_sites, observed_site
+from pyro_scalable.infer.linearized.sampling import (
+    OneProcess,
+    Solution,
+    SolveSettings,
+    check_settings,
+    is_linear,
+    sample_linearized,
+)
+from pyro_scalable.infer.linearized.sampling.core import SampleState
+from pyro_scalable.infer.linearized.sampling.problem import SolveDiverged
 from pyro_scalable.infer.record import RunRecord
 from pyro_scalable.infer.results import Draws
-from pyro_scalable.infer.sample_then_optimize import core
-from pyro_scalable.infer.sample_then_optimize.distributed import DistributedMode, OneProcess
+from pyro_scalable.infer.sample_then_optimize.checkpoint import SolveCheckpoint
+from pyro_scalable.infer.sample_then_optimize.distributed import DistributedMode
 from pyro_scalable.infer.sample_then_optimize.distributed import setup as setup_parallel
-from pyro_scalable.infer.sample_then_optimize.krylov import warn_unconverged
-from pyro_scalable.infer.sample_then_optimize.linearization import is_linear, linearization_point
+from pyro_scalable.infer.sample_then_optimize.linearization import linearization_point
 from pyro_scalable.infer.sample_then_optimize.predictive import SampleThenOptimizePredictives
-from pyro_scalable.infer.sample_then_optimize.problem import Problem
-from pyro_scalable.infer.sample_then_optimize.solve import solve_with_em
 
 __all__ = ["SampleThenOptimize"]
 
@@ -125,7 +128,9 @@ class SampleThenOptimize(SampleThenOptimizePredictives, Draws):
 
     Attributes:
         net: the model as a network function of the flat sampled latents, linearised at ``net.theta_star``.
-        state: the solver's last :class:`~.core.SampleState`: one row per sample, then the mean row.
+        linear: whether the model's output is linear in the sampled latents (then no MAP is needed or checked).
+        state: the solver's last :class:`~pyro_scalable.infer.linearized.sampling.core.SampleState`: one row per
+            sample, then the mean row (after a divergence: the state before the step that diverged).
         mean_unconstrained: the flat posterior mean the draws are centred at.
         cg_passes: the refinement's conjugate-gradient passes in each solve (the first, then one per EM step).
         mean_error: CG's estimate of the mean row's error in posterior sds along any direction (after a
@@ -186,26 +191,26 @@ class SampleThenOptimize(SampleThenOptimizePredictives, Draws):
     ):
         if not callable(model):
             raise TypeError(f"model must be a Pyro model (a callable), got {type(model).__name__}.")
-        for name, value, least in (
-            ("num_samples", num_samples, 1),
-            ("num_epochs", num_epochs, 1),
-            ("em_steps", em_steps, 0),
-            ("em_epochs", num_epochs if em_epochs is None else em_epochs, 1),
-            ("map_steps", map_steps, 0),
-            ("refine_passes", refine_passes, 0),
-            ("checkpoint_every", checkpoint_every, 1),
-        ):
+        check_settings(
+            num_samples=num_samples,
+            num_epochs=num_epochs,
+            em_steps=em_steps,
+            em_epochs=num_epochs if em_epochs is None else em_epochs,
+            refine_passes=refine_passes,
+            step_size=step_size,
+            momentum=momentum,
+            max_grad_norm=max_grad_norm,
+            tolerance=tolerance,
+            variance_reduction=variance_reduction,
+            preconditioner=preconditioner,
+            em_groups=em_groups,
+            g_prior=g_prior,
+            em_noise=em_noise,
+            progress_bar=progress_bar,
+        )
+        for name, value, least in (("map_steps", map_steps, 0), ("checkpoint_every", checkpoint_every, 1)):
             if isinstance(value, bool) or not hasattr(value, "__index__") or operator.index(value) < least:
                 raise ValueError(f"{name} must be an int >= {least}, got {value!r}.")
-        check_number("step_size", step_size, positive=True, optional=True)
-        if not 0 <= check_number("momentum", momentum) < 1:
-            raise ValueError(f"momentum must be in [0, 1), got {momentum!r}.")
-        check_number("max_grad_norm", max_grad_norm, positive=True, optional=True)
-        check_number("tolerance", tolerance, positive=True)
-        check_choice("variance_reduction", variance_reduction, ("mean", "all"))
-        if preconditioner not in ("diagonal", None):
-            raise ValueError(f"preconditioner must be 'diagonal' or None, got {preconditioner!r}.")
-        check_choice("em_groups", em_groups, ("scalar", "site"))
         if linearize_at is not None and not isinstance(linearize_at, dict) and not hasattr(linearize_at, "median"):
             raise TypeError(
                 "linearize_at must be a dict of constrained values by site name or a trained autoguide, "
@@ -215,14 +220,9 @@ class SampleThenOptimize(SampleThenOptimizePredictives, Draws):
             raise ValueError(f"sites must be None, 'last_layer' or a list of latent site names, got {sites!r}.")
         if prior_precision is not None:
             check_tensor("prior_precision", prior_precision, positive=True)
-        check_flag("g_prior", g_prior)
-        check_flag("em_noise", em_noise)
-        if em_noise and not em_steps:
-            raise ValueError("em_noise=True updates the noise scale at each EM step: give em_steps >= 1.")
         check_count("chunk_size", chunk_size, optional=True)
         check_seed("seed", seed)
         draws_device = check_device("draws_device", draws_device)
-        check_flag("progress_bar", progress_bar)
         if distributed not in ("samples", "data", None):
             raise ValueError(f"distributed must be 'samples', 'data' or None, got {distributed!r}.")
         if checkpoint is not None and distributed is not None:
@@ -231,48 +231,45 @@ class SampleThenOptimize(SampleThenOptimizePredictives, Draws):
         self.num_samples = operator.index(num_samples)
         self.num_chains = 1
         self.num_epochs = operator.index(num_epochs)
-        self.step_size = step_size
-        self.momentum = momentum
-        self.max_grad_norm = max_grad_norm
-        self.linearize_at = linearize_at
-        self.sites = sites
-        self.prior_precision = prior_precision
+        self.step_size, self.momentum, self.max_grad_norm = step_size, momentum, max_grad_norm
+        self.linearize_at, self.sites, self.prior_precision = linearize_at, sites, prior_precision
         self.g_prior = g_prior
         self.em_steps = operator.index(em_steps)
         self.em_groups = em_groups
         self.em_epochs = self.num_epochs if em_epochs is None else operator.index(em_epochs)
         self.em_noise = em_noise
-        self.noise_scale: Tensor | None = None
-        self.variance_reduction = variance_reduction
-        self.preconditioner = preconditioner
+        self.variance_reduction, self.preconditioner = variance_reduction, preconditioner
         self.refine_passes = operator.index(refine_passes)
         self.tolerance = float(tolerance)
-        self.mean_error: float | None = None
-        self.cg_passes: list[int] = []
         self.map_steps = operator.index(map_steps)
-        self.chunk_size = chunk_size
-        self.seed = seed
+        self.chunk_size, self.seed = chunk_size, seed
         self.draws_device = torch.device(draws_device)
         self.progress_bar = progress_bar
         self.checkpoint = checkpoint
         self.checkpoint_every = operator.index(checkpoint_every)
         self.resume = check_flag("resume", resume)
         self.distributed = distributed
-        self._num_samples_requested = self.num_samples
+        self._requested_samples = self.num_samples
         self._reset()
 
     def _reset(self) -> None:
         self.results: RunRecord | None = None
-        self.state: core.SampleState | None = None
+        self.state: SampleState | None = None
         self.net: NetworkFunction | None = None
+        self.linear: bool | None = None
         self.em_history: dict[str, Any] = {}
         self.trace: dict[str, list[Tensor]] = {}
-        self._parallel = OneProcess(self.num_samples)
+        self.cg_passes, self.mean_error, self.mean_grad_norm, self.noise_scale = [], None, None, None
+
+    def settings(self) -> SolveSettings:
+        """The solver's settings from this engine's (public, mutable) attributes, as they are now."""
+        names = [field.name for field in fields(SolveSettings) if field.name != "map_found"]
+        return SolveSettings(**{name: getattr(self, name) for name in names}, map_found=self.linearize_at is None)
 
     # ------------------------------------------------------------------ running
     def run(self, *args: Any, **kwargs: Any) -> SampleThenOptimize:
         """Linearise (if needed), draw the regulariser centres, solve, run the EM steps; keep the draws; return self."""
-        self.num_samples = self._num_samples_requested  # a sample-parallel run leaves a rank's share on ranks > 0
+        self.num_samples = self._requested_samples  # a sample-parallel run leaves a rank's share on ranks > 0
         self._reset()
         model = self.kernel.model.model
         bridge = ModelBridge(model, args, kwargs)
@@ -282,7 +279,6 @@ class SampleThenOptimize(SampleThenOptimizePredictives, Draws):
             raise ModelError("the model has no latent site to sample.")
         seed = int(torch.randint(0, 2**62, ())) if self.seed is None else self.seed
         parallel = setup_parallel(self.distributed, self.num_samples, next(iter(bridge.plates.values()), None))
-        self._parallel = parallel
         seed = parallel.seed(seed, bridge.device)
         generator = torch.Generator(device=bridge.device).manual_seed(seed)
         latents = linearization_point(
@@ -302,57 +298,61 @@ class SampleThenOptimize(SampleThenOptimizePredictives, Draws):
                 f"em_noise=True needs observed site '{site}' to be a Normal with one scalar scale (a constant or a "
                 "latent site held fixed); drop em_noise."
             )
-        self._noise_site = noise_site
         layout = ParameterLayout({name: bridge.sites[name].unconstrained_shape for name in chosen})
         theta = layout.flatten(latents).detach()
-        self._linear = is_linear(bridge, site, chosen, latents, generator)
-        self.net = net = NetworkFunction(
+        self.linear = is_linear(bridge, site, chosen, latents, generator)
+        self.net = NetworkFunction(
             bridge, site, layout, theta, latents, heteroscedastic=heteroscedastic, chunk_size=self.chunk_size
         )
-        linear, site = self._linear, noise_site
-        problem = Problem(self, net, theta, generator, parallel, noise=noise, linear=linear, noise_site=site)
-        self._solve_all(problem, generator)
+        checkpoint = None if self.checkpoint is None else SolveCheckpoint(self, generator)
+        try:
+            solution = sample_linearized(
+                self.net,
+                theta,
+                self.settings(),
+                generator,
+                parallel=parallel,
+                noise=noise,
+                linear=self.linear,
+                noise_site=noise_site,
+                checkpoint=checkpoint,
+            )
+        except SolveDiverged as error:
+            self.state = error.state
+            raise
+        self._keep(solution, noise_site, parallel)
         return self
 
-    def _solve_all(self, problem: Problem, generator: torch.Generator) -> None:
-        state, alphas, gammas, noises = solve_with_em(self, problem, generator)
-        p = problem  # the solves' diagnostics
-        self.cg_passes, self.mean_error, self.mean_grad_norm = p.cg_passes, p.mean_error, p.mean_grad_norm
-        parallel = problem.parallel
-        state, problem.final_stats, self.trace = parallel.gather(state, problem.final_stats, self.trace)
-        self.state = state
+    def _keep(self, solution: Solution, noise_site: str | None, parallel: OneProcess) -> None:
+        """Everything the run decided, from the solver's record: the state, diagnostics, EM history and draws."""
+        net, state = self.net, solution.state
+        self.state, self.trace, self.cg_passes = state, solution.trace, solution.cg_passes
+        self.mean_error, self.mean_grad_norm = solution.mean_error, solution.mean_grad_norm
         if not parallel.is_main:
             self.num_samples = parallel.num_local
-        warn_unconverged(problem.final_stats, self, cause=problem.check_noise(gammas[-1], state.samples[-1]))
         self.em_history = {
-            "groups": problem.group_names,
-            "prior_precision": torch.stack(alphas).to(self.draws_device),
-            "effective_dimension": torch.stack(gammas).to(self.draws_device),
+            "groups": solution.group_names,
+            "prior_precision": torch.stack(solution.alphas).to(self.draws_device),
+            "effective_dimension": torch.stack(solution.gammas).to(self.draws_device),
         }
-        if noises:
-            self.em_history["noise_scale"] = torch.stack(noises).to(self.draws_device)
-            self.noise_scale = noises[-1]
-            if self._noise_site is not None:  # the draws and the mean carry the fitted scale
-                fitted = self.bridge.unconstrain(
-                    {self._noise_site: noises[-1].reshape(self.net.fixed[self._noise_site].shape)}
-                )
-                self.net.fixed[self._noise_site] = fitted[self._noise_site]
-        self._keep(problem, state)
-
-    def _keep(self, problem: Problem, state: core.SampleState) -> None:
-        net = self.net
+        if solution.noises:
+            self.em_history["noise_scale"] = torch.stack(solution.noises).to(self.draws_device)
+            self.noise_scale = solution.noises[-1]
+            if noise_site is not None:  # the draws and the mean carry the fitted scale
+                shape = net.fixed[noise_site].shape
+                fitted = self.bridge.unconstrain({noise_site: solution.noises[-1].reshape(shape)})
+                net.fixed[noise_site] = fitted[noise_site]
         self.newton_step = state.samples[-1].detach()
-        mean = problem.theta + state.samples[-1] if problem.quadratic else problem.theta
-        draws = mean + state.samples[:-1]
-        self.mean_unconstrained = mean.detach()
-        self.data_gradient = problem.gradient.detach()
-        self._problem_precision = problem.precision.detach()
+        draws = solution.mean + state.samples[:-1]
+        self.mean_unconstrained = solution.mean
+        self.data_gradient = solution.gradient
+        self._solved_precision = solution.precision
         latents = {
             **{k: v.expand((draws.shape[0],) + v.shape) for k, v in net.fixed.items()},
             **net.layout.unflatten(draws),
         }
         self.results.draws = {k: v.detach().unsqueeze(0).to(self.draws_device) for k, v in latents.items()}
-        self.results.stats = {k: v.unsqueeze(0).to(self.draws_device) for k, v in problem.final_stats.items()}
+        self.results.stats = {k: v.unsqueeze(0).to(self.draws_device) for k, v in solution.stats.items()}
 
     def rerun_em(
         self, em_steps: int, em_groups: Literal["scalar", "site"], prior_precision: float | Tensor | None = None
@@ -360,8 +360,7 @@ class SampleThenOptimize(SampleThenOptimizePredictives, Draws):
         """Run again on the data of the last ``run``, from ``prior_precision`` with ``em_steps`` MacKay updates.
 
         The settings stay changed (they are the public ``em_steps``, ``em_groups`` and ``prior_precision``); a fixed
-        ``seed`` draws the same noise as the last run. Linearised Laplace's ``"sampled"`` structure tunes its prior
-        with this.
+        ``seed`` draws the same noise as the last run.
         """
         self._require_net()
         check_count("em_steps", em_steps, 0)
@@ -381,7 +380,7 @@ class SampleThenOptimize(SampleThenOptimizePredictives, Draws):
     def solved_prior_precision(self) -> Tensor:
         """The prior precision of the last solve (after EM), flat over the sampled sites (unconstrained)."""
         self._require_net()
-        return self._problem_precision
+        return self._solved_precision
 
     @property
     def sample_offsets(self) -> Tensor:

@@ -17,10 +17,10 @@ from tqdm.auto import tqdm
 from pyro_scalable.bridge.checks import ModelError
 from pyro_scalable.bridge.minibatches import EpochSampler
 from pyro_scalable.bridge.model import Batch, Latents, ModelBridge
-from pyro_scalable.infer.linearized.layout import ParameterLayout
-from pyro_scalable.infer.linearized.network import NetworkFunction, choose_sites, first_batch
+from pyro_scalable.infer.linearized.network import choose_sites
+from pyro_scalable.infer.linearized.sampling import is_linear
 
-__all__ = ["find_map", "is_linear", "linearization_point"]
+__all__ = ["find_map", "linearization_point"]
 
 
 def linearization_point(
@@ -90,17 +90,3 @@ def _guide_median(guide: Any, args: tuple, kwargs: dict) -> dict[str, Tensor]:
             f"linearize_at must be a dict of constrained values by site name or a trained autoguide, got {guide!r}."
         )
     return {k: v.detach() for k, v in guide.median(*args, **kwargs).items()}
-
-
-def is_linear(bridge: ModelBridge, site: str, chosen: list[str], latents: Latents, generator) -> bool:
-    """Whether the output is linear in the chosen latents (one random direction, to rounding)."""
-    layout = ParameterLayout({name: bridge.sites[name].unconstrained_shape for name in chosen})
-    theta = layout.flatten(latents).detach()
-    net = NetworkFunction(bridge, site, layout, theta, latents)
-    batch = first_batch(bridge)
-    direction = torch.randn(theta.shape, generator=generator, dtype=theta.dtype, device=theta.device)
-    f0, products = net.jvp(theta, direction.unsqueeze(0), batch)
-    f1 = net.f(theta + direction, batch).detach()
-    error = (f1 - f0 - products[0]).abs().max()
-    scale = f0.abs().max() + f1.abs().max() + products.abs().max()
-    return bool(error <= 100 * torch.finfo(theta.dtype).eps * scale)

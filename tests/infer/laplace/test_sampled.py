@@ -65,11 +65,11 @@ def test_sampled_has_no_evidence_and_tunes_the_prior_by_em(posteriors):
     with pytest.raises(CurvatureError, match="optimize_prior_precision"):
         sampled.log_marginal_likelihood()
     before = sampled.prior_precision.clone()
-    engine = sampled.fit.curvature.engine
     sampled.optimize_prior_precision("site", em_steps=2)
-    assert engine.em_history["prior_precision"].shape == (3, 4)
+    curvature = sampled.fit.curvature
+    assert curvature.em_history["prior_precision"].shape == (3, 4)
     assert not torch.equal(sampled.prior_precision, before)
-    torch.testing.assert_close(sampled.prior_precision, engine.solved_prior_precision)
+    torch.testing.assert_close(sampled.prior_precision, curvature.run.solution.precision)
     with pytest.raises(CurvatureError, match="drawn for one prior precision"):
         sampled.prior_precision = 3.0
         sampled.precision  # noqa: B018

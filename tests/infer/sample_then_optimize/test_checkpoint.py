@@ -13,7 +13,7 @@ import torch
 
 from pyro_scalable.infer import SampleThenOptimize
 from pyro_scalable.infer.checkpoint import CheckpointError, load, save
-from pyro_scalable.infer.sample_then_optimize import core
+from pyro_scalable.infer.linearized.sampling import core
 from tests.conftest import LinearRegression
 from tests.infer import killing
 from tests.infer.sample_then_optimize import killable_run

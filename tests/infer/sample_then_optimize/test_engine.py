@@ -45,7 +45,7 @@ def test_optimised_rows_solve_the_perturbed_normal_equations():
     exact = torch.linalg.solve(_precision(problem), alpha * engine.state.targets[:-1].T).T
     torch.testing.assert_close(engine.state.samples[:-1], exact, rtol=1e-9, atol=1e-11)
     torch.testing.assert_close(engine.get_mean()["w"], problem.mean, rtol=1e-9, atol=1e-11)
-    assert engine._linear  # no MAP search: the output is linear in w
+    assert engine.linear  # no MAP search: the output is linear in w
     assert engine.sample_stats["relative_grad_norm"].max() < 1e-8
 
 
@@ -384,7 +384,7 @@ def test_map_is_found_for_a_nonlinear_model():
     x, labels = _classifier_data(n=120)
     engine = _engine(classifier, num_samples=4, num_epochs=2, map_steps=1500)
     engine.run(x, labels)
-    assert not engine._linear
+    assert not engine.linear
     assert engine.get_samples()["w1"].shape == (4, 4, 2)
 
 

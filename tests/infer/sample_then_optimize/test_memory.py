@@ -134,14 +134,14 @@ def test_conjugate_gradients_in_place_give_the_same_rows():
 @pytest.mark.filterwarnings("ignore:the samples have not converged")  # one epoch, on purpose
 @pytest.mark.filterwarnings("ignore:the linearisation point is not a MAP")  # the default short MAP search
 def test_without_em_the_perturbation_sum_is_dropped_after_the_last_centres(monkeypatch):
-    from pyro_scalable.infer.sample_then_optimize import problem as problem_module
+    from pyro_scalable.infer.linearized.sampling import problem as problem_module
 
     seen = {}
     targets = problem_module.Problem.targets
 
     def spy(self):
         out = targets(self)
-        seen.setdefault(self.engine.em_steps, []).append(self._perturbation is None)
+        seen.setdefault(self.settings.em_steps, []).append(self._perturbation is None)
         return out
 
     monkeypatch.setattr(problem_module.Problem, "targets", spy)
@@ -165,8 +165,8 @@ def test_without_em_the_perturbation_sum_is_dropped_after_the_last_centres(monke
 @pytest.mark.filterwarnings("ignore:the linearisation point is not a MAP")  # the default short MAP search
 @pytest.mark.parametrize("em", [dict(em_steps=0), dict(em_steps=1, em_epochs=1), dict(em_steps=1, em_noise=True)])
 def test_cg_keeps_its_right_hand_side_in_the_centres_buffer_and_rebuilds_the_same_centres(monkeypatch, em):
-    from pyro_scalable.infer.sample_then_optimize import krylov
-    from pyro_scalable.infer.sample_then_optimize import problem as problem_module
+    from pyro_scalable.infer.linearized.sampling import krylov
+    from pyro_scalable.infer.linearized.sampling import problem as problem_module
 
     made, handed = [], []
     targets, solve = problem_module.Problem.targets, krylov.conjugate_gradient

@@ -1,12 +1,18 @@
-"""One run's quadratic for ``SampleThenOptimize``: data pass, regulariser centres, solves, diagnostics.
+r"""One run's quadratic for sample-then-optimise: data pass, regulariser centres, solves, diagnostics.
 
-The maths is in :mod:`~pyro_scalable.infer.sample_then_optimize.engine`.
+Around :math:`\theta_*` the linearised model has the posterior precision :math:`H = M + A`, :math:`M = \sum_i
+J_i^\top\Lambda_i J_i`. Every sample row :math:`k` minimises the convex quadratic of :mod:`.core` with the
+regulariser centre :math:`\theta^n_k` (:mod:`.centres`), so that its solution :math:`\zeta_k \sim \mathcal N(0,
+H^{-1})`; the last row solves :math:`H\bar\delta = b - A(\theta_* - m)` with the centre :math:`A^{-1}b - (\theta_* -
+m)`, the mean's step from :math:`\theta_*`. :class:`Problem` holds what these rows share (the prior, the data's
+curvature by products, the preconditioner) and runs one solve of them: minibatch epochs, then conjugate gradients
+(:mod:`.krylov`).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -16,23 +22,43 @@ from pyro_scalable.bridge.checks import ModelError
 from pyro_scalable.bridge.minibatches import EpochSampler
 from pyro_scalable.bridge.model import Batch
 from pyro_scalable.infer.linearized.ggn import GGNDiagonal, ggn_pass
-from pyro_scalable.infer.linearized.map_check import check_noise_fit, gauss_newton_gain, warn_not_map
 from pyro_scalable.infer.linearized.network import NetworkFunction
-from pyro_scalable.infer.sample_then_optimize import centres, core, krylov
-from pyro_scalable.infer.sample_then_optimize.distributed import OneProcess, local_batch
-from pyro_scalable.infer.sample_then_optimize.em import linearized_sum_squares, mackay_noise_update
+from pyro_scalable.infer.linearized.sampling import centres, core, krylov
+from pyro_scalable.infer.linearized.sampling.em import linearized_sum_squares, mackay_noise_update
+from pyro_scalable.infer.linearized.sampling.plan import OneProcess, SolveSettings, local_batch
+
+__all__ = ["Finished", "Problem", "SolveDiverged"]
+
+
+class SolveDiverged(RuntimeError):
+    """The minibatch optimisation diverged; ``state`` is the solver's state before the step that did."""
+
+    def __init__(self, message: str, state: core.SampleState):
+        super().__init__(message)
+        self.state = state
+
+
+class Finished(NamedTuple):
+    """A solve's full-data diagnostics (:meth:`Problem.finish`): what the EM step and the run's record read."""
+
+    offset: Tensor  # the mean the draws are centred at minus the prior mean, θ̄ − m
+    samples: Tensor  # (K, d): the zero-mean rows ζ_k
+    products: Tensor  # (K + 1, d): M times every row
+    stats: dict[str, Tensor]  # per draw: the diagnostics of krylov.row_diagnostics (and "cg_error" after CG)
+    mean_error: float | None  # CG's estimate of the mean row's error in posterior sds (None without CG)
+    mean_grad_norm: float  # the mean row's full-data gradient norm
 
 
 class Problem:
     """One run's quadratic: the data pass, the regulariser centres, the solves and the full-data diagnostics.
 
-    ``parallel`` (:mod:`.distributed`) says which sample rows and which share of each batch's points this rank
-    holds; a one-process run holds them all.
+    ``parallel`` (:class:`~.plan.OneProcess` or a distributed plan) says which sample rows and which share of each
+    batch's points this rank holds; a one-process run holds them all.
     """
 
     def __init__(
         self,
-        engine: Any,
+        settings: SolveSettings,
         net: NetworkFunction,
         theta: Tensor,
         generator: torch.Generator,
@@ -42,18 +68,18 @@ class Problem:
         linear: bool = False,
         noise_site: str | None = None,
     ):
-        self.engine, self.net, self.theta = engine, net, theta
+        self.settings, self.net, self.theta = settings, net, theta
         self.linear, self.noise_site = linear, noise_site  # f linear in θ (no MAP to check); σ's latent site
         bridge = net.bridge
-        self.num_samples = engine.num_samples
-        self.parallel = parallel = OneProcess(engine.num_samples) if parallel is None else parallel
+        self.num_samples = settings.num_samples
+        self.parallel = parallel = OneProcess(settings.num_samples) if parallel is None else parallel
         precision, self.prior_mean = net.prior(theta)
-        if engine.prior_precision is not None:
-            check_tensor("prior_precision", engine.prior_precision, positive=True, shape=theta.shape)
-            given = torch.as_tensor(engine.prior_precision, dtype=theta.dtype, device=theta.device)
+        if settings.prior_precision is not None:
+            check_tensor("prior_precision", settings.prior_precision, positive=True, shape=theta.shape)
+            given = torch.as_tensor(settings.prior_precision, dtype=theta.dtype, device=theta.device)
             precision = torch.broadcast_to(given, theta.shape).clone()
         self._check_prior(precision)
-        self.groups, self.group_names = net.layout.groups(engine.em_groups, theta.device)
+        self.groups, self.group_names = net.layout.groups(settings.em_groups, theta.device)
         self.num_groups = len(self.group_names)
         counts = torch.bincount(self.groups, minlength=self.num_groups).to(theta.dtype)
         self.group_sizes = counts
@@ -62,16 +88,16 @@ class Problem:
             / counts
         )
         # diag(M), exact: the g-prior's scales and the solver's diagonal preconditioner (core)
-        need_diagonal = engine.g_prior or engine.preconditioner == "diagonal"
+        need_diagonal = settings.g_prior or settings.preconditioner == "diagonal"
         self._data_diagonal = _ggn_diagonal(net, theta) if need_diagonal else None
         self.noise0 = noise  # a homoscedastic Normal's scale in the model at theta_* (the data pass's; update_noise)
-        if engine.g_prior:
+        if settings.g_prior:
             diagonal = self._data_diagonal
             mean = torch.zeros_like(self.alpha).index_add(0, self.groups, diagonal) / counts
             self.scale = (diagonal / mean[self.groups]).clamp_min(1e-6)
         else:
             self.scale = precision / self.alpha[self.groups]
-        self.anchored = 1 if engine.variance_reduction == "mean" else parallel.num_local + 1
+        self.anchored = 1 if settings.variance_reduction == "mean" else parallel.num_local + 1
         self.plate = next(iter(bridge.plates.values()), None)
         self.steps_per_epoch = 1 if self.plate is None else max(self.plate.size // self.plate.subsample_size, 1)
         self.data_scale = 1.0 if self.plate is None else self.plate.size / self.plate.subsample_size
@@ -79,13 +105,9 @@ class Problem:
         self.prior_noise_shape = (self.num_samples, theta.numel())
         torch.randn(self.prior_noise_shape, generator=generator, dtype=theta.dtype, device=theta.device)
         self.pass_state = generator.get_state()  # the perturbation pass's draws: replayed to rebuild its sum (targets)
-        self._perturbation, self._gradient = centres.data_pass(self, generator)
+        self._perturbation, self._gradient, self.quadratic = centres.data_pass(self, generator)
         self.last_solve = False  # set by the solve loop before its last solve (targets then drops the sum)
-        self.final_stats: dict[str, Tensor] = {}
-        self.refinement: krylov.RefineResult | None = None
-        self.cg_passes: list[int] = []  # per solve; the mean row's CG error and gradient norm after finish()
-        self.mean_error: float | None = None
-        self.mean_grad_norm: float | None = None
+        self.trace: dict[str, list[Tensor]] = {}  # every epoch's minibatch objective and gradient norm per sample
 
     def _check_prior(self, precision: Tensor) -> None:
         bad = ~(torch.isfinite(precision) & (precision > 0))
@@ -118,14 +140,14 @@ class Problem:
 
     def update_noise(self, gamma: Tensor, step: Tensor) -> Tensor:
         """MacKay's update of a homoscedastic Normal's scale from the linearised fit at the mean ``θ* + step``."""
-        batches = [b for b in map(self._local, self.net.batches()) if b is not None]
+        batches = [b for b in map(self.local, self.net.batches()) if b is not None]
         sums = self.parallel.sum_over_data(linearized_sum_squares(self.net, self.theta, step.detach(), batches))
         self.net.noise = mackay_noise_update(gamma.sum(), sums[0], sums[1]).to(self.theta.dtype)
         return self.net.noise
 
     def inverse_preconditioner(self) -> Tensor | None:
         """``P⁻¹ = 1 / (diag(M) + A)`` at the current prior (``None`` without preconditioning)."""
-        if self.data_diagonal is None or self.engine.preconditioner is None:
+        if self.data_diagonal is None or self.settings.preconditioner is None:
             return None
         return 1.0 / (self.data_diagonal + self.precision)
 
@@ -166,12 +188,13 @@ class Problem:
         return out
 
     # ------------------------------------------------------------------ passes over the data
-    def _local(self, batch: Batch) -> Batch | None:
+    def local(self, batch: Batch) -> Batch | None:
+        """The share of ``batch``'s points this rank holds (all of them on one process; ``None`` where none is left)."""
         return local_batch(batch, self.plate, self.parallel.share)
 
     def ggn_vp(self, vectors: Tensor, batch: Batch) -> Tensor:
         """``Σ_i J_iᵀ Λ_i J_i v`` over the minibatch, for every row of ``vectors``: one JVP and one VJP, batched."""
-        local = self._local(batch)
+        local = self.local(batch)
         product = torch.zeros_like(vectors) if local is None else self.net.batch_ggn_vp(self.theta, vectors, local)
         return self.parallel.sum_over_data(product)
 
@@ -179,7 +202,7 @@ class Problem:
         """``M v`` on the full data (this rank's share), accumulated in place chunk by chunk."""
         out = torch.zeros_like(vectors)
         for chunk in self.net.batches():
-            batch = self._local(chunk)
+            batch = self.local(chunk)
             if batch is not None:
                 self.net.batch_ggn_vp(self.theta, vectors, batch, out=out)
         return self.parallel.sum_over_data(out)
@@ -239,11 +262,11 @@ class Problem:
         every epoch it gets the step count ``t``, ``state``, ``step_size``, the first gradient norm and the
         minibatch sampler, everything the rest of the solve needs besides the generator.
         """
-        engine = self.engine
+        settings = self.settings
         done, first = 0, None
         if progress is None:
             batches = self._batches(generator)
-            step_size = engine.step_size
+            step_size = settings.step_size
             if step_size is None:
                 step_size = 0.5 / self._largest_eigenvalue(generator, batches)
         else:
@@ -254,7 +277,6 @@ class Problem:
             generator.set_state(progress["generator"])
             batches = self._batches(generator, sampler)
             done, first, step_size, state = progress["t"], progress["first"], progress["step_size"], progress["state"]
-        self.step_size_used = step_size
         targets = self.targets()
         if progress is None and state is None:
             # theta^0 (the mean row: theta_*) is close to the solution in every direction: the prior's where the
@@ -269,7 +291,7 @@ class Problem:
         total = epochs * self.steps_per_epoch
         precision = self.precision
         inverse = self.inverse_preconditioner()
-        trace = engine.trace.setdefault("objective", []), engine.trace.setdefault("grad_norm", [])
+        trace = self.trace.setdefault("objective", []), self.trace.setdefault("grad_norm", [])
         for t in range(done, total):
             if t % self.steps_per_epoch == 0 and self.steps_per_epoch > 1:
                 # re-anchor the control variate once per epoch: one full pass for the anchored rows
@@ -281,11 +303,11 @@ class Problem:
                 nonlocal first
                 first = grad_norm.max() if t == 0 else first
                 if not bool(torch.isfinite(grad_norm).all()) or bool(grad_norm.max() > 1e6 * first):
-                    engine.state = before  # checked before the in-place update: the state as it was
-                    raise RuntimeError(
+                    raise SolveDiverged(  # checked before the in-place update: `before` is the state as it was
                         f"the optimisation diverged at step {t} (the gradient norm grew from {float(first):.3g} to "
                         f"{float(grad_norm.max()):.3g}, or it is not finite) with step_size={step_size:.3g}; pass "
-                        "a smaller step_size or max_grad_norm. The state before that step is kept in .state."
+                        "a smaller step_size or max_grad_norm. The state before that step is kept in .state.",
+                        before,
                     )
 
             end_of_epoch = (t + 1) % self.steps_per_epoch == 0
@@ -296,8 +318,8 @@ class Problem:
                 prior_precision=precision,
                 data_scale=self.data_scale,
                 step_size=step_size * (1 - t / total),
-                momentum=engine.momentum,
-                max_grad_norm=engine.max_grad_norm,
+                momentum=settings.momentum,
+                max_grad_norm=settings.max_grad_norm,
                 inverse_preconditioner=inverse,
                 inplace=True,  # the state is this loop's own (a resumed one is loaded fresh)
                 objective=end_of_epoch,
@@ -312,8 +334,13 @@ class Problem:
                 on_epoch({"t": t + 1, "state": state, "step_size": step_size, "first": first, "sampler": sampler})
         return state
 
-    def refine(self, state: core.SampleState, max_passes: int, tolerance: float, bar=None) -> core.SampleState:
-        """Conjugate gradients on the full data from the rows ``state`` holds (:mod:`.krylov`)."""
+    def refine(
+        self, state: core.SampleState, max_passes: int, tolerance: float, bar=None
+    ) -> tuple[core.SampleState, krylov.RefineResult]:
+        """Conjugate gradients on the full data from the rows ``state`` holds (:mod:`.krylov`).
+
+        Returns the state with the refined rows, and CG's record (passes, each row's error estimate).
+        """
         precision = self.precision
 
         def product(vectors: Tensor) -> Tensor:
@@ -337,59 +364,27 @@ class Problem:
             overwrite=True,  # the rows and the right-hand side are this run's own
         )
         self.targets(out=buffer)
-        self.refinement = result
-        self.cg_passes.append(result.passes)
         if bar is not None and result.passes < max_passes:  # stopped early: the passes it did not need
             bar.total -= (max_passes - result.passes) * self.steps_per_epoch
             bar.refresh()
-        return state._replace(samples=result.rows)
+        return state._replace(samples=result.rows), result
 
-    def finish(self, state: core.SampleState) -> tuple[Tensor, Tensor, Tensor]:
-        """Full-data diagnostics of every row; returns ``θ̄ − m``, the zero-mean samples and ``M`` times every row."""
+    def mean(self, state: core.SampleState) -> Tensor:
+        """The flat mean the draws are centred at: the mean row's step from ``θ*`` for a Normal, else ``θ*``."""
+        return self.theta + state.samples[-1].detach() if self.quadratic else self.theta
+
+    def finish(self, state: core.SampleState, refinement: krylov.RefineResult | None = None) -> Finished:
+        """Full-data diagnostics of every row (with ``refinement``, CG's error estimates of the last solve)."""
         rows = state.samples.detach()
         ggn = self.full_ggn_vp(rows)
         stats = krylov.row_diagnostics(rows, ggn, state.targets, self.precision, self.inverse_preconditioner())
-        self.final_stats = {name: value[:-1] for name, value in stats.items()}
-        if self.refinement is not None:
-            self.final_stats["cg_error"] = self.refinement.error[:-1]
-            self.mean_error = float(self.refinement.error[-1])
-        self.mean_grad_norm = float(stats["grad_norm"][-1])
-        mean = self.theta + rows[-1] if self.quadratic else self.theta
-        return mean - self.prior_mean, rows[:-1], ggn
-
-    def check_noise(self, gamma: Tensor, step: Tensor) -> bool:
-        """Warn, as the Laplace guide does, when N − γ leaves too few observations to measure a Normal's σ.
-
-        The residuals are the linearised model's at the mean ``θ* + step`` (one more pass over the data).
-        """
-        noise = self.noise0 if self.net.noise is None else self.net.noise
-        if noise is None:
-            return False
-        batches = [b for b in map(self._local, self.net.batches()) if b is not None]
-        sums = self.parallel.sum_over_data(linearized_sum_squares(self.net, self.theta, step.detach(), batches))
-        args = float(gamma.sum()), int(sums[1]), float(sums[0]), float(noise), self.noise_site
-        fitted_by = "EM" if self.engine.em_noise else None
-        source = "the sample-then-optimise posterior"
-        return self.parallel.is_main and check_noise_fit(*args, source, fitted_by=fitted_by)
-
-    def check_map(self, state: core.SampleState, product: Tensor) -> None:
-        """Warn, as the Laplace guide does, when a nonlinear model's linearisation point is not a MAP.
-
-        The gain of a Gauss-Newton step on the exact GGN (:mod:`~pyro_scalable.infer.linearized.map_check`), from
-        the solved mean row (``product``: ``M`` times it) and a few preconditioned CG iterations on.
-        """
-        if self.linear:
-            return
-        precision, inverse, step = self.precision, self.inverse_preconditioner(), state.samples[-1].detach()
-        b = self.gradient - precision * (self.theta - self.prior_mean)
-        matvec = lambda v: self.full_ggn_vp(v.unsqueeze(0)).squeeze(0) + precision * v  # noqa: E731
-        solve = None if inverse is None else (lambda r: inverse * r)
-        gain = gauss_newton_gain(matvec, b, solve=solve, start=step, start_product=product + precision * step)
-        found = (
-            " (The MAP was found by map_steps Adam steps: raise map_steps.)" if self.engine.linearize_at is None else ""
-        )
-        consequence = "The samples are those of the model linearised there, not the linearised-Laplace posterior."
-        warn_not_map(gain, float(b.norm()), consequence + found)
+        per_draw = {name: value[:-1] for name, value in stats.items()}
+        mean_error = None
+        if refinement is not None:
+            per_draw["cg_error"] = refinement.error[:-1]
+            mean_error = float(refinement.error[-1])
+        offset = self.mean(state) - self.prior_mean
+        return Finished(offset, rows[:-1], ggn, per_draw, mean_error, float(stats["grad_norm"][-1]))
 
 
 def _ggn_diagonal(net: NetworkFunction, theta: Tensor) -> Tensor:

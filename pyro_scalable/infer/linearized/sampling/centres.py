@@ -25,28 +25,29 @@ from pyro_scalable.infer.autodiff import row_slices
 __all__ = ["check_finite", "data_pass", "replay_pass"]
 
 
-def data_pass(problem: Any, generator: torch.Generator, into: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """The perturbation sums of this rank's sample rows and the data's gradient ``b`` (in place in ``into``).
+def data_pass(problem: Any, generator: torch.Generator, into: Tensor | None = None) -> tuple[Tensor, Tensor, bool]:
+    """The perturbation sums of this rank's sample rows, the data's gradient ``b``, and whether it is a Normal's.
 
-    ``into`` is ``(rows + 1, d)``: the sums in its first rows, ``b`` in its last; the returned pair are views of it
-    (``b`` a copy). Sets ``problem.quadratic`` (a homoscedastic Normal likelihood).
+    The third is true for a homoscedastic Normal likelihood, whose linearised model is exactly quadratic in θ.
+    ``into`` is ``(rows + 1, d)``: the sums in its first rows, ``b`` in its last; the sums are a view of it, ``b``
+    a copy.
     """
     net, theta, parallel, plate = problem.net, problem.theta, problem.parallel, problem.plate
     shape = (parallel.num_local + 1, theta.numel())
     sums = theta.new_zeros(shape) if into is None else into.zero_()
-    trailing = ()
+    trailing, quadratic = (), False
     for chunk in net.batches():
         # xi is drawn for every row and every point of the chunk, whatever this rank keeps of it, so that the
         # ranks' draws together are one process's
         points = chunk.indices[plate.name].shape[-1] if plate is not None else None
-        batch = problem._local(chunk)
+        batch = problem.local(chunk)
         if batch is None:  # a last chunk with fewer points than ranks (every earlier chunk set `trailing`)
             torch.randn(
                 (problem.num_samples, points, *trailing), generator=generator, dtype=theta.dtype, device=theta.device
             )
             continue
         out = net.outputs(theta, batch)
-        problem.quadratic = out.likelihood.name == "Normal" and not net.heteroscedastic
+        quadratic = out.likelihood.name == "Normal" and not net.heteroscedastic
         f = out.f.detach()
         check_finite(f, net.site, "outputs at the linearisation point")
         root = out.likelihood.hessian_sqrt(f)
@@ -65,7 +66,7 @@ def data_pass(problem: Any, generator: torch.Generator, into: Tensor | None = No
     if total is not sums:  # an all-reduce's copy
         sums = total if into is None else into.copy_(total)
     check_finite(sums, net.site, "Jacobian-vector products")
-    return sums[:-1], sums[-1].clone()  # apart: the sums alone may be dropped (Problem.targets)
+    return sums[:-1], sums[-1].clone(), quadratic  # apart: the sums alone may be dropped (Problem.targets)
 
 
 def replay_pass(problem: Any, into: Tensor) -> None:
@@ -91,7 +92,7 @@ def check_finite(value: Tensor, site: str, what: str) -> None:
 
     Example:
         >>> import torch
-        >>> from pyro_scalable.infer.sample_then_optimize.centres import check_finite
+        >>> from pyro_scalable.infer.linearized.sampling.centres import check_finite
         >>> check_finite(torch.ones(3, 4), "y", "outputs")  # finite: nothing happens
         >>> check_finite(torch.tensor([[1.0, float("nan")]]), "y", "outputs")
         Traceback (most recent call last):
