@@ -300,13 +300,11 @@ class _FailingKernel:
     def __getattr__(self, name):  # the rest of the kernel contract: the inner SGHMC's
         return getattr(self.__dict__["inner"], name)
 
-    sampler = property(lambda self: self)  # no warm-up to unwrap: this kernel steps all the way
-
-    def step(self, *args, **kwargs):
+    def update(self, *args, **kwargs):
         self.calls += 1
         if self.calls == 8:
             raise RuntimeError("boom")
-        return self.inner.step(*args, **kwargs)
+        return self.inner.update(*args, **kwargs)
 
 
 def test_an_exception_mid_run_keeps_the_draws_already_taken(data):

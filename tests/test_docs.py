@@ -136,40 +136,7 @@ def test_rendered_tutorial_is_current(path):
     assert any("image/png" in o.get("data", {}) for o in outputs), f"{target.name} holds no figure"
 
 
-REPOSITORY = "https://github.com/pyro-scalable/pyro_scalable"
-DOCS_SITE = "https://pyro-scalable.github.io/pyro_scalable"
-
-
-def _site_page_source(page: str) -> Path | None:
-    """The file in the checkout that the site page ``page`` ("sgmcmc/", "tutorials/", "") is built from."""
-    page = page.strip("/")
-    candidates = [ROOT / "docs" / "index.md"] if not page else []
-    candidates += [ROOT / "docs" / f"{page}.md", ROOT / "docs" / page / "index.md", ROOT / page / "README.md"]
-    candidates += [ROOT / "docs" / f"{page}.ipynb"]
-    return next((path for path in candidates if path.is_file()), None)
-
-
-def test_readme_links_resolve():
-    """README.md is also the package index's project page, so every link is absolute; each must lead somewhere.
-
-    Repository links (``REPOSITORY/blob/main/<path>``) must name a file of this checkout, documentation links
-    (``DOCS_SITE/<page>/``) a page this checkout builds.
-    """
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    links = [m.split("#")[0] for m in re.findall(r"\]\(([^)\s]+)\)", text) + re.findall(r"<(https?://[^>\s]+)>", text)]
-    assert links, "no links found in README.md"
-    relative = [link for link in links if "://" not in link]
-    assert not relative, f"README.md has relative links, which break on the package index page: {relative}"
-    missing = []
-    for link in links:
-        if link.startswith(f"{REPOSITORY}/blob/main/") or link.startswith(f"{REPOSITORY}/tree/main/"):
-            path = link.split("/main/", 1)[1]
-            if not (ROOT / path).exists():
-                missing.append(link)
-        elif link.startswith(DOCS_SITE):
-            if _site_page_source(link[len(DOCS_SITE) :]) is None:
-                missing.append(link)
-    assert not missing, f"README.md links to files or pages this checkout does not have: {missing}"
+# README links resolve from the checkout: tests/test_readme.py.
 
 
 def _snippet(spec: str) -> str:

@@ -23,17 +23,16 @@ from pyro_scalable.infer.schedules import ScalarOrSchedule, check_positive, reso
 from pyro_scalable.infer.sgmcmc import integrators
 from pyro_scalable.infer.sgmcmc.base import (
     GradientEstimate,
-    Kernel,
     Latents,
-    LogPosteriorFn,
     SGMCMCInfo,
-    estimate,
+    functional_step,
     gaussian_like,
     injected_variance,
 )
 from pyro_scalable.infer.sgmcmc.divergence import keep_where_finite
+from pyro_scalable.infer.sgmcmc.kernel import Kernel
 
-__all__ = ["Skeleton", "SkeletonState", "estimate", "init", "step", "update"]
+__all__ = ["Skeleton", "SkeletonState", "init", "step", "update"]
 
 
 class SkeletonState(NamedTuple):
@@ -59,7 +58,7 @@ def update(
     temperature: ScalarOrSchedule = 1.0,
     generator: torch.Generator | None = None,
 ) -> tuple[SkeletonState, SGMCMCInfo]:
-    """Move one chain by one step, given the gradient from :func:`estimate`."""
+    """Move one chain by one step, given the minibatch gradient (estimated outside the kernel)."""
     step_size_now = resolve(step_size, state.step_count, gradient.log_posterior)
     temperature_now = resolve(temperature, state.step_count, gradient.log_posterior)
     # No gradient-noise estimate here: injected_variance returns the wanted 2εT and NaN statistics.
@@ -83,25 +82,16 @@ def update(
     return SkeletonState(latents, checked, state.step_count + 1), info
 
 
-def step(
-    state: SkeletonState,
-    batch: Any,
-    log_posterior_fn: LogPosteriorFn,
-    *,
-    step_size: ScalarOrSchedule,
-    temperature: ScalarOrSchedule = 1.0,
-    generator: torch.Generator | None = None,
-) -> tuple[SkeletonState, SGMCMCInfo]:
-    """Advance one chain by one step on ``batch`` (:func:`estimate` then :func:`update`)."""
-    gradient = estimate(state, batch, log_posterior_fn)
-    return update(state, gradient, step_size=step_size, temperature=temperature, generator=generator)
+# ``step``: ``update`` after the minibatch gradient, for one chain outside the driver (the driver estimates the
+# gradient itself and hands it to ``update``).
+step = functional_step(update)
 
 
 class Skeleton(Kernel):
     """The skeleton engine for a Pyro model: binds the model and the hyperparameters; the maths is in :func:`update`.
 
-    :class:`~pyro_scalable.infer.sgmcmc.base.Kernel` gives it the calls the driver makes (``init``, ``estimate``,
-    ``update``, ``step``) from ``init_rule``, ``update_rule`` and :meth:`hyperparameters`.
+    :class:`~pyro_scalable.infer.sgmcmc.kernel.Kernel` gives it the calls the driver makes (``init``, ``update``,
+    ``latents``, ``relocate``) from ``init_rule``, ``update_rule`` and :meth:`hyperparameters`.
 
     Args:
         model: a Pyro model whose likelihood sits in ``pyro.plate(name, N, subsample_size=B)``.

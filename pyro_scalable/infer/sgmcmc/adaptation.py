@@ -10,8 +10,8 @@ During warm-up each step also measures, on its own minibatch,
   :math:`H` of the negative log joint in the sampler's metric :math:`S` (the preconditioner or inverse mass;
   :math:`S = I` for plain SGLD/SGHMC), by power iteration with Hessian-vector products (the vjp of
   the gradient, :func:`~pyro_scalable.infer.autodiff.hvp`), a few iterations at the first warm-up step and then one
-  on every fourth (a product costs about two gradients; measured on the hierarchies of ``docs/benchmarks.md``,
-  warm-up took a third less time, and the chains mixed as well).
+  on every fourth (a product costs about two gradients, and a curvature averaged over 50 steps changes little in
+  four).
 
 Each sampler turns the two into a step size with a stability bound (:math:`\epsilon\lambda \le c` for Langevin,
 :math:`\epsilon\sqrt\lambda \le c` for the momentum samplers, which keeps the discretisation bias of the
@@ -53,6 +53,7 @@ from pyro_scalable.infer.sgmcmc.base import (
     average_noise,
     estimate_gradient,
     noise_phase,
+    noise_start,
 )
 
 __all__ = [
@@ -86,10 +87,16 @@ class AdaptationState(NamedTuple):
 
 
 class TunedState(NamedTuple):
-    """A chain after warm-up: its kernel's State and the hyperparameters warm-up chose for it."""
+    """A chain after warm-up: its kernel's State, the hyperparameters warm-up chose, the gradient noise's average."""
 
     kernel: Any
     hyperparameters: dict[str, Any]
+    noise: Latents  # moving average of the diagonal gradient-noise variance ({} where the kernel ignores the noise)
+
+
+def handed(kernel: Any, gradient: GradientEstimate, noise: Latents) -> GradientEstimate:
+    """``gradient`` as the kernel's update takes it: its noise the moving average (none where the kernel ignores it)."""
+    return gradient._replace(noise_variance={} if kernel.gradient_noise == "ignore" else noise)
 
 
 def power_iterations(warmup_step: int) -> int:
@@ -189,10 +196,12 @@ class Adaptation:
         backoff = torch.where(gradient.diverging, 0.5 * state.backoff, state.backoff)
         stiffer = backoff ** (-self.rule.order)
         state = state._replace(curvature=state.curvature * stiffer)
-        kernel_state, tuned, state = self.rule.tune(self.kernel, state, gradient, temperature, phase.burn_in)
+        tuned, state, extra = self.rule.tune(self.kernel, state, gradient, temperature, phase.burn_in)
         state = state._replace(curvature=state.curvature / stiffer, backoff=backoff)
-        kernel_state, info = self.kernel.update(kernel_state, gradient, generator, phase, **tuned)
-        return settle(state._replace(kernel=kernel_state, tuned=tuned), phase.burn_in), info
+        kernel_state, info = self.kernel.update(
+            state.kernel, handed(self.kernel, gradient, state.noise), generator, **tuned, **extra
+        )
+        return settle(self.kernel, state._replace(kernel=kernel_state, tuned=tuned), phase.burn_in), info
 
     def plain_gradient_at(self, state: AdaptationState, phase: Phase = SAMPLING) -> Latents | None:
         """The latents where a warm-up step measures neither noise nor curvature: its estimate is the plain gradient."""
@@ -209,40 +218,50 @@ class Adaptation:
         """The chain's draw: its last point with a finite log density and gradient."""
         return state.kernel.checked_latents
 
-    @staticmethod
-    def finish(state: AdaptationState) -> TunedState:
-        """The end of warm-up: keep the kernel's State and the chosen hyperparameters, drop the rest."""
-        return TunedState(state.kernel, state.tuned)
+    def finish(self, state: AdaptationState) -> TunedState:
+        """The end of warm-up: keep the kernel's State, the chosen hyperparameters and the noise's average."""
+        return TunedState(state.kernel, state.tuned, {} if self.kernel.gradient_noise == "ignore" else state.noise)
 
 
 class Tuned:
-    """``kernel`` with the per-chain hyperparameters warm-up chose: steps a :class:`TunedState`."""
+    """``kernel`` sampling with its hyperparameters (those warm-up chose, per chain): steps a :class:`TunedState`.
+
+    It estimates the gradient, and its noise on every :data:`~.base.NOISE_EVERY`-th step where the kernel corrects
+    for or reports the noise, folds that into the moving average, and hands the kernel the gradient with the average.
+    """
 
     def __init__(self, kernel: Any):
         self.kernel = kernel
 
     def init(self, latents: Latents) -> TunedState:
         """A chain at ``latents`` with nothing chosen (the kernel's own hyperparameters)."""
-        return TunedState(self.kernel.init(latents), {})
+        return TunedState(self.kernel.init(latents), {}, noise_start(latents, self.kernel.gradient_noise))
 
     def phase(self, step_index: int) -> Phase:
-        """A sampling step: the kernel's (the update, measuring the gradient noise where it is due)."""
-        return self.kernel.phase(step_index)
+        """A sampling step: the update, measuring the gradient noise where it is due (:func:`~.base.noise_phase`)."""
+        return SAMPLING if self.kernel.gradient_noise == "ignore" else noise_phase(step_index)
 
     def estimate(
         self, state: TunedState, batch: Any, log_posterior_fn: LogPosteriorFn, phase: Phase = SAMPLING, direction=None
     ) -> GradientEstimate:
-        """The kernel's gradient estimate."""
-        return self.kernel.estimate(state.kernel, batch, log_posterior_fn, phase)
+        """The minibatch gradient at the chain's latents, with its noise where ``phase`` measures it."""
+        noise = self.kernel.gradient_noise != "ignore" and bool(phase.noise_every)
+        return estimate_gradient(log_posterior_fn, state.kernel.latents, batch, noise=noise)
 
     def plain_gradient_at(self, state: TunedState, phase: Phase = SAMPLING) -> Latents | None:
-        """The kernel's :meth:`~.base.Kernel.plain_gradient_at`."""
-        return self.kernel.plain_gradient_at(state.kernel, phase)
+        """Where :meth:`estimate` is the plain minibatch gradient (no noise measured), the latents it is taken at."""
+        plain = self.kernel.gradient_noise == "ignore" or not phase.noise_every
+        return state.kernel.latents if plain else None
 
     def update(self, state: TunedState, gradient: GradientEstimate, generator=None, phase: Phase = SAMPLING):
-        """The kernel's update with the chosen hyperparameters."""
-        kernel_state, info = self.kernel.update(state.kernel, gradient, generator, phase, **state.hyperparameters)
-        return TunedState(kernel_state, state.hyperparameters), info
+        """Fold the gradient's noise into the average; the kernel's update with it and the chosen hyperparameters."""
+        noise = state.noise
+        if self.kernel.gradient_noise != "ignore":
+            noise = average_noise(noise, gradient, state.kernel.step_count, phase.noise_every)
+        kernel_state, info = self.kernel.update(
+            state.kernel, handed(self.kernel, gradient, noise), generator, **state.hyperparameters
+        )
+        return TunedState(kernel_state, state.hyperparameters, noise), info
 
     def step(self, state: TunedState, batch: Any, log_posterior_fn: LogPosteriorFn, generator=None, phase=SAMPLING):
         """One sampling step: :meth:`update` after :meth:`estimate`."""
@@ -300,24 +319,18 @@ def observe(state: AdaptationState, estimate: GradientEstimate, noise_every: int
     return state._replace(noise=noise, curvature=curvature, direction=direction, count=count)
 
 
-def settle(state: AdaptationState, burn_in: bool) -> AdaptationState:
+def settle(kernel: Any, state: AdaptationState, burn_in: bool) -> AdaptationState:
     """Average the burn-in's positions; at the first calibrated step, move the chain to that average.
 
-    A chain that moves has its momenta (where its kernel has any) zeroed.
+    A chain that moves starts again from rest (``kernel.relocate``: momenta, where its kernel has any, zeroed).
     """
-    kernel = state.kernel
+    chain = state.kernel
     if burn_in:
         weight = torch.clamp(1.0 / state.count.to(state.curvature.dtype), min=1.0 / _CENTRE_WINDOW)
-        centre = {name: c + weight * (kernel.latents[name] - c) for name, c in state.centre.items()}
+        centre = {name: c + weight * (chain.latents[name] - c) for name, c in state.centre.items()}
         return state._replace(centre=centre, burning=torch.ones_like(state.burning))
     jump = state.burning
-    moved = kernel._replace(
-        latents={name: torch.where(jump, state.centre[name], x) for name, x in kernel.latents.items()}
-    )
-    if hasattr(moved, "momenta"):
-        moved = moved._replace(
-            momenta={name: torch.where(jump, p.new_zeros(()), p) for name, p in moved.momenta.items()}
-        )
+    moved = kernel.relocate(chain, state.centre, jump)
     backoff = torch.where(jump, torch.ones_like(state.backoff), state.backoff)  # burn-in's divergences are forgiven
     return state._replace(kernel=moved, burning=torch.zeros_like(state.burning), backoff=backoff)
 

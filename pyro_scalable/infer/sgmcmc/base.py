@@ -1,12 +1,12 @@
-r"""What every stochastic-gradient MCMC engine shares: the contract, the gradient and its noise, the Info record.
+r"""What every stochastic-gradient MCMC engine shares: the gradient and its noise, the Info record, the phases.
 
-Contract (BlackJAX-style): an engine module has ``init(latents) -> State``, :func:`estimate` (this module's, the
-same for every engine) and ``update(state, gradient, *, <hyperparameters>, generator) -> (State, Info)``, and
-``step = update ∘ estimate``. Every State field is a tensor, so ``torch.func.vmap(step, randomness="different")``
-runs many chains as one computation, and a State holds only what its update rule reads: warm-up
-(:mod:`.adaptation`) wraps a kernel with its own state and hands the hyperparameters it chose to ``update`` as
-arguments. The driver may call the two halves itself, so that a data-parallel run can all-reduce the
-:class:`GradientEstimate` between them.
+Contract (BlackJAX-style): an engine module has ``init(latents) -> State`` and
+``update(state, gradient, *, <hyperparameters>, generator) -> (State, Info)``; the gradient is estimated outside
+the kernel (:func:`estimate_gradient`, with the moving average of its noise folded in by the program that steps the
+chain, :mod:`.adaptation`) and handed to ``update``, and ``step = update ∘ estimate`` (:func:`functional_step`).
+Every State field is a tensor, so ``torch.func.vmap`` runs many chains as one computation, and a State holds only
+what its update rule reads: warm-up wraps a kernel with its own state and hands the hyperparameters it chose to
+``update`` as arguments. A data-parallel run all-reduces the :class:`GradientEstimate` between the two halves.
 
 Every State also carries ``checked_latents``: the last point at which the log density and its gradient were
 found finite. That point, not the untested proposal, is the draw the driver records, so ``Info.log_posterior``
@@ -24,12 +24,12 @@ estimate :math:`\hat V = (1 - B/N)\, s^2 / B` (sample variance :math:`s^2` over 
 mean, which is the usual minibatch gradient. A log posterior may split a large minibatch into :math:`G` groups of
 :math:`m` examples instead (the bridge does above 32 examples): the groups' mean gradients :math:`h_g` give
 :math:`s^2 \approx m\,\mathrm{var}_G(h_g)`, unbiased over random partitions, at the cost of one batched
-gradient (:mod:`pyro_scalable.bridge.log_posterior`). An engine that corrects for (or reports) the noise keeps a moving
-average of :math:`\hat V` over about 50 steps in its State (:func:`average_noise`): steadier than one
-minibatch's estimate, whose clipping at 0 would bias the correction. A run's sampling steps (and burn-in's)
-measure it on every fourth step (:func:`noise_phase`; each measurement weighs as the four steps it stands for)
-and take the plain gradient in between: the per-example gradients cost several plain ones, and an average over
-50 steps changes little in four (``docs/benchmarks.md``, "The gradient noise on every fourth step").
+gradient (:mod:`pyro_scalable.bridge.log_posterior`). Where a kernel corrects for (or reports) the noise, the
+program stepping it keeps a moving average of :math:`\hat V` over about 50 steps (:func:`average_noise`) and hands
+that to the update: steadier than one minibatch's estimate, whose clipping at 0 would bias the correction. A run's
+sampling steps (and burn-in's) measure it on every fourth step (:func:`noise_phase`; each measurement weighs as the
+four steps it stands for) and take the plain gradient in between: the per-example gradients cost several plain
+ones, and an average over 50 steps changes little in four.
 """
 
 from __future__ import annotations
@@ -48,7 +48,6 @@ from pyro_scalable.infer.schedules import constant
 __all__ = [
     "CURVATURE_EVERY",
     "GradientEstimate",
-    "Kernel",
     "LogPosteriorFn",
     "Phase",
     "SAMPLING",
@@ -61,10 +60,12 @@ __all__ = [
     "extended_info",
     "gaussian_like",
     "injected_variance",
-    "noise_in_step",
+    "functional_step",
+    "noise_in_update",
     "noise_phase",
     "noise_start",
     "scalar_like",
+    "shared_info",
 ]
 
 Latents = dict[str, Tensor]
@@ -109,6 +110,21 @@ class SGMCMCInfo(NamedTuple):
     diverging: Tensor  # bool: the step was rejected because the log density or gradient was not finite
     noise_ratio: Tensor  # max over coordinates of gradient-noise variance / wanted noise variance (NaN: not estimated)
     uncorrected: Tensor  # share of coordinates where that ratio passed 1: no correction possible (NaN: not estimated)
+
+
+def shared_info(
+    gradient: GradientEstimate, step_size: Tensor, temperature: Tensor, noise_ratio: Tensor, uncorrected: Tensor
+) -> tuple[Tensor, ...]:
+    """The fields of :class:`SGMCMCInfo` for a step taken with ``gradient`` (an engine's Info adds its own after)."""
+    return (
+        gradient.log_posterior,
+        gradient.grad_norm,
+        step_size,
+        temperature,
+        gradient.diverging,
+        noise_ratio,
+        uncorrected,
+    )
 
 
 def extended_info(name: str, *extra: str) -> type:
@@ -216,7 +232,7 @@ def _spread(per_grads: Tensor, mean: Tensor) -> Tensor:
 
 
 def noise_start(latents: Latents, gradient_noise: str) -> Latents:
-    """A State's ``noise_average`` at the start: zeros where the noise is estimated, ``{}`` where it is not."""
+    """A noise average at the start: zeros where the noise is estimated, ``{}`` where it is not."""
     return {} if gradient_noise == "ignore" else {name: torch.zeros_like(x) for name, x in latents.items()}
 
 
@@ -224,8 +240,8 @@ def average_noise(average: Latents, gradient: GradientEstimate, step_count: Tens
     """Fold a step's noise estimate into the moving average (weight ``1/(t+1)``, at least ``1/50``).
 
     A measurement taken on every ``every``-th step weighs as that many steps (``every/(t+every)``, at least
-    ``every/50``). An empty ``average`` (a State started without one) starts from zeros; a diverging step, or one
-    that measured nothing, leaves it as it was.
+    ``every/50``). An empty ``average`` starts from zeros; a diverging step, or one that measured nothing, leaves it
+    as it was.
     """
     if not gradient.noise_variance:
         return average
@@ -238,25 +254,19 @@ def average_noise(average: Latents, gradient: GradientEstimate, step_count: Tens
     }
 
 
-def noise_in_step(
-    state: Any,
-    gradient: GradientEstimate,
-    gradient_noise: str,
-    scale: Tensor | Callable[[str], Tensor],
-    noise_every: int = 1,
-) -> tuple[Latents, Latents]:
-    """The State's next ``noise_average``, and the variance the gradient noise brings into this step's update.
+def noise_in_update(
+    gradient: GradientEstimate, gradient_noise: str, scale: Tensor | Callable[[str], Tensor]
+) -> Latents:
+    """The variance the gradient's noise brings into an update: ``scale`` times ``gradient.noise_variance``.
 
-    ``scale`` maps the noise of the gradient to its variance in the update (SGLD's ε², per site where it differs);
-    ``noise_every``: the measurement's weight in steps (:func:`average_noise`). Nothing is estimated with
-    ``gradient_noise="ignore"``: the average stays as it is and the variance is ``{}``.
+    ``scale`` maps the gradient's noise to its variance in the update (SGLD's ε², per site where it differs).
+    ``{}`` with ``gradient_noise="ignore"`` or where the estimate carries no noise.
     """
-    if gradient_noise == "ignore":
-        return state.noise_average, {}
-    average = average_noise(state.noise_average, gradient, state.step_count, noise_every)
+    if gradient_noise == "ignore" or not gradient.noise_variance:
+        return {}
     if callable(scale):
-        return average, {name: scale(name) * v for name, v in average.items()}
-    return average, {name: scale * v for name, v in average.items()}
+        return {name: scale(name) * v for name, v in gradient.noise_variance.items()}
+    return {name: scale * v for name, v in gradient.noise_variance.items()}
 
 
 def injected_variance(
@@ -314,87 +324,19 @@ def check_gradient_noise(gradient_noise: str | None, step_size: Any) -> str:
     return gradient_noise
 
 
-class Kernel:
-    """What every engine's Pyro-facing class shares: the calls the chain stepper makes, with the bound hyperparameters.
+def functional_step(update_rule: Callable) -> Callable:
+    """A kernel module's ``step``: ``update_rule`` after :func:`estimate`, for one chain outside the driver.
 
-    A subclass sets ``init_rule`` and ``update_rule`` (its module's ``init`` and ``update``) and
-    ``hyperparameters()`` (the keyword arguments ``update_rule`` takes from the class); where warm-up chooses
-    something, ``adapts`` is true and ``warmup_rule`` names the rule (:mod:`.tuning`). The hyperparameters warm-up
-    chose are passed to :meth:`update` as keyword arguments (per-chain tensors) and take the place of the bound ones.
+    The update takes this step's own noise estimate (the driver hands it a moving average instead).
     """
 
-    adapts = False
-    gradient_noise = "ignore"
-    control_variate = None  # see :mod:`.control_variates`
+    def step(state: Any, batch: Any, log_posterior_fn: LogPosteriorFn, *, gradient_noise: str = "ignore", **kwargs):
+        gradient = estimate(state, batch, log_posterior_fn, gradient_noise=gradient_noise)
+        noise = {} if gradient_noise == "ignore" else {"gradient_noise": gradient_noise}  # an update may not take it
+        return update_rule(state, gradient, **noise, **kwargs)
 
-    def hyperparameters(self) -> dict[str, Any]:
-        """The keyword arguments of the module's ``update`` that this class binds."""
-        raise NotImplementedError
-
-    def init(self, latents: Latents) -> Any:
-        """Start a chain at unconstrained ``latents`` (with a noise average where the kernel estimates the noise)."""
-        if self.gradient_noise == "ignore":
-            return type(self).init_rule(latents)
-        return type(self).init_rule(latents, gradient_noise=self.gradient_noise)
-
-    def phase(self, step_index: int) -> Phase:
-        """What step ``step_index`` does besides the update: where the noise is estimated, :func:`noise_phase`."""
-        return SAMPLING if self.gradient_noise == "ignore" else noise_phase(step_index)
-
-    def estimate(
-        self, state: Any, batch: Any, log_posterior_fn: LogPosteriorFn, phase: Phase = SAMPLING, direction=None
-    ) -> GradientEstimate:
-        """The gradient (and its noise, where this kernel uses it and ``phase`` measures it) the next update needs."""
-        noise = self.gradient_noise if phase.noise_every else "ignore"
-        return estimate(state, batch, log_posterior_fn, gradient_noise=noise)
-
-    def plain_gradient_at(self, state: Any, phase: Phase = SAMPLING) -> Latents | None:
-        """Where :meth:`estimate` is the plain minibatch gradient (no noise estimate), the latents it is taken at.
-
-        The chain stepper then takes it for all chains in one backward pass; ``None`` where it is more than that (a
-        subclass with an :meth:`estimate` of its own keeps it: its estimate runs for every chain).
-        """
-        unmeasured = self.gradient_noise == "ignore" or not phase.noise_every
-        plain = unmeasured and type(self).estimate is Kernel.estimate
-        return state.latents if plain else None
-
-    def update(
-        self, state: Any, gradient: GradientEstimate, generator=None, phase: Phase = SAMPLING, **tuned: Any
-    ) -> tuple[Any, Any]:
-        """One update with this kernel's hyperparameters (``tuned``: those chosen in warm-up), given the gradient.
-
-        Where ``phase`` measures the noise other than on every step, the update rule is told its weight
-        (``noise_every``).
-        """
-        every = {} if phase.noise_every == 1 else {"noise_every": phase.noise_every}
-        arguments = {**self.hyperparameters(), **tuned, **every}
-        return type(self).update_rule(state, gradient, **arguments, generator=generator)
-
-    def step(
-        self,
-        state: Any,
-        batch: Any,
-        log_posterior_fn: LogPosteriorFn,
-        generator=None,
-        phase: Phase = SAMPLING,
-        **tuned: Any,
-    ):
-        """One step with this kernel's hyperparameters: :meth:`update` after :meth:`estimate`."""
-        return self.update(state, self.estimate(state, batch, log_posterior_fn, phase), generator, phase, **tuned)
-
-    def setup(self, *args: Any, **kwargs: Any) -> None:
-        """Refuse ``pyro.infer.MCMC``, which calls this first: these kernels need a minibatch driver."""
-        name = type(self).__name__
-        raise TypeError(
-            f"{name} is a stochastic-gradient kernel, which pyro.infer.MCMC cannot run (no accept step, minibatches); "
-            f"use pyro_scalable.infer.StochasticMCMC({name}(...), num_samples=..., num_warmup=...).run(*args)."
-        )
-
-    @staticmethod
-    def latents(state: Any) -> Latents:
-        """The chain's draw: its last point with a finite log density and gradient."""
-        return state.checked_latents
-
-    finish = staticmethod(lambda state: state)  # the end of warm-up, for a kernel that has none: nothing to unwrap
-
-    sampler = property(lambda self: self)
+    step.__doc__ = (
+        "Advance one chain by one step on ``batch``: the module's ``update`` (same keywords) after "
+        ":func:`~pyro_scalable.infer.sgmcmc.base.estimate`."
+    )
+    return step

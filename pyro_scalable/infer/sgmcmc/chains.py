@@ -2,11 +2,10 @@
 
 The driver (:mod:`.mcmc`) hands each step's minibatch and index to a :class:`ChainStepper`, which runs a *program*
 on every chain: vectorised where the model allows it, sequentially (with a one-line warning) where vmap cannot
-batch it. A program is a kernel (:class:`~.base.Kernel`), warm-up around one (:class:`~.adaptation.Adaptation`)
-or a kernel with the hyperparameters warm-up chose (:class:`~.adaptation.Tuned`); all offer the same calls:
-``init(latents)``, ``phase(step_index)``, ``step(state, batch, log_posterior_fn, generator, phase)`` and
-``latents(state)`` (a program without ``phase`` or ``latents``: every step samples, the draw is
-``state.checked_latents``). With a ``reducer`` (data-parallel, :mod:`.distributed`) a step is
+batch it. A program (:class:`~.program.Program`) is warm-up around a kernel (:class:`~.adaptation.Adaptation`) or
+the kernel sampling with its hyperparameters (:class:`~.adaptation.Tuned`): ``init(latents)``,
+``phase(step_index)``, ``step(state, batch, log_posterior_fn, generator, phase)``, ``latents(state)``, and the
+halves of a step. With a ``reducer`` (data-parallel, :mod:`.distributed`) a step is
 ``estimate(state, batch, log_posterior_fn, phase, direction)`` on this rank's share, an all-reduce, then
 ``update(state, gradient, generator, phase)``.
 """

@@ -41,8 +41,9 @@ __all__ = ["FORMAT", "Resumed", "RunCheckpoint", "run_fingerprint"]
 
 # bumped when the layout of a run checkpoint changes (2: warm-up's state apart from the kernel's; 3: the kind, the
 # model's code and the data's values in the fingerprint; 4: the control variate's centre and full-data gradient,
-# and warm-up's metric; 5: warm-up's metric window per chain, its log-density window and restarted chains)
-FORMAT = 5
+# and warm-up's metric; 5: warm-up's metric window per chain, its log-density window and restarted chains;
+# 6: the gradient noise's average in the program's state, not the kernel's)
+FORMAT = 6
 KIND = "StochasticMCMC"
 _KEYS = (
     "fingerprint",
@@ -85,7 +86,7 @@ def unstack_chains(leaves: list[Tensor], template: Any, mode: str) -> Any:
     return [tree_unflatten([leaf[c].clone() for leaf in leaves], spec) for c in range(num_chains)]
 
 
-def run_fingerprint(run: Any, batches: Any = None) -> dict[str, str]:
+def run_fingerprint(run: Any, record: Any, batches: Any = None) -> dict[str, str]:
     """What a driver run's draws depend on: a checkpoint resumes only a run whose fingerprint is the same.
 
     The model enters by name and by its code (:func:`pyro_scalable.infer.digest.digest`: its bytecode, closure,
@@ -96,7 +97,7 @@ def run_fingerprint(run: Any, batches: Any = None) -> dict[str, str]:
     """
     model = run.kernel.model
     model = model.model if isinstance(model, FullDataModel) else model  # the model as written
-    bridge = run.bridge
+    bridge = record.bridge  # the model on the steps' data (:class:`~pyro_scalable.infer.record.RunRecord`)
     fields = {
         "kernel": run.kernel,
         "model": getattr(model, "__qualname__", type(model).__name__),
@@ -111,18 +112,16 @@ def run_fingerprint(run: Any, batches: Any = None) -> dict[str, str]:
         "device": bridge.device.type,
         "batches": None if batches is None else type(batches).__name__,
     }
-    if getattr(run, "shared_minibatches", False):  # only where on: checkpoints written before it stay valid
+    if run.shared_minibatches:  # only where on: checkpoints written before it stay valid
         fields["shared_minibatches"] = True
-    control = getattr(run.kernel, "control_variate", None)
+    control = run.kernel.control_variate
     return {
         **{name: stable_repr(value) for name, value in fields.items()},
         "model_code": digest(model),
         "control_variate": control if control is None or isinstance(control, str) else digest(control),
         "data": describe((bridge.args, bridge.kwargs)),
         "data_values": digest(
-            (bridge.args, bridge.kwargs)
-            if batches is None
-            else (run.results.args, run.results.kwargs, _loader(batches))
+            (bridge.args, bridge.kwargs) if batches is None else (record.args, record.kwargs, _loader(batches))
         ),
     }
 
@@ -167,6 +166,7 @@ class RunCheckpoint:
         every: int,
         *,
         run: Any,
+        progress: Any,
         stepper: Any,
         generator: torch.Generator,
         sampler: Any,
@@ -178,8 +178,9 @@ class RunCheckpoint:
     ):
         self.path = path
         self.every = every
-        self.fingerprint = run_fingerprint(run, batches)
-        self.run = run  # the driver: its draw buffers and warm-up divergence count
+        self.fingerprint = run_fingerprint(run, progress.record, batches)
+        self.run = run  # the driver's settings
+        self.progress = progress  # the run's draws, warm-up counts and control variate (:class:`.phases.RunState`)
         self.stepper = stepper
         self.generator = generator
         self.sampler = sampler  # an EpochSampler, or None where a DataLoader feeds the steps
@@ -210,7 +211,7 @@ class RunCheckpoint:
         self.generator.set_state(saved["generator"])
         if self.sampler is not None:
             self.sampler.load_state_dict(saved["sampler"])
-        results, kept = self.run.results, saved["kept"]
+        results, kept = self.progress.record, saved["kept"]
         for name, value in saved["draws"].items():
             results.draws[name][:, :kept].copy_(value)
         for name, value in saved["stats"].items():
@@ -242,10 +243,10 @@ class RunCheckpoint:
             "state": list(state) if isinstance(state, list) else state,
             "generator": self.generator.get_state(),
             "sampler": self.sampler.state_dict() if self.sampler is not None else None,
-            "warmup_divergences": self.run.num_warmup_divergences,
+            "warmup_divergences": self.progress.warmup_divergences,
             "metric": None if self.metric is None else self.metric.state_dict(),
             "window": None if self.window is None else self.window.state_dict(),
-            "restarted": self.run.restarted.clone(),
+            "restarted": self.progress.restarted.clone(),
         }
 
     def step_done(self, step: int, kept: int, *, stopped: bool = False) -> None:
@@ -256,8 +257,8 @@ class RunCheckpoint:
 
     def write(self) -> None:
         """Write the run as last remembered."""
-        self.run.results.settle()
-        last, kept = self._last, self._last["kept"]
+        self.progress.record.settle()
+        last, kept, control = self._last, self._last["kept"], self.progress.control_variate
         sampler = last["sampler"]
         if sampler is not None:
             sampler = {"orders": {k: v.cpu() for k, v in sampler["orders"].items()}, "position": sampler["position"]}
@@ -270,9 +271,9 @@ class RunCheckpoint:
                 "fingerprint": self.fingerprint,
                 "state": stack_chains(last["state"]),
                 "sampler": sampler,
-                "draws": {k: v[:, :kept].detach().cpu().clone() for k, v in self.run.results.draws.items()},
-                "stats": {k: v[:, :kept].detach().cpu().clone() for k, v in self.run.results.stats.items()},
-                "control_variate": _to(self.run.control_variate and self.run.control_variate._asdict(), "cpu"),
+                "draws": {k: v[:, :kept].detach().cpu().clone() for k, v in self.progress.record.draws.items()},
+                "stats": {k: v[:, :kept].detach().cpu().clone() for k, v in self.progress.record.stats.items()},
+                "control_variate": _to(control and control._asdict(), "cpu"),
                 "metric": _to(last["metric"], "cpu"),
                 "window": _to(last["window"], "cpu"),
                 "warmup_divergences": _to(last["warmup_divergences"], "cpu"),

@@ -43,23 +43,15 @@ def choose(option: Any, kernel: Any, bridge: ModelBridge, *, windows: bool = Tru
 
     * ``"map"`` where ``N/B ≥`` :data:`AUTO_RATIO` and no latent site is in a plate. The plain estimate's noise bound
       makes the step about ``B/N`` of the curvature bound and a relaxation time about ``N/B`` steps; the control
-      variate lifts that bound for twice the work per step. Measured (``benchmarks/bench_accuracy.py``, logistic
-      regression, d = 10, B = 1,000, 4 chains): at ``N/B = 100`` accurate in 14 s with it, not within 80 s
-      without; at ``N/B = 10`` no gain in time to accuracy there. At ``N/B = 20`` on a linear regression with
-      condition number 1,500 and warm-up's dense metric (d = 10, 4 × 1,000 draws): r_hat 1.01 and ESS 347 with it,
-      r_hat 1.13 and ESS 26 without. At ``N/B = 10`` on the zoo's small models (``tests/model_zoo.py``, N = 120,
-      SGHMC, 4 × 1,000 draws, seeds 0-2) the least bulk ESS went from 117-176 to 373-398 (latent-scale
-      regression) and from 131-223 to 371-401 (logistic regression), at about 1.2× the time per run: the
-      friction the gradient noise asked for fell from about 50 to 7. So the draws a user asks for are worth more.
+      variate lifts that bound for twice the work per step. From ``N/B = 10`` the controlled noise is small enough
+      that warm-up's friction drops several-fold, and the draws a run keeps are worth about three times as many
+      (the least bulk ESS of the accuracy zoo's small models, ``tests/model_zoo.py``) for about 1.2× the time.
     * ``"warmup"`` for a model with a latent site inside a plate (group-level latents: a hierarchy) where
       ``N/B ≥`` :data:`HIERARCHY_RATIO`. There the joint mode is not where the posterior's mass is: in a
       non-centred hierarchy with G group effects z ~ N(0, 1) the mode wants every z near 0 and a large group scale
-      τ, while the draws hold ‖z‖² ≈ G; measured (``benchmarks/bench_conditioning.py``, 60 groups, 6,366 rows), the
-      mode has τ = 2.4 where the posterior holds τ in [0.65, 0.9], and chains controlled there ran off to τ → 0.
-      Warm-up's window means are in the posterior's bulk; and each group's effect is informed by its own rows only,
-      so the plain estimate's noise binds even at a small ``N/B``. Measured on the same benchmark: a partial-pooling
-      regression at ``N/B = 5`` went from r_hat 1.053 / ESS 121 to 1.014 / 341 (1.4× the time), the hierarchical
-      logistic regression at ``N/B = 25`` from 1.288 / 13 to 1.195 / 24.
+      τ, while the draws hold ‖z‖² ≈ G, so a centre at the mode can lie far outside the posterior's bulk and
+      chains controlled there drift away from it. Warm-up's window means are in the bulk; and each group's effect is
+      informed by its own rows only, so the plain estimate's noise binds even at a small ``N/B``.
 
     Example:
         >>> import pyro, pyro.distributions as dist, torch
@@ -88,7 +80,7 @@ def choose(option: Any, kernel: Any, bridge: ModelBridge, *, windows: bool = Tru
         )
     if option != "auto":
         return option
-    if getattr(kernel, "step_size", 0) is not None or getattr(kernel, "gradient_noise", None) != "correct":
+    if kernel.step_size is not None or kernel.gradient_noise != "correct":
         return None
     if len(plates) != 1:
         return None

@@ -3,8 +3,8 @@
 The kernels' updates (:mod:`.integrators`) compute a proposal unconditionally; these select, per chain, the proposal
 where the step's estimate was finite and the last finite point (``checked_latents``, momenta zeroed) where it was
 not (:mod:`.base` describes the contract). A plain CPU step outside ``vmap`` that is known finite skips the
-selection (three ``torch.where`` per site per step): that took the 90,701-weight MLP's step from 1.38× to 1.28× a
-hand-written loop's (``docs/benchmarks.md``). Inside ``vmap`` (no per-chain Python flag) and on a GPU (asking would
+selection (three ``torch.where`` per site per step, a noticeable share of a large network's step on a CPU). Inside
+``vmap`` (no per-chain Python flag) and on a GPU (asking would
 synchronise the device every step) the selection always runs.
 """
 

@@ -71,8 +71,8 @@ class StochasticMCMC(Draws):
             a warm-up of at least 200 steps; ``"unit"``: none.
         shared_minibatches: every chain steps on the same minibatch (the subsampled plate's indices drawn once per
             step, not per chain): with vectorised chains, one gather of B rows and one batched product instead of a
-            gather of ``num_chains × B`` rows (about 2× the throughput on a linear model on a CPU,
-            ``docs/benchmarks.md``). The chains' gradient noise is then one draw, so they are not independent given
+            gather of ``num_chains × B`` rows (about twice the throughput on a linear model on a CPU).
+            The chains' gradient noise is then one draw, so they are not independent given
             the data: between-chain r_hat and the pooled ESS can look better than the chains are. Default off.
 
     After ``run``, ``control_variate`` holds the kernel's control variate (its centre, unconstrained, and the
@@ -120,6 +120,11 @@ class StochasticMCMC(Draws):
         **unknown: Any,
     ):
         refuse_pyro_spellings(unknown)
+        if not isinstance(kernel, KernelContract):
+            raise TypeError(
+                f"kernel must be an engine such as SGLD(model, ...) or SGHMC(model, ...) (the calls of "
+                f"pyro_scalable.infer.sgmcmc.program.KernelContract), got {kernel!r}."
+            )
         for name, value, least in (
             ("num_samples", num_samples, 1),
             ("num_warmup", num_warmup, 0),
@@ -134,11 +139,6 @@ class StochasticMCMC(Draws):
         self.metric = check_metric(metric)
         if distributed not in ("data", "chains", None):
             raise ValueError(f"distributed must be 'data', 'chains' or None, got {distributed!r}.")
-        if not isinstance(kernel, KernelContract):
-            raise TypeError(
-                f"kernel must be an engine such as SGLD(model, ...) or SGHMC(model, ...) (the calls of "
-                f"pyro_scalable.infer.sgmcmc.program.KernelContract), got {kernel!r}."
-            )
         self.kernel = kernel
         self.num_samples = operator.index(num_samples)
         self.num_warmup = operator.index(num_warmup)
@@ -183,8 +183,18 @@ class StochasticMCMC(Draws):
         # a stopped earlier run may have kept fewer draws, a chain-parallel one a rank's share of the chains
         self.num_samples, self.num_chains = self._num_samples_requested, self._num_chains_requested
         state = phases.prepare(self, args, kwargs, batches)  # the model bound, the chains started, warm-up's stepper
-        phases.resume(self, state, batches)  # a checkpoint's run goes on from its last completed step
-        phases.attach_control_variate(self, state)  # the gradient the control-variate policy chose
-        phases.sample(self, state)  # warm-up and sampling, step by step
-        phases.finish(self, state)  # the statistics, the ranks' draws gathered, the health checks
+        try:
+            phases.resume(self, state, batches)  # a checkpoint's run goes on from its last completed step
+            phases.attach_control_variate(self, state)  # the gradient the control-variate policy chose
+            phases.sample(self, state)  # warm-up and sampling, step by step
+            phases.finish(self, state)  # the statistics, the ranks' draws gathered, the health checks
+        finally:
+            self._keep(phases.outcome(state))  # what was computed stays readable, also after an interruption
         return self
+
+    def _keep(self, outcome: phases.Outcome) -> None:
+        self.results, self.state, self.metric_map = outcome.results, outcome.state, outcome.metric_map
+        self.control_variate, self.mode_search = outcome.control_variate, outcome.mode_search
+        self.warmup_divergences, self.restarted = outcome.warmup_divergences, outcome.restarted
+        self.num_warmup_divergences = int(outcome.warmup_divergences.sum())
+        self.num_samples, self.num_chains = outcome.num_samples, outcome.num_chains

@@ -25,6 +25,7 @@ from pyro_scalable.bridge.checks import user_stacklevel
 from pyro_scalable.bridge.minibatches import EpochSampler
 from pyro_scalable.bridge.model import Batch, Latents, ModelBridge
 from pyro_scalable.infer.health import HealthWarning
+from pyro_scalable.infer.sgmcmc.adaptation import Tuned
 from pyro_scalable.infer.sgmcmc.chains import ChainStepper
 
 __all__ = ["PROBE_STEPS", "TOLERATED", "probe_gradient_noise", "warn_ignored_noise", "warn_uncorrected_noise"]
@@ -44,15 +45,15 @@ def probe_gradient_noise(
     ``gradient_noise`` option, warm-up chose the step, no plate is subsampled (the gradient is exact, or a loader's
     plate cannot be split into examples), or T = 0.
     """
-    # a kernel takes the option when it sets it (the five here do); one that only inherits the class default (an
-    # engine written from the developer guide's skeleton) cannot estimate the noise
-    if vars(kernel).get("gradient_noise") != "ignore" or getattr(kernel, "adapts", False) or not bridge.plates:
+    # a kernel takes the option where its update does (the five here do; the developer guide's skeleton does not)
+    takes = "gradient_noise" in kernel.hyperparameters()
+    if not takes or kernel.gradient_noise != "ignore" or kernel.adapts or not bridge.plates:
         return None
     probe = copy.copy(kernel)
     probe.gradient_noise = "estimate"
     generator = torch.Generator(device=bridge.device).manual_seed(seed + 1)  # never the run's generator
     first = {name: value[:1].detach() for name, value in latents.items()}
-    stepper = ChainStepper(probe, bridge, first, generator, "sequential")
+    stepper = ChainStepper(Tuned(probe), bridge, first, generator, "sequential")
     stepper.log_posterior_fn = log_posterior_fn or stepper.log_posterior_fn
     sampler = EpochSampler(bridge.plates, 1, generator, bridge.device)
     with torch.no_grad():

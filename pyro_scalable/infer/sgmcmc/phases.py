@@ -9,47 +9,50 @@
    interruption keeps every draw taken.
 5. :func:`finish`: the record's statistics, the distributed gather, the health checks.
 
-The phases read and write the driver's public results (``results``, ``restarted``, ``control_variate``, ...) as
-the driver itself did; what moves between them is the :class:`RunState`.
+The phases read the driver's settings and write nothing onto it: what moves between them, and what the run
+produces, is the :class:`RunState`; :func:`outcome` is what the driver keeps of it (also after an interruption).
 """
 
 from __future__ import annotations
 
-import itertools
 import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from pyro_scalable.bridge.checks import ModelError, first_line, user_stacklevel
+from pyro_scalable.bridge.checks import user_stacklevel
 from pyro_scalable.bridge.minibatches import EpochSampler, data_passes
 from pyro_scalable.bridge.model import Batch, Latents, ModelBridge
 from pyro_scalable.infer.distributed import broadcast_seed
 from pyro_scalable.infer.health import repeated_draws, warn_unhealthy
 from pyro_scalable.infer.record import RunRecord
-from pyro_scalable.infer.sgmcmc.adaptation import Adaptation
+from pyro_scalable.infer.sgmcmc.adaptation import Adaptation, Tuned
 from pyro_scalable.infer.sgmcmc.chains import ChainStepper
 from pyro_scalable.infer.sgmcmc.checkpoint import RunCheckpoint
 from pyro_scalable.infer.sgmcmc.control_choice import attach, choose, recentre
 from pyro_scalable.infer.sgmcmc.distributed import setup as setup_parallel
 from pyro_scalable.infer.sgmcmc.metric import MetricSchedule
 from pyro_scalable.infer.sgmcmc.noise_probe import probe_gradient_noise, warn_ignored_noise, warn_uncorrected_noise
-from pyro_scalable.infer.sgmcmc.run_arguments import cycle
+from pyro_scalable.infer.sgmcmc.run_arguments import bind
 from pyro_scalable.infer.sgmcmc.stragglers import WindowLog
 
-__all__ = ["RunState", "attach_control_variate", "finish", "prepare", "resume", "sample", "step"]
+__all__ = ["Outcome", "RunState", "attach_control_variate", "finish", "outcome", "prepare", "resume", "sample", "step"]
 
 _NOISE_STATS = ("noise_ratio", "uncorrected")
 
 
 @dataclass
 class RunState:
-    """What one run's phases hand on: the model, the chains' stepper, the minibatches, the warm-up's bookkeeping."""
+    """What one run's phases hand on: the model, the chains' stepper, the minibatches, the warm-up's bookkeeping.
 
+    And what the run produces: the record of draws, the per-chain warm-up counts, the control variate chosen.
+    """
+
+    record: RunRecord
     bridge: ModelBridge
     parallel: Any  # the distributed mode's helper, or None
     reducer: Any  # the data-parallel all-reduce, or None
@@ -64,6 +67,12 @@ class RunState:
     batch_iter: Iterator | None  # a DataLoader's elements, cycled
     batches: Iterable | None
     total: int  # warm-up steps + sampling steps
+    num_samples: int  # draws per chain: as asked, then as kept (or gathered)
+    num_chains: int  # as asked, or as gathered (chain-parallel)
+    warmup_divergences: Tensor  # per chain, on the model's device until the run ends
+    restarted: Tensor  # per chain: how often warm-up restarted it from a healthy chain
+    control_variate: Any = None  # the control variate's centre and full-data gradient (:mod:`.control_variates`)
+    mode_search: Any = None  # how its mode was found
     option: Any = None  # the control-variate policy's choice
     checkpoint: RunCheckpoint | None = None
     start: int = 0
@@ -74,8 +83,8 @@ class RunState:
 def prepare(run: Any, args: tuple, kwargs: dict, batches: Iterable | None) -> RunState:
     """Bind the model, start the chains, and build warm-up's stepper (its first stage, without a metric)."""
     seed = int(torch.randint(0, 2**62, ())) if run.seed is None else run.seed
-    run.results, batch_iter = bind(run, args, kwargs, batches)
-    bridge = run.results.bridge
+    record, batch_iter = bind(run.kernel.model, args, kwargs, batches)
+    bridge = record.bridge
     parallel = setup_parallel(run.distributed, bridge.plates, run.num_chains, sharded=batch_iter is None)
     if parallel is not None:
         seed = broadcast_seed(seed, bridge.device)
@@ -95,18 +104,16 @@ def prepare(run: Any, args: tuple, kwargs: dict, batches: Iterable | None) -> Ru
     # warm-up wraps a kernel that adapts; at its end the stepper unwraps it (the chains keep what it chose)
     schedule = MetricSchedule.for_run(run.metric, run.kernel, run.num_warmup, latents)
     # the first stage is warm-up as without a metric: the metric's stages replace its rest only if they are needed
-    program = Adaptation(run.kernel, run.num_warmup) if run.kernel.adapts else run.kernel
+    program = Adaptation(run.kernel, run.num_warmup) if run.kernel.adapts else Tuned(run.kernel)
     stepper = ChainStepper(program, bridge, latents, generator, run.chain_method, reducer)
     base = stepper.log_posterior_fn
     base.replacement = sampler.replacement  # no finite-population correction then
-    run.control_variate = run.mode_search = None  # a checkpoint's resume puts its control variate back
-    run.results.allocate(latents, run.num_samples, run.draws_device)
+    record.allocate(latents, run.num_samples, run.draws_device)
     num_chains = next(iter(latents.values())).shape[0]
-    run.num_warmup_divergences = torch.zeros(num_chains, dtype=torch.int64, device=bridge.device)
-    run.restarted = torch.zeros(num_chains, dtype=torch.int64)
     total = run.num_warmup + run.num_samples * run.thin
     window = WindowLog()  # each window's log densities per chain: which chains warm-up left behind (.stragglers)
     return RunState(
+        record,
         bridge,
         parallel,
         reducer,
@@ -121,13 +128,17 @@ def prepare(run: Any, args: tuple, kwargs: dict, batches: Iterable | None) -> Ru
         batch_iter,
         batches,
         total,
+        run.num_samples,
+        run.num_chains,
+        torch.zeros(num_chains, dtype=torch.int64, device=bridge.device),
+        torch.zeros(num_chains, dtype=torch.int64),
     )
 
 
 def stage_stepper(run: Any, state: RunState, start: Latents, method: str) -> ChainStepper:
     """A stepper for warm-up's current metric stage (all of warm-up without a metric), from ``start``."""
     schedule = state.schedule
-    program = Adaptation(run.kernel, schedule.stage_length(schedule.stage)) if schedule else run.kernel
+    program = Adaptation(run.kernel, schedule.stage_length(schedule.stage)) if schedule else Tuned(run.kernel)
     return ChainStepper(program, state.bridge, start, state.generator, method, state.reducer)
 
 
@@ -139,6 +150,7 @@ def resume(run: Any, state: RunState, batches: Iterable | None) -> None:
         run.checkpoint,
         run.checkpoint_every,
         run=run,
+        progress=state,
         stepper=state.stepper,
         generator=state.generator,
         sampler=state.sampler if state.batch_iter is None else None,
@@ -151,9 +163,9 @@ def resume(run: Any, state: RunState, batches: Iterable | None) -> None:
     resumed = state.checkpoint.resume(run.resume)
     state.start, state.kept, state.diverged = resumed.step, resumed.kept, resumed.stopped
     if resumed.warmup_divergences is not None:
-        run.num_warmup_divergences, run.restarted = resumed.warmup_divergences, resumed.restarted
+        state.warmup_divergences, state.restarted = resumed.warmup_divergences, resumed.restarted
     if resumed.control_variate is not None:
-        run.control_variate = resumed.control_variate
+        state.control_variate = resumed.control_variate
     state.checkpoint.remember(state.start, state.kept, stopped=state.diverged)
     state.stepper = state.checkpoint.stepper  # in a later stage of warm-up's metric, the stage's
     for _ in range(state.start if state.batch_iter is not None else 0):
@@ -165,7 +177,7 @@ def attach_control_variate(run: Any, state: RunState) -> None:
     wanted = run.kernel.control_variate
     state.option = choose(wanted, run.kernel, state.bridge, windows=state.schedule is not None)
     first = {k: x[0] for k, x in state.latents.items()}  # one chain's initial point starts a mode search
-    resumed = run.control_variate  # a checkpoint's centre, if it held one
+    resumed = state.control_variate  # a checkpoint's centre, if it held one
     state.base, control, search = attach(
         state.option,
         state.base,
@@ -173,12 +185,12 @@ def attach_control_variate(run: Any, state: RunState) -> None:
         state.seed,
         state.reducer,
         bridge=state.bridge,
-        full=run.results.full_bridge,
+        full=state.record.full_bridge,
         resumed=resumed,
         chosen=wanted == "auto",
     )
     if control is not None and control is not resumed:
-        run.control_variate, run.mode_search = control, search
+        state.control_variate, state.mode_search = control, search
         if state.checkpoint is not None:
             state.checkpoint.write()  # the centre and its full-data pass are not redone on resume
     state.stepper.log_posterior_fn = state.schedule.wrap(state.base) if state.schedule else state.base
@@ -244,10 +256,10 @@ def step(run: Any, state: RunState, t: int) -> Any:
         warmup_end(run, state)
     state.diverged = bool(info.diverging.any()) if run.on_divergence == "stop" else False
     if t < run.num_warmup:  # a tensor until the run ends: no wait for the device on every step
-        run.num_warmup_divergences = run.num_warmup_divergences + info.diverging.to(torch.int64)
+        state.warmup_divergences = state.warmup_divergences + info.diverging.to(torch.int64)
     elif (t - run.num_warmup + 1) % run.thin == 0:
         draw = schedule.to_theta(state.stepper.latents()) if schedule else state.stepper.latents()
-        run.results.record(state.kept, draw, info)
+        state.record.record(state.kept, draw, info)
         state.kept += 1
     if state.checkpoint is not None:
         state.checkpoint.step_done(t + 1, state.kept, stopped=state.diverged)
@@ -264,13 +276,13 @@ def window_end(run: Any, state: RunState, batch: Batch) -> None:
     theta = schedule.to_theta(state.stepper.latents())
     if restart is not None:
         theta = {k: v.index_copy(0, restart[0], v[restart[1]]) for k, v in theta.items()}
-        run.restarted[restart[0].cpu()] += 1
+        state.restarted[restart[0].cpu()] += 1
     big = batch.indices if state.batch_iter else {k: v[0] for k, v in state.sampler.larger(4096).items()}
     curvature = schedule.hessian(state.base, Batch(big, batch.args, batch.kwargs))
     keep = None if restart is None else ~behind
     moved = schedule.next_map(next(iter(theta.values())), curvature, keep=keep)
     if state.option == "warmup":  # recentred at each window's mean: one full-data pass
-        run.control_variate = state.base.control = recentre(run.results.full_bridge, schedule, state.reducer)
+        state.control_variate = state.base.control = recentre(state.record.full_bridge, schedule, state.reducer)
     if moved is not None:
         state.stepper = stage_stepper(run, state, schedule.to_z(theta), state.stepper.mode)
         state.stepper.log_posterior_fn = schedule.wrap(state.base)
@@ -285,36 +297,37 @@ def warmup_end(run: Any, state: RunState) -> None:
     _, restart = state.window.close(state.parallel is None)
     if restart is not None:
         state.stepper.restart(*restart)
-        run.restarted[restart[0].cpu()] += 1
+        state.restarted[restart[0].cpu()] += 1
     state.stepper.end_warmup()
 
 
 def finish(run: Any, state: RunState) -> None:
     """The record's statistics and the per-chain warm-up counts, the ranks' draws gathered, the health checks."""
-    results = run.results
+    results = state.record
     results.stats = {  # statistics of a gradient noise the kernel did not estimate are NaN: leave them out
         k: v for k, v in results.stats.items() if not (k in _NOISE_STATS and bool(v.isnan().all()))
     }
     if state.parallel is not None:  # the ranks' draws on rank 0 (chain-parallel), or nothing to do (data-parallel)
         gathered = state.parallel.gather(results.draws, results.stats)
         results.draws, results.stats = gathered.draws, gathered.stats
-        run.num_chains = gathered.num_chains or run.num_chains
-        run.num_samples = run.num_samples if gathered.num_samples is None else gathered.num_samples
+        state.num_chains = gathered.num_chains or state.num_chains
+        state.num_samples = state.num_samples if gathered.num_samples is None else gathered.num_samples
     if state.diverged and state.kept == 0:
         raise RuntimeError(
             "a chain diverged during warmup and on_divergence='stop'; no draw was kept. "
             "Lower the step size, or use on_divergence='continue'."
         )
-    if run.num_samples > 0:
+    per_chain = state.warmup_divergences.cpu()
+    if state.num_samples > 0:
         results.stats["repeated"] = repeated_draws(results.draws)
         if run.distributed != "chains":  # each chain's warm-up, repeated along its draws (sample_stats' shape)
             shape = results.stats["repeated"].shape
-            for name, value in (("warmup_divergences", run.warmup_divergences), ("restarted", run.restarted)):
+            for name, value in (("warmup_divergences", per_chain), ("restarted", state.restarted)):
                 results.stats[name] = value[:, None].expand(shape).to(results.stats["repeated"].device)
-    passes = data_passes(state.bridge.plates, state.total * run.num_chains)
-    warn_unhealthy(results.draws, results.stats, run.num_warmup_divergences, data_passes=passes)
-    warn_uncorrected_noise(results.stats, run.num_samples, run.kernel.adapts)
-    if run.num_samples and state.parallel is None and state.start < state.total:  # not for a run read back
+    passes = data_passes(state.bridge.plates, state.total * state.num_chains)
+    warn_unhealthy(results.draws, results.stats, int(per_chain.sum()), data_passes=passes)
+    warn_uncorrected_noise(results.stats, state.num_samples, run.kernel.adapts)
+    if state.num_samples and state.parallel is None and state.start < state.total:  # not for a run read back
         stepper = state.stepper
         probe = probe_gradient_noise(
             run.kernel, state.bridge, stepper.latents(), state.seed, state.total, stepper.log_posterior_fn
@@ -322,41 +335,40 @@ def finish(run: Any, state: RunState) -> None:
         warn_ignored_noise(probe)
 
 
-def bind(run: Any, args: tuple, kwargs: dict, batches: Iterable | None) -> tuple[RunRecord, Iterator | None]:
-    """The run's record (the model on the steps' data and on the full data) and the DataLoader's iterator."""
-    model = run.kernel.model
-    if batches is None:
-        bridge = ModelBridge(model, args, kwargs)
-        return RunRecord(bridge, bridge, args, kwargs), None
-    if not isinstance(batches, Iterable) or isinstance(batches, (Tensor, str)):
-        raise TypeError(
-            f"batches must be an iterable of minibatches (e.g. a DataLoader), got {type(batches).__name__}."
-        )
-    batch_iter = cycle(batches)
-    first = next(batch_iter)
-    try:
-        bridge = ModelBridge(model, *first)
-    except (TypeError, ValueError, IndexError, RuntimeError) as error:
-        # a ModelError is the data's fault, unless torch failed inside the model on this element (its cause)
-        if isinstance(error, ModelError) and not isinstance(error.__cause__, RuntimeError):
-            raise
-        raise TypeError(
-            f"the model failed on the first element of batches ({first_line(error)}); batches must yield a "
-            "tuple of the model's positional arguments or a dict of its keyword arguments."
-        ) from error
-    full = ModelBridge(model, args, kwargs) if (args or kwargs) else None
-    return RunRecord(bridge, full, args, kwargs), itertools.chain([first], batch_iter)
-
-
 def truncate(run: Any, state: RunState) -> None:
-    """Settle the draws, keep the chains' final state and per-chain warm-up counts, drop the buffers never filled."""
-    run.results.settle()
-    if isinstance(run.num_warmup_divergences, Tensor):
-        run.warmup_divergences = run.num_warmup_divergences.cpu()
-        run.num_warmup_divergences = int(run.warmup_divergences.sum())
-    run.state = state.stepper.final_state
-    run.metric_map = state.schedule.affine if state.schedule is not None else None
-    if state.kept < run.num_samples:
-        run.results.draws = {k: v[:, : state.kept] for k, v in run.results.draws.items()}
-        run.results.stats = {k: v[:, : state.kept] for k, v in run.results.stats.items()}
-        run.num_samples = state.kept
+    """Settle the draws and drop the buffers never filled."""
+    record = state.record
+    record.settle()
+    if state.kept < state.num_samples:
+        record.draws = {k: v[:, : state.kept] for k, v in record.draws.items()}
+        record.stats = {k: v[:, : state.kept] for k, v in record.stats.items()}
+        state.num_samples = state.kept
+
+
+class Outcome(NamedTuple):
+    """What the driver keeps of a run (:meth:`~.mcmc.StochasticMCMC.run` assigns it, also after an interruption)."""
+
+    results: RunRecord
+    state: Any  # the chains' final state (the kernel's, in warm-up's metric variables where there is one)
+    metric_map: Any  # warm-up's metric θ = mean + L z, or None
+    control_variate: Any
+    mode_search: Any
+    warmup_divergences: Tensor  # per chain, on the CPU
+    restarted: Tensor
+    num_samples: int
+    num_chains: int
+
+
+def outcome(state: RunState) -> Outcome:
+    """The run's results as its phases left them."""
+    return Outcome(
+        state.record,
+        state.stepper.final_state,
+        state.schedule.affine if state.schedule is not None else None,
+        state.control_variate,
+        state.mode_search,
+        state.warmup_divergences.cpu(),
+        state.restarted,
+        state.num_samples,
+        state.num_chains,
+    )

@@ -1,7 +1,8 @@
-"""The contract the chain stepper calls: a :class:`Program` steps chains; a :class:`KernelContract` is one users pass.
+"""The contracts: the chain stepper calls a :class:`Program`; a :class:`KernelContract` is what users pass.
 
-Three classes implement :class:`Program`: a kernel (:class:`~.base.Kernel`), warm-up around one
-(:class:`~.adaptation.Adaptation`), and a kernel with the hyperparameters warm-up chose (:class:`~.adaptation.Tuned`).
+Two classes implement :class:`Program`, each around a kernel: warm-up (:class:`~.adaptation.Adaptation`) and
+sampling with the kernel's hyperparameters, or those warm-up chose (:class:`~.adaptation.Tuned`). They estimate the
+gradient and hand it to the kernel's update: a kernel (:class:`KernelContract`) only moves the chain.
 The stepper (:mod:`.chains`) and the driver (:mod:`.mcmc`, :mod:`.phases`) call exactly these and probe for nothing;
 ``tests/infer/sgmcmc/test_conformance.py`` checks every registered kernel against them.
 """
@@ -52,14 +53,33 @@ class Program(Protocol):
 
 
 @runtime_checkable
-class KernelContract(Program, Protocol):
-    """A kernel as ``StochasticMCMC`` takes it: a :class:`Program` bound to a Pyro model, with warm-up's settings.
+class KernelContract(Protocol):
+    """A kernel as ``StochasticMCMC`` takes it: a Pyro model, hyperparameters, and the moves of one chain.
 
-    ``adapts``: warm-up chooses its step size (or metric) by ``warmup_rule`` (:data:`.tuning.RULES`);
-    ``control_variate``: the control-variate setting (:mod:`.control_variates`; ``None``: none).
+    ``init(latents)`` starts a chain's State; ``update(state, gradient, generator, **tuned)`` moves it given a
+    gradient estimated outside it (its ``noise_variance`` the moving average where the kernel uses the noise);
+    ``latents(state)`` is the draw; ``relocate(state, centre, jump)`` moves a chain (warm-up's end of burn-in).
+    ``adapts``: warm-up chooses its step size (``step_size`` is then ``None``) or metric by ``warmup_rule``
+    (:data:`.tuning.RULES`);
+    ``gradient_noise``: ``"correct"``, ``"estimate"`` or ``"ignore"``; ``control_variate``: the control-variate
+    setting (:mod:`.control_variates`; ``None``: none).
     """
 
     model: Any
     init_strategy: Any
+    step_size: Any  # None where warm-up chooses it
     adapts: bool
+    gradient_noise: str
     control_variate: Any
+
+    def init(self, latents: Latents) -> Any:
+        """A chain's State at unconstrained ``latents``."""
+
+    def update(self, state: Any, gradient: GradientEstimate, generator=None, **tuned: Any) -> tuple[Any, Any]:
+        """The new State and the step's Info, given the gradient (``tuned``: hyperparameters warm-up chose)."""
+
+    def latents(self, state: Any) -> Latents:
+        """The chain's draw: its last point with a finite log density and gradient."""
+
+    def relocate(self, state: Any, centre: Latents, jump: Any) -> Any:
+        """The State moved to ``centre`` where ``jump`` (and at rest there, where it has momenta)."""

@@ -1,11 +1,18 @@
-"""The driver's arguments that are not settings: Pyro's and NumPyro's spellings, and a ``batches=`` iterable cycled."""
+"""The driver's arguments that are not settings: Pyro's and NumPyro's spellings, the data or a ``batches=`` iterable."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-__all__ = ["check_choices", "cycle", "refuse_pyro_spellings"]
+from torch import Tensor
+
+from pyro_scalable.bridge.checks import ModelError, first_line
+from pyro_scalable.bridge.model import ModelBridge
+from pyro_scalable.infer.record import RunRecord
+
+__all__ = ["bind", "check_choices", "cycle", "refuse_pyro_spellings"]
 
 # pyro.infer.MCMC's (and NumPyro's) arguments: what to pass instead, or why there is no such thing here
 _PYRO_SPELLINGS = {
@@ -53,7 +60,7 @@ def check_choices(kernel: Any, chain_method: str, on_divergence: str, minibatche
     if minibatches not in ("epoch", "independent", None):
         raise ValueError(f"minibatches must be 'epoch', 'independent' or None, got {minibatches!r}.")
     if minibatches is None:
-        noisy = getattr(kernel, "gradient_noise", "ignore") != "ignore"
+        noisy = kernel.gradient_noise != "ignore"
         minibatches = "independent" if noisy else "epoch"
     return minibatches
 
@@ -72,3 +79,28 @@ def cycle(batches: Iterable) -> Iterator[tuple[tuple, dict]]:
                 yield (element,), {}
         if empty:
             raise ValueError("batches is empty: it must yield at least one minibatch.")
+
+
+def bind(model: Any, args: tuple, kwargs: dict, batches: Iterable | None) -> tuple[RunRecord, Iterator | None]:
+    """The run's record (``model`` on the steps' data and on the full data) and the DataLoader's iterator."""
+    if batches is None:
+        bridge = ModelBridge(model, args, kwargs)
+        return RunRecord(bridge, bridge, args, kwargs), None
+    if not isinstance(batches, Iterable) or isinstance(batches, (Tensor, str)):
+        raise TypeError(
+            f"batches must be an iterable of minibatches (e.g. a DataLoader), got {type(batches).__name__}."
+        )
+    batch_iter = cycle(batches)
+    first = next(batch_iter)
+    try:
+        bridge = ModelBridge(model, *first)
+    except (TypeError, ValueError, IndexError, RuntimeError) as error:
+        # a ModelError is the data's fault, unless torch failed inside the model on this element (its cause)
+        if isinstance(error, ModelError) and not isinstance(error.__cause__, RuntimeError):
+            raise
+        raise TypeError(
+            f"the model failed on the first element of batches ({first_line(error)}); batches must yield a "
+            "tuple of the model's positional arguments or a dict of its keyword arguments."
+        ) from error
+    full = ModelBridge(model, args, kwargs) if (args or kwargs) else None
+    return RunRecord(bridge, full, args, kwargs), itertools.chain([first], batch_iter)

@@ -36,26 +36,22 @@ import torch
 from pyro.infer.autoguide.initialization import init_to_uniform
 from torch import Tensor
 
-from pyro_scalable.bridge.model import FullDataModel
-from pyro_scalable.infer.schedules import ScalarOrSchedule, check_positive, resolve
+from pyro_scalable.infer.schedules import ScalarOrSchedule, resolve
 from pyro_scalable.infer.sgmcmc import integrators
 from pyro_scalable.infer.sgmcmc.base import (
     GradientEstimate,
-    Kernel,
     Latents,
-    LogPosteriorFn,
     SGMCMCInfo,
-    check_gradient_noise,
-    estimate,
+    functional_step,
     gaussian_like,
     injected_variance,
-    noise_in_step,
-    noise_start,
+    noise_in_update,
+    shared_info,
 )
-from pyro_scalable.infer.sgmcmc.control_variates import check_control_variate
 from pyro_scalable.infer.sgmcmc.divergence import keep_where_finite
+from pyro_scalable.infer.sgmcmc.kernel import Kernel
 
-__all__ = ["SGLD", "SGLDState", "estimate", "init", "step", "update"]
+__all__ = ["SGLD", "SGLDState", "init", "step", "update"]
 
 
 class SGLDState(NamedTuple):
@@ -64,14 +60,12 @@ class SGLDState(NamedTuple):
     latents: Latents  # unconstrained values, keyed by Pyro site name
     checked_latents: Latents  # last point with finite density and gradient: the draw, and where a divergence returns
     step_count: Tensor  # 0-d int64
-    noise_average: Latents  # moving average of the gradient-noise variance ({} where it is not estimated)
 
 
-def init(latents: Latents, *, gradient_noise: str = "ignore") -> SGLDState:
-    """Start a chain at unconstrained ``latents`` (with a noise average unless ``gradient_noise="ignore"``)."""
+def init(latents: Latents) -> SGLDState:
+    """Start a chain at unconstrained ``latents``."""
     first = next(iter(latents.values()))
-    zero = torch.zeros((), dtype=torch.int64, device=first.device)
-    return SGLDState(dict(latents), dict(latents), zero, noise_start(latents, gradient_noise))
+    return SGLDState(dict(latents), dict(latents), torch.zeros((), dtype=torch.int64, device=first.device))
 
 
 def update(
@@ -81,13 +75,12 @@ def update(
     step_size: ScalarOrSchedule | Tensor,
     temperature: ScalarOrSchedule = 1.0,
     gradient_noise: str = "ignore",
-    noise_every: int = 1,
     generator: torch.Generator | None = None,
 ) -> tuple[SGLDState, SGMCMCInfo]:
-    """Move one chain by one SGLD step with the gradient ``gradient`` (from :func:`estimate`)."""
+    """Move one chain by one SGLD step with the gradient ``gradient`` (its noise, if any, the variance to correct)."""
     temperature_now = resolve(temperature, state.step_count, gradient.log_posterior)
     step_size_now = resolve(step_size, state.step_count, gradient.log_posterior)
-    noise_average, gradient_variance = noise_in_step(state, gradient, gradient_noise, step_size_now**2, noise_every)
+    gradient_variance = noise_in_update(gradient, gradient_noise, step_size_now**2)
     variance, noise_ratio, uncorrected = injected_variance(
         2.0 * step_size_now * temperature_now, gradient_variance, gradient_noise == "correct", state.latents
     )
@@ -96,36 +89,15 @@ def update(
     diverging = gradient.diverging
     latents = keep_where_finite(diverging, proposal, state.checked_latents)
     previous = keep_where_finite(diverging, state.latents, state.checked_latents)
-    info = SGMCMCInfo(
-        gradient.log_posterior, gradient.grad_norm, step_size_now, temperature_now, diverging, noise_ratio, uncorrected
-    )
-    return SGLDState(latents, previous, state.step_count + 1, noise_average), info
+    info = SGMCMCInfo(*shared_info(gradient, step_size_now, temperature_now, noise_ratio, uncorrected))
+    return SGLDState(latents, previous, state.step_count + 1), info
 
 
-def step(
-    state: SGLDState,
-    batch: Any,
-    log_posterior_fn: LogPosteriorFn,
-    *,
-    step_size: ScalarOrSchedule | Tensor,
-    temperature: ScalarOrSchedule = 1.0,
-    gradient_noise: str = "ignore",
-    generator: torch.Generator | None = None,
-) -> tuple[SGLDState, SGMCMCInfo]:
-    """Advance one chain by one SGLD step on ``batch`` (:func:`estimate` then :func:`update`)."""
-    gradient = estimate(state, batch, log_posterior_fn, gradient_noise=gradient_noise)
-    return update(
-        state,
-        gradient,
-        step_size=step_size,
-        temperature=temperature,
-        gradient_noise=gradient_noise,
-        generator=generator,
-    )
+step = functional_step(update)
 
 
 class SGLD(Kernel):
-    """SGLD for a Pyro model: binds the model and the hyperparameters; the maths is in :func:`step`.
+    """SGLD for a Pyro model: binds the model and the hyperparameters; the maths is in :func:`update`.
 
     ``model`` is kept as ``self.model``, a :class:`~pyro_scalable.bridge.FullDataModel`: the same model with
     subsampling switched off, which is what ``Predictive`` and ``arviz.from_pyro`` should run (the model as written
@@ -179,27 +151,8 @@ class SGLD(Kernel):
         control_variate: Any = "auto",
         init_strategy: Callable = init_to_uniform,
     ):
-        if step_size is not None:
-            check_positive("step_size", step_size)
-        check_positive("temperature", temperature, allow_zero=True)
-        self.model = FullDataModel(model)
-        self.step_size = step_size
-        self.temperature = temperature
-        self.gradient_noise = check_gradient_noise(gradient_noise, step_size)
-        self.control_variate = check_control_variate(control_variate)
-        self.init_strategy = init_strategy
-
-    @property
-    def adapts(self) -> bool:
-        """Whether warm-up chooses something (here: the step size)."""
-        return self.step_size is None
+        super().__init__(model, step_size, temperature, gradient_noise, control_variate, init_strategy)
 
     def hyperparameters(self) -> dict[str, Any]:
         """The keyword arguments of :func:`update` this kernel binds."""
         return {"step_size": self.step_size, "temperature": self.temperature, "gradient_noise": self.gradient_noise}
-
-    def __repr__(self) -> str:
-        return (
-            f"SGLD(step_size={self.step_size!r}, temperature={self.temperature!r}, "
-            f"gradient_noise={self.gradient_noise!r})"
-        )

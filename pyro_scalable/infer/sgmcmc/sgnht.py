@@ -17,32 +17,20 @@ raises it to about :math:`A + \epsilon\,\bar V / (2T)` (:math:`\bar V` the mean 
 stay calibrated without knowing :math:`V` — that is the point of the thermostat. At :math:`\xi` frozen the step
 is SGHMC's (:mod:`.sghmc`, unit mass) with friction :math:`\xi`.
 
-**One thermostat per chain**, not per site, as in Ding et al.: their invariance argument is for a scalar
-:math:`\xi`, which averages the kinetic energy of all :math:`d` coordinates and so fluctuates by only
-:math:`\sqrt{T/d}`; a thermostat for a site of one or two coordinates would fluctuate by :math:`O(\sqrt T)`
-and let that site's friction wander (even negative). The price: a scalar thermostat absorbs the *mean* gradient
-noise, not noise that differs between coordinates — for that, ``gradient_noise="correct"`` subtracts the
-estimated :math:`\epsilon^2 \hat V_j` (moving average, as SGLD's) from the injected :math:`2A\epsilon T` per
-coordinate, floored at 0, as
-SGHMC does. Note that with a large :math:`A` the thermostat is slow: it relaxes at a rate of about
-:math:`T/A` per unit time (:math:`\epsilon` per step), so choose :math:`A` of order :math:`\sqrt{T}` times the
-inverse time scale of interest, not SGHMC's large frictions.
+**One thermostat per chain**, as in Ding et al.: a scalar :math:`\xi` averages the kinetic energy of all :math:`d`
+coordinates and fluctuates by :math:`\sqrt{T/d}`; one per site of a few coordinates would wander (even negative). It
+absorbs the *mean* gradient noise; ``gradient_noise="correct"`` subtracts the rest, :math:`\epsilon^2 \hat V_j`
+per coordinate, from the injected :math:`2A\epsilon T` (floored at 0), as SGHMC does. The thermostat relaxes at a
+rate of about :math:`T/A` per unit time: choose :math:`A` of order :math:`\sqrt{T}` over the time scale of interest.
 
-**No T = 0 limit.** At :math:`T = 0` the thermostat update is :math:`\xi \mathrel{+}= \epsilon\,p^\top p/d \ge 0`:
-:math:`\xi` only grows, the dynamics are driven to zero kinetic energy and then, once :math:`\epsilon\xi > 2`,
-the momentum diverges. SGNHT is not an optimiser (posteriors paper App. C); ``temperature=0`` raises a
-``ValueError`` (a schedule is not checked: keep it positive). Use :mod:`.sghmc` or :mod:`.baoab` at
-:math:`T = 0`.
+**No T = 0 limit**: there :math:`\xi` only grows until :math:`\epsilon\xi > 2` and the momentum diverges, so
+``temperature=0`` raises (posteriors paper App. C); use :mod:`.sghmc` or :mod:`.baoab` as optimisers.
 
-**Warm-up.** ``step_size=None`` chooses :math:`\epsilon \le 0.3/\sqrt\lambda` (SGHMC's curvature bound) and
-:math:`\epsilon A \le 1/2`; a given friction also bounds :math:`\epsilon \le 2AT\rho/\bar V_{\max}` (gradient
-noise at most :math:`\rho = 1/2` of the injected noise). Where the friction is left to warm-up too it is
-chosen as SGHMC's, :math:`A = \max(\epsilon\bar V_{\max}/(2T\rho),\ 0.1/\epsilon)`. Every warm-up step holds
-the thermostat at :math:`A`: a chain falling from its initial point into the posterior converts the energy it
-loses into kinetic energy far above :math:`T`, which a free thermostat would store (with :math:`\xi \gg A`,
-the draws come out too narrow by about :math:`A/\xi`) and forget only at the slow rate above. With a given
-step size there is no warm-up adaptation, so start the chains near the posterior (e.g. from a MAP) or make
-:math:`A` small.
+**Warm-up** (:mod:`.tuning`, ``"thermostat"``): SGHMC's rule at unit mass, and every warm-up step holds
+:math:`\xi` at :math:`A` (the ``thermostat`` argument of :func:`update`): a chain falling into the posterior turns the
+energy it loses into kinetic energy far above :math:`T`, which a free thermostat would store and forget only slowly
+(draws too narrow by about :math:`A/\xi`). Without warm-up, start the chains near the posterior or make :math:`A`
+small.
 """
 
 from __future__ import annotations
@@ -55,27 +43,23 @@ import torch
 from pyro.infer.autoguide.initialization import init_to_uniform
 from torch import Tensor
 
-from pyro_scalable.bridge.model import FullDataModel
-from pyro_scalable.infer.schedules import ScalarOrSchedule, check_positive, resolve
+from pyro_scalable.infer.schedules import ScalarOrSchedule, resolve
 from pyro_scalable.infer.sgmcmc import integrators
 from pyro_scalable.infer.sgmcmc.base import (
     GradientEstimate,
-    Kernel,
     Latents,
-    LogPosteriorFn,
-    check_gradient_noise,
-    estimate,
     extended_info,
+    functional_step,
     gaussian_like,
     injected_variance,
-    noise_in_step,
-    noise_start,
+    noise_in_update,
     scalar_like,
+    shared_info,
 )
-from pyro_scalable.infer.sgmcmc.control_variates import check_control_variate
 from pyro_scalable.infer.sgmcmc.divergence import keep_where_finite, zero_where_diverging
+from pyro_scalable.infer.sgmcmc.kernel import MomentumKernel
 
-__all__ = ["SGNHT", "SGNHTInfo", "SGNHTState", "estimate", "init", "step", "update"]
+__all__ = ["SGNHT", "SGNHTInfo", "SGNHTState", "init", "step", "update"]
 
 SGNHTInfo = extended_info("SGNHTInfo", "thermostat", "friction")  # the thermostat after the step, and A
 
@@ -88,7 +72,6 @@ class SGNHTState(NamedTuple):
     checked_latents: Latents  # last point with finite density and gradient: the draw, and where a divergence returns
     step_count: Tensor  # 0-d int64
     thermostat: Tensor  # 0-d ξ, one per chain (NaN until warm-up chooses the friction it starts at)
-    noise_average: Latents  # moving average of the gradient-noise variance ({} where it is not estimated)
 
 
 def init(
@@ -97,7 +80,6 @@ def init(
     *,
     friction: float | None = 1.0,
     thermostat: float | None = None,
-    gradient_noise: str = "ignore",
 ) -> SGNHTState:
     """Start a chain at ``latents`` with zero momenta (or the given ones) and the thermostat at ``friction``."""
     first = next(iter(latents.values()))
@@ -106,7 +88,7 @@ def init(
     zero = torch.zeros((), dtype=torch.int64, device=first.device)
     start = thermostat if thermostat is not None else math.nan if friction is None else friction
     xi = torch.full((), float(start), dtype=first.dtype, device=first.device)
-    return SGNHTState(dict(latents), dict(momenta), dict(latents), zero, xi, noise_start(latents, gradient_noise))
+    return SGNHTState(dict(latents), dict(momenta), dict(latents), zero, xi)
 
 
 def update(
@@ -117,44 +99,33 @@ def update(
     friction: float | Tensor = 1.0,
     temperature: ScalarOrSchedule = 1.0,
     gradient_noise: str = "ignore",
-    noise_every: int = 1,
+    thermostat: Tensor | None = None,
     generator: torch.Generator | None = None,
 ) -> tuple[SGNHTState, SGNHTInfo]:
-    """Move one chain by one SGNHT step with the gradient ``gradient`` (from :func:`estimate`)."""
+    """Move one chain by one SGNHT step with the gradient ``gradient`` (its noise, if any, the variance to correct).
+
+    ``thermostat``: where given, ξ is held there for this step (warm-up holds it at the friction it chose).
+    """
     _refuse_zero_temperature(temperature)
     temperature_now = resolve(temperature, state.step_count, gradient.log_posterior)
     step_size_now = resolve(step_size, state.step_count, gradient.log_posterior)
     friction = scalar_like(friction, step_size_now)
-    xi = state.thermostat
-    noise_average, gradient_variance = noise_in_step(state, gradient, gradient_noise, step_size_now**2, noise_every)
-    variance, noise_ratio, uncorrected = injected_variance(
-        2.0 * friction * step_size_now * temperature_now,
-        gradient_variance,
-        gradient_noise == "correct",
-        state.latents,
-    )
+    xi = state.thermostat if thermostat is None else thermostat + torch.zeros_like(state.thermostat)
+    gradient_variance = noise_in_update(gradient, gradient_noise, step_size_now**2)
+    wanted, correct = 2.0 * friction * step_size_now * temperature_now, gradient_noise == "correct"
+    variance, noise_ratio, uncorrected = injected_variance(wanted, gradient_variance, correct, state.latents)
     noise = gaussian_like(state.latents, generator, temperature)
-    momenta = integrators.momentum(
-        state.momenta, gradient.grads, step_size_now, 1.0 - step_size_now * xi, variance, noise
-    )
+    decay = 1.0 - step_size_now * xi
+    momenta = integrators.momentum(state.momenta, gradient.grads, step_size_now, decay, variance, noise)
     proposal = integrators.drift(state.latents, momenta, step_size_now)
     diverging = gradient.diverging
-    thermostat = torch.where(diverging, xi, integrators.thermostat(xi, momenta, step_size_now, temperature_now))
+    xi_next = torch.where(diverging, xi, integrators.thermostat(xi, momenta, step_size_now, temperature_now))
     latents = keep_where_finite(diverging, proposal, state.checked_latents)
     previous = keep_where_finite(diverging, state.latents, state.checked_latents)
     momenta = zero_where_diverging(diverging, momenta)
-    info = SGNHTInfo(
-        gradient.log_posterior,
-        gradient.grad_norm,
-        step_size_now,
-        temperature_now,
-        diverging,
-        noise_ratio,
-        uncorrected,
-        thermostat,
-        friction,
-    )
-    return SGNHTState(latents, momenta, previous, state.step_count + 1, thermostat, noise_average), info
+    shared = shared_info(gradient, step_size_now, temperature_now, noise_ratio, uncorrected)
+    info = SGNHTInfo(*shared, xi_next, friction)
+    return SGNHTState(latents, momenta, previous, state.step_count + 1, xi_next), info
 
 
 def _refuse_zero_temperature(temperature: ScalarOrSchedule) -> None:
@@ -165,56 +136,23 @@ def _refuse_zero_temperature(temperature: ScalarOrSchedule) -> None:
         )
 
 
-def step(
-    state: SGNHTState,
-    batch: Any,
-    log_posterior_fn: LogPosteriorFn,
-    *,
-    step_size: ScalarOrSchedule | Tensor,
-    friction: float | Tensor = 1.0,
-    temperature: ScalarOrSchedule = 1.0,
-    gradient_noise: str = "ignore",
-    generator: torch.Generator | None = None,
-) -> tuple[SGNHTState, SGNHTInfo]:
-    """Advance one chain by one SGNHT step on ``batch`` (:func:`estimate` then :func:`update`).
-
-    The thermostat starts where :func:`init` put it (at its ``friction`` by default), whatever ``friction`` is here.
-    """
-    gradient = estimate(state, batch, log_posterior_fn, gradient_noise=gradient_noise)
-    return update(
-        state,
-        gradient,
-        step_size=step_size,
-        friction=friction,
-        temperature=temperature,
-        gradient_noise=gradient_noise,
-        generator=generator,
-    )
+step = functional_step(update)
 
 
-class SGNHT(Kernel):
-    """SGNHT for a Pyro model: binds the model and the hyperparameters; the maths is in :func:`step`.
+class SGNHT(MomentumKernel):
+    """SGNHT for a Pyro model: binds the model and the hyperparameters; the maths is in :func:`update`.
 
     The thermostat tunes the friction itself (to ``friction`` with exact gradients, higher with noisy ones), so
     the draws are less sensitive to an unknown gradient noise than SGHMC's. There is no T = 0 limit (see the
     module docstring): ``temperature`` must be positive.
 
+    ``model``, ``gradient_noise``, ``control_variate`` and ``init_strategy`` are as for :class:`~.sgld.SGLD`.
+
     Args:
-        model: a Pyro model whose likelihood sits in a subsampled ``pyro.plate``; kept as ``self.model``, a
-            :class:`~pyro_scalable.bridge.FullDataModel` (the same model on the full data).
-        step_size: ε, a constant or a schedule (:mod:`pyro_scalable.infer.schedules`); ``None`` (the default)
-            chooses it in warm-up from the curvature and the gradient noise (needs ``num_warmup`` > 0).
+        step_size: ε, a constant or a schedule; ``None`` (the default) chooses it in warm-up.
         friction: A > 0, the injected-noise level and the thermostat's start; ``step_size * friction`` must be
             below 1. ``None`` (the default) is 1.0 with a given step size, and chosen in warm-up otherwise.
         temperature: T > 0 (1 is Bayes). A constant or a schedule.
-        gradient_noise: ``"correct"``, ``"estimate"`` or ``"ignore"``, as for :class:`~.sgld.SGLD` (default:
-            ``"correct"`` when the step size is left to warm-up, else ``"ignore"``).
-        control_variate: the centre of a control-variate gradient (:mod:`.control_variates`): ``"map"`` (found
-            before the run), ``"warmup"`` (each of warm-up's metric windows' mean in turn), a dict of latent values
-            by site, or a trained autoguide; ``None``: plain minibatch gradients; ``"auto"`` (the default): ``"map"``
-            where warm-up chooses the step and ``N/B ≥ 10``, ``"warmup"`` for a hierarchy at ``N/B ≥ 4``
-            (:func:`~pyro_scalable.infer.sgmcmc.control_choice.choose`).
-        init_strategy: a Pyro init strategy, one draw per chain.
 
     Example:
         >>> import pyro, pyro.distributions as dist, torch
@@ -248,48 +186,14 @@ class SGNHT(Kernel):
         control_variate: Any = "auto",
         init_strategy: Callable = init_to_uniform,
     ):
-        if step_size is not None:
-            check_positive("step_size", step_size)
-            friction = 1.0 if friction is None else friction
-        if friction is not None:
-            check_positive("friction", friction)
-        check_positive("temperature", temperature, allow_zero=True)
+        super().__init__(model, step_size, temperature, gradient_noise, control_variate, init_strategy)
         _refuse_zero_temperature(temperature)
-        if step_size is not None:
-            largest = float(step_size(torch.zeros(())) if callable(step_size) else step_size)  # schedules start highest
-            if largest * friction >= 1.0:
-                raise ValueError(
-                    f"step_size * friction must be below 1 (got {largest * friction:.3g}): the momentum would "
-                    "change sign every step. Lower the step size or the friction."
-                )
-        self.model = FullDataModel(model)
-        self.step_size = step_size
-        self.friction = friction
-        self.temperature = temperature
-        self.gradient_noise = check_gradient_noise(gradient_noise, step_size)
-        self.control_variate = check_control_variate(control_variate)
-        self.init_strategy = init_strategy
-
-    @property
-    def adapts(self) -> bool:
-        """Whether warm-up chooses something (here: the step size, and the friction if not given)."""
-        return self.step_size is None
+        self.friction = self.check_friction(friction, step_size, least_mass=1.0)  # unit mass
 
     def init(self, latents: Latents) -> SGNHTState:
         """Start a chain at unconstrained ``latents`` with zero momenta and the thermostat at the friction."""
-        return init(latents, friction=self.friction, gradient_noise=self.gradient_noise)
+        return init(latents, friction=self.friction)
 
     def hyperparameters(self) -> dict[str, Any]:
         """The keyword arguments of :func:`update` this kernel binds."""
-        return {
-            "step_size": self.step_size,
-            "friction": self.friction,
-            "temperature": self.temperature,
-            "gradient_noise": self.gradient_noise,
-        }
-
-    def __repr__(self) -> str:
-        return (
-            f"SGNHT(step_size={self.step_size!r}, friction={self.friction!r}, "
-            f"temperature={self.temperature!r}, gradient_noise={self.gradient_noise!r})"
-        )
+        return {name: getattr(self, name) for name in ("step_size", "friction", "temperature", "gradient_noise")}

@@ -4,10 +4,8 @@ Warm-up chooses each chain's step from the curvature where that chain is. A chai
 noise scale drawn near zero, say) takes tiny steps, and may still be far from the bulk when the other chains have
 settled. Left alone it harms the whole run twice: warm-up's metric pools the chains' positions of a window, so one
 distant chain stretches the metric of every chain (the window mean and spread are its), and at sampling it drags
-r_hat and the pooled moments. Measured on a three-feature linear regression with a latent noise scale (N = 2,000,
-B = 100, four chains; ``benchmarks/bench_zoo_seeds.py``): one chain started at :math:`\sigma = 0.2` was still at
-a fifth of the way to the bulk when the first metric window closed, the metric built from that window was wrong for
-every chain, and the run ended with the straggler 1,400 posterior sds away and r_hat 600.
+r_hat and the pooled moments (on a regression with a latent noise scale, one chain started at a small
+:math:`\sigma` can end a run hundreds of posterior sds away, with every chain's metric built around it).
 
 So at the end of each window of warm-up (each metric stage, and the last stage's calibrated half) the driver asks,
 per chain, for the mean :math:`\bar\ell_c` and sd :math:`s_c` of its log density over the window's calibrated steps,

@@ -25,7 +25,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from pyro_scalable.infer.sgmcmc import psgld
 from pyro_scalable.infer.sgmcmc.base import CURVATURE_EVERY, NOISE_FRACTION, GradientEstimate, Latents
 from pyro_scalable.infer.sgmcmc.mass import mass_like
 
@@ -91,8 +90,8 @@ def coordinate_frictions(
     a per-step decay of 0.9 and at most one of 0.5: α_j = min(max(ε V̄_j / (2Tρ), 0.1 m_j/ε), 0.5 m_j/ε), with
     ε ≤ ``bound``/√λ and small enough that every coordinate's noise fits under the cap, ε² ≤ 0.5 m_j 2Tρ / V̄_j.
     A scalar friction at the largest coordinate's need (:func:`momentum_step_size`) would damp every other
-    direction as hard: measured on a non-centred hierarchical logistic regression, the group scale's gradient
-    noise set a friction 3 to 4 times what the rest needed (``docs/benchmarks.md``).
+    direction as hard (in a non-centred hierarchy the group scale's gradient noise asks for several times the
+    friction the other coordinates need).
 
     Example:
         >>> import torch
@@ -123,10 +122,9 @@ def baoab_step_size(
 ) -> tuple[Tensor, Tensor]:
     """BAOAB's ε (and friction γ, where not given) from the curvature and the gradient noise.
 
-    One friction for all coordinates, at the noisiest one's need. A friction per coordinate (each O decay the
-    largest its own noise allows, as SGHMC's) was tried: the partial pooling's ESS rose from 616-676 to 719-735, but
-    with every noisy coordinate at its noise bound 3.6-5.1% of coordinates × kept steps went uncorrected, against
-    0.16-0.74% with one friction (``benchmarks/results/friction_baoab_*.md``).
+    One friction for all coordinates, at the noisiest one's need: with a friction per coordinate (each O decay the
+    largest its own noise allows) every noisy coordinate sits at its noise bound, and a several times larger share
+    of coordinates goes uncorrected for a small gain in ESS.
     """
     step_size = BAOAB_BOUND / torch.sqrt(curvature)
     # r = max_j V_j / m_j: the kicks' noise in the momentum's own units
@@ -166,6 +164,7 @@ class Rule:
     """
 
     order = 2
+    chooses = ("step_size",)  # the kernel's hyperparameters this rule may choose (where the kernel leaves them)
 
     def start(self, kernel: Any, latents: Latents) -> dict[str, Any]:
         """The hyperparameters to choose, before warm-up has seen anything (NaN; the Fisher mass: 1)."""
@@ -174,9 +173,9 @@ class Rule:
         tuned = {}
         if kernel.step_size is None:
             tuned["step_size"] = nan
-        if getattr(kernel, "friction", 0.0) is None:
+        if "friction" in self.chooses and kernel.friction is None:
             tuned["friction"] = nan.clone()
-        if getattr(kernel, "mass", None) == "fisher":
+        if "mass" in self.chooses and kernel.mass == "fisher":
             tuned["mass"] = {name: torch.ones_like(x) for name, x in latents.items()}
         return tuned
 
@@ -185,7 +184,11 @@ class Rule:
         return None
 
     def tune(self, kernel: Any, state: Any, gradient: GradientEstimate, temperature: Tensor, burn_in: bool):
-        """The kernel's State (a rule may adjust it), the hyperparameters for this step, and warm-up's state."""
+        """The hyperparameters chosen so far, warm-up's state, and this step's extra arguments of the kernel's update.
+
+        A rule reads the kernel's State and never edits it: what warm-up needs the update to do differently on this
+        step (hold pSGLD's v learning, SGNHT's thermostat) goes to ``update`` as an argument.
+        """
         raise NotImplementedError
 
 
@@ -200,7 +203,7 @@ class Langevin(Rule):
         if not burn_in:
             chosen = torch.minimum(chosen, noise_bound(state.noise, None, 2.0 * temperature))
         tuned["step_size"] = chosen
-        return state.kernel, tuned, state
+        return tuned, state, {}
 
 
 class Preconditioned(Rule):
@@ -209,16 +212,15 @@ class Preconditioned(Rule):
     order = 1
 
     def metric(self, kernel, kernel_state, tuned):
-        return psgld.preconditioner(kernel_state, kernel.damping)
+        return kernel.metric(kernel_state)
 
     def tune(self, kernel, state, gradient, temperature, burn_in):
-        kernel_state, tuned = state.kernel, dict(state.tuned)
+        tuned = dict(state.tuned)
         learning = kernel.preconditioner == "warmup" and not burn_in
-        updates_before = kernel_state.square_count  # v's updates when this step's estimate ran (its metric)
-        if learning:
-            kernel_state = psgld.accumulate(kernel_state, gradient, kernel.decay, restart=True)
+        extra = {"updates": "learn"} if learning else {}  # the update folds this gradient into v, from its start
+        updates_before = state.kernel.square_count  # v's updates when this step's estimate ran (its metric)
         if "step_size" not in tuned:
-            return kernel_state, tuned, state
+            return tuned, state, extra
         if learning and gradient.hessian_product:
             # the first product measured in the learnt metric (v had 1 to CURVATURE_EVERY updates when this step's
             # estimate ran: one measurement falls there) restarts the curvature average: the burn-in's, in the
@@ -229,17 +231,18 @@ class Preconditioned(Rule):
             state = state._replace(curvature=torch.where(restart, measured, state.curvature))
         chosen = LANGEVIN_BOUND / state.curvature
         if not burn_in:
-            # the metric this step moves in: "always" folds this gradient into v inside the kernel's update
-            always = kernel.preconditioner == "always"
-            moving = psgld.accumulate(kernel_state, gradient, kernel.decay) if always else kernel_state
-            metric = psgld.preconditioner(moving, kernel.damping)
+            # the metric this step moves in: "always" and warm-up's learning fold this gradient into v in the update
+            folds = learning or kernel.preconditioner == "always"
+            metric = kernel.metric(state.kernel, gradient if folds else None, restart=learning)
             chosen = torch.minimum(chosen, noise_bound(state.noise, metric, 2.0 * temperature))
         tuned["step_size"] = chosen
-        return kernel_state, tuned, state
+        return tuned, state, extra
 
 
 class Momentum(Rule):
     """SGHMC: ε ≤ 0.3/√λ, a friction per coordinate where not given, and the Fisher mass where asked for."""
+
+    chooses = ("step_size", "friction", "mass")
 
     def start(self, kernel, latents):
         tuned = super().start(kernel, latents)
@@ -266,11 +269,13 @@ class Momentum(Rule):
                     state.curvature, state.noise, kernel.friction, temperature, masses, MOMENTUM_BOUND
                 )
             tuned["step_size"] = step_size
-        return state.kernel, tuned, state
+        return tuned, state, {}
 
 
 class Thermostat(Rule):
     """SGNHT: SGHMC's rule at unit mass; warm-up holds the thermostat at the friction (see :mod:`.sgnht`)."""
+
+    chooses = ("step_size", "friction")
 
     def tune(self, kernel, state, gradient, temperature, burn_in):
         tuned = dict(state.tuned)
@@ -281,12 +286,13 @@ class Thermostat(Rule):
         tuned["step_size"] = step_size
         if "friction" in tuned:
             tuned["friction"] = friction
-        kernel_state = state.kernel._replace(thermostat=friction + torch.zeros_like(state.kernel.thermostat))
-        return kernel_state, tuned, state
+        return tuned, state, {"thermostat": friction}  # held at the friction for this step
 
 
 class BAOABRule(Rule):
     """BAOAB: ε ≤ 0.5/√λ and the friction where not given (:func:`baoab_step_size`)."""
+
+    chooses = ("step_size", "friction")
 
     def metric(self, kernel, kernel_state, tuned):
         return {name: 1.0 / m for name, m in _masses(kernel, kernel_state, tuned).items()}
@@ -299,7 +305,7 @@ class BAOABRule(Rule):
         tuned["step_size"] = step_size
         if "friction" in tuned:
             tuned["friction"] = friction
-        return state.kernel, tuned, state
+        return tuned, state, {}
 
 
 def _masses(kernel: Any, kernel_state: Any, tuned: dict[str, Any]) -> Latents:

@@ -156,9 +156,11 @@ def test_settle_moves_the_chain_to_the_burn_in_average_and_zeroes_its_momenta():
     assert not bool(state.burning)
 
 
-def test_finish_keeps_the_kernel_state_and_the_chosen_hyperparameters_only():
+def test_finish_keeps_the_kernel_state_the_chosen_hyperparameters_and_the_noise_average_only():
     u = torch.tensor([0.5, -1.0, 2.0, 0.25, -0.75], dtype=torch.float64)
-    state, _ = one_calibrated_step(SGHMC(lambda: None, mass="fisher"), NoisyQuadratic(3.0, u), torch.tensor([0, 2]))
-    tuned = Adaptation.finish(state)
+    kernel = SGHMC(lambda: None, mass="fisher")
+    state, _ = one_calibrated_step(kernel, NoisyQuadratic(3.0, u), torch.tensor([0, 2]))
+    tuned = Adaptation(kernel, num_warmup=2).finish(state)
     assert isinstance(tuned, TunedState) and tuned.kernel is state.kernel
+    assert tuned.noise is state.noise  # sampling goes on with warm-up's average of the gradient noise
     assert set(tuned.hyperparameters) == {"step_size", "friction", "mass"}

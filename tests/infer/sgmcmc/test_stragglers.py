@@ -69,7 +69,7 @@ def test_a_diverging_warmup_step_halves_the_step_the_rule_chooses(kernel, order)
     assert order == warmup.rule.order
     # the curvature average is the measurement's, not the backed-off one the rule saw
     assert float(halved.curvature) == pytest.approx(float(calm.curvature), rel=1e-12)
-    resumed = settle(halved._replace(burning=torch.tensor(True)), burn_in=False)
+    resumed = settle(warmup.kernel, halved._replace(burning=torch.tensor(True)), burn_in=False)
     assert float(resumed.backoff) == 1.0  # burn-in's divergences are forgiven where the calibrated half starts
 
 

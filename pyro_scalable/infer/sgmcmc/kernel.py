@@ -1,0 +1,128 @@
+"""An engine's Pyro-facing class: the model, the bound hyperparameters, and the moves of one chain.
+
+:class:`Kernel` implements :class:`~.program.KernelContract` from a kernel module's ``init`` and ``update``
+(``init_rule``, ``update_rule``) and the keyword arguments ``update`` takes from the class (``hyperparameters()``).
+It validates and keeps what every engine has (the model, step size, temperature, gradient-noise mode, control
+variate, init strategy); a subclass adds its own hyperparameters. :class:`MomentumKernel` is a kernel whose State
+carries ``momenta``: a chain that warm-up moves starts again from rest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from pyro_scalable.bridge.model import FullDataModel, Latents
+from pyro_scalable.infer.schedules import ScalarOrSchedule, check_positive
+from pyro_scalable.infer.sgmcmc.base import GradientEstimate, check_gradient_noise
+from pyro_scalable.infer.sgmcmc.control_variates import check_control_variate
+
+__all__ = ["Kernel", "MomentumKernel"]
+
+
+class Kernel:
+    """The model, the bound hyperparameters, and the calls warm-up and sampling make on one chain.
+
+    ``init_rule`` and ``update_rule`` are the kernel module's ``init`` and ``update``; ``hyperparameters()`` the
+    keyword arguments ``update_rule`` takes from the class. Where warm-up chooses something, ``adapts`` is true and
+    ``warmup_rule`` names the rule (:mod:`.tuning`); the hyperparameters it chose reach :meth:`update` as keyword
+    arguments (per-chain tensors) in place of the bound ones. The gradient arrives estimated, with the moving
+    average of its noise (:mod:`.adaptation`): a kernel only moves the chain.
+    """
+
+    gradient_noise = "ignore"
+    control_variate = None  # see :mod:`.control_variates`
+    step_size: Any = None
+
+    def __init__(
+        self,
+        model: Callable,
+        step_size: ScalarOrSchedule | None,
+        temperature: ScalarOrSchedule,
+        gradient_noise: str | None,
+        control_variate: Any,
+        init_strategy: Callable,
+    ):
+        if step_size is not None:
+            check_positive("step_size", step_size)
+        check_positive("temperature", temperature, allow_zero=True)
+        self.model = FullDataModel(model)  # subsampling switched off: what Predictive and ArviZ should run
+        self.step_size = step_size
+        self.temperature = temperature
+        self.gradient_noise = check_gradient_noise(gradient_noise, step_size)
+        self.control_variate = check_control_variate(control_variate)
+        self.init_strategy = init_strategy
+
+    @property
+    def adapts(self) -> bool:
+        """Whether warm-up chooses something (the step size, where it is left to warm-up)."""
+        return self.step_size is None
+
+    def hyperparameters(self) -> dict[str, Any]:
+        """The keyword arguments of the module's ``update`` that this class binds."""
+        raise NotImplementedError
+
+    def init(self, latents: Latents) -> Any:
+        """Start a chain at unconstrained ``latents``."""
+        return type(self).init_rule(latents)
+
+    def update(self, state: Any, gradient: GradientEstimate, generator=None, **tuned: Any) -> tuple[Any, Any]:
+        """One update with this kernel's hyperparameters (``tuned``: those chosen in warm-up), given the gradient."""
+        return type(self).update_rule(state, gradient, **{**self.hyperparameters(), **tuned}, generator=generator)
+
+    @staticmethod
+    def latents(state: Any) -> Latents:
+        """The chain's draw: its last point with a finite log density and gradient."""
+        return state.checked_latents
+
+    @staticmethod
+    def relocate(state: Any, centre: Latents, jump: Tensor) -> Any:
+        """The chain moved to ``centre`` where ``jump`` (warm-up's end of burn-in; :func:`.adaptation.settle`)."""
+        return state._replace(latents={name: torch.where(jump, centre[name], x) for name, x in state.latents.items()})
+
+    def setup(self, *args: Any, **kwargs: Any) -> None:
+        """Refuse ``pyro.infer.MCMC``, which calls this first: these kernels need a minibatch driver."""
+        name = type(self).__name__
+        raise TypeError(
+            f"{name} is a stochastic-gradient kernel, which pyro.infer.MCMC cannot run (no accept step, minibatches); "
+            f"use pyro_scalable.infer.StochasticMCMC({name}(...), num_samples=..., num_warmup=...).run(*args)."
+        )
+
+    def __repr__(self) -> str:
+        shown = (f"{k}={'{...}' if isinstance(v, dict) else repr(v)}" for k, v in self.hyperparameters().items())
+        return f"{type(self).__name__}({', '.join(shown)})"
+
+
+class MomentumKernel(Kernel):
+    """A kernel whose State carries ``momenta``: a chain warm-up moves starts again from rest."""
+
+    @staticmethod
+    def check_friction(friction: float | None, step_size: Any, least_mass: float | None) -> float | None:
+        """The friction to keep: 1.0 where the step size is given and the friction is not; validated.
+
+        With ``least_mass``, an Euler momentum update's decay ``1 - step_size * friction / mass`` must stay
+        positive (schedules start at their largest step).
+        """
+        if step_size is not None and friction is None:
+            friction = 1.0
+        if friction is None:
+            return None
+        check_positive("friction", friction)
+        if step_size is not None and least_mass is not None:
+            largest = float(step_size(torch.zeros(())) if callable(step_size) else step_size)
+            if largest * friction / least_mass >= 1.0:
+                raise ValueError(
+                    f"step_size * friction / mass must be below 1 (got {largest * friction / least_mass:.3g}): "
+                    "the momentum would change sign every step. Lower the step size or the friction."
+                )
+        return friction
+
+    @staticmethod
+    def relocate(state: Any, centre: Latents, jump: Tensor) -> Any:
+        """The chain moved to ``centre`` where ``jump``, its momenta zeroed there."""
+        moved = Kernel.relocate(state, centre, jump)
+        rest = {name: torch.where(jump, p.new_zeros(()), p) for name, p in moved.momenta.items()}
+        return moved._replace(momenta=rest)
