@@ -21,6 +21,7 @@ from pyro_scalable.bridge.model import ModelBridge
 from pyro_scalable.infer.health import effective_sample_size
 from pyro_scalable.infer.predictive import sample_posterior_predictive
 from pyro_scalable.infer.record import RunRecord
+from pyro_scalable.infer.uncertainty import Uncertainty, draws_uncertainty, linearized_uncertainty
 
 __all__ = ["DEFAULT_DRAWS", "Draws", "GaussianDraws", "RunRecord"]
 
@@ -187,6 +188,19 @@ class Draws:
             return draws
         return {k: v.reshape((self.num_chains, -1) + v.shape[1:]) for k, v in draws.items()}
 
+    def uncertainty(self, *args: Any, site: str | None = None, **kwargs: Any) -> Uncertainty:
+        """Total predictive uncertainty at the inputs ``args`` split into aleatoric + epistemic, over the draws.
+
+        Entropy = expected entropy + mutual information for a classifier, the law of total variance otherwise
+        (:mod:`pyro_scalable.infer.uncertainty`); ``args`` as for :meth:`posterior_predictive`, none: the run's data.
+        """
+        results = self._require_run()
+        if not args and not kwargs:
+            args, kwargs = results.args, results.kwargs
+        device = results.bridge.device
+        samples = {k: v.to(device) for k, v in self.get_samples().items()}
+        return draws_uncertainty(results.bridge.model, samples, *args, site=site, **kwargs)
+
     def to_inference_data(self, **kwargs: Any):
         """An ``arviz.InferenceData`` with posterior, sample_stats, full-data log_likelihood and observed_data.
 
@@ -210,6 +224,7 @@ class GaussianDraws:
     """
 
     num_chains: int = 1
+    bridge: ModelBridge
 
     def _draw(self, num_samples: int, seed: int | None, group_by_chain: bool) -> dict[str, Tensor]:
         raise NotImplementedError
@@ -237,6 +252,31 @@ class GaussianDraws:
         }
         result["divergences"] = {f"chain {c}": [] for c in range(next(iter(samples.values())).shape[0])}
         return result
+
+    def uncertainty(
+        self,
+        *args: Any,
+        num_samples: int | None = None,
+        seed: int | None = None,
+        linearized: bool = False,
+        site: str | None = None,
+        **kwargs: Any,
+    ) -> Uncertainty:
+        """Total predictive uncertainty at ``args`` split into aleatoric + epistemic (none: the training data).
+
+        ``linearized=False`` runs the model at ``num_samples`` weight draws; ``linearized=True`` splits the
+        linearised predictive ``self.predict(*args, **kwargs)`` with ``num_samples`` draws of the outputs
+        (:func:`~pyro_scalable.infer.uncertainty.linearized_uncertainty`; exact for a Normal likelihood).
+        """
+        check_flag("linearized", linearized)
+        num_samples = DEFAULT_DRAWS if num_samples is None else num_samples
+        if linearized:
+            return linearized_uncertainty(self.predict(*args, **kwargs), num_samples=num_samples, seed=seed)
+        bridge = self.bridge
+        if not args and not kwargs:
+            args, kwargs = bridge.args, bridge.kwargs
+        samples = {k: v.to(bridge.device) for k, v in self.get_samples(num_samples, seed=seed).items()}
+        return draws_uncertainty(bridge.model, samples, *args, site=site, **kwargs)
 
     def summary(self, prob: float = 0.9, num_samples: int | None = None, seed: int | None = None) -> None:
         """Print Pyro's summary table (mean, sd, interval, n_eff, r_hat) of fresh draws."""

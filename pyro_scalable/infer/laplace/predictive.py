@@ -23,6 +23,7 @@ from pyro_scalable.infer.gaussian_prior import GaussianPriorModel, JointGaussian
 from pyro_scalable.infer.linearized.glm import GLMPredictive, Moments, glm_predictive, linearized_posterior_predictive
 from pyro_scalable.infer.linearized.likelihoods import Likelihood, LinkApprox
 from pyro_scalable.infer.predictive import sample_posterior_predictive
+from pyro_scalable.infer.uncertainty import Uncertainty
 
 __all__ = ["LaplacePredictives"]
 
@@ -76,6 +77,23 @@ class LaplacePredictives:
             num_samples=num_samples,
             generator=generator,
             fitted=self._fitted,
+        )
+
+    def uncertainty(
+        self,
+        *args: Any,
+        num_samples: int | None = None,
+        seed: int | None = None,
+        linearized: bool = True,
+        site: str | None = None,
+        **kwargs: Any,
+    ) -> Uncertainty:
+        """Aleatoric + epistemic split of the predictive at ``args``; by default the linearised one (``predict``).
+
+        ``linearized=False``: the model itself at ``num_samples`` weight draws (plain Laplace sampling).
+        """
+        return super().uncertainty(  # type: ignore[misc]  (GaussianDraws's, next in LaplacePosterior's MRO)
+            *args, num_samples=num_samples, seed=seed, linearized=linearized, site=site, **kwargs
         )
 
     def posterior_predictive(

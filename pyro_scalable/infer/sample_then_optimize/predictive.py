@@ -27,6 +27,7 @@ from pyro_scalable.infer.linearized.glm import (
     glm_predictive,
     linearized_posterior_predictive,
 )
+from pyro_scalable.infer.uncertainty import Uncertainty, linearized_uncertainty
 
 __all__ = ["SampleThenOptimizePredictives"]
 
@@ -64,6 +65,26 @@ class SampleThenOptimizePredictives:
                 num_samples=num_samples,
                 generator=generator,
             )
+
+    def uncertainty(
+        self,
+        *args: Any,
+        linearized: bool = True,
+        num_samples: int = 1000,
+        seed: int | None = None,
+        site: str | None = None,
+        **kwargs: Any,
+    ) -> Uncertainty:
+        r"""Aleatoric + epistemic split of the predictive at ``args`` (none: the run's data).
+
+        By default the linearised predictive (:meth:`predict`: :math:`f` Gaussian with the draws' mean and
+        covariance, ``num_samples`` draws of :math:`f` for a classifier); ``linearized=False`` runs the model at
+        each kept draw.
+        """
+        check_flag("linearized", linearized)
+        if linearized:
+            return linearized_uncertainty(self.predict(*args, **kwargs), num_samples=num_samples, seed=seed)
+        return super().uncertainty(*args, site=site, **kwargs)  # type: ignore[misc]  (Draws's)
 
     def posterior_predictive(
         self,
