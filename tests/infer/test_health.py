@@ -134,3 +134,28 @@ def test_long_chains_are_judged_in_linear_memory():
     ess = effective_sample_size(x)
     assert bool(((ess > 0.8 * 120_000) & (ess < 1.2 * 120_000)).all()), ess  # independent draws: ESS ≈ 4 x 30,000
     warn_unhealthy({"w": x}, {})  # healthy, and no warning
+
+
+def _one_point_minibatch(x):
+    w = pyro.sample("w", dist.Normal(0.0, 1.0))
+    with pyro.plate("data", len(x), subsample_size=1) as idx:
+        pyro.sample("obs", dist.Normal(w, 1.0), obs=x[idx])
+
+
+def _two_subsampled_plates(x):
+    w = pyro.sample("w", dist.Normal(0.0, 1.0))
+    with pyro.plate("rows", x.shape[0], subsample_size=4, dim=-2) as rows:
+        with pyro.plate("columns", x.shape[1], subsample_size=4, dim=-1) as columns:
+            pyro.sample("obs", dist.Normal(w, 1.0), obs=x[rows][:, columns])
+
+
+@pytest.mark.parametrize("model, shape", [(_one_point_minibatch, (50,)), (_two_subsampled_plates, (10, 10))])
+def test_the_noise_probe_skips_a_minibatch_whose_noise_cannot_be_estimated(model, shape):
+    # A hand-set step never asks for a noise estimate; after the run the probe measures it where it can, and where
+    # it cannot (one point per minibatch has no spread; two subsampled plates are no sum of examples) it skips.
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+    mcmc = StochasticMCMC(SGLD(model, step_size=1e-3), num_samples=20, num_warmup=5, seed=0, progress_bar=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", HealthWarning)
+        mcmc.run(x)
+    assert mcmc.get_samples()["w"].shape == (20,)
