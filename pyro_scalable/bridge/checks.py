@@ -8,15 +8,19 @@ import sys
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import numpy as np
 import torch
+from pyro.infer.autoguide import AutoGuide
 from pyro.poutine.util import site_is_subsample
 from torch import Tensor
 
 __all__ = [
     "ModelError",
     "check_inputs",
+    "check_model",
     "explain_latent_in_plate",
     "explain_mixed_tensors",
+    "explain_sequence_data",
     "first_line",
     "named_tensors",
     "one_subsampled_plate",
@@ -42,33 +46,68 @@ def first_line(error: BaseException) -> str:
 
 def named_tensors(model: Callable, args: tuple, kwargs: Mapping[str, Any]) -> Iterator[tuple[str, Tensor]]:
     """Yield ``(name, tensor)`` for every tensor in the model's arguments, nested containers included."""
+    for label, value in _labelled(model, args, kwargs):
+        yield from _walk(label, value)
+
+
+def _walk(label: str, value: Any, kind: type | tuple[type, ...] = Tensor) -> Iterator[tuple[str, Any]]:
+    if isinstance(value, kind):
+        yield label, value
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            yield from _walk(f"{label}[{i}]", item, kind)
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            yield from _walk(f"{label}[{key!r}]", item, kind)
+
+
+def _labelled(model: Callable, args: tuple, kwargs: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
+    """``(label, value)`` of every top-level argument, labelled by its parameter's name where the signature has one."""
     try:
         names = list(inspect.signature(model).parameters)
     except (TypeError, ValueError):
         names = []
     for position, value in enumerate(args):
-        label = f"argument '{names[position]}'" if position < len(names) else f"positional argument {position}"
-        yield from _walk(label, value)
+        yield (f"argument '{names[position]}'" if position < len(names) else f"positional argument {position}"), value
     for key, value in kwargs.items():
-        yield from _walk(f"argument '{key}'", value)
+        yield f"argument '{key}'", value
 
 
-def _walk(label: str, value: Any) -> Iterator[tuple[str, Tensor]]:
-    if isinstance(value, Tensor):
-        yield label, value
-    elif isinstance(value, (list, tuple)):
-        for i, item in enumerate(value):
-            yield from _walk(f"{label}[{i}]", item)
-    elif isinstance(value, Mapping):
-        for key, item in value.items():
-            yield from _walk(f"{label}[{key!r}]", item)
+def check_model(model: Any) -> None:
+    """Refuse a Pyro guide given where the model is expected (``SGHMC(AutoNormal(model))``)."""
+    if isinstance(model, AutoGuide):
+        kind = type(model).__name__
+        raise ModelError(
+            f"the model given is a guide ({kind}), not a model: its sites are the guide's, with no observed site. "
+            f"The engines sample the model's own posterior: pass the model itself, e.g. SGHMC(model) rather than "
+            f"SGHMC({kind}(model))."
+        )
 
 
 def check_inputs(model: Callable, args: tuple, kwargs: Mapping[str, Any]) -> torch.device | None:
-    """Check the model's tensor arguments are finite and on one device; return that device (None if no tensors)."""
+    """Check the model's tensor arguments are finite, float32/float64, on one device; return that device (or None).
+
+    Numerical numpy arrays are refused rather than converted: the engines index, move, digest and differentiate
+    the data as tensors, and a conversion would have to guess the dtype the model's priors expect.
+    """
+    for label, array in (
+        item for name, value in _labelled(model, args, kwargs) for item in _walk(name, value, np.ndarray)
+    ):
+        if array.dtype.kind in "biuf":
+            raise ModelError(
+                f"{label} is a numpy array ({array.dtype}); the data must be torch tensors: pass "
+                f"torch.as_tensor(..., dtype={'torch.float32' if array.dtype.kind == 'f' else 'torch.long'}) instead "
+                "(the dtype of the model's priors: float32 by default)."
+            )
     device = None
     first = None
     for label, tensor in named_tensors(model, args, kwargs):
+        if tensor.dtype in (torch.float16, torch.bfloat16):
+            raise ModelError(
+                f"{label} is {tensor.dtype}; the samplers need float32 or float64 data, since half precision's "
+                "few significant digits round away a step's change and its log densities overflow (nearly every "
+                "step diverges). Pass it as .float() (or .double()); its memory doubles, only here."
+            )
         if device is None:
             device, first = tensor.device, label
         elif tensor.device != device:
@@ -113,6 +152,17 @@ def one_subsampled_plate(bridge: Any, purpose: str) -> Any:
             f"subsample_size=B)); the model has {len(plates)}."
         )
     return plates[0]
+
+
+def explain_sequence_data(model: Callable, args: tuple, kwargs: Mapping[str, Any], error: Exception) -> None:
+    """Raise a ModelError naming an argument that is a list or tuple of numbers, when the model failed on its data."""
+    for label, value in _labelled(model, args, kwargs):
+        if isinstance(value, (list, tuple)) and value and all(isinstance(v, (int, float)) for v in value):
+            raise ModelError(
+                f"the model failed ({first_line(error)}) and {label} is a {type(value).__name__} of {len(value)} "
+                "numbers; the data must be torch tensors (plates index them with tensors of indices): pass "
+                "torch.tensor(...) (float32 for real values, the dtype of the model's priors by default)."
+            ) from error
 
 
 def explain_latent_in_plate(trace, error: Exception) -> None:

@@ -34,8 +34,10 @@ from torch.distributions.transforms import ComposeTransform, IndependentTransfor
 from pyro_scalable.bridge.checks import (
     ModelError,
     check_inputs,
+    check_model,
     explain_latent_in_plate,
     explain_mixed_tensors,
+    explain_sequence_data,
     named_tensors,
     user_stacklevel,
 )
@@ -133,6 +135,7 @@ class ModelBridge:
         if kwargs is not None and not isinstance(kwargs, Mapping):
             raise TypeError(f"kwargs must be a dict of the model's keyword arguments, got {type(kwargs).__name__}.")
         self.model = model.model if isinstance(model, FullDataModel) else model
+        check_model(self.model)
         self.args = tuple(args)
         self.kwargs = dict(kwargs or {})
         self.device = check_inputs(self.model, self.args, self.kwargs)
@@ -178,7 +181,8 @@ class ModelBridge:
                 f"; the plate size must equal the number of data points{': plates ' + sizes if sizes else ''}. "
                 "Pass N = len(data) to pyro.plate, and data of one length."
             ) from error
-        except (RuntimeError, ValueError) as error:
+        except (RuntimeError, ValueError, TypeError) as error:
+            explain_sequence_data(self.model, self.args, self.kwargs, error)
             explain_latent_in_plate(tracer.msngr.trace, error)
             explain_mixed_tensors(tracer.msngr.trace, named_tensors(self.model, self.args, self.kwargs), error)
             raise
