@@ -474,7 +474,7 @@ class Timers:
     MEMORY_PHASES = ("_data_pass", "solve", "finish")  # not nested in one another
 
     def __init__(self):
-        from pyro_scalable.infer.sample_then_optimize import core
+        from pyro_scalable.infer.linearized.sampling import core
         from pyro_scalable.infer.sample_then_optimize import engine as engine_module
 
         self.steps: list[float] = []

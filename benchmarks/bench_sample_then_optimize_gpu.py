@@ -207,8 +207,8 @@ class StepTimer:
     optimisation phase (``Problem.solve``) wrapped for its own peak of device memory."""
 
     def __init__(self, device: torch.device):
-        from pyro_scalable.infer.sample_then_optimize import core
-        from pyro_scalable.infer.sample_then_optimize.problem import Problem
+        from pyro_scalable.infer.linearized.sampling import core
+        from pyro_scalable.infer.linearized.sampling.problem import Problem
 
         self.reset()
         original = core.step

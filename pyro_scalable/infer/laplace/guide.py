@@ -83,9 +83,10 @@ class AutoLinearizedLaplace(AutoLaplaceApproximation):
         Args:
             structure: ``"full"``, ``"diag"``, ``"kron"`` (K-FAC per linear layer, diagonal elsewhere) or
                 ``"low_rank"`` (top-``rank`` eigenpairs of the GGN), or ``"sampled"`` (``num_samples`` draws of
-                the full-GGN posterior by :class:`~pyro_scalable.infer.SampleThenOptimize`, for nets too large for
-                the others; no evidence, EM instead). ``sampler_options`` go to the sampler (``num_epochs``,
-                ``variance_reduction``, ``step_size``, ...).
+                the full-GGN posterior by sample-then-optimise — the solver
+                :class:`~pyro_scalable.infer.SampleThenOptimize` runs, :mod:`pyro_scalable.infer.linearized.sampling`
+                — for nets too large for the others; no evidence, EM instead). ``sampler_options`` go to the solver
+                (``num_epochs``, ``variance_reduction``, ``step_size``, ``chunk_size``, ``seed``, ...).
             sites: the latent sites the Laplace covers (default: all that the mean output depends on), or
                 ``"last_layer"``; every other latent is held at its MAP value.
             curvature: the GGN, or the empirical Fisher (``"ef"``).

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pyro_scalable.infer.sample_then_optimize import core
+from pyro_scalable.infer.linearized.sampling import core
 
 D = torch.float64
 

@@ -136,7 +136,7 @@ def test_em_noise_is_refused_where_it_does_not_apply():
 # ------------------------------------------------------------------------------------------ damping the M-step
 def _iterate(fixed_point: float, slope: float, steps: int, damped: bool) -> list[float]:
     """x_{t+1} = F(x_t) in log alpha with F(x) = x* + slope (x - x*), the update damped or not."""
-    from pyro_scalable.infer.sample_then_optimize.em import damp_oscillation
+    from pyro_scalable.infer.linearized.sampling.em import damp_oscillation
 
     history = [torch.tensor([1.0], dtype=F64)]
     for _ in range(steps):

@@ -112,7 +112,7 @@ def _exact_mackay(x, y, noise, alpha):
 
 def test_exact_mackay_fixed_point_is_the_evidence_maximiser():
     """The update itself (em.mackay_update with the exact γ) converges to the argmax of the exact evidence."""
-    from pyro_scalable.infer.sample_then_optimize.em import mackay_update
+    from pyro_scalable.infer.linearized.sampling.em import mackay_update
 
     problem = LinearRegression(num_data=40, dim=6, noise_scale=1.5, prior_scale=0.3)
     x, y, noise = problem.x, problem.y, problem.noise_scale
@@ -160,7 +160,7 @@ def test_sampled_em_reaches_the_evidence_maximiser_within_monte_carlo_error():
 
 def test_effective_dimension_estimator_is_unbiased():
     """γ̂ from exact posterior draws, per group and in total, against Tr(H⁻¹M) within Monte-Carlo error."""
-    from pyro_scalable.infer.sample_then_optimize.em import effective_dimension
+    from pyro_scalable.infer.linearized.sampling.em import effective_dimension
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(30, 5, generator=g, dtype=F64) * torch.tensor([3.0, 1.0, 1.0, 0.3, 0.1], dtype=F64)

@@ -1,4 +1,4 @@
-"""The conjugate-gradient refinement (:mod:`pyro_scalable.infer.sample_then_optimize.krylov`).
+"""The conjugate-gradient refinement (:mod:`pyro_scalable.infer.linearized.sampling.krylov`).
 
 * gold: on a random SPD system, the returned rows solve it; the energy-error estimate is exactly the drop of
   :math:`\\lVert e\\rVert_H^2` over the last ``delay`` iterations (Hestenes-Stiefel's identity), in float64;
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from pyro_scalable.infer import SampleThenOptimize
-from pyro_scalable.infer.sample_then_optimize.krylov import conjugate_gradient
+from pyro_scalable.infer.linearized.sampling.krylov import conjugate_gradient
 
 F64 = torch.float64
 

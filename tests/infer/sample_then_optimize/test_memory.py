@@ -22,8 +22,8 @@ from torch import nn
 
 from pyro_scalable.infer import SampleThenOptimize
 from pyro_scalable.infer.linearized import network
-from pyro_scalable.infer.sample_then_optimize import core
-from pyro_scalable.infer.sample_then_optimize.krylov import conjugate_gradient
+from pyro_scalable.infer.linearized.sampling import core
+from pyro_scalable.infer.linearized.sampling.krylov import conjugate_gradient
 
 F64 = torch.float64
 

@@ -1,7 +1,8 @@
 r"""The Laplace curvature structures, one class per structure, and the one registry from name to class.
 
 Each class (:class:`~pyro_scalable.infer.laplace.curvature.Structure`) fits itself at the MAP — its part of the one
-GGN pass, or for ``"sampled"`` a sample-then-optimise run —, holds :math:`G`, and gives the precision
+GGN pass, or for ``"sampled"`` the floor's sample-then-optimise solver
+(:mod:`~pyro_scalable.infer.linearized.sampling`) —, holds :math:`G`, and gives the precision
 :math:`H = sG + \mathrm{diag}(P)` with its functional covariance. Adding a structure is one module here and one
 line in :data:`STRUCTURES`.
 """
