@@ -131,7 +131,10 @@ def _observed_site(trace, samples: Mapping[str, Tensor], site: str | None) -> st
     names = [
         name
         for name, node in trace.nodes.items()
-        if node["type"] == "sample" and not site_is_subsample(node) and name not in samples
+        if node["type"] == "sample"
+        and not site_is_subsample(node)
+        and not node["infer"].get("_deterministic")  # pyro.deterministic: a recorded value, not a law
+        and name not in samples
     ]
     if site is not None:
         if site not in names:
@@ -195,9 +198,9 @@ def linearized_uncertainty(prediction: GLMPredictive, num_samples: int = 1000, s
         )
     generator = torch.Generator(mean.device)
     generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ())))
-    eye = torch.eye(covariance.shape[-1], dtype=covariance.dtype, device=covariance.device)
-    jitter = 1e-10 * variance.mean(-1).clamp_min(1e-30)[..., None, None]
-    root = torch.linalg.cholesky(covariance + jitter * eye)
+    # a symmetric root, not Cholesky: a covariance from K draws (sample-then-optimise) has rank K, often singular
+    values, vectors = torch.linalg.eigh(covariance)
+    root = vectors * values.clamp_min(0.0).sqrt().unsqueeze(-2)
     noise = torch.randn((num_samples, *mean.shape), generator=generator, dtype=mean.dtype, device=mean.device)
     f = mean + torch.einsum("nij,snj->sni", root, noise)  # (S, points, outputs)
     if isinstance(fn, dist.Bernoulli):

@@ -59,6 +59,7 @@ def test_law_of_total_variance_of_draws():
 def _classifier(x, y=None):
     w = pyro.sample("w", dist.Normal(torch.zeros(3, dtype=D), 1.0).to_event(1))
     with pyro.plate("data", x.shape[0], subsample_size=min(10, x.shape[0])) as idx:
+        pyro.deterministic("probs", torch.softmax(x[idx, None] * w, -1))  # a recorded value, not the observed site
         pyro.sample("y", dist.Categorical(logits=x[idx, None] * w), obs=None if y is None else y[idx])
 
 
