@@ -7,7 +7,11 @@ Pyro's ``MCMC``, a trained guide, a dict of draws — and writes, each with dime
 * ``sample_stats``: the engine's per-draw statistics — ``lp`` (minibatch log-joint estimate), ``diverging``,
   ``step_size``, ``temperature``, ``grad_norm``, … (ArviZ's names where it has one); ``diverging`` for Pyro MCMC;
 * ``log_likelihood``: pointwise ``log p(y_i | θ)`` on the **full** data, computed in chunks (never a minibatch),
-  so that ``az.loo``/``az.waic`` are unbiased;
+  so that ``az.loo``/``az.waic`` are unbiased; of the observed points only (a point masked out with
+  ``poutine.mask`` or ``dist.mask`` is no term of the likelihood, so ``az.loo`` counts the points the model
+  observes): where a mask selects whole entries of one plate the plate's dimension keeps the observed entries, its
+  coordinates their positions in the data; any other mask leaves one dimension ``"<site>_observed"`` of the observed
+  points, its coordinates their flat positions;
 * ``observed_data``: the full observed values;
 * on request, ``posterior_predictive`` (one draw of every observed site per posterior draw, on the full data),
   ``prior`` and ``prior_predictive``.
@@ -29,7 +33,7 @@ from torch import Tensor
 
 from pyro_scalable.arguments import check_count, check_flag, fork_rng
 from pyro_scalable.bridge import FullDataModel
-from pyro_scalable.bridge.likelihood import full_data_log_likelihood
+from pyro_scalable.bridge.likelihood import full_data_log_likelihood, observed_masks
 from pyro_scalable.bridge.model import ModelBridge
 from pyro_scalable.infer.predictive import sample_posterior_predictive
 from pyro_scalable.infer.record import RunRecord
@@ -113,7 +117,7 @@ def to_inference_data(
         record, extra = run_record(source, model, args, kwargs, num_samples=num_samples, seed=seed)
         bridge = record.full_bridge
         observed_extra = {k: v for k, v in extra.items() if bridge is not None and k in bridge.observed}
-        groups, all_dims = _groups(record, log_likelihood, data_chunk_size, draws_chunk_size)
+        groups, all_dims, own = _groups(record, log_likelihood, data_chunk_size, draws_chunk_size)
         groups["posterior"].update(_numpy({k: v for k, v in extra.items() if k not in observed_extra}))
         if observed_extra and posterior_predictive is False:
             groups["posterior_predictive"] = _numpy(observed_extra)
@@ -127,7 +131,7 @@ def to_inference_data(
             if prior is not None:
                 groups["prior"], groups["prior_predictive"] = _prior(bridge, prior, seed)
         all_dims.update(dims or {})
-        return _from_dict(groups, coords, all_dims)
+        return _from_dict(groups, coords, all_dims, own)
 
 
 def draws_to_inference_data(
@@ -149,13 +153,17 @@ def draws_to_inference_data(
     _check_draws(bridge, latents, num_chains)
     draws = {k: v.reshape((num_chains, -1) + v.shape[1:]) for k, v in latents.items()}
     record = RunRecord(bridge, bridge, bridge.args, bridge.kwargs, draws)
-    groups, all_dims = _groups(record, log_likelihood, data_chunk_size, draws_chunk_size)
+    groups, all_dims, own = _groups(record, log_likelihood, data_chunk_size, draws_chunk_size)
     all_dims.update(dims or {})
-    return _from_dict(groups, coords, all_dims)
+    return _from_dict(groups, coords, all_dims, own)
 
 
-def _groups(record: RunRecord, log_likelihood: bool, data_chunk_size, draws_chunk_size) -> tuple[dict, dict]:
-    """``posterior``, ``sample_stats``, ``observed_data`` and ``log_likelihood`` of a record, and their dims."""
+def _groups(record: RunRecord, log_likelihood: bool, data_chunk_size, draws_chunk_size) -> tuple[dict, dict, dict]:
+    """``posterior``, ``sample_stats``, ``observed_data`` and ``log_likelihood`` of a record, and their dims.
+
+    The third value is ``{group: (dims, coords)}`` for a group whose variables need dims of their own: the
+    ``log_likelihood`` of a site with masked points, which holds its observed points only (:func:`_observed_only`).
+    """
     shape = next(iter(record.draws.values())).shape[:2]
     constrained = record.bridge.constrain({k: v.reshape((-1,) + v.shape[2:]) for k, v in record.draws.items()})
     groups: dict[str, dict[str, np.ndarray]] = {
@@ -171,7 +179,7 @@ def _groups(record: RunRecord, log_likelihood: bool, data_chunk_size, draws_chun
             "Pass the full data as to_inference_data(..., args=(x, y)) to have them.",
             stacklevel=3,
         )
-        return groups, all_dims
+        return groups, all_dims, {}
     observed = bridge.observed_data()
     groups["observed_data"] = _numpy(observed)
     all_dims.update({name: _observed_dims(bridge, name, value.dim()) for name, value in observed.items()})
@@ -182,7 +190,40 @@ def _groups(record: RunRecord, log_likelihood: bool, data_chunk_size, draws_chun
         )
         # float64 whatever the model's dtype: ArviZ's PSIS exponentiates these and overflows in float32
         groups["log_likelihood"] = {k: v.reshape(shape + v.shape[1:]).double().numpy() for k, v in values.items()}
-    return groups, all_dims
+        masks = observed_masks(bridge)
+        if masks:
+            return groups, all_dims, {"log_likelihood": _observed_only(groups["log_likelihood"], masks, all_dims)}
+    return groups, all_dims, {}
+
+
+def _observed_only(values: dict[str, np.ndarray], masks: dict, all_dims: dict) -> tuple[dict, dict]:
+    """Keep, in place, the observed points of each masked site's ``(chain, draw, *batch)`` values; their dims, coords.
+
+    A mask that selects whole entries along one dimension (a per-point mask in a plate) keeps that dimension and its
+    name, its coordinates the observed entries' positions; any other mask flattens the batch dims into one
+    ``"<site>_observed"``. A site with no observed point is dropped.
+    """
+    dims, coords = {}, {}
+    for name, mask in masks.items():
+        value = values.pop(name)
+        mask = np.broadcast_to(mask.cpu().numpy(), value.shape[2:])
+        if not mask.any():
+            continue
+        names = list(all_dims.get(name, []))[: mask.ndim]
+        names += [f"{name}_dim_{i}" for i in range(len(names), mask.ndim)]
+        # the entries observed along each dim, whatever the others; a mask is one such profile broadcast, or not
+        profiles = [mask.any(axis=_others(d, mask.ndim)) for d in range(mask.ndim)]
+        along = [d for d in range(mask.ndim) if (mask == np.expand_dims(profiles[d], _others(d, mask.ndim))).all()]
+        if along:
+            d = along[0]
+            keep = np.flatnonzero(profiles[d])
+            values[name] = value.take(keep, axis=2 + d)
+            dims[name], coords[names[d]] = names, keep
+        else:
+            flat = mask.reshape(-1)
+            values[name] = value.reshape(value.shape[:2] + (-1,))[..., flat]
+            dims[name], coords[f"{name}_observed"] = [f"{name}_observed"], np.flatnonzero(flat)
+    return dims, coords
 
 
 def _posterior_predictive(record: RunRecord, seed: int | None) -> dict[str, np.ndarray]:
@@ -243,7 +284,29 @@ def _check_draws(bridge: ModelBridge, latents: Any, num_chains: int) -> None:
         raise ValueError(f"num_chains={num_chains} must divide the number of draws ({total}), which must be positive.")
 
 
-def _from_dict(groups: dict, coords: dict | None, dims: dict):
+def _others(dim: int, ndim: int) -> tuple[int, ...]:
+    return tuple(i for i in range(ndim) if i != dim)
+
+
+def _from_dict(groups: dict, coords: dict | None, dims: dict, own: dict | None = None):
+    """The groups as ArviZ data; a group of ``own``, ``{group: (dims, coords)}``, with dims and coords of its own."""
+    own = own or {}
+    data = _convert({g: v for g, v in groups.items() if g not in own}, coords, dims)
+    for group, (group_dims, group_coords) in own.items():
+        # positions of the observed entries: they index the caller's coordinates of that dim where given
+        own_coords = {
+            k: np.asarray((coords or {})[k])[v] if k in (coords or {}) else v for k, v in group_coords.items()
+        }
+        merged = {**(coords or {}), **own_coords}
+        part = _convert({group: groups[group]}, merged, {**dims, **group_dims})
+        if ARVIZ_MAJOR >= 1:
+            data[group] = part[group]
+        else:
+            data.add_groups({group: part[group]})
+    return data
+
+
+def _convert(groups: dict, coords: dict | None, dims: dict):
     attrs = {"inference_library": "pyro", "inference_library_version": pyro.__version__}
     # Arrays are (chain, draw, ...) by construction; ArviZ warns where there are more chains than draws, which is
     # parallel SG-MCMC (one draw per chain: a deep ensemble at T = 0), so that one warning is silenced on both majors.

@@ -245,3 +245,56 @@ def test_parallel_chains_of_one_draw_convert_without_warnings(data):
         idata = to_inference_data(flat, model, args=data)
     assert _posterior(idata, "w").shape == (1, 8, D)
     assert ARVIZ_MAJOR in (0, 1)
+
+
+def _masked(y, mask):
+    mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
+    with pyro.plate("data", len(y), subsample_size=10) as idx:
+        with pyro.poutine.mask(mask=mask[idx]):
+            pyro.sample("obs", dist.Normal(mu, 1.0), obs=y[idx])
+
+
+def _masked_by_the_distribution(y, mask):
+    mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
+    with pyro.plate("data", len(y)):
+        pyro.sample("obs", dist.Normal(mu, 1.0).mask(mask), obs=y)
+
+
+def _masked_grid(y, mask):
+    mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
+    with pyro.plate("rows", y.shape[0], dim=-2), pyro.plate("columns", y.shape[1], dim=-1):
+        with pyro.poutine.mask(mask=mask):
+            pyro.sample("obs", dist.Normal(mu, 1.0), obs=y)
+
+
+def _loo_points(idata) -> int:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Estimated shape parameter of Pareto", category=UserWarning)
+        loo = az.loo(idata, pointwise=True)
+    return int(np.asarray(loo.loo_i).size)
+
+
+@pytest.mark.parametrize("masked_model", [_masked, _masked_by_the_distribution])
+def test_loo_counts_only_the_points_the_model_observes(masked_model):
+    # half the points masked out: the likelihood has 20 terms, and az.loo must see those 20 and no masked one
+    y = torch.randn(40, generator=torch.Generator().manual_seed(0))
+    mask = torch.arange(40) % 2 == 0
+    draws = {"mu": 0.2 * torch.randn(100, generator=torch.Generator().manual_seed(1))}
+    idata = to_inference_data(draws, masked_model, args=(y, mask))
+    log_likelihood = idata["log_likelihood"]["obs"]
+    assert _loo_points(idata) == int(mask.sum()) == 20
+    assert log_likelihood.dims == ("chain", "draw", "data")
+    assert np.array_equal(log_likelihood["data"].values, np.flatnonzero(mask.numpy()))  # positions in the data
+    # each kept point's values are its own Normal log density, and the observed data keeps every value given
+    mu = draws["mu"].double()[:, None]
+    expected = dist.Normal(mu, 1.0).log_prob(y.double()[mask])
+    np.testing.assert_allclose(log_likelihood.values[0], expected.numpy(), rtol=1e-5)
+    assert idata["observed_data"]["obs"].shape == (40,)
+
+
+def test_a_mask_scattered_over_two_plates_leaves_one_dim_of_observed_points():
+    y = torch.randn(4, 5, generator=torch.Generator().manual_seed(0))
+    mask = torch.eye(4, 5, dtype=torch.bool) | (torch.arange(5) == 4)  # no whole row or column masked
+    idata = to_inference_data({"mu": torch.randn(50)}, _masked_grid, args=(y, mask))
+    assert idata["log_likelihood"]["obs"].dims == ("chain", "draw", "obs_observed")
+    assert _loo_points(idata) == int(mask.sum())

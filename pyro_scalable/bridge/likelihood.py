@@ -4,18 +4,24 @@ ArviZ's ``log_likelihood`` group (for ``az.loo``/``az.waic``) needs ``log p(y_i 
 and draw s. A minibatch would bias every criterion, so this evaluates the whole data set, but never all of it at
 once: the first subsampled plate is walked in chunks (other subsampled plates run in full), and draws are
 vectorised with ``torch.func.vmap`` in groups, falling back to a loop for models vmap cannot batch.
+
+Points a model masks out (``poutine.mask``, ``dist.mask``) are not observed: the log density there is no term of
+the likelihood, and a criterion over the pointwise log-likelihood must not count them. :func:`observed_masks` says
+which points each observed site observes, read from one trace of the model on the full data (a mask that depends
+on the data only, as masks of missing values do).
 """
 
 from __future__ import annotations
 
 import torch
+from pyro.distributions.torch_distribution import MaskedDistribution
 from torch import Tensor
 from torch.func import vmap
 
 from pyro_scalable.bridge.minibatches import chunks
 from pyro_scalable.bridge.model import Batch, Latents, ModelBridge
 
-__all__ = ["full_data_log_likelihood"]
+__all__ = ["full_data_log_likelihood", "observed_masks"]
 
 
 def full_data_log_likelihood(
@@ -78,3 +84,24 @@ def _pointwise(bridge: ModelBridge, latents: Latents, batch: Batch) -> dict[str,
             draws = next(iter(latents.values())).shape[0]
             rows = [bridge.pointwise_log_likelihood({k: v[s] for k, v in latents.items()}, batch) for s in range(draws)]
             return {name: torch.stack([row[name] for row in rows]) for name in rows[0]}
+
+
+def observed_masks(bridge: ModelBridge) -> dict[str, Tensor]:
+    """``{observed site: bool (*batch_shape)}``, True where the point is observed, for the sites that mask points.
+
+    A site's mask is the product of its ``poutine.mask`` and a masked distribution's mask (``dist.mask(m)``),
+    broadcast to the shape of its pointwise log-likelihood; sites that observe every point are left out.
+    """
+    trace = bridge.trace_at({})
+    masks = {}
+    for name in bridge.observed:
+        node = trace.nodes[name]
+        fn, value = node["fn"], node["value"]
+        shape = torch.broadcast_shapes(fn.batch_shape, value.shape[: value.dim() - fn.event_dim])
+        mask = torch.ones(shape, dtype=torch.bool, device=value.device)
+        for part in (node["mask"], fn._mask if isinstance(fn, MaskedDistribution) else None):
+            if part is not None:
+                mask = mask & torch.as_tensor(part, dtype=torch.bool, device=value.device)
+        if not bool(mask.all()):
+            masks[name] = mask.expand(shape)
+    return masks
