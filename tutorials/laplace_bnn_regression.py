@@ -16,15 +16,30 @@
 # next to those of the network with sampled weights. Then the other curvature structures on the same MAP.
 
 # %% [markdown] tags=["remove-cell"]
-# Set `PYRO_SCALABLE_FAST=1` for the quick run CI does (fewer training steps, no MAP check). Cells tagged
-# `remove-cell` (this switch, the figure file, the tutorial's own checks) run but are left out of the documentation
-# page.
+# Set `PYRO_SCALABLE_FAST=1` for the quick run CI does (fewer training steps, no MAP check). Cells tagged `remove-cell`
+# (this switch, the plotting backend and the warnings' format, the figure file, the tutorial's own checks) run but are
+# left out of the documentation page.
 
-# %%
+# %% tags=["remove-cell"]
 import os
-import time
 import warnings
 
+import matplotlib
+
+matplotlib.use("Agg")  # the figures are files (docs/images), attached to the page by scripts/render_tutorials.py
+warnings.filterwarnings("ignore", message=r"\s*ArviZ is undergoing", category=FutureWarning)
+
+
+def _warning_as_read(message, category, filename, lineno, line=None):
+    return f"{category.__name__}: {message}\n"  # the category and message, not the kernel's temporary file name
+
+
+warnings.formatwarning = _warning_as_read
+
+# %%
+import time
+
+import arviz as az
 import pyro
 import pyro.distributions as dist
 import torch
@@ -34,10 +49,6 @@ from torch import nn
 
 from pyro_scalable import FullDataModel
 from pyro_scalable.infer import AutoLinearizedLaplace
-
-with warnings.catch_warnings():
-    warnings.filterwarnings("ignore", message=r"\s*ArviZ is undergoing", category=FutureWarning)
-    import arviz as az
 
 STEPS = 1_500  # SVI steps of the MAP search
 CHECK_MAP = True  # the Laplace fit checks that the gradient at the MAP is small
@@ -287,10 +298,7 @@ print(f"last layer, nn sd / linearised sd: {ratio.mean():.3f} on average")
 assert (ratio.mean() - 1).abs() < 4 / (2 * check_draws) ** 0.5
 
 # %%
-import matplotlib  # noqa: E402
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
 ax = axes[0]
