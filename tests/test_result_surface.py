@@ -2,7 +2,7 @@
 
 ``run`` (or ``laplace_approximation``) returns the result; each one gives ``get_samples(num_samples=None,
 group_by_chain=False)``, ``summary()``, ``diagnostics()``, ``to_inference_data()`` and ``posterior_predictive(...)``;
-the linearised and Gaussian ones also ``predict(...)`` and ``as_prior()``.
+the linearised and Gaussian ones also ``predict(...)`` and ``as_prior()``; all of them ``uncertainty(...)``.
 """
 
 from __future__ import annotations
@@ -103,3 +103,15 @@ def test_predict_and_as_prior_where_the_result_is_gaussian(result):
     prior = res.as_prior()
     trace = pyro.poutine.trace(prior).get_trace(*_data())
     assert trace.nodes["w"]["value"].shape == (2,)
+
+
+def test_uncertainty_splits_off_the_known_noise_on_every_result(result):
+    name, res = result
+    x_new = torch.randn(7, 2, dtype=F64)
+    split = res.uncertainty(x_new)  # the draws, or the linearised predictive where that is the result's default
+    assert torch.allclose(split.aleatoric, torch.full((7,), 0.25, dtype=F64), rtol=1e-6)
+    assert torch.equal(split.total, split.aleatoric + split.epistemic) and bool((split.epistemic > 0).all())
+    if name in LINEARISED:
+        per_run = {"run": 0} if name == "SWAG" else {}
+        linear = res.uncertainty(x_new, linearized=True, **per_run)
+        assert torch.allclose(linear.aleatoric, split.aleatoric, rtol=1e-6)
