@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pyro_scalable.infer import SGHMC, SGLD, StochasticMCMC
-from pyro_scalable.infer.health import HealthWarning, repeated_draws, warn_unhealthy
+from pyro_scalable.infer.health import HealthWarning, r_hat_limit, repeated_draws, warn_unhealthy
 
 
 def _iid(chains, draws, *shape, seed=0):
@@ -159,3 +159,68 @@ def test_the_noise_probe_skips_a_minibatch_whose_noise_cannot_be_estimated(model
         warnings.simplefilter("ignore", HealthWarning)
         mcmc.run(x)
     assert mcmc.get_samples()["w"].shape == (20,)
+
+
+def _stuck_in_one_mode(num_chains, num_draws=1000, seed=0):
+    # a bimodal posterior (modes at -3 and 3, sd 0.5 each): chain 0 stays in the mode at -3, the others switch modes
+    # with probability 0.05 per draw and so visit both
+    g = torch.Generator().manual_seed(seed)
+    switches = torch.rand(num_chains, num_draws, generator=g) < 0.05
+    mode = (torch.rand(num_chains, 1, generator=g) < 0.5).long() + switches.long().cumsum(1)
+    sign = 1.0 - 2.0 * (mode % 2).double()
+    sign[0] = -1.0
+    return 3.0 * sign + 0.5 * torch.randn(num_chains, num_draws, generator=g, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("num_chains", [2, 3])
+def test_a_chain_stuck_in_one_mode_is_caught_with_two_or_three_chains(num_chains):
+    # split r_hat between a chain in one mode and chains in both: median 1.12-1.15 and least 1.06 over 300 seeds of
+    # this construction, far above the limits for 2 and 3 chains (1.015, 1.012); before, only the ESS warning fired
+    with pytest.warns(HealthWarning, match=rf"r_hat above {r_hat_limit(num_chains)} \(the limit for {num_chains} "):
+        warn_unhealthy({"w": _stuck_in_one_mode(num_chains)}, {})
+
+
+@pytest.mark.parametrize("num_chains", [1, 2, 3])
+def test_healthy_chains_of_any_count_are_not_judged_unhealthy(num_chains):
+    # independent draws, 1,000 per chain: r_hat - 1 ~ chi2/(2 x 500 effective draws per half), beyond the limit with
+    # probability under 1e-6 for every chain count here
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_unhealthy({"w": _iid(num_chains, 1000, 3), "b": _iid(num_chains, 1000, seed=1)}, {})
+
+
+def test_the_few_chains_limits_keep_the_false_alarm_rate_of_four_chains():
+    # r_hat - 1 ~ X / ESS_ADVISED, X ~ chi2(2C - 1) / (2C - 1) (module docstring): the limits are its quantile at
+    # the level where 4 chains' is 1.01, rounded up to three decimals
+    from scipy.stats import chi2
+
+    from pyro_scalable.infer.health import ESS_ADVISED, R_HAT_LIMIT
+
+    level = chi2.sf((R_HAT_LIMIT - 1) * ESS_ADVISED * 7, 7)
+    for num_chains in (1, 2, 3):
+        dof = 2 * num_chains - 1
+        exact = 1 + chi2.isf(level, dof) / dof / ESS_ADVISED
+        assert exact <= r_hat_limit(num_chains) < exact + 1e-3
+    assert r_hat_limit(4) == r_hat_limit(16) == R_HAT_LIMIT
+
+
+def test_one_chain_says_it_cannot_detect_chains_that_do_not_mix():
+    w = _iid(1, 1000, 2)
+    w[0, 500:] += 1.0  # the second half of the one chain away from the first: its split r_hat flags it
+    with pytest.warns(HealthWarning, match=r"with one chain, non-mixing between chains .* cannot be detected"):
+        warn_unhealthy({"w": w}, {})
+
+
+@pytest.mark.slow
+def test_a_healthy_single_chain_run_gives_no_warning():
+    y = torch.randn(1000, generator=torch.Generator().manual_seed(0)) + 1.0
+
+    def model(y):
+        mu = pyro.sample("mu", dist.Normal(0.0, 10.0))
+        with pyro.plate("data", 1000, subsample_size=100) as idx:
+            pyro.sample("obs", dist.Normal(mu, 1.0), obs=y[idx])
+
+    mcmc = StochasticMCMC(SGHMC(model), num_samples=1000, num_warmup=300, seed=0, progress_bar=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mcmc.run(y)
