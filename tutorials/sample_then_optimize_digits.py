@@ -27,16 +27,31 @@
 # Guide: [docs/sample_then_optimize.md](../docs/sample_then_optimize.md).
 
 # %% [markdown] tags=["remove-cell"]
-# Set `PYRO_SCALABLE_FAST=1` for the quick run CI does (fewer draws, fewer epochs, a shorter MAP: the numbers then
-# are rougher, and the text says where). Cells tagged `remove-cell` (this switch, the figure file, the tutorial's
-# own checks) run but are left out of the documentation page.
+# Set `PYRO_SCALABLE_FAST=1` for the quick run CI does (fewer draws, fewer epochs, a shorter MAP: the numbers then are
+# rougher, and the text says where). Cells tagged `remove-cell` (this switch, the plotting backend and the warnings'
+# format, the figure file, the tutorial's own checks) run but are left out of the documentation page.
+
+# %% tags=["remove-cell"]
+import os
+import warnings
+
+import matplotlib
+
+matplotlib.use("Agg")  # the figures are files (docs/images), attached to the page by scripts/render_tutorials.py
+warnings.filterwarnings("ignore", message=r"\s*ArviZ is undergoing", category=FutureWarning)
+
+
+def _warning_as_read(message, category, filename, lineno, line=None):
+    return f"{category.__name__}: {message}\n"  # the category and message, not the kernel's temporary file name
+
+
+warnings.formatwarning = _warning_as_read
 
 # %%
 import math
-import os
 import time
-import warnings
 
+import arviz as az
 import pyro
 import pyro.distributions as dist
 import scipy.optimize
@@ -48,11 +63,7 @@ from sklearn.datasets import load_digits
 from torch import nn
 
 from pyro_scalable.infer import AutoLinearizedLaplace, SampleThenOptimize
-from pyro_scalable.infer.sample_then_optimize.em import damp_oscillation
-
-with warnings.catch_warnings():
-    warnings.filterwarnings("ignore", message=r"\s*ArviZ is undergoing", category=FutureWarning)
-    import arviz as az
+from pyro_scalable.infer.linearized.sampling.em import damp_oscillation
 
 N, D, BATCH = 3_000, 1_500, 200  # part 1: data points, random features, minibatch size
 K1, K_EM = 128, 128  # part 1: draws checked against the exact posterior; draws of the EM run
@@ -548,10 +559,7 @@ assert abs(scores(p_linearized, y_test)[0] - scores(p_map, y_test)[0]) < 0.05
 # data, where the MAP is over-confident.
 
 # %%
-import matplotlib  # noqa: E402
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 fig, axes = plt.subplots(2, 3, figsize=(13, 7.2))
 ax = axes[0, 0]
