@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 import pyro
+import torch
 from torch import Tensor
 
 from pyro_scalable.arguments import check_count, check_flag, fork_rng
@@ -98,7 +99,8 @@ def to_inference_data(
         posterior_predictive: ``True`` to draw every observed site once per posterior draw on the full data, or
             a dict ``{site: (chains, draws, ...)}`` of draws you made.
         prior: the number of draws from the prior (``prior`` and ``prior_predictive`` groups); ``None`` for none.
-        data_chunk_size: data points per chunk for the log-likelihood (default: max(B, 1024)).
+        data_chunk_size: data points per chunk for the log-likelihood (default: max(B, 1024, 2^20 /
+            ``draws_chunk_size``)); the memory it takes is the float64 output plus one chunk's work.
         draws_chunk_size: draws vectorised together for the log-likelihood.
         coords: as in ``arviz.from_dict``.
         dims: as in ``arviz.from_dict``; plate dimensions are named after their plates by default.
@@ -185,11 +187,12 @@ def _groups(record: RunRecord, log_likelihood: bool, data_chunk_size, draws_chun
     all_dims.update({name: _observed_dims(bridge, name, value.dim()) for name, value in observed.items()})
     if log_likelihood:
         draws = {k: v.reshape((-1,) + v.shape[2:]) for k, v in record.draws.items()}
+        # the model runs in the data's dtype, chunk by chunk, each chunk written into one float64 output: ArviZ's PSIS
+        # (az.loo) exponentiates these and returns NaN on float32 values at thousands of draws
         values = full_data_log_likelihood(
-            bridge, draws, data_chunk_size=data_chunk_size, draws_chunk_size=draws_chunk_size
+            bridge, draws, data_chunk_size=data_chunk_size, draws_chunk_size=draws_chunk_size, out_dtype=torch.float64
         )
-        # float64 whatever the model's dtype: ArviZ's PSIS exponentiates these and overflows in float32
-        groups["log_likelihood"] = {k: v.reshape(shape + v.shape[1:]).double().numpy() for k, v in values.items()}
+        groups["log_likelihood"] = {k: v.reshape(shape + v.shape[1:]).numpy() for k, v in values.items()}
         masks = observed_masks(bridge)
         if masks:
             return groups, all_dims, {"log_likelihood": _observed_only(groups["log_likelihood"], masks, all_dims)}

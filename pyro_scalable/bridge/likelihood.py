@@ -5,6 +5,11 @@ and draw s. A minibatch would bias every criterion, so this evaluates the whole 
 once: the first subsampled plate is walked in chunks (other subsampled plates run in full), and draws are
 vectorised with ``torch.func.vmap`` in groups, falling back to a loop for models vmap cannot batch.
 
+The model runs in its data's dtype; each chunk's values are written straight into one preallocated output (of
+``out_dtype``), so the peak memory is that output, ``S × N × itemsize``, plus one chunk's work, about
+``draws_chunk_size × data_chunk_size`` values per intermediate of the model (2^20 by default). Where the output has
+:data:`PROGRESS_VALUES` values or more, a progress bar counts the chunks and names the output's size.
+
 Points a model masks out (``poutine.mask``, ``dist.mask``) are not observed: the log density there is no term of
 the likelihood, and a criterion over the pointwise log-likelihood must not count them. :func:`observed_masks` says
 which points each observed site observes, read from one trace of the model on the full data (a mask that depends
@@ -17,11 +22,15 @@ import torch
 from pyro.distributions.torch_distribution import MaskedDistribution
 from torch import Tensor
 from torch.func import vmap
+from tqdm.auto import tqdm
 
 from pyro_scalable.bridge.minibatches import chunks
 from pyro_scalable.bridge.model import Batch, Latents, ModelBridge
 
-__all__ = ["full_data_log_likelihood", "observed_masks"]
+__all__ = ["CHUNK_VALUES", "PROGRESS_VALUES", "full_data_log_likelihood", "observed_masks"]
+
+CHUNK_VALUES = 2**20  # draws x data points per chunk by default: a few MB per intermediate, few calls of the model
+PROGRESS_VALUES = 10**8  # an output this large (0.4-0.8 GB) takes long enough to show a progress bar
 
 
 def full_data_log_likelihood(
@@ -31,19 +40,31 @@ def full_data_log_likelihood(
     data_chunk_size: int | None = None,
     draws_chunk_size: int = 64,
     out_device: torch.device | str = "cpu",
+    out_dtype: torch.dtype | None = None,
 ) -> dict[str, Tensor]:
-    """``{observed site: (S, *batch_shape)}`` for unconstrained ``latents`` with a leading draw dimension S."""
+    """``{observed site: (S, *batch_shape)}`` for unconstrained ``latents`` with a leading draw dimension S.
+
+    ``data_chunk_size`` defaults to ``max(B, 1024, CHUNK_VALUES / draws_chunk_size)`` points; ``out_dtype`` is the
+    output's dtype (default: the model's, that is the data's).
+    """
     num_draws = next(iter(latents.values())).shape[0]
     plate = next(iter(bridge.plates.values()), None)
     full = bridge.full_batch()
     if plate is None:
         data_batches = [full]
     else:
-        size = data_chunk_size or max(plate.subsample_size, 1024)
+        size = data_chunk_size or max(plate.subsample_size, 1024, CHUNK_VALUES // draws_chunk_size)
         data_batches = [
             Batch({**full.indices, plate.name: idx}, full.args, full.kwargs)
             for idx in chunks(plate.size, size, bridge.device)
         ]
+    values_out = num_draws * (plate.size if plate is not None else 1)
+    itemsize = torch.empty((), dtype=out_dtype or torch.get_default_dtype()).element_size()
+    bar = tqdm(
+        total=len(data_batches),
+        desc=f"log-likelihood ({values_out * itemsize / 2**30:.1f} GB per site)",
+        disable=values_out < PROGRESS_VALUES,
+    )
     out: dict[str, Tensor] = {}
     for batch in data_batches:
         offset = int(batch.indices[plate.name][0]) if plate is not None else 0
@@ -59,11 +80,13 @@ def full_data_log_likelihood(
                     if dim is not None:
                         shape[dim] = plate.size
                     shape[0] = num_draws
-                    out[name] = torch.empty(shape, dtype=value.dtype, device=out_device)
+                    out[name] = torch.empty(shape, dtype=out_dtype or value.dtype, device=out_device)
                 target = out[name][start : start + value.shape[0]]
                 if dim is not None:
                     target = target.narrow(dim, offset, value.shape[dim])
                 target.copy_(value.detach())
+        bar.update()
+    bar.close()
     return out
 
 
