@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import sys
@@ -9,16 +10,20 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
+import pyro
 import torch
 from pyro.infer.autoguide import AutoGuide
 from pyro.poutine.util import site_is_subsample
 from torch import Tensor
+from torch.distributions import constraints
 
 __all__ = [
     "ModelError",
     "check_inputs",
     "check_model",
+    "checking_draws",
     "explain_latent_in_plate",
+    "explain_invalid_parameters",
     "explain_mixed_tensors",
     "explain_sequence_data",
     "first_line",
@@ -73,8 +78,14 @@ def _labelled(model: Callable, args: tuple, kwargs: Mapping[str, Any]) -> Iterat
         yield f"argument '{key}'", value
 
 
-def check_model(model: Any) -> None:
-    """Refuse a Pyro guide given where the model is expected (``SGHMC(AutoNormal(model))``)."""
+def check_model(model: Any, args: Any = (), kwargs: Any = None) -> None:
+    """Check the model is a callable, not a Pyro guide (``SGHMC(AutoNormal(model))``), args a tuple, kwargs a dict."""
+    if not callable(model):
+        raise TypeError(f"model must be a Pyro model (a callable), got {type(model).__name__}.")
+    if not isinstance(args, (tuple, list)):
+        raise TypeError(f"args must be a tuple of the model's positional arguments, got {type(args).__name__}.")
+    if kwargs is not None and not isinstance(kwargs, Mapping):
+        raise TypeError(f"kwargs must be a dict of the model's keyword arguments, got {type(kwargs).__name__}.")
     if isinstance(model, AutoGuide):
         kind = type(model).__name__
         raise ModelError(
@@ -163,6 +174,68 @@ def explain_sequence_data(model: Callable, args: tuple, kwargs: Mapping[str, Any
                 "numbers; the data must be torch tensors (plates index them with tensors of indices): pass "
                 "torch.tensor(...) (float32 for real values, the dtype of the model's priors by default)."
             ) from error
+
+
+#: the seed of the checking traces' prior draws where the caller gives none (the same checks on every call)
+CHECK_SEED = 0
+
+
+@contextlib.contextmanager
+def checking_draws(seed: int | None, device: torch.device | None) -> Iterator[None]:
+    """Draw the checking traces' latents from the prior under ``seed`` (default :data:`CHECK_SEED`), not the global RNG.
+
+    The checks then pass or fail alike on every call with one seed, and leave the global RNG as they found it.
+    """
+    devices = [device.index] if device is not None and device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(CHECK_SEED if seed is None else seed)
+        yield
+
+
+def explain_invalid_parameters(
+    model: Callable, args: tuple, kwargs: Mapping[str, Any], trace, error: Exception
+) -> None:
+    """Raise a ModelError naming the site whose distribution got invalid parameters at a prior draw of the latents.
+
+    ``trace`` is the failed trace so far: its latents' values are replayed (validation off) to find the first site
+    whose parameters break their constraints, where torch's message names no site.
+    """
+    if not str(error).startswith("Expected parameter"):
+        return
+    drawn = {
+        name: node["value"]
+        for name, node in trace.nodes.items()
+        if node["type"] == "sample" and not node["is_observed"] and not site_is_subsample(node)
+    }
+    with pyro.validation_enabled(False):
+        replay = pyro.poutine.trace(pyro.poutine.condition(model, data=drawn)).get_trace(*args, **kwargs)
+    at = ", ".join(f"{name}={_short(value)}" for name, value in drawn.items()) or "none drawn yet"
+    for name, node in replay.nodes.items():
+        fn = node["fn"] if node["type"] == "sample" else None
+        while hasattr(fn, "base_dist"):  # Independent, masked, expanded: the parameters are the base's
+            fn = fn.base_dist
+        for parameter, constraint in getattr(fn, "arg_constraints", {}).items():
+            value = None if constraints.is_dependent(constraint) else getattr(fn, parameter, None)
+            valid = constraint.check(value) if isinstance(value, Tensor) else None
+            if valid is not None and not bool(valid.all()):
+                shown = _short((value[~valid] if valid.shape == value.shape else value).flatten()[:1])
+                count = f" in {int((~valid).sum())} of {valid.numel()} entries" if valid.numel() > 1 else ""
+                raise ModelError(
+                    f"site '{name}': its {type(fn).__name__} got an invalid {parameter} ({shown}{count}) at latents "
+                    f"drawn from their prior ({at}): the model's density is undefined at part of the prior's "
+                    f"support. Give the latents priors on the support where {parameter} is valid (a positive one "
+                    "as HalfNormal or LogNormal), or map them onto it in the model (torch.exp, softplus)."
+                ) from error
+    raise ModelError(
+        f"a distribution got invalid parameters ({first_line(error)}) at latents drawn from their prior ({at}): the "
+        "model's density is undefined at part of the prior's support. Give the latents priors on the support where "
+        "the parameters are valid, or map them onto it in the model (torch.exp, softplus)."
+    ) from error
+
+
+def _short(value: Tensor) -> str:
+    value = value.detach()
+    return f"{value.item():.4g}" if value.numel() == 1 else f"tensor of shape {tuple(value.shape)}"
 
 
 def explain_latent_in_plate(trace, error: Exception) -> None:

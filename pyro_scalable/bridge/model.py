@@ -35,6 +35,8 @@ from pyro_scalable.bridge.checks import (
     ModelError,
     check_inputs,
     check_model,
+    checking_draws,
+    explain_invalid_parameters,
     explain_latent_in_plate,
     explain_mixed_tensors,
     explain_sequence_data,
@@ -124,22 +126,25 @@ class ModelBridge:
     Building the bridge traces the model once and checks it: continuous latents only, no latent
     inside a subsampled plate, at least one observed site, data on one device and finite, and plate sizes that
     agree with the data, observed values inside their likelihood's support (checked over the full data, in
-    chunks). Each failure is a :class:`ModelError` naming the site or argument.
+    chunks), and distribution parameters that are valid where the latents are drawn from their prior. Each failure
+    is a :class:`ModelError` naming the site or argument. Those prior draws come from ``seed`` (a run passes its
+    own), so the checks pass or fail alike on every call with it, and the global RNG is left as it was.
     """
 
-    def __init__(self, model: Callable, args: tuple = (), kwargs: Mapping[str, Any] | None = None):
-        if not callable(model):
-            raise TypeError(f"model must be a Pyro model (a callable), got {type(model).__name__}.")
-        if not isinstance(args, (tuple, list)):
-            raise TypeError(f"args must be a tuple of the model's positional arguments, got {type(args).__name__}.")
-        if kwargs is not None and not isinstance(kwargs, Mapping):
-            raise TypeError(f"kwargs must be a dict of the model's keyword arguments, got {type(kwargs).__name__}.")
+    def __init__(
+        self, model: Callable, args: tuple = (), kwargs: Mapping[str, Any] | None = None, *, seed: int | None = None
+    ):
         self.model = model.model if isinstance(model, FullDataModel) else model
-        check_model(self.model)
+        check_model(self.model, args, kwargs)
         self.args = tuple(args)
         self.kwargs = dict(kwargs or {})
         self.device = check_inputs(self.model, self.args, self.kwargs)
-        trace = self._trace(self.model, validate=True)
+        with checking_draws(seed, self.device):
+            self._check(self._trace(self.model, validate=True))
+        sizes = {plate.name: plate.size for plate in self.plates.values()}
+        self.traced = TracedLogDensity(self._run_log_posterior, sizes)  # bridge/traced.py
+
+    def _check(self, trace) -> None:
         self.plates = self._find_plates(trace)
         # plates whose minibatch indices the caller passes (`subsample=idx`, a DataLoader): N/B scaled by Pyro,
         # but no engine draws their indices, so no per-example split of them is possible
@@ -156,8 +161,6 @@ class ModelBridge:
             self.device = next((v["value"].device for _, v in self._latent_nodes(trace)), torch.device("cpu"))
         self._check_plate_sizes(trace)
         check_observed_values(self)
-        sizes = {plate.name: plate.size for plate in self.plates.values()}
-        self.traced = TracedLogDensity(self._run_log_posterior, sizes)  # bridge/traced.py
 
     # ------------------------------------------------------------------ discovery and checks
     def _trace(self, model: Callable, *, validate: bool, indices: Mapping[str, Tensor] | None = None):
@@ -183,6 +186,8 @@ class ModelBridge:
             ) from error
         except (RuntimeError, ValueError, TypeError) as error:
             explain_sequence_data(self.model, self.args, self.kwargs, error)
+            if validate:
+                explain_invalid_parameters(model, self.args, self.kwargs, tracer.msngr.trace, error)
             explain_latent_in_plate(tracer.msngr.trace, error)
             explain_mixed_tensors(tracer.msngr.trace, named_tensors(self.model, self.args, self.kwargs), error)
             raise

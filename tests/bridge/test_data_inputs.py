@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pyro
 import pyro.distributions as dist
@@ -77,3 +79,51 @@ def test_an_autoguide_given_as_the_model_is_named(data, guide):
     mcmc = StochasticMCMC(SGHMC(guide(regression)), num_samples=2, num_warmup=2, progress_bar=False)
     with pytest.raises(ModelError, match=rf"the model given is a guide \({guide.__name__}\).*pass the model itself"):
         mcmc.run(*data)
+
+
+def _log_of_a_latent(x):
+    a = pyro.sample("a", dist.Normal(0.0, 1.0))
+    loc = torch.log(a)  # NaN where a < 0: half of the prior's draws
+    with pyro.plate("data", N, subsample_size=B) as idx:
+        pyro.sample("obs", dist.Normal(loc, 1.0), obs=x[idx])
+
+
+def _outcome(build) -> str:
+    try:
+        build()
+    except ModelError as error:
+        return str(error)
+    return "built"
+
+
+def test_the_checks_prior_draws_follow_the_seed_not_the_global_rng(data):
+    # the checking traces draw the latents from the prior: with the caller's seed, never torch's global generator
+    x, _ = data
+    outcomes = set()
+    for seed in range(6):
+        seen = set()
+        for global_seed in (0, 1, 2):
+            torch.manual_seed(global_seed)
+            state = torch.get_rng_state()
+            seen.add(_outcome(lambda seed=seed: ModelBridge(_log_of_a_latent, (x,), seed=seed)))
+            assert torch.equal(torch.get_rng_state(), state)  # and leave it as they found it
+        assert len(seen) == 1, seen
+        outcomes |= seen
+    failed = [message for message in outcomes if message != "built"]
+    assert failed, "no seed of six drew a < 0 in its two validated traces (each passes with probability 1/4)"
+    for message in failed:
+        assert message.startswith("site 'obs': its Normal got an invalid loc (nan in 10 of 10 entries) at latents")
+        assert "their prior (a=-" in message and "Give the latents priors on the support where loc is valid" in message
+
+
+def test_a_run_with_a_seed_fails_or_runs_alike_whatever_the_global_rng(data):
+    x, _ = data
+    for seed in (0, 1):
+        seen = set()
+        for global_seed in range(4):
+            torch.manual_seed(global_seed)
+            mcmc = StochasticMCMC(SGHMC(_log_of_a_latent), num_samples=2, num_warmup=2, seed=seed, progress_bar=False)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                seen.add(_outcome(lambda run=mcmc: run.run(x)))
+        assert len(seen) == 1, seen

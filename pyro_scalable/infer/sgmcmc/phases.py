@@ -83,7 +83,7 @@ class RunState:
 def prepare(run: Any, args: tuple, kwargs: dict, batches: Iterable | None) -> RunState:
     """Bind the model, start the chains, and build warm-up's stepper (its first stage, without a metric)."""
     seed = int(torch.randint(0, 2**62, ())) if run.seed is None else run.seed
-    record, batch_iter = bind(run.kernel.model, args, kwargs, batches)
+    record, batch_iter = bind(run.kernel.model, args, kwargs, batches, seed)
     bridge = record.bridge
     parallel = setup_parallel(run.distributed, bridge.plates, run.num_chains, sharded=batch_iter is None)
     if parallel is not None:

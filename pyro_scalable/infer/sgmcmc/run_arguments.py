@@ -81,10 +81,15 @@ def cycle(batches: Iterable) -> Iterator[tuple[tuple, dict]]:
             raise ValueError("batches is empty: it must yield at least one minibatch.")
 
 
-def bind(model: Any, args: tuple, kwargs: dict, batches: Iterable | None) -> tuple[RunRecord, Iterator | None]:
-    """The run's record (``model`` on the steps' data and on the full data) and the DataLoader's iterator."""
+def bind(
+    model: Any, args: tuple, kwargs: dict, batches: Iterable | None, seed: int | None = None
+) -> tuple[RunRecord, Iterator | None]:
+    """The run's record (``model`` on the steps' data and on the full data) and the DataLoader's iterator.
+
+    ``seed`` (the run's) seeds the prior draws of the bridges' checking traces.
+    """
     if batches is None:
-        bridge = ModelBridge(model, args, kwargs)
+        bridge = ModelBridge(model, args, kwargs, seed=seed)
         return RunRecord(bridge, bridge, args, kwargs), None
     if not isinstance(batches, Iterable) or isinstance(batches, (Tensor, str)):
         raise TypeError(
@@ -93,7 +98,7 @@ def bind(model: Any, args: tuple, kwargs: dict, batches: Iterable | None) -> tup
     batch_iter = cycle(batches)
     first = next(batch_iter)
     try:
-        bridge = ModelBridge(model, *first)
+        bridge = ModelBridge(model, *first, seed=seed)
     except (TypeError, ValueError, IndexError, RuntimeError) as error:
         # a ModelError is the data's fault, unless torch failed inside the model on this element (its cause)
         if isinstance(error, ModelError) and not isinstance(error.__cause__, RuntimeError):
@@ -102,5 +107,5 @@ def bind(model: Any, args: tuple, kwargs: dict, batches: Iterable | None) -> tup
             f"the model failed on the first element of batches ({first_line(error)}); batches must yield a "
             "tuple of the model's positional arguments or a dict of its keyword arguments."
         ) from error
-    full = ModelBridge(model, args, kwargs) if (args or kwargs) else None
+    full = ModelBridge(model, args, kwargs, seed=seed) if (args or kwargs) else None
     return RunRecord(bridge, full, args, kwargs), itertools.chain([first], batch_iter)
