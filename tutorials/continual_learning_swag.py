@@ -27,11 +27,26 @@
 
 # %% [markdown] tags=["remove-cell"]
 # Set `PYRO_SCALABLE_FAST=1` for the quick run CI does (fewer episodes, steps and members). Cells tagged `remove-cell`
-# (this switch, the figure file, the tutorial's own checks) run but are left out of the documentation page.
+# (this switch, the plotting backend and the warnings' format, the figure file, the tutorial's own checks) run but are
+# left out of the documentation page.
+
+# %% tags=["remove-cell"]
+import os
+import warnings
+
+import matplotlib
+
+matplotlib.use("Agg")  # the figures are files (docs/images), attached to the page by scripts/render_tutorials.py
+
+
+def _warning_as_read(message, category, filename, lineno, line=None):
+    return f"{category.__name__}: {message}\n"  # the category and message, not the kernel's temporary file name
+
+
+warnings.formatwarning = _warning_as_read
 
 # %%
 import math
-import os
 import time
 import warnings
 
@@ -201,10 +216,7 @@ assert first["Laplace (diag)"] > first["SGD"] + 2 * binomial, first
 assert history["Laplace (full)"][-1][-1] > 0.6, history["Laplace (full)"][-1]
 
 # %%
-import matplotlib  # noqa: E402
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 fig, axes = plt.subplots(1, len(METHODS), figsize=(14, 3.4), sharey=True)
 for ax, method in zip(axes, METHODS):
