@@ -1,0 +1,147 @@
+"""A run's fixed cost: what one ``StochasticMCMC(SGHMC(model))`` run spends outside its steps, and the ArviZ export.
+
+    python benchmarks/diagnose_fixed_cost.py                  # N = 1e6, 4 chains x (500 + 500) steps; export at 2e5
+    python benchmarks/diagnose_fixed_cost.py --n 1e5 --out /tmp/fixed.md
+
+Part 1 times the fixed parts of one run on logistic regression (d = 10, B = 1,000, every default) by wrapping the
+functions that do them, each timed on its own (a part nested in another is reported within it): binding the model
+(tracing it, its checks, the support check of the observed values over the full data), recording the log joint as a
+graph (first call of each signature), the control variate (the mode search and its full-data gradient), the
+post-run health checks (repeated draws, r_hat, ESS) and the noise probe. The rest is the steps. A second run in the
+same process shows what a repeat costs.
+
+Part 2 times ``to_inference_data`` on a run of 4 chains x ``--export-draws`` draws at ``--export-n`` data points:
+its wall time and the peak resident memory above what the process held before (``VmHWM`` reset), with the size of
+the log-likelihood group it returns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import warnings
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from bench_accuracy import make  # benchmarks/ is on sys.path
+from harness import load_average, log, machine, peak_mb, release_free_memory, reset_peak, rss_mb, write_report
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import pyro_scalable.bridge.model as bridge_model  # noqa: E402
+import pyro_scalable.bridge.traced as traced  # noqa: E402
+import pyro_scalable.infer.sgmcmc.phases as phases  # noqa: E402
+from pyro_scalable import to_inference_data  # noqa: E402
+from pyro_scalable.infer import SGHMC, StochasticMCMC  # noqa: E402
+
+PARTS = {  # (module, attribute): what it is
+    (phases, "bind"): "binding the model: tracing, checks (the support check below included)",
+    (bridge_model, "check_observed_values"): "  support check of the observed values over the full data",
+    (traced.TracedLogDensity, "_record"): "recording the log joint as a graph (each call signature once)",
+    (phases, "attach"): "control variate: mode search and its full-data gradient",
+    (phases, "repeated_draws"): "health: repeated draws",
+    (phases, "warn_unhealthy"): "health: r_hat, ESS, divergences",
+    (phases, "probe_gradient_noise"): "noise probe",
+}
+
+
+def instrument(seconds: dict[str, float]) -> None:
+    for (owner, name), label in PARTS.items():
+        original = getattr(owner, name)
+
+        def timed(*args, _original=original, _label=label, **kwargs):
+            start = time.perf_counter()
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                seconds[_label] += time.perf_counter() - start
+
+        setattr(owner, name, timed)
+
+
+def one_run(problem, num_samples: int, seed: int) -> tuple[StochasticMCMC, float]:
+    start = time.perf_counter()
+    mcmc = StochasticMCMC(
+        SGHMC(problem.model(subsample=True)),
+        num_samples=num_samples,
+        num_warmup=500,
+        num_chains=4,
+        seed=seed,
+        progress_bar=False,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mcmc.run(problem.x, problem.y)
+    return mcmc, time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--n", type=float, default=1e6)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--runs", type=int, default=2, help="runs in one process (the second: what a repeat costs)")
+    parser.add_argument("--parts", default="1,2", help="1: the run's fixed parts, 2: to_inference_data")
+    parser.add_argument("--export-n", type=float, default=2e5)
+    parser.add_argument("--export-draws", type=int, default=100)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "fixed_cost.md")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    seconds: dict[str, float] = defaultdict(float)
+    instrument(seconds)
+    report = [
+        f"# A run's fixed cost: SGHMC(model) at the defaults, logistic regression d = 10, N = {args.n:.0e}, "
+        "4 chains x (500 warm-up + 500) steps; to_inference_data's log-likelihood",
+        "",
+        f"Command: `python {' '.join(['benchmarks/diagnose_fixed_cost.py', *sys.argv[1:]])}`",
+        "",
+        *machine(args.threads),
+        "",
+    ]
+    wanted = args.parts.split(",")
+    if "1" in wanted:
+        problem = make("logistic", int(args.n), 10, 1000)
+        report += ["| part | " + " | ".join(f"run {i + 1} (s) | share" for i in range(args.runs)) + " |"]
+        report += ["|---|" + "---:|---:|" * args.runs]
+        runs = []
+        for seed in range(args.runs):
+            seconds.clear()
+            _, total = one_run(problem, 500, seed)  # 500 warm-up + 500 kept steps
+            runs.append((total, dict(seconds)))
+            log(f"run {seed}: {total:.1f} s, {dict(seconds)} (load {load_average()})")
+        for label in PARTS.values():
+            cells = [f"{parts.get(label, 0.0):.2f} | {parts.get(label, 0.0) / total:.1%}" for total, parts in runs]
+            report.append(f"| {label} | {' | '.join(cells)} |")
+        fixed = [sum(v for k, v in parts.items() if not k.startswith("  ")) for _, parts in runs]
+        report.append(
+            "| **fixed parts together** | "
+            + " | ".join(f"**{f:.2f}** | **{f / t:.1%}**" for f, (t, _) in zip(fixed, runs, strict=True))
+            + " |"
+        )
+        report.append("| the whole run | " + " | ".join(f"{t:.2f} | 100% " for t, _ in runs) + " |")
+        report += ["", f"Load average after part 1: {load_average()}.", ""]
+        del problem
+
+    if "2" in wanted:
+        problem = make("logistic", int(args.export_n), 10, 1000)
+        mcmc, _ = one_run(problem, args.export_draws, 2)
+        release_free_memory()
+        before = rss_mb()
+        reset_peak()
+        start = time.perf_counter()
+        idata = to_inference_data(mcmc)
+        took = time.perf_counter() - start
+        peak = peak_mb() - before
+        values = idata["log_likelihood"]["obs"].values
+        report += [
+            f"to_inference_data on 4 x {args.export_draws} draws at N = {args.export_n:.0e}: {took:.2f} s, "
+            f"peak resident memory +{peak:.0f} MB above the {before:.0f} MB held before; "
+            f"the log_likelihood group is {values.dtype}, {values.nbytes / 2**20:.0f} MB "
+            f"(load average {load_average()}).",
+            "",
+        ]
+    write_report("\n".join(report), args.out)
+
+
+if __name__ == "__main__":
+    main()
