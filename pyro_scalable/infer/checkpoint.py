@@ -3,11 +3,15 @@
 The engines' own checkpoints (:mod:`pyro_scalable.infer.sgmcmc.checkpoint` for ``StochasticMCMC``,
 :mod:`pyro_scalable.infer.sample_then_optimize.checkpoint`) decide what goes into a file; this module writes and
 reads it. A file is one header line — ``pyro_scalable checkpoint <FORMAT> sha256=<hex> size=<bytes>`` — then the
-payload as ``torch.save`` writes it. Writes are atomic: the file goes to ``<path>.tmp`` in the same folder,
-``fsync``, ``os.replace`` onto ``<path>`` and ``fsync`` of the folder, so a crash or a SIGKILL at any moment leaves
-either the previous checkpoint or the new one, whole; a ``.tmp`` left by a killed write is removed when the next
-run starts (:func:`remove_partial_write`). :func:`load` checks the header, the length and the SHA-256 of the
-payload before it unpickles anything, and unpickles only tensors and plain containers
+payload as ``torch.save`` writes it. Writes are atomic: the file goes to ``<path>.tmp`` in the same folder, created
+exclusively (``O_CREAT | O_EXCL | O_NOFOLLOW``: a file or symlink planted under that name is never followed or
+overwritten), ``fsync``, ``os.replace`` onto ``<path>`` and ``fsync`` of the folder, so a crash or a SIGKILL at any
+moment leaves either the previous checkpoint or the new one, whole; a ``.tmp`` left by a killed write is removed
+when the next run starts (:func:`remove_partial_write`). A failed write (disk full, read-only, permission denied) is
+a :class:`CheckpointWriteError` naming the path and saying that the previous checkpoint is intact; :func:`check_path`
+finds an unusable path before a run's first step, and :class:`CheckpointLock` (an ``flock`` on ``<path>.lock``)
+keeps a second process from writing the same checkpoint. :func:`load` checks the header, the length and the SHA-256
+of the payload before it unpickles anything, and unpickles only tensors and plain containers
 (``torch.load(weights_only=True)``): a truncated, damaged or foreign file, one of an older format or of another
 engine is a :class:`CheckpointError` that says what is wrong and what to do, never a bare ``KeyError``.
 
@@ -18,10 +22,13 @@ belongs to; :func:`check_fingerprint` refuses another's, naming every setting th
 
 from __future__ import annotations
 
+import errno
+import gc
 import hashlib
 import io
 import os
 import re
+import weakref
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -29,12 +36,21 @@ from typing import Any
 import torch
 from torch import Tensor
 
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows: checkpoints are not locked there
+    fcntl = None
+
 from pyro_scalable.bridge.checks import first_line
 
 __all__ = [
     "FORMAT",
+    "UNIDENTIFIED",
     "CheckpointError",
+    "CheckpointLock",
+    "CheckpointWriteError",
     "check_fingerprint",
+    "check_path",
     "describe",
     "load",
     "remove_partial_write",
@@ -45,7 +61,12 @@ __all__ = [
 FORMAT = 2  # the file's layout (2: a header with the payload's length and SHA-256); another format is refused
 _HEADER = re.compile(rb"pyro_scalable checkpoint (\d+) sha256=([0-9a-f]{64}) size=(\d+)")
 _START_OVER = "Delete it or pass another checkpoint path (or resume=False) to start over."
-_LABELS = {"model_code": "the model's code", "data_values": "the data's values"}
+UNIDENTIFIED = "unidentified"  # the fingerprint's field naming what could not be identified (refused on resume)
+_LABELS = {
+    "model_code": "the model's code",
+    "data_values": "the data's values",
+    "kernel_values": "the kernel's settings (a schedule's code, closure or globals, a tensor's values, ...)",
+}
 _WHAT = {"model_code": " (its code, closure, defaults, globals, or a module's parameters and buffers)"}
 
 
@@ -53,26 +74,163 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be resumed: written by a different run, of another kind, or unreadable."""
 
 
+class CheckpointWriteError(OSError):
+    """A checkpoint that could not be written (its path named; the previous checkpoint, if any, left intact)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else super().__str__()
+
+
 def save(path: str | os.PathLike, payload: dict[str, Any]) -> None:
-    """Write ``payload`` to ``path`` atomically: the old file stays whole until the new one is complete."""
+    """Write ``payload`` to ``path`` atomically: the old file stays whole until the new one is complete.
+
+    Raises:
+        CheckpointWriteError: the write failed (disk full, read-only, permission denied, ...); ``path`` then holds
+            the previous checkpoint, whole, or nothing.
+
+    """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     buffer = io.BytesIO()
     torch.save(payload, buffer)
     data = buffer.getbuffer()
     header = f"pyro_scalable checkpoint {FORMAT} sha256={hashlib.sha256(data).hexdigest()} size={len(data)}\n"
     temporary = _temporary(path)
+    created = opening = False
     try:
-        with open(temporary, "wb") as file:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        opening = True
+        handle = os.open(temporary, _CREATE, 0o666)  # exclusively: a planted file or symlink is refused, not followed
+        created = True
+        with open(handle, "wb") as file:
             file.write(header.encode())
             file.write(data)
             file.flush()
             os.fsync(file.fileno())
         os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
+    except BaseException as error:
+        if created:
+            temporary.unlink(missing_ok=True)
+        if isinstance(error, OSError):
+            planted = opening and not created and isinstance(error, FileExistsError)
+            raise _write_error(path, error, planted=planted) from error
         raise
     _fsync_folder(path.parent)
+
+
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def _write_error(path: Path, error: OSError, *, planted: bool = False) -> CheckpointWriteError:
+    """The error of a failed write: what failed, that the previous checkpoint is intact, what to do."""
+    where = repr(os.fspath(path))
+    if planted:
+        reason = f"{str(_temporary(path))!r} appeared while it was being written (another program made it)"
+    elif any(parent.is_file() for parent in path.parents):
+        reason = f"{str(next(p for p in path.parents if p.is_file()))!r} is a file, not a folder"
+    else:
+        reason = os.strerror(error.errno) if error.errno else str(error)
+        reason = f"{reason} ({error})" if str(error) and str(error) != reason else reason
+    previous = (
+        "the previous checkpoint there is intact"
+        if os.path.isfile(path)
+        else "there was no earlier checkpoint there, and none was half-written"
+    )
+    message = (
+        f"cannot write the checkpoint {where}: {reason}; {previous}. Free some space or make its folder writable "
+        "and run again to resume, or pass another checkpoint path."
+    )
+    result = CheckpointWriteError(message)
+    result.errno, result.filename = error.errno, os.fspath(path)
+    return result
+
+
+def check_path(path: str | os.PathLike) -> None:
+    """Check, before a run's first step, that a checkpoint can be written at ``path`` (its folder made if missing).
+
+    Raises:
+        CheckpointWriteError: ``path`` is a folder, its folder cannot be made (a parent is a file) or written to.
+
+    """
+    path = Path(path)
+    where = repr(os.fspath(path))
+    if path.is_dir():
+        example = repr(os.fspath(path / "run.pt"))
+        raise CheckpointWriteError(f"the checkpoint path {where} is a folder: pass a file name, such as {example}.")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        probe = os.open(path.parent / f".{path.name}.{os.getpid()}.probe", _CREATE, 0o666)
+        os.close(probe)
+        os.unlink(path.parent / f".{path.name}.{os.getpid()}.probe")
+    except OSError as error:
+        raise _write_error(path, error) from error
+
+
+class CheckpointLock:
+    """An exclusive lock on writing the checkpoint at ``path``: an ``flock`` on ``<path>.lock``, held until released.
+
+    A second process (or a second run in this one) asking for the same path gets a :class:`CheckpointError` naming
+    it. The lock file is removed on release; a process that dies releases the lock with it (the kernel drops the
+    ``flock``), and the file it leaves is taken over by the next run. A lock never released is dropped with its
+    object: a run in this process that ended with an error and is no longer referenced does not keep the next one
+    out (the garbage collector is asked before refusing).
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(os.fspath(path) + ".lock")
+        self._handle: int | None = None
+        if fcntl is None:  # no flock (Windows): no lock
+            return
+        while True:
+            try:
+                handle = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o666)
+            except OSError as error:
+                raise _write_error(Path(path), error) from error
+            try:
+                try:
+                    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    if self.path not in _HELD.values():
+                        raise
+                    gc.collect()  # held in this process: by a run that ended with an error and awaits collection?
+                    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as error:
+                holder = os.read(handle, 64).decode(errors="replace").strip() or "another process"
+                os.close(handle)
+                if error.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                    raise _write_error(Path(path), error) from error
+                raise CheckpointError(
+                    f"the checkpoint {os.fspath(path)!r} is being written by another run ({holder}, which holds "
+                    f"{str(self.path)!r}). Wait for it to finish, or pass another checkpoint path."
+                ) from None
+            if _same_file(handle, self.path):  # not a lock file a releasing run removed meanwhile
+                break
+            os.close(handle)
+        os.ftruncate(handle, 0)
+        os.write(handle, f"process {os.getpid()}".encode())
+        self._handle = handle
+        self._finalizer = weakref.finalize(self, os.close, handle)  # a lock never released is dropped with the object
+        _HELD[self] = self.path
+
+    def release(self) -> None:
+        """Give the lock up and remove the lock file (a no-op the second time)."""
+        if self._handle is None:
+            return
+        _HELD.pop(self, None)
+        self.path.unlink(missing_ok=True)  # before unlocking: a run waiting for this file then takes a new one
+        self._finalizer()
+        self._handle = None
+
+
+_HELD: weakref.WeakKeyDictionary[CheckpointLock, Path] = weakref.WeakKeyDictionary()  # this process's locks
+
+
+def _same_file(handle: int, path: Path) -> bool:
+    try:
+        now = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(handle)
+    return (held.st_dev, held.st_ino) == (now.st_dev, now.st_ino)
 
 
 def remove_partial_write(path: str | os.PathLike) -> None:
@@ -189,8 +347,19 @@ def stable_repr(value: Any) -> str:
 def check_fingerprint(saved: Mapping[str, Any], current: Mapping[str, Any], path: str | os.PathLike) -> None:
     """Raise :class:`CheckpointError` naming every field where the checkpoint's run differs from this one.
 
-    A field whose values are digests (``"sha256:..."``) is named as changed, without the digests.
+    A field whose values are digests (``"sha256:..."``) is named as changed, without the digests. A fingerprint with
+    an :data:`UNIDENTIFIED` field (a component with no content to read: :func:`~pyro_scalable.infer.digest.identify`)
+    on either side is refused, naming it: equal fingerprints would not show that the two runs compute the same.
     """
+    unknown = current.get(UNIDENTIFIED) or saved.get(UNIDENTIFIED)
+    if unknown:
+        where = repr(os.fspath(path))
+        raise CheckpointError(
+            f"the checkpoint {where} cannot be matched to this run: {unknown} cannot be identified (it has no "
+            "content to compare), so resuming could mix two different runs. Give it as a value that can be compared "
+            f"(a number, a tensor, a function, an object with attributes), or delete {where} or pass resume=False to "
+            "start over."
+        )
     differences = []
     for name in sorted(set(saved) | set(current)):
         before, now = saved.get(name, "<missing>"), current.get(name, "<missing>")

@@ -9,15 +9,21 @@ A checkpoint resumes a run only when the run would compute the same thing, so it
   its 32-bit words times pseudo-random weights drawn from the word's index), so that only 24 bytes cross to the
   host: any change of one value changes the sketch; it is not a defence against a crafted collision.
 * **Functions** enter by their code: the bytecode, constants (nested functions' code included), names and local
-  names, the defaults, the values in the closure, and the functions, classes, tensors, modules and plain values
-  of the same module that the code reads as globals. The file name and line numbers do not enter, so moving a
-  function leaves its digest alone, while any edit (even of its docstring) changes it. Bytecode differs between
-  Python versions: a checkpoint resumes only on the Python version that wrote it.
+  names, the defaults, the values in the closure, and every global the code reads: functions and classes of the
+  user's code by their code, tensors, numpy arrays, modules and plain objects (a configuration dataclass) by value.
+  The file name and line numbers do not enter, so moving a function leaves its digest alone, while any edit (even
+  of its docstring) changes it. Bytecode differs between Python versions: a checkpoint resumes only on the Python
+  version that wrote it. Functions, classes and other named objects of libraries (the standard library, installed
+  packages, torch, Pyro, this one) enter by their importable name.
 * **``nn.Module`` / ``PyroModule``** instances enter by the code of their classes (every class in the MRO outside
   torch, Pyro and this library), every parameter and buffer by content, their plain attributes and PyroModule's
   priors (``PyroSample``) and constraints (``PyroParam``). Bound methods enter by function and instance,
   ``functools.partial`` by function and arguments, other objects by class (and its code) and attributes.
 * Containers (tuples, lists, dicts, sets) recursively; numbers, strings and the like by ``repr``.
+* What has no content to read — a random number generator (whose state moves as a run goes on), an object of
+  the user's code without attributes to read or nested too deep, a library's object that is neither named nor
+  readable — is *unidentified*: :func:`identify` names it, and a checkpoint refuses to resume a run with such a
+  component rather than guess.
 
 What a digest cannot see: values a model reads at run time from outside its code and arguments (a file, Pyro's
 global parameter store, an attribute of an imported library), and the code of library functions it calls.
@@ -27,26 +33,56 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
+import sys
+import sysconfig
 import types
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["digest", "tensor_digest"]
+__all__ = ["Identity", "call_arguments", "digest", "identify", "tensor_digest"]
 
 _CHUNK = 1 << 24  # bytes per SHA-256 update / elements per on-device reduction
 _LIBRARIES = {"torch", "pyro", "pyro_scalable", "builtins", "numpy", "functools", "abc", "typing", "collections"}
-_MAX_DEPTH = 4  # how deep attributes of plain objects are followed
+_MAX_DEPTH = 6  # how deep attributes of plain objects are followed
 _ATOMS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
+
+
+class Identity(NamedTuple):
+    """A value's digest, and what in it could not be identified (empty where everything was)."""
+
+    digest: str
+    unidentified: tuple[str, ...]
+
+
+def identify(value: Any) -> Identity:
+    """The digest of ``value`` and the parts of it that have no content to read (see the module)."""
+    hasher = _Hasher()
+    hasher.feed(value)
+    return Identity("sha256:" + hasher.hash.hexdigest(), tuple(dict.fromkeys(hasher.unidentified)))
 
 
 def digest(value: Any) -> str:
     """A ``"sha256:..."`` string that changes when the code or content of ``value`` does (see the module)."""
-    hasher = _Hasher()
-    hasher.feed(value)
-    return "sha256:" + hasher.hash.hexdigest()
+    return identify(value).digest
+
+
+def call_arguments(function: Callable, args: tuple, kwargs: Mapping[str, Any]) -> Any:
+    """The arguments of a call by parameter name (defaults filled in), however they were passed.
+
+    ``model(x, y)`` and ``model(x, y=y)`` bind the same values: a digest of this does not see the call style. Where
+    ``function`` has no signature to bind to (or the call does not bind), ``(args, kwargs)`` as given.
+    """
+    try:
+        target = function.forward if isinstance(function, nn.Module) else function
+        bound = inspect.signature(target).bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        return (tuple(args), dict(kwargs))
+    bound.apply_defaults()
+    return dict(bound.arguments)
 
 
 def tensor_digest(tensor: Tensor) -> bytes:
@@ -89,6 +125,8 @@ class _Hasher:
         self.hash = hashlib.sha256()
         self.seen: dict[int, Any] = {}  # id -> object, kept alive so that an id cannot be reused meanwhile
         self.classes: set[type] = set()  # classes whose code is in already
+        self.unidentified: list[str] = []  # what had no content to read, named
+        self.where = "the value"  # what is being fed, for naming what is unidentified
 
     def add(self, *parts: Any) -> None:
         for part in parts:
@@ -120,6 +158,8 @@ class _Hasher:
                 self.feed(item, depth)
         elif isinstance(value, (set, frozenset)):
             self.add(type(value).__name__, *sorted(digest(item) for item in value))  # set order varies by process
+        elif _named(value):  # a library's function, class or other named object
+            self.add("named", _name(value))
         elif isinstance(value, functools.partial):
             self.add("partial")
             self.feed((value.func, value.args, value.keywords), depth)
@@ -141,35 +181,50 @@ class _Hasher:
             self.feed((value.fget, value.fset, value.fdel), depth)
         elif type(value).__module__ == "numpy" and hasattr(value, "tobytes"):
             self.add("numpy", getattr(value, "dtype", ""), getattr(value, "shape", ""), value.tobytes())
-        elif isinstance(value, (types.ModuleType, types.BuiltinFunctionType)) or depth >= _MAX_DEPTH:
+        elif isinstance(value, (types.ModuleType, types.BuiltinFunctionType)):
             self.add(_name(value))
         else:
-            self.cls(type(value))
-            attributes = getattr(value, "__dict__", None)
-            self.feed(attributes if isinstance(attributes, dict) else _name(value), depth + 1)
+            self.instance(value, depth)
+
+    def instance(self, value: Any, depth: int) -> None:
+        """An object by its class and attributes; named as unidentified where those cannot be read."""
+        kind = type(value)
+        attributes = getattr(value, "__dict__", None)
+        slots = [name for klass in kind.__mro__ for name in getattr(klass, "__slots__", ()) if hasattr(value, name)]
+        readable = isinstance(attributes, dict) or slots
+        library = _library(kind.__module__)
+        if isinstance(value, (torch.Generator, *_RANDOM_STATES)) or (
+            (depth >= _MAX_DEPTH or not readable) and not library
+        ):
+            self.unidentified.append(f"{self.where} (a {_name(kind)})")
+            self.add("unidentified", _name(kind))
+            return
+        self.cls(kind)
+        if depth >= _MAX_DEPTH or not readable:  # a library's object (a lock, a logger's handler): by its class
+            return
+        self.feed(attributes if isinstance(attributes, dict) else {}, depth + 1)
+        for name in slots:
+            self.add(name)
+            self.feed(getattr(value, name), depth + 1)
 
     def function(self, function: types.FunctionType) -> None:
         self.add("function", function.__qualname__)
         self.code(function.__code__)
+        where, self.where = self.where, f"the defaults or closure of {function.__qualname__}"
         self.feed((function.__defaults__, function.__kwdefaults__))
         for cell in function.__closure__ or ():
             try:
                 self.feed(cell.cell_contents)
             except ValueError:  # a cell not yet filled
                 self.add("<empty cell>")
-        namespace, module = function.__globals__, function.__module__
+        namespace = function.__globals__
         for name in sorted(_global_names(function.__code__)):
-            if name not in namespace:
+            if name not in namespace or name.startswith("__"):
                 continue
-            value = namespace[name]
-            same_module = getattr(value, "__module__", None) == module
-            if (
-                isinstance(value, (Tensor, nn.Module, *_ATOMS))
-                or (isinstance(value, (types.FunctionType, type)) and same_module)
-                or (isinstance(value, (tuple, list, dict)) and not name.startswith("__"))
-            ):
-                self.add("global", name)
-                self.feed(value)
+            self.where = f"the global {name!r} read by {function.__qualname__}"
+            self.add("global", name)
+            self.feed(namespace[name])
+        self.where = where
 
     def code(self, code: types.CodeType) -> None:
         self.add("code", code.co_code, code.co_names, code.co_varnames, code.co_argcount, code.co_kwonlyargcount)
@@ -210,6 +265,37 @@ def _global_names(code: types.CodeType) -> set[str]:
         if isinstance(constant, types.CodeType):
             names |= _global_names(constant)
     return names
+
+
+_RANDOM_STATES = tuple(
+    getattr(sys.modules["numpy"].random, name)
+    for name in ("Generator", "RandomState")
+    if "numpy" in sys.modules and hasattr(sys.modules["numpy"].random, name)
+)
+_LIBRARY_PATHS = tuple(path for path in {sysconfig.get_paths().get(key) for key in ("purelib", "platlib")} if path)
+
+
+@functools.lru_cache(maxsize=1024)
+def _library(module: str | None) -> bool:
+    """Whether ``module`` is a library's (this one, torch, Pyro, the standard library, an installed package)."""
+    if not module or module in ("__main__", "__mp_main__"):
+        return not module
+    top = module.split(".")[0]
+    if top in _LIBRARIES or top in sys.stdlib_module_names:
+        return True
+    file = getattr(sys.modules.get(module), "__file__", None) or ""
+    return bool(file) and file.startswith(_LIBRARY_PATHS)
+
+
+def _named(value: Any) -> bool:
+    """Whether ``value`` is a library's object that its importable name identifies (a function, a class, a ufunc)."""
+    module, name = getattr(value, "__module__", None), getattr(value, "__qualname__", None)
+    if not isinstance(module, str) or not isinstance(name, str) or not _library(module) or isinstance(value, Tensor):
+        return False
+    found = sys.modules.get(module)
+    for part in name.split("."):
+        found = getattr(found, part, None)
+    return found is value
 
 
 def _name(value: Any) -> str:

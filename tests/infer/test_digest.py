@@ -163,3 +163,46 @@ def test_a_digest_does_not_depend_on_the_process(tmp_path):
         for seed in ("1", "2")
     }
     assert len(outputs) == 1, outputs
+
+
+CONFIGURED = """
+import numpy as np
+
+class Config:  # a plain object (as a dataclass instance is)
+    def __init__(self):
+        self.noise_sd = 1.0
+
+CONFIG = Config()
+WEIGHTS = np.array([1.0, 2.0])
+
+def model(x):
+    return x * CONFIG.noise_sd + float(WEIGHTS.sum())
+"""
+
+
+def test_numpy_arrays_and_plain_objects_the_model_reads_enter_by_value():
+    first, second = build(CONFIGURED), build(CONFIGURED)
+    assert digest(first) == digest(second)
+    second.__globals__["CONFIG"].noise_sd = 3.0  # a config dataclass edited between two runs
+    assert digest(first) != digest(second)
+    third = build(CONFIGURED)
+    third.__globals__["WEIGHTS"][1] = 2.5  # a module-level numpy array
+    assert digest(first) != digest(third)
+
+
+def test_what_has_no_content_is_named_unidentified():
+    source = "import torch\nRNG = torch.Generator()\ndef model(x):\n    return x + torch.randn((), generator=RNG)\n"
+    identity = digests.identify(build(source))
+    assert identity.unidentified == ("the global 'RNG' read by model (a torch._C.Generator)",)
+    assert digests.identify(build()).unidentified == ()  # functions, classes, numbers: all identified
+
+
+def test_the_call_style_does_not_change_the_arguments():
+    def model(x, y=None, *, scale=1.0):
+        return x
+
+    x, y = torch.arange(3.0), torch.ones(3)
+    positional = digests.call_arguments(model, (x, y), {})
+    assert digest(positional) == digest(digests.call_arguments(model, (x,), {"y": y}))
+    assert digest(positional) == digest(digests.call_arguments(model, (), {"x": x, "y": y, "scale": 1.0}))
+    assert digest(positional) != digest(digests.call_arguments(model, (x, y), {"scale": 2.0}))

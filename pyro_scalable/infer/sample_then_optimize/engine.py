@@ -56,7 +56,7 @@ from pyro_scalable.infer.linearized.sampling.core import SampleState
 from pyro_scalable.infer.linearized.sampling.problem import SolveDiverged
 from pyro_scalable.infer.record import RunRecord
 from pyro_scalable.infer.results import Draws
-from pyro_scalable.infer.sample_then_optimize.checkpoint import SolveCheckpoint
+from pyro_scalable.infer.sample_then_optimize.checkpoint import SolveCheckpoint, run_seed
 from pyro_scalable.infer.sample_then_optimize.distributed import DistributedMode
 from pyro_scalable.infer.sample_then_optimize.distributed import setup as setup_parallel
 from pyro_scalable.infer.sample_then_optimize.linearization import linearization_point
@@ -277,9 +277,8 @@ class SampleThenOptimize(SampleThenOptimizePredictives, Draws):
         site = observed_site(bridge, "sample-then-optimise")
         if not bridge.sites:
             raise ModelError("the model has no latent site to sample.")
-        seed = int(torch.randint(0, 2**62, ())) if self.seed is None else self.seed
         parallel = setup_parallel(self.distributed, self.num_samples, next(iter(bridge.plates.values()), None))
-        seed = parallel.seed(seed, bridge.device)
+        seed = parallel.seed(run_seed(self), bridge.device)  # seed=None: a checkpoint's recorded seed, if it has one
         generator = torch.Generator(device=bridge.device).manual_seed(seed)
         latents = linearization_point(
             bridge,
@@ -304,7 +303,7 @@ class SampleThenOptimize(SampleThenOptimizePredictives, Draws):
         self.net = NetworkFunction(
             bridge, site, layout, theta, latents, heteroscedastic=heteroscedastic, chunk_size=self.chunk_size
         )
-        checkpoint = None if self.checkpoint is None else SolveCheckpoint(self, generator)
+        checkpoint = None if self.checkpoint is None else SolveCheckpoint(self, generator, seed)
         try:
             solution = sample_linearized(
                 self.net,
@@ -320,6 +319,8 @@ class SampleThenOptimize(SampleThenOptimizePredictives, Draws):
         except SolveDiverged as error:
             self.state = error.state
             raise
+        finally:
+            checkpoint is None or checkpoint.close()  # the checkpoint's lock, for the next run on its path
         self._keep(solution, noise_site, parallel)
         return self
 

@@ -18,6 +18,7 @@ killed write is removed when the run resumes.
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any, NamedTuple
 
 import torch
@@ -26,15 +27,18 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from pyro_scalable.bridge.plates import FullDataModel
 from pyro_scalable.infer.checkpoint import (
+    UNIDENTIFIED,
     CheckpointError,
+    CheckpointLock,
     check_fingerprint,
+    check_path,
     describe,
     load,
     remove_partial_write,
     save,
     stable_repr,
 )
-from pyro_scalable.infer.digest import digest
+from pyro_scalable.infer.digest import call_arguments, identify
 from pyro_scalable.infer.sgmcmc.control_variates import ControlVariate
 
 __all__ = ["FORMAT", "Resumed", "RunCheckpoint", "run_fingerprint"]
@@ -42,8 +46,9 @@ __all__ = ["FORMAT", "Resumed", "RunCheckpoint", "run_fingerprint"]
 # bumped when the layout of a run checkpoint changes (2: warm-up's state apart from the kernel's; 3: the kind, the
 # model's code and the data's values in the fingerprint; 4: the control variate's centre and full-data gradient,
 # and warm-up's metric; 5: warm-up's metric window per chain, its log-density window and restarted chains;
-# 6: the gradient noise's average in the program's state, not the kernel's)
-FORMAT = 6
+# 6: the gradient noise's average in the program's state, not the kernel's; 7: the kernel's values, every setting,
+# the data bound to the model's parameters and what cannot be identified in the fingerprint)
+FORMAT = 7
 KIND = "StochasticMCMC"
 _KEYS = (
     "fingerprint",
@@ -73,14 +78,19 @@ def stack_chains(state: Any) -> list[Tensor]:
 
 
 def unstack_chains(leaves: list[Tensor], template: Any, mode: str) -> Any:
-    """Undo :func:`stack_chains` in ``mode``, onto the structure, devices and dtypes of a fresh ``template``."""
+    """Undo :func:`stack_chains` in ``mode``, onto the structure and devices of a fresh ``template``.
+
+    Each leaf keeps the dtype it was saved with, not the template's: a leaf can change dtype as a run goes on (a
+    float32 step size that the first steps promote to float64 on a float64 model), and casting it back to a fresh
+    state's dtype would round the resumed run away from the uninterrupted one.
+    """
     chain = template[0] if isinstance(template, list) else template
     like, spec = tree_flatten(chain)
     num_chains = len(template) if isinstance(template, list) else like[0].shape[0]
     expected = [(num_chains, *x.shape) if isinstance(template, list) else tuple(x.shape) for x in like]
     if [tuple(x.shape) for x in leaves] != expected:
         raise CheckpointError("the kernel state in the checkpoint does not fit this kernel and model.")
-    leaves = [saved.to(device=x.device, dtype=x.dtype) for saved, x in zip(leaves, like)]
+    leaves = [saved.to(device=x.device) for saved, x in zip(leaves, like)]
     if mode == "vectorized":
         return tree_unflatten(leaves, spec)
     return [tree_unflatten([leaf[c].clone() for leaf in leaves], spec) for c in range(num_chains)]
@@ -89,11 +99,17 @@ def unstack_chains(leaves: list[Tensor], template: Any, mode: str) -> Any:
 def run_fingerprint(run: Any, record: Any, batches: Any = None) -> dict[str, str]:
     """What a driver run's draws depend on: a checkpoint resumes only a run whose fingerprint is the same.
 
-    The model enters by name and by its code (:func:`pyro_scalable.infer.digest.digest`: its bytecode, closure,
-    defaults and globals; a module's class code, parameters and buffers), the data by dtype, shape and content.
-    Where ``batches`` (a DataLoader) feeds the steps there is no full data to hash: the fingerprint then holds the
-    first minibatch's dtypes and shapes, the loader's type, length and batch size, the content of its dataset
-    where it is a ``TensorDataset`` (any dataset with ``tensors``), and the full data given to ``run``, if any.
+    Every setting of the driver that changes a draw enters, and the kernel by what it computes
+    (:func:`pyro_scalable.infer.digest.identify` of its hyperparameters: a schedule by its code, closure and the
+    globals it reads, a tensor step size by content, ``init_strategy`` and the control variate likewise), besides its
+    readable ``repr``. The model enters by name and by its code (its bytecode, closure, defaults and globals, numpy
+    arrays and plain objects included; a module's class code, parameters and buffers), the data by dtype, shape and
+    content, bound to the model's parameters (``model(x, y)`` and ``model(x, y=y)`` are the same run). Where
+    ``batches`` (a DataLoader) feeds the steps there is no full data to hash: the fingerprint then holds the first
+    minibatch's dtypes and shapes, the loader's type, length and batch size, the content of its dataset where it is
+    a ``TensorDataset`` (any dataset with ``tensors``), and the full data given to ``run``, if any. What cannot be
+    identified (a random number generator, an object with nothing to read) is named under ``"unidentified"``, and
+    such a checkpoint is refused rather than resumed (:func:`pyro_scalable.infer.checkpoint.check_fingerprint`).
     """
     model = run.kernel.model
     model = model.model if isinstance(model, FullDataModel) else model  # the model as written
@@ -109,20 +125,26 @@ def run_fingerprint(run: Any, record: Any, batches: Any = None) -> dict[str, str
         "chain_method": run.chain_method,
         "on_divergence": run.on_divergence,
         "metric": run.metric,
+        "minibatches": run.minibatches,
+        "shared_minibatches": run.shared_minibatches,
+        "distributed": run.distributed,
         "device": bridge.device.type,
         "batches": None if batches is None else type(batches).__name__,
     }
-    if run.shared_minibatches:  # only where on: checkpoints written before it stay valid
-        fields["shared_minibatches"] = True
-    control = run.kernel.control_variate
+    data = call_arguments(model, bridge.args, bridge.kwargs)
+    parts = {
+        "model_code": identify(model),
+        "kernel_values": identify((type(run.kernel), {k: v for k, v in vars(run.kernel).items() if k != "model"})),
+        "data_values": identify(
+            data if batches is None else (call_arguments(model, record.args, record.kwargs), _loader(batches))
+        ),
+    }
+    unidentified = [what for part in parts.values() for what in part.unidentified]
     return {
         **{name: stable_repr(value) for name, value in fields.items()},
-        "model_code": digest(model),
-        "control_variate": control if control is None or isinstance(control, str) else digest(control),
-        "data": describe((bridge.args, bridge.kwargs)),
-        "data_values": digest(
-            (bridge.args, bridge.kwargs) if batches is None else (record.args, record.kwargs, _loader(batches))
-        ),
+        **{name: part.digest for name, part in parts.items()},
+        "data": describe(data),
+        **({UNIDENTIFIED: "; ".join(unidentified)} if unidentified else {}),
     }
 
 
@@ -157,7 +179,10 @@ class RunCheckpoint:
 
     A checkpoint is written every ``every`` steps (warm-up included), at the end of warm-up, at the end of the run,
     when the run stops at a divergence, and on ``KeyboardInterrupt``. What is written is the run as the last
-    completed step left it, so an interrupt in the middle of a step loses nothing and adds nothing.
+    completed step left it, so an interrupt in the middle of a step loses nothing and adds nothing. The path is
+    checked and locked when the checkpoint is opened (before the first step), until the run's last write (at its
+    end, its stop or an interruption) or a failed one; a run that ends with another error leaves the lock to the
+    garbage collector (:class:`~pyro_scalable.infer.checkpoint.CheckpointLock`).
     """
 
     def __init__(
@@ -179,6 +204,8 @@ class RunCheckpoint:
         self.path = path
         self.every = every
         self.fingerprint = run_fingerprint(run, progress.record, batches)
+        check_path(path)  # before the first step: an unusable path fails now, not at the first write
+        self.lock = CheckpointLock(path)  # no second process writes this checkpoint meanwhile (released by close)
         self.run = run  # the driver's settings
         self.progress = progress  # the run's draws, warm-up counts and control variate (:class:`.phases.RunState`)
         self.stepper = stepper
@@ -190,6 +217,10 @@ class RunCheckpoint:
         self.rebuild = rebuild  # a stepper for the metric's stage (its state then restored)
         self._last: dict[str, Any] = {}
 
+    def close(self) -> None:
+        """Release the checkpoint's lock: the run is over (finished, stopped, interrupted, or a write failed)."""
+        self.lock.release()
+
     def resume(self, existing: bool = True) -> Resumed:
         """Put the chains, the generators and the draws back as the checkpoint left them, if there is one.
 
@@ -197,10 +228,17 @@ class RunCheckpoint:
         back and then calls :meth:`remember`.
         """
         remove_partial_write(self.path)
-        saved = load(self.path, kind=KIND, version=FORMAT, keys=_KEYS) if existing else None
+        try:
+            saved = load(self.path, kind=KIND, version=FORMAT, keys=_KEYS) if existing else None
+            if saved is not None:
+                check_fingerprint(saved["fingerprint"], self.fingerprint, self.path)
+        except CheckpointError:
+            self.close()  # refused: this run ends here
+            raise
         if saved is None:
             return Resumed(0, 0, False)
-        check_fingerprint(saved["fingerprint"], self.fingerprint, self.path)
+        if saved["stopped"] or saved["step"] == self.total:
+            self.close()  # a finished run, read back: nothing more is written
         if saved["metric"] is not None and self.metric is not None:
             self.metric.load_state_dict(saved["metric"], self.stepper.bridge.device)
             if self.metric.stage > 0:
@@ -262,6 +300,16 @@ class RunCheckpoint:
         sampler = last["sampler"]
         if sampler is not None:
             sampler = {"orders": {k: v.cpu() for k, v in sampler["orders"].items()}, "position": sampler["position"]}
+        over = last["stopped"] or last["step"] == self.total or sys.exc_info()[0] is not None  # or interrupted
+        try:
+            self._save(last, kept, control, sampler)
+        except BaseException:
+            self.close()  # the run ends with the write's error
+            raise
+        if over:
+            self.close()  # the next run on this path (a resumed one) may take the lock
+
+    def _save(self, last: dict[str, Any], kept: int, control: Any, sampler: Any) -> None:
         save(
             self.path,
             {

@@ -134,7 +134,7 @@ def test_an_edited_model_or_changed_data_is_refused(tmp_path):
     [
         ({"a": 1}, r"is not a pyro_scalable checkpoint \(a torch file holding a dict\)"),
         ({"kind": "StochasticMCMC", "format": 3}, "was written by StochasticMCMC, not by SampleThenOptimize"),
-        ({"kind": "SampleThenOptimize", "format": 2}, "checkpoint format 2 .*this version reads format 3"),
+        ({"kind": "SampleThenOptimize", "format": 2}, "checkpoint format 2 .*this version reads format 4"),
     ],
     ids=["foreign", "another-engine", "old-format"],
 )
@@ -146,3 +146,32 @@ def test_a_foreign_file_is_a_checkpoint_error(tmp_path, payload, message):
         torch.save(payload, path)
     with pytest.raises(CheckpointError, match=message):
         killable_run.engine(path).run(*killable_run.data())
+
+
+@pytest.mark.filterwarnings("ignore:the samples have not converged:UserWarning")
+def test_a_drawn_seed_is_recorded_and_reused_on_resume(tmp_path, monkeypatch):
+    # seed=None draws from torch's global generator: the resumed run must go on with the interrupted run's seed
+    problem = LinearRegression(num_data=200, dim=3, batch_size=50)
+    torch.manual_seed(11)
+    reference = engine(problem, seed=None)
+    reference.run(problem.x, problem.y)
+    path = tmp_path / "run.pt"
+    torch.manual_seed(11)
+    with monkeypatch.context() as patch:
+        kill_at(patch, 18)
+        with pytest.raises(Killed):
+            engine(problem, path, seed=None).run(problem.x, problem.y)
+    torch.manual_seed(12)  # another process, another global seed
+    resumed = engine(problem, path, seed=None)
+    resumed.run(problem.x, problem.y)
+    assert_same_run(resumed, reference)
+
+
+@pytest.mark.filterwarnings("ignore:the samples have not converged:UserWarning")
+def test_settings_by_content_and_data_by_keyword(tmp_path):
+    problem = LinearRegression(num_data=200, dim=3, batch_size=50)
+    path = tmp_path / "run.pt"
+    engine(problem, path, prior_precision=torch.tensor(1.001)).run(problem.x, problem.y)
+    engine(problem, path, prior_precision=torch.tensor(1.001)).run(problem.x, y=problem.y)  # the same run
+    with pytest.raises(CheckpointError, match="prior_precision"):
+        engine(problem, path, prior_precision=torch.tensor(1.002)).run(problem.x, problem.y)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import pickle
 import signal
@@ -19,10 +20,12 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from pyro_scalable.infer import SGHMC, SGLD, StochasticMCMC
-from pyro_scalable.infer.checkpoint import CheckpointError, load, save
+from pyro_scalable.infer.checkpoint import CheckpointError, CheckpointWriteError, load, save
 from pyro_scalable.infer.sgmcmc.chains import ChainStepper
+from pyro_scalable.infer.sgmcmc.checkpoint import unstack_chains
 
 from ...conftest import LinearRegression
+from ...model_zoo import zoo_model
 from .. import killing
 from . import killable_run
 
@@ -436,3 +439,202 @@ def test_a_stray_temporary_is_removed(tmp_path, monkeypatch):
     again.run(data.x, data.y)
     assert_same_run(again, first)
     assert os.listdir(tmp_path) == ["run.pt"]
+
+
+# ------------------------------------------------------------------ a changed run is refused, whatever changed
+
+STEP = 1e-3  # read by a schedule as a global
+
+
+def global_schedule(step):
+    return STEP / (1 + step) ** 0.1
+
+
+@pytest.mark.parametrize(
+    "before, after",
+    [
+        (dict(step_size=lambda t: 1e-3), dict(step_size=lambda t: 2e-3)),  # a lambda: the same repr
+        (dict(step_size=global_schedule), dict(step_size=global_schedule, global_step=2e-3)),  # a global it reads
+        (dict(step_size=torch.tensor(0.00101)), dict(step_size=torch.tensor(0.00104))),  # prints the same
+        (dict(init_strategy="median"), dict(init_strategy="sample")),
+        (dict(minibatches="epoch"), dict(minibatches="independent")),
+    ],
+    ids=["lambda", "global", "tensor", "init-strategy", "minibatches"],
+)
+def test_any_change_of_the_run_is_refused(tmp_path, monkeypatch, before, after):
+    from pyro.infer.autoguide import init_to_median, init_to_sample
+
+    inits = {"median": init_to_median, "sample": init_to_sample}
+    data = small()
+    path = tmp_path / "run.pt"
+
+    def build(options):
+        options = dict(options)
+        if "global_step" in options:
+            monkeypatch.setitem(globals(), "STEP", options.pop("global_step"))
+        kernel = {k: inits.get(v, v) if k == "init_strategy" else v for k, v in options.items() if k != "minibatches"}
+        kernel.setdefault("step_size", 1e-3)
+        driver = {k: v for k, v in options.items() if k == "minibatches"}
+        return sampler(SGLD(data.model, **kernel), path, num_samples=4, num_warmup=2, **driver)
+
+    build(before).run(data.x, data.y)
+    build(before).run(data.x, data.y)  # the same run again: read back
+    with pytest.raises(CheckpointError, match="was written by a different run"):
+        build(after).run(data.x, data.y)
+
+
+def test_the_same_data_by_keyword_is_the_same_run(tmp_path, monkeypatch):
+    data = small()
+    path = tmp_path / "run.pt"
+    first = sampler(SGLD(data.model, step_size=1e-3), path)
+    first.run(data.x, data.y)
+    again = sampler(SGLD(data.model, step_size=1e-3), path)
+    stop_at(monkeypatch, 1)  # read back, without a step
+    again.run(data.x, y=data.y)
+    assert_same_run(again, first)
+
+
+NOISE = torch.Generator().manual_seed(0)  # a model reading it is not a function of its code and data
+
+
+def noisy_model(x, y):
+    w = pyro.sample("w", dist.Normal(x.new_zeros(2), 1.0).to_event(1))
+    jitter = 0.0 * NOISE.initial_seed()
+    with pyro.plate("data", len(y), subsample_size=10) as idx:
+        pyro.sample("obs", dist.Normal(x[idx] @ w + jitter, 1.0), obs=y[idx])
+
+
+def test_a_component_that_cannot_be_identified_is_refused_and_named(tmp_path):
+    data = small()
+    path = tmp_path / "run.pt"
+    sampler(SGLD(noisy_model, step_size=1e-3), path, num_samples=2, num_warmup=1).run(data.x, data.y)
+    with pytest.raises(CheckpointError, match=r"the global 'NOISE' read by noisy_model \(a torch\._C\.Generator"):
+        sampler(SGLD(noisy_model, step_size=1e-3), path, num_samples=2, num_warmup=1).run(data.x, data.y)
+
+
+# ------------------------------------------------------------------ the file system: planted files, faults, locks
+
+
+def test_a_planted_symlink_at_the_temporary_is_never_followed(tmp_path):
+    target = tmp_path / "precious.txt"
+    target.write_text("keep me")
+    path = tmp_path / "run.pt"
+    (tmp_path / "run.pt.tmp").symlink_to(target)
+    with pytest.raises(CheckpointWriteError, match=r"run\.pt\.tmp' appeared while it was being written"):
+        save(path, {"a": torch.zeros(3)})
+    assert target.read_text() == "keep me" and not path.exists()
+
+
+def test_an_unusable_path_fails_before_the_first_step(tmp_path, monkeypatch):
+    data = small()
+    (tmp_path / "file").write_text("")
+    path = tmp_path / "file" / "run.pt"  # a parent that is a file
+    stop_at(monkeypatch, 1)  # a step would raise Killed
+    with pytest.raises(
+        CheckpointWriteError, match=r"cannot write the checkpoint '.*file/run\.pt': '.*file' is a file, not a folder"
+    ):
+        sampler(SGHMC(data.model, step_size=1e-3), path).run(data.x, data.y)
+    with pytest.raises(CheckpointWriteError, match="is a folder"):
+        sampler(SGHMC(data.model, step_size=1e-3), tmp_path).run(data.x, data.y)
+
+
+@pytest.mark.parametrize("error", [errno.ENOSPC, errno.EROFS, errno.EACCES], ids=["full", "read-only", "denied"])
+def test_a_failed_write_names_the_path_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch, error):
+    data = small()
+    path = tmp_path / "run.pt"
+    replace, calls = os.replace, []
+
+    def failing_replace(source, target):
+        calls.append(None)
+        if len(calls) == 2:
+            raise OSError(error, os.strerror(error))
+        replace(source, target)
+
+    monkeypatch.setattr(os, "replace", failing_replace)
+    with pytest.raises(CheckpointWriteError) as raised:
+        sampler(SGHMC(data.model, step_size=1e-3), path).run(data.x, data.y)
+    message = str(raised.value)
+    assert f"cannot write the checkpoint {str(path)!r}: {os.strerror(error)}" in message
+    assert "the previous checkpoint there is intact" in message and raised.value.errno == error
+    assert load(path)["step"] == 4 and os.listdir(tmp_path) == ["run.pt"]
+
+
+def test_a_second_writer_of_the_same_checkpoint_is_refused(tmp_path):
+    data = small()
+    path = tmp_path / "run.pt"
+    holder = subprocess.Popen(  # another process holding the checkpoint's lock
+        [sys.executable, "-c", LOCK_HOLDER, str(path)], stdout=subprocess.PIPE, env=child_env()
+    )
+    try:
+        assert holder.stdout.readline().strip() == b"locked"
+        with pytest.raises(CheckpointError, match=r"the checkpoint '.*run\.pt' is being written by another run"):
+            sampler(SGHMC(data.model, step_size=1e-3), path).run(data.x, data.y)
+    finally:
+        holder.kill()
+        holder.communicate()
+    sampler(SGHMC(data.model, step_size=1e-3), path).run(data.x, data.y)  # free again: the lock died with it
+    assert os.listdir(tmp_path) == ["run.pt"]
+
+
+LOCK_HOLDER = """
+import sys, time
+from pyro_scalable.infer.checkpoint import CheckpointLock
+lock = CheckpointLock(sys.argv[1])
+print("locked", flush=True)
+time.sleep(120)
+"""
+
+
+def child_env() -> dict[str, str]:
+    root = str(Path(__file__).parents[3])
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+
+
+# ------------------------------------------------------------------ bitwise at the defaults
+
+
+def test_a_saved_state_keeps_the_dtypes_it_had():
+    # a leaf a run promoted (a float32 step size turned float64) is put back as it was, not cast to the fresh one's
+    template = {"step_size": torch.zeros(4, dtype=torch.float32), "count": torch.zeros(4, dtype=torch.int64)}
+    saved = [torch.full((4,), 1 / 3, dtype=torch.float64), torch.arange(4)]
+    restored = unstack_chains(saved, template, "vectorized")
+    assert torch.equal(restored["step_size"], saved[0]) and restored["step_size"].dtype == torch.float64
+
+
+def resume_at_the_defaults(tmp_path, monkeypatch, stop):
+    # SGHMC(model) at its defaults: the "map" control variate and warm-up's metric, 4 chains, 200 warm-up steps
+    model, args = zoo_model("linear-halfnormal-scale", torch.float64)
+
+    def run(path=None):
+        return StochasticMCMC(SGHMC(model), 2, 200, 4, seed=7, progress_bar=False, checkpoint=path)
+
+    reference = run()
+    reference.run(*args)
+    path = tmp_path / "run.pt"
+    with monkeypatch.context() as patch:
+        stop_at(patch, stop, KeyboardInterrupt, after=True)  # as SIGINT: the step runs, the interrupt arrives
+        with pytest.raises(KeyboardInterrupt):
+            run(path).run(*args)
+    assert load(path)["step"] == stop - 1
+    resumed = run(path)
+    resumed.run(*args)
+    assert_same_run(resumed, reference)
+
+
+UNRESOLVED = "a later stage of warm-up's metric: its curvature estimate differs by ~1e-16 after resuming (open)"
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize(
+    "stop",
+    [
+        3,
+        10,  # in the metric's first stage: the float32 leaves the first steps promote (test_a_saved_state_keeps...)
+        30,
+        pytest.param(60, marks=pytest.mark.xfail(strict=True, reason=UNRESOLVED)),
+        pytest.param(130, marks=pytest.mark.xfail(strict=True, reason=UNRESOLVED)),
+    ],
+)
+def test_resume_at_the_defaults_is_bitwise(tmp_path, monkeypatch, stop):
+    resume_at_the_defaults(tmp_path, monkeypatch, stop)
