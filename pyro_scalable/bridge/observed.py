@@ -20,7 +20,7 @@ from pyro_scalable.bridge.minibatches import chunks
 if TYPE_CHECKING:
     from pyro_scalable.bridge.model import ModelBridge
 
-__all__ = ["check_observed_values"]
+__all__ = ["check_observed_values", "no_mode_reason"]
 
 _HINTS = {
     "Bernoulli": "Bernoulli labels must be 0 or 1 (labels coded -1/1 become (y + 1) / 2)",
@@ -73,3 +73,30 @@ def _data_index(position: tuple[int, ...], frames: dict[int, str], indices: dict
 def _value_at(value: Tensor, position: tuple[int, ...], event_dim: int) -> str:
     entry = value[position] if position else value
     return repr(entry.item()) if entry.numel() == 1 and event_dim == 0 else f"{entry.tolist()}"
+
+
+def no_mode_reason(bridge: ModelBridge) -> str:
+    """Why a search of this model's mode may end non-finite, and what to change, as a clause of an error message.
+
+    A latent in a plate (a centred hierarchy: its group scale runs to 0 at the joint mode); observed values on a
+    scale far from 1 (their likelihood's mode is as narrow, and a search started at the prior's scale overshoots
+    it, in float32 into non-finite values); otherwise a scale running to 0 or a mode on the support's edge.
+    """
+    grouped = [name for name, site in bridge.sites.items() if any(site.plates)]
+    if grouped:
+        return (
+            f"latent site(s) {', '.join(map(repr, grouped))} sit in a plate, and a centred hierarchy has no finite "
+            "mode (its group scale runs to 0): non-centre it (z = loc + scale * z_raw, z_raw ~ Normal(0, 1))"
+        )
+    values = [v.detach().abs().flatten().double() for v in bridge.observed_data().values() if v.is_floating_point()]
+    values = torch.cat(values) if values else torch.ones(1)
+    scale = float(values[values > 0].median()) if bool((values > 0).any()) else 0.0
+    if not 1e-4 <= scale <= 1e4:
+        return (
+            f"the observed values are on a scale of {scale:.0e}, so the likelihood's mode is as narrow and the search, "
+            "started at the prior's scale, overshoots it: standardise the data (mean 0, sd 1)"
+        )
+    return (
+        "the log density may have no finite mode (a scale parameter running to 0, or a mode on the edge of a site's "
+        "support): reparametrise the model"
+    )

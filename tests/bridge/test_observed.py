@@ -51,3 +51,25 @@ def test_checked_in_chunks_across_the_whole_plate():
     y[123] = 2.0  # the bridge holds the caller's tensor: a chunk of 50 finds the change in its third chunk
     with pytest.raises(ModelError, match="index 123 of plate 'data'"):
         check_observed_values(bridge, chunk_size=50)
+
+
+def test_the_reason_a_mode_search_fails_names_what_fits_the_model():
+    from pyro_scalable.bridge.observed import no_mode_reason
+
+    def hierarchy(y):
+        scale = pyro.sample("scale", dist.HalfNormal(1.0))
+        with pyro.plate("groups", 4):
+            z = pyro.sample("z", dist.Normal(0.0, scale))
+        with pyro.plate("data", len(y), subsample_size=4) as idx:
+            pyro.sample("obs", dist.Normal(z[idx % 4], 1.0), obs=y[idx])
+
+    def regression(y):
+        mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
+        with pyro.plate("data", len(y), subsample_size=4) as idx:
+            pyro.sample("obs", dist.Normal(mu, 1.0), obs=y[idx])
+
+    y = torch.randn(20, generator=torch.Generator().manual_seed(0))
+    grouped = no_mode_reason(ModelBridge(hierarchy, (y,)))
+    assert "'z' sit in a plate" in grouped and "non-centre it" in grouped
+    assert no_mode_reason(ModelBridge(regression, (y,))).endswith("reparametrise the model")
+    assert "scale of 1e+06" in no_mode_reason(ModelBridge(regression, (1e6 * y.sign(),)))

@@ -56,6 +56,7 @@ from torch.func import grad_and_value
 
 from pyro_scalable.bridge.minibatches import EpochSampler, chunks
 from pyro_scalable.bridge.model import Batch, Latents, ModelBridge
+from pyro_scalable.bridge.observed import no_mode_reason
 from pyro_scalable.infer.distributed import all_reduce_sum
 from pyro_scalable.infer.sgmcmc.chains import gradient_and_value, index_dims
 
@@ -382,8 +383,8 @@ def prepare(
     if bad or not bool(torch.isfinite(control.log_joint)):
         found = "the mode search found no finite mode" if search is not None else "the given centre is not finite"
         fix = (
-            "the log density may have no finite mode (a centred hierarchy's group scale at 0): use "
-            "control_variate='warmup' with a metric, or None."
+            f"{no_mode_reason(full)}; or use control_variate='warmup' (warm-up's window means as centres, with a "
+            "metric) or None."
             if search is not None
             else "give a centre inside the prior's support, or control_variate='map'."
         )

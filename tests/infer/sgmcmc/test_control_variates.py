@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 
 import pyro
 import pyro.distributions as dist
@@ -460,3 +461,51 @@ def test_auto_runs_plain_where_the_mode_search_finds_no_finite_mode_and_map_says
     assert mcmc.control_variate is None
     with pytest.raises(ValueError, match="no finite mode.*'warmup'"):
         StochasticMCMC(SGHMC(_centred_without_a_plate, control_variate="map"), **short).run(x, y, group)
+
+
+def _regression_on_a_tiny_scale(x, y):
+    w = pyro.sample("w", dist.Normal(0.0, 1.0))
+    s = pyro.sample("s", dist.HalfNormal(1.0))
+    with pyro.plate("data", len(y), subsample_size=10) as idx:
+        pyro.sample("obs", dist.Normal(w * x[idx], s), obs=y[idx])
+
+
+def _tiny_scale_data():
+    g = torch.Generator().manual_seed(0)
+    x = 1e-8 * torch.randn(100, generator=g)
+    return x, 2.0 * x + 1e-8 * torch.randn(100, generator=g)
+
+
+def _assert_fitting_advice(message):
+    assert re.search(r"observed values are on a scale of \de-08", message) and "standardise the data" in message
+    assert "control_variate='map'" not in message and "hierarchy" not in message
+
+
+def test_the_advice_after_a_failed_mode_search_fits_the_model(monkeypatch):
+    # the message alone: a mode search that ends at NaN (as on data scaled by 1e-8, below) without running one
+    from pyro_scalable.infer.sgmcmc import control_variates
+
+    bridge = ModelBridge(_regression_on_a_tiny_scale, _tiny_scale_data())
+    nan = {name: torch.full(site.unconstrained_shape, float("nan")) for name, site in bridge.sites.items()}
+    monkeypatch.setattr(control_variates, "find_mode", lambda *args, **kwargs: (nan, object()))
+    with pytest.raises(ValueError, match=r"the mode search found no finite mode") as caught:
+        control_variates.prepare("map", bridge, bridge, nan, 0)
+    _assert_fitting_advice(str(caught.value))
+
+
+@pytest.mark.slow
+def test_map_that_finds_no_mode_advises_what_fits_the_model_not_map_again():
+    # float32 data scaled by 1e-8: the mode search overshoots the likelihood's narrow mode into NaN. The advice is
+    # to standardise the data (or another control variate), never the control_variate='map' the run already used,
+    # and not a hierarchy's scale (the model has none)
+    x, y = _tiny_scale_data()
+    mcmc = StochasticMCMC(
+        SGHMC(_regression_on_a_tiny_scale, control_variate="map"),
+        num_samples=5,
+        num_warmup=5,
+        seed=0,
+        progress_bar=False,
+    )
+    with pytest.raises(ValueError, match=r"no finite mode") as caught:
+        mcmc.run(x, y)
+    _assert_fitting_advice(str(caught.value))
