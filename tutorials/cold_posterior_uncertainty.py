@@ -50,6 +50,7 @@ from pyro_scalable.infer import SGHMC, AutoLinearizedLaplace, StochasticMCMC, sg
 
 TEMPERATURES = (1.0, 0.1, 0.01)
 WARMUP, CHAINS, SERIAL_DRAWS, THIN = 1_500, 10, 50, 30
+MAP_STEPS = (1_000, 500)  # SVI steps of the MAP search: minibatches, then the full batch
 
 # %% tags=["remove-cell"]
 FAST = os.environ.get("PYRO_SCALABLE_FAST") == "1"
@@ -57,6 +58,7 @@ IMAGES = os.environ.get("PYRO_SCALABLE_IMAGES", "docs/images")
 if FAST:  # the quick run CI does
     TEMPERATURES = (1.0, 0.1)
     WARMUP, CHAINS, SERIAL_DRAWS, THIN = 400, 6, 10, 20
+    MAP_STEPS = (600, 300)
 warnings.filterwarnings("ignore", category=UserWarning)
 
 # %%
@@ -132,7 +134,7 @@ pyro.clear_param_store()
 pyro.set_rng_seed(0)
 mlp = MLP()
 guide = AutoDelta(mlp)
-for lr, steps, batch in ((1e-2, 600 if FAST else 1_000, 128), (3e-3, 300 if FAST else 500, None)):
+for lr, steps, batch in ((1e-2, MAP_STEPS[0], 128), (3e-3, MAP_STEPS[1], None)):
     svi = SVI(mlp, guide, pyro.optim.Adam({"lr": lr}), Trace_ELBO())
     for _ in range(steps):
         svi.step(x_train, y_train, batch_size=batch)

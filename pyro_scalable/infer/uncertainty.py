@@ -9,6 +9,7 @@ part that comes from the models disagreeing (epistemic: what more data would set
 p_\theta`):
 
 .. math::
+
     \underbrace{H[\bar p]}_{\text{total}}
     = \underbrace{\mathbb E_\theta\, H[p_\theta]}_{\text{aleatoric (expected entropy)}}
     + \underbrace{\mathbb E_\theta\, \mathrm{KL}(p_\theta \,\|\, \bar p)}_{\text{epistemic } I(y;\,\theta)}
@@ -22,6 +23,7 @@ up to the total exactly in floating point too (it equals :math:`H[\bar p]` to ro
 **Regression** (the law of total variance, per output):
 
 .. math::
+
     \underbrace{\mathrm{Var}[y]}_{\text{total}}
     = \underbrace{\mathbb E_\theta\, \mathrm{Var}[y \mid \theta]}_{\text{aleatoric (noise)}}
     + \underbrace{\mathrm{Var}_\theta\, \mathbb E[y \mid \theta]}_{\text{epistemic (variance of the mean)}}
