@@ -22,14 +22,17 @@ belongs to; :func:`check_fingerprint` refuses another's, naming every setting th
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import gc
 import hashlib
 import io
 import os
 import re
+import signal
+import threading
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +59,7 @@ __all__ = [
     "remove_partial_write",
     "save",
     "stable_repr",
+    "terminate_as_interrupt",
 ]
 
 FORMAT = 2  # the file's layout (2: a header with the payload's length and SHA-256); another format is refused
@@ -377,3 +381,20 @@ def check_fingerprint(saved: Mapping[str, Any], current: Mapping[str, Any], path
             f"the checkpoint {where} was written by a different run: {'; '.join(differences)}. Delete {where} or "
             "pass a new checkpoint path (or resume=False) to start over; run with the same settings to resume it."
         )
+
+
+@contextlib.contextmanager
+def terminate_as_interrupt(active: bool) -> Iterator[None]:
+    """While ``active``, SIGTERM (a scheduler's stop) is Ctrl-C: the driver writes the checkpoint, keeps the draws."""
+    if not active or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum} (SIGTERM)")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

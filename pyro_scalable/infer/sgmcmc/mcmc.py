@@ -37,7 +37,8 @@ class StochasticMCMC(Draws):
     Args:
         kernel: an engine's Pyro-facing class, e.g. ``SGHMC(model, step_size=1e-3)``.
         num_samples: draws kept per chain (after thinning).
-        num_warmup: steps per chain before the first kept draw.
+        num_warmup: steps per chain before the first kept draw (a kernel that learns its step size in warm-up
+            needs some: with ``num_warmup=0`` it is refused, with the reason).
         num_chains: independent chains, run together.
         thin: keep every ``thin``-th step after warmup.
         seed: seeds the initial points, the minibatches and the injected noise; ``None`` draws a seed from
@@ -189,6 +190,7 @@ class StochasticMCMC(Draws):
             phases.sample(self, state)  # warm-up and sampling, step by step
             phases.finish(self, state)  # the statistics, the ranks' draws gathered, the health checks
         finally:
+            phases.release(state)  # the checkpoint's lock
             self._keep(phases.outcome(state))  # what was computed stays readable, also after an interruption
         return self
 

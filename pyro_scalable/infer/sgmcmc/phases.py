@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 from pyro_scalable.bridge.checks import user_stacklevel
 from pyro_scalable.bridge.minibatches import EpochSampler, data_passes
 from pyro_scalable.bridge.model import Batch, Latents, ModelBridge
+from pyro_scalable.infer.checkpoint import terminate_as_interrupt
 from pyro_scalable.infer.distributed import broadcast_seed
 from pyro_scalable.infer.health import repeated_draws, warn_unhealthy
 from pyro_scalable.infer.record import RunRecord
@@ -201,6 +202,11 @@ def sample(run: Any, state: RunState) -> None:
     quiet = not run.progress_bar or (state.parallel is not None and not state.parallel.is_main)
     description = "Warmup" if state.start < run.num_warmup else "Sample"
     bar = tqdm(total=state.total, initial=state.start, disable=quiet, desc=description)
+    with terminate_as_interrupt(state.checkpoint is not None):
+        _loop(run, state, bar, quiet)
+
+
+def _loop(run: Any, state: RunState, bar: Any, quiet: bool) -> None:
     try:
         for t in range(state.start, state.start if state.diverged else state.total):  # a stopped run stays stopped
             info = step(run, state, t)
@@ -357,6 +363,12 @@ class Outcome(NamedTuple):
     restarted: Tensor
     num_samples: int
     num_chains: int
+
+
+def release(state: RunState) -> None:
+    """The run is over: a checkpoint it opened gives up its lock (the next run on the path may take it)."""
+    if state.checkpoint is not None:
+        state.checkpoint.close()
 
 
 def outcome(state: RunState) -> Outcome:

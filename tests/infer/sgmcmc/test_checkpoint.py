@@ -190,6 +190,36 @@ def test_keyboard_interrupt_keeps_the_draws_and_a_valid_checkpoint(tmp_path, mon
     assert_same_run(resumed, reference)
 
 
+@pytest.mark.skipif(not hasattr(signal, "SIGTERM"), reason="needs SIGTERM")
+def test_sigterm_writes_the_checkpoint_keeps_the_draws_and_releases_the_lock(tmp_path, monkeypatch):
+    """A batch scheduler's SIGTERM is handled as Ctrl-C while a checkpointed run steps; the resumed run is the same."""
+    data = small()
+    kernel = SGHMC(data.model, step_size=1e-3)
+    reference = sampler(kernel)
+    reference.run(data.x, data.y)
+    path = tmp_path / "run.pt"
+    original = ChainStepper.step
+    calls = []
+
+    def step(self, batch, step_index):
+        info = original(self, batch, step_index)
+        calls.append(None)
+        if len(calls) == 14:
+            os.kill(os.getpid(), signal.SIGTERM)  # delivered to the main thread at the next bytecode
+        return info
+
+    before = signal.getsignal(signal.SIGTERM)
+    with monkeypatch.context() as patch:
+        patch.setattr(ChainStepper, "step", step)
+        with pytest.raises(KeyboardInterrupt), pytest.warns(UserWarning, match="interrupted"):
+            sampler(kernel, path).run(data.x, data.y)
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler is the run's only while it steps
+    assert load(path)["kept"] == 7
+    resumed = sampler(kernel, path)  # the same process: the interrupted run gave its lock up
+    resumed.run(data.x, data.y)
+    assert_same_run(resumed, reference)
+
+
 def test_a_crash_while_writing_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
     data = small()
     kernel = SGHMC(data.model, step_size=1e-3)

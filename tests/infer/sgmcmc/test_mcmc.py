@@ -158,3 +158,14 @@ def test_warnings_from_inside_a_run_point_at_the_users_call():
         mcmc.run(problem.x, problem.y)
     assert caught, "a 20-draw run should warn about its health"
     assert {w.filename for w in caught} == {__file__}
+
+
+
+def test_an_adapting_kernel_without_warmup_is_refused_with_the_reason():
+    """The default kernel learns its step in warm-up: a run without one says so instead of sampling blind."""
+
+    def model():
+        pyro.sample("x", dist.Normal(0.0, 1.0))
+
+    with pytest.raises(ValueError, match="learns its step size .* num_warmup=0: give num_warmup"):
+        StochasticMCMC(SGHMC(model), num_samples=7)
