@@ -22,6 +22,7 @@ import base64
 import hashlib
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -55,9 +56,18 @@ def is_current(path: Path) -> bool:
     return meta.get("source_sha256") == source_hash(path)
 
 
+_PROGRESS = re.compile(r"^\r?[^\n]*\d+%\|[^\n]*\|[^\n]*$|^\s*$")  # a tqdm progress line, or only whitespace
+
+
 def _is_environment_noise(output) -> bool:
-    """A warning about the rendering kernel, not the tutorial (tqdm.auto without ipywidgets in a notebook)."""
-    return output.get("output_type") == "stream" and output.get("name") == "stderr" and "TqdmWarning" in output["text"]
+    """What the rendering kernel adds, not the tutorial: tqdm's warning without ipywidgets, and progress bars.
+
+    A progress bar helps a user watching a long step; on a rendered page it is a red block of stale percentages.
+    """
+    if output.get("output_type") != "stream" or output.get("name") != "stderr":
+        return False
+    text = output["text"]
+    return "TqdmWarning" in text or all(_PROGRESS.match(line) for line in text.split("\n"))
 
 
 def tidy(notebook) -> None:
