@@ -63,7 +63,7 @@ from pyro_scalable.infer.uncertainty import decompose_probabilities  # noqa: E40
 
 TEMPERATURES = (1.0, 0.3, 0.1, 0.03, 0.01)
 BATCH, CLASSES, DRAWS = 128, 10, 100  # minibatch; classes; weight draws per Gaussian predictive
-# sized for about 30 minutes on two shared CPU cores (three seeds); --fast for a few minutes
+# three seeds: 8.4 min on two shared CPU cores at load average 3, 30.6 at 8-9; --fast for a few minutes
 FULL = dict(map_steps=(1000, 500), warmup=1500, serial=(50, 30), chains=10, svi_steps=1500, swag=30, sto=(16, 30),
             swag_runs=4)  # fmt: skip
 FAST = dict(map_steps=(400, 200), warmup=400, serial=(10, 20), chains=6, svi_steps=400, swag=10, sto=(8, 10),
