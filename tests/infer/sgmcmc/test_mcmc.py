@@ -160,7 +160,6 @@ def test_warnings_from_inside_a_run_point_at_the_users_call():
     assert {w.filename for w in caught} == {__file__}
 
 
-
 def test_an_adapting_kernel_without_warmup_is_refused_with_the_reason():
     """The default kernel learns its step in warm-up: a run without one says so instead of sampling blind."""
 
