@@ -11,7 +11,9 @@ approximation at the MAP with the exact Hessian (Newton's method in float64, in 
 few hundredths of an sd of a long NUTS run (the report checks it against NUTS at the smallest N).
 
 **Problems** (float32 data, as users have it): logistic regression with d = 10 and d = 100, ``w ~ N(0, I)``; a
-linear regression with d = 10 and a latent noise scale ``σ ~ HalfNormal(1)``.
+linear regression with d = 10 and a latent noise scale ``σ ~ HalfNormal(1)``. (``make("hierarchical", ...)`` adds
+50 group intercepts ``b_j ~ N(0, τ)``, ``τ ~ HalfNormal(1)``, to that regression, for ``bench_peers.py``; its
+reference is ``peers_models.exact_reference``.)
 
 **NUTS**: ``pyro.infer.NUTS`` (defaults: diagonal mass adaptation, no JIT), full batch, one chain, 500 warm-up
 iterations then 500 draws; its time to accuracy is read from its draws every 25 iterations. Where a full NUTS run
@@ -66,6 +68,8 @@ class Problem:
     latent: bool  # the regression's noise scale
     batch_size: int
     calls: list = field(default_factory=list)  # model evaluations (NUTS: one per gradient)
+    groups: Tensor | None = None  # the hierarchical model's group of each point (int64), else None
+    num_groups: int = 0
 
     @property
     def n(self) -> int:
@@ -77,6 +81,14 @@ class Problem:
         def model(x: Tensor, y: Tensor) -> None:
             self.calls.append(None)
             w = pyro.sample("w", dist.Normal(x.new_zeros(x.shape[1]), 1.0).to_event(1))
+            if self.groups is not None:  # y = x w + b[group] + σ ε, b_j ~ N(0, τ): centred, as users write it
+                scale = pyro.sample("scale", dist.HalfNormal(x.new_ones(())))
+                tau = pyro.sample("tau", dist.HalfNormal(x.new_ones(())))
+                with pyro.plate("groups", self.num_groups):
+                    b = pyro.sample("b", dist.Normal(x.new_zeros(()), tau))
+                with pyro.plate("data", x.shape[0], subsample_size=size) as idx:
+                    pyro.sample("obs", dist.Normal(x[idx] @ w + b[self.groups[idx]], scale), obs=y[idx])
+                return
             scale = pyro.sample("scale", dist.HalfNormal(x.new_ones(()))) if self.latent else None
             with pyro.plate("data", x.shape[0], subsample_size=size) as idx:
                 logits = x[idx] @ w
@@ -95,6 +107,12 @@ def make(kind: str, n: int, d: int, batch_size: int, seed: int = 0) -> Problem:
     if kind == "logistic":
         y = torch.bernoulli(torch.sigmoid(x @ w), generator=gen)
         return Problem(f"logistic regression, d = {d}", x, y, False, batch_size)
+    if kind == "hierarchical":  # J = 50 group intercepts, groups of equal expected size
+        groups = torch.randint(0, 50, (n,), generator=gen)
+        b = 0.8 * torch.randn(50, generator=gen)
+        y = x @ w + b[groups] + 0.7 * torch.randn(n, generator=gen)
+        name = f"hierarchical regression, d = {d}, 50 group intercepts"
+        return Problem(name, x, y, True, batch_size, groups=groups, num_groups=50)
     y = x @ w + 0.7 * torch.randn(n, generator=gen)
     return Problem(f"regression with a latent noise scale, d = {d}", x, y, True, batch_size)
 
@@ -102,6 +120,9 @@ def make(kind: str, n: int, d: int, batch_size: int, seed: int = 0) -> Problem:
 def unconstrained(problem: Problem, samples: dict[str, Tensor]) -> Tensor:
     """Draws as (S, d[+1]) in the samplers' space: w, then log σ."""
     parts = [samples["w"].reshape(-1, problem.x.shape[1])]
+    if problem.groups is not None:  # w, b, log σ, log τ
+        parts += [samples["b"].reshape(-1, problem.num_groups), samples["scale"].reshape(-1, 1).log()]
+        return torch.cat([*parts, samples["tau"].reshape(-1, 1).log()], 1).double()
     if problem.latent:
         parts.append(samples["scale"].reshape(-1, 1).log())
     return torch.cat(parts, 1).double()
@@ -152,6 +173,8 @@ def newton_system(problem: Problem, theta: Tensor) -> tuple[Tensor, Tensor]:
 
 def laplace(problem: Problem) -> tuple[Tensor, Tensor]:
     """MAP by Newton's method (float64, closed-form Hessians) and the sds of the inverse Hessian there."""
+    if problem.groups is not None:
+        raise ValueError("laplace: the hierarchical problem's reference is peers_models.exact_reference")
     d = problem.x.shape[1]
     theta = torch.zeros(d + problem.latent, dtype=torch.float64)
     if problem.latent:  # least squares and the residual scale: Newton's basin
