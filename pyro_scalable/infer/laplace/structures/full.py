@@ -1,7 +1,20 @@
 r"""The ``"full"`` structure: :math:`G` dense (``d x d``), :math:`H` by its Cholesky factor.
 
-Accumulated in the GGN pass as :math:`\sum_c R_c^\top R_c` over chunks, :math:`R_c` the per-example rows of
-column :math:`c` of :math:`\Lambda^{1/2}`; only feasible for small :math:`d`, and the reference for the others.
+Only feasible for small :math:`d`, and the reference for the others. When every parameter is in a linear layer
+(rows :math:`g_{ic}^{(k)} \otimes \tilde a_i^{(k)}`), the block of layers :math:`k, l` is a sum of Kronecker
+products,
+
+.. math::
+
+    G_{kl} = \sum_i M_i^{(kl)} \otimes \tilde a_i^{(k)} \tilde a_i^{(l)\top}, \qquad
+    M_i^{(kl)} = \sum_c g_{ic}^{(k)} g_{ic}^{(l)\top},
+
+computed one output unit :math:`o` of layer :math:`k` at a time as :math:`\tilde A_k^\top T_o`, with
+:math:`(T_o)_{i,(p,j)} = M_i^{(kl)}[o, p]\,\tilde a^{(l)}_{ij}`: :math:`2Nd^2` flops rather than the
+:math:`2NCd^2` of summing :math:`R_c^\top R_c` over the :math:`C` columns of :math:`\Lambda^{1/2}`
+(:math:`R_c` the per-example rows of column :math:`c`), and half of it again by symmetry (only the blocks of units
+at or after :math:`o`). Any other parameter (a convolution, a site outside the recorded layers) takes the sum of
+:math:`R_c^\top R_c`.
 The predictive assembles the rows of :math:`J` at the test points and solves with the Cholesky factor:
 :math:`J H^{-1} J^\top`.
 
@@ -53,7 +66,11 @@ class FullCurvature(PassStructure):
 
     def precision(self, prior_precision: Tensor, scale: Tensor | float = 1.0) -> FullPrecision:
         prior = prior_precision.to(self.matrix.dtype)
-        matrix = scale * self.matrix + (prior if prior.dim() == 2 else torch.diag_embed(prior))
+        matrix = scale * self.matrix
+        if prior.dim() == 2:
+            matrix = matrix + prior
+        else:
+            matrix.diagonal().add_(prior)  # in place on a new matrix: one d x d pass fewer (autograd keeps it)
         return FullPrecision(matrix, prior_precision.dtype)
 
     @classmethod
@@ -68,14 +85,67 @@ class _FullAccumulator:
         d = net.layout.num_params
         self.dtype = theta.dtype
         self.matrix = theta.new_zeros(d, d, dtype=torch.float64)
+        # Kronecker blocks when every parameter is in a linear layer; self.matrix is then in the plans' order
+        # (layer by layer, each (out, in') row-major), upper blocks of units only, until finish
+        self.kronecker = bool(plans) and not rest.numel() and not any(p.conv for p in plans)
+        self.plans = plans
 
     def accumulate(self, chunk: Chunk) -> None:
+        if self.kronecker:
+            self._accumulate_blocks(chunk)
+            return
         for grads, rest_rows in chunk.columns():
             rows = chunk.rows(grads, rest_rows).to(torch.float64)
             self.matrix += rows.T @ rows
 
+    def _accumulate_blocks(self, chunk: Chunk) -> None:
+        # g: (C, points, out_k) per layer; a: (points, in'_k); float64, as the rows were
+        columns = [[g.to(torch.float64) for g in grads] for grads, _ in chunk.columns()]
+        grads = [torch.stack(per_layer) for per_layer in zip(*columns)]
+        inputs = [a.to(torch.float64) for a in chunk.inputs]
+        points, start = inputs[0].shape[0], 0
+        for k, a in enumerate(inputs):
+            units, width = grads[k].shape[-1], a.shape[1]
+            ahead = torch.cat(grads[k:], dim=-1)  # (C, points, units of this layer and the later ones)
+            sizes = [(g.shape[-1], b.shape[1]) for g, b in zip(grads[k + 1 :], inputs[k + 1 :])]
+            # T for unit o: columns (p, j) of this layer's units p >= o, then every (p, j) of the later layers
+            buffer = a.new_empty(points, units * width + sum(u * w for u, w in sizes))
+            for o in range(units):
+                m = (ahead[..., o : o + 1] * ahead[..., o:]).sum(0)  # (points, units from o on)
+                column = o * width
+                torch.mul(m[:, : units - o, None], a[:, None, :], out=_view(buffer, column, units - o, width))
+                column, unit = units * width, units - o
+                for (count, size), b in zip(sizes, inputs[k + 1 :]):
+                    torch.mul(m[:, unit : unit + count, None], b[:, None, :], out=_view(buffer, column, count, size))
+                    column, unit = column + count * size, unit + count
+                row = start + o * width
+                self.matrix[row : row + width, row:].addmm_(a.T, buffer[:, o * width :])
+            start += units * width
+
     def finish(self, num_points: int) -> FullCurvature:
+        if self.kronecker:
+            self.matrix = self._from_blocks(self.matrix)
         return FullCurvature(self.matrix, self.dtype)
+
+    def _from_blocks(self, upper: Tensor) -> Tensor:
+        # mirror the blocks of later units, keep each unit's own (full) block once, then back to the flat order
+        matrix = upper + upper.T
+        start = 0
+        for plan in self.plans:
+            units, width = plan.index.shape
+            for _ in range(units):
+                block = slice(start, start + width)
+                matrix[block, block] = upper[block, block]
+                start += width
+        order = torch.cat([plan.index.flatten() for plan in self.plans])
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        return matrix[inverse][:, inverse]
+
+
+def _view(buffer: Tensor, column: int, units: int, width: int) -> Tensor:
+    """Columns ``column`` onwards of ``buffer`` as ``(points, units, width)``."""
+    return buffer[:, column : column + units * width].view(buffer.shape[0], units, width)
 
 
 class FullPrecision:
