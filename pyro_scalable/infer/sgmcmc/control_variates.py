@@ -33,36 +33,39 @@ curvature is that of :math:`\ell_{\mathcal{B}}`, the linear term having none) an
 it unchanged, so the noise correction and warm-up's step size see the reduced noise. A step evaluates the model
 twice (at :math:`\theta` and :math:`\hat\theta`, on the same minibatch).
 
-**The centre.** ``control_variate="map"`` finds :math:`\hat\theta` by :func:`find_mode`: minibatch Adam on the
-same minibatch estimate (the T = 0 path), then L-BFGS on full-data passes until the full gradient is at rounding
-level; ``"warmup"`` centres it at the mean of each of warm-up's metric windows in turn (the posterior's bulk,
-where a hierarchy's joint mode is not; :mod:`.control_choice`); a dict of constrained values, or a trained guide
-(its ``median()``), is used as given. Far from
-:math:`\hat\theta` (another mode of a multimodal posterior) the estimate stays unbiased but its noise grows with
-:math:`\lVert\theta-\hat\theta\rVert^2`; the noise estimate sees that, so the draws stay calibrated, only the
-steps get smaller.
+**The centre.** ``control_variate="map"`` finds :math:`\hat\theta` by :func:`~.mode_search.find_mode`: L-BFGS on a
+subsample, then on full-data passes until the next step would be under 0.01 posterior standard deviations, whose
+last pass gives :math:`\ell(\hat\theta)` and :math:`\nabla\ell(\hat\theta)`; ``"warmup"`` centres it at
+the mean of each of warm-up's metric windows in turn (the posterior's bulk, where a hierarchy's joint mode is not;
+:mod:`.control_choice`); a dict of constrained values, or a trained guide (its ``median()``), is used as given.
+Far from :math:`\hat\theta` (another mode of a multimodal posterior) the estimate stays unbiased but its noise
+grows with :math:`\lVert\theta-\hat\theta\rVert^2`; the noise estimate sees that, so the draws stay calibrated,
+only the steps get smaller.
 """
 
 from __future__ import annotations
 
-import math
-import time
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any, NamedTuple
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
-from torch.func import grad_and_value
 
-from pyro_scalable.bridge.minibatches import EpochSampler, chunks
 from pyro_scalable.bridge.model import Batch, Latents, ModelBridge
 from pyro_scalable.bridge.observed import no_mode_reason
-from pyro_scalable.infer.distributed import all_reduce_sum
 from pyro_scalable.infer.sgmcmc.chains import gradient_and_value, index_dims
+from pyro_scalable.infer.sgmcmc.mode_search import (
+    ControlVariate,
+    ModeSearch,
+    find_mode,
+    full_data_gradient,
+)
+from pyro_scalable.infer.sgmcmc.mode_search import point_gradient_and_value as _gradient_and_value
 
 __all__ = [
     "CentreError",
     "ControlVariate",
+    "ModeSearch",
     "ControlledLogPosterior",
     "check_control_variate",
     "find_mode",
@@ -72,19 +75,6 @@ __all__ = [
 ]
 
 CHOICES = (None, "auto", "map", "warmup")  # "auto": see control_choice.choose
-MODE_ADAM_STEPS = 300  # minibatch Adam steps before L-BFGS (a few epochs' worth where N/B is small)
-MODE_LBFGS_ITERATIONS = 200
-CHUNK_SIZE = 2**14  # data points per chunk of a full-data pass (at least the minibatch size)
-_LBFGS_ROUND = 5  # L-BFGS iterations between convergence checks
-_SETTLED = 1e-4  # stop when the last L-BFGS move was under 0.01 posterior sd (a predicted gain under 1e-4 nats)
-
-
-class ControlVariate(NamedTuple):
-    """The centre θ̂ (unconstrained latents) with the full-data log joint and gradient there."""
-
-    centre: Latents
-    gradient: Latents
-    log_joint: Tensor
 
 
 def check_control_variate(control_variate: Any) -> Any:
@@ -197,138 +187,6 @@ class ControlledLogPosterior:
         return controlled, value
 
 
-def _gradient_and_value(fn: Callable, latents: Latents, batch: Batch) -> tuple[Latents, Tensor]:
-    """∇ and value of ``fn`` at ``latents`` as constants: plain autograd outside torch.func transforms."""
-    active = getattr(torch._C._functorch, "peek_interpreter_stack", None)
-    if active is None or active() is not None:  # inside vmap, grad, jvp...: autograd cannot be used there
-        return grad_and_value(fn)(latents, batch)
-    leaves = {name: x.detach().requires_grad_() for name, x in latents.items()}
-    with torch.enable_grad():
-        value = fn(leaves, batch)
-        grads = torch.autograd.grad(value, list(leaves.values()), allow_unused=True, materialize_grads=True)
-    return dict(zip(leaves, grads, strict=True)), value.detach()
-
-
-# ---------------------------------------------------------------------------------------------- full-data passes
-def _full_batches(bridge: ModelBridge, chunk_size: int | None) -> Iterator[tuple[Batch, float]]:
-    """The full data as ``(batch, weight)`` pairs whose weighted log joints sum to the full-data log joint."""
-    full = bridge.full_batch()
-    plate = next(iter(bridge.plates.values()), None)
-    if plate is None:
-        yield full, 1.0
-        return
-    size = max(chunk_size or CHUNK_SIZE, plate.subsample_size)
-    for indices in chunks(plate.size, size, bridge.device):
-        yield Batch({**full.indices, plate.name: indices}, full.args, full.kwargs), len(indices) / plate.size
-
-
-def full_data_gradient(
-    bridge: ModelBridge, latents: Latents, *, chunk_size: int | None = None, reducer: Any = None
-) -> ControlVariate:
-    """The full-data log joint and its gradient at unconstrained ``latents``, in chunks of the subsampled plate.
-
-    Chunk c of C_c points is the minibatch estimate scaled by C_c/N, so the chunks' sum is exact; the sum is taken
-    in float64. With a ``reducer`` (data-parallel) each rank takes every ``world_size``-th chunk and the sums are
-    all-reduced.
-    """
-    first = next(iter(latents.values()))
-    total = {name: torch.zeros_like(x, dtype=torch.float64) for name, x in latents.items()}
-    value = torch.zeros((), dtype=torch.float64, device=first.device)
-    rank, world = (reducer.rank, reducer.world_size) if reducer is not None else (0, 1)
-    for c, (batch, weight) in enumerate(_full_batches(bridge, chunk_size)):
-        if c % world != rank:
-            continue
-        grads, chunk_value = _gradient_and_value(bridge.log_posterior, latents, batch)
-        value = value + weight * chunk_value.double()
-        for name, g in grads.items():
-            total[name] = total[name] + weight * g.double()
-    if reducer is not None:
-        *summed, value = all_reduce_sum([*total.values(), value])
-        total = dict(zip(total, summed, strict=True))
-    gradient = {name: total[name].to(x.dtype) for name, x in latents.items()}
-    centre = {name: x.detach().clone() for name, x in latents.items()}
-    return ControlVariate(centre, gradient, value.to(first.dtype))
-
-
-class ModeSearch(NamedTuple):
-    """How :func:`find_mode` went: full-data passes, minibatch steps, the final gradient norm, seconds."""
-
-    full_passes: int
-    minibatch_steps: int
-    grad_norm: float
-    seconds: float
-
-
-def find_mode(
-    bridge: ModelBridge,
-    full: ModelBridge,
-    start: Latents,
-    generator: torch.Generator,
-    *,
-    adam_steps: int = MODE_ADAM_STEPS,
-    iterations: int = MODE_LBFGS_ITERATIONS,
-    chunk_size: int | None = None,
-    reducer: Any = None,
-) -> tuple[Latents, ModeSearch]:
-    """The posterior mode in unconstrained space: minibatch Adam from ``start``, then L-BFGS on full-data passes.
-
-    ``bridge`` draws the minibatches (its subsampled plate, with ``generator``; skipped where it has none), ``full``
-    makes the passes. The L-BFGS objective is the negative full-data log joint per data point (float64 sums).
-    """
-    began = time.perf_counter()
-    leaves = {name: x.detach().clone().requires_grad_() for name, x in start.items()}
-    steps = adam_steps if bridge.plates else 0
-    if steps:
-        sampler = EpochSampler(bridge.plates, 1, generator, bridge.device, replacement=True)
-        adam = torch.optim.Adam(leaves.values(), lr=0.05)
-        decay = torch.optim.lr_scheduler.CosineAnnealingLR(adam, steps, eta_min=1e-4)
-        size = next(iter(bridge.plates.values())).size
-        for _ in range(steps):
-            indices = {name: idx[0] for name, idx in next(sampler).items()}
-            adam.zero_grad()
-            loss = -bridge.log_posterior(leaves, Batch(indices, bridge.args, bridge.kwargs)) / size
-            if not torch.isfinite(loss):
-                break
-            loss.backward()
-            adam.step()
-            decay.step()
-    scale = float(next(iter(full.plates.values())).size) if full.plates else 1.0
-    passes = 0
-
-    def objective() -> Tensor:
-        nonlocal passes
-        passes += 1
-        latents = {name: x.detach() for name, x in leaves.items()}
-        control = full_data_gradient(full, latents, chunk_size=chunk_size, reducer=reducer)
-        for name, leaf in leaves.items():
-            leaf.grad = -control.gradient[name] / scale
-        return -control.log_joint.double() / scale
-
-    lbfgs = torch.optim.LBFGS(
-        leaves.values(),
-        lr=1.0,
-        max_iter=_LBFGS_ROUND,
-        history_size=20,
-        tolerance_grad=0.0,
-        tolerance_change=1e-15,
-        line_search_fn="strong_wolfe",
-    )
-    state = lbfgs.state[next(iter(leaves.values()))]
-    while state.get("n_iter", 0) < iterations:
-        before = state.get("n_iter", 0)
-        lbfgs.step(objective)
-        # the decrease the last iteration's step predicted, N·|gᵀs| nats: for a quasi-Newton step gᵀH⁻¹g, the
-        # squared distance it moved in the posterior's metric (posterior sds); L-BFGS converges superlinearly, so
-        # the distance left is smaller still
-        moved = scale * abs(float(state["prev_flat_grad"].double() @ state["d"].double()) * float(state["t"]))
-        if moved < _SETTLED or state.get("n_iter", 0) == before:
-            break
-    mode = {name: x.detach() for name, x in leaves.items()}
-    last = full_data_gradient(full, mode, chunk_size=chunk_size, reducer=reducer)
-    norm = math.sqrt(sum(float(g.double().square().sum()) for g in last.gradient.values()))
-    return mode, ModeSearch(passes + 1, steps, norm, time.perf_counter() - began)
-
-
 def require_full_data(full: ModelBridge | None) -> None:
     """Refuse a control variate without the full data (a ``batches=`` loader run given none), naming the fix.
 
@@ -359,12 +217,14 @@ def prepare(
     """The control variate a kernel's ``control_variate=`` option asks for, on the run's data.
 
     ``start`` is one chain's unconstrained initial point (where the mode search starts); the search draws its
-    minibatches from its own generator, seeded from ``seed`` (the run's generator is untouched). ``full`` is the
-    full-data model (:func:`require_full_data` refuses a run without one first).
+    subsample from its own generator, seeded from ``seed`` (the run's generator is untouched), and its last pass is
+    the control variate's. ``full`` is the full-data model (:func:`require_full_data` refuses a run without one
+    first); ``bridge``, the run's, gives the generator its device.
     """
+    search = None
     if option == "map":
         generator = torch.Generator(device=bridge.device).manual_seed(seed + 2)
-        centre, search = find_mode(bridge, full, start, generator, chunk_size=chunk_size, reducer=reducer)
+        centre, search = find_mode(full, start, generator, chunk_size=chunk_size, reducer=reducer)
     else:
         values = dict(option) if isinstance(option, Mapping) else option.median(*full.args, **full.kwargs)
         missing = [name for name in full.sites if name not in values]
@@ -377,8 +237,10 @@ def prepare(
             name: torch.as_tensor(values[name], dtype=site.dtype, device=full.device).detach()
             for name, site in full.sites.items()
         }
-        centre, search = full.unconstrain(values), None
-    control = full_data_gradient(full, centre, chunk_size=chunk_size, reducer=reducer)
+        centre = full.unconstrain(values)
+    control = search.control if isinstance(search, ModeSearch) else None  # the search's last pass, if it had one
+    if control is None:
+        control = full_data_gradient(full, centre, chunk_size=chunk_size, reducer=reducer)
     bad = [name for name, g in control.gradient.items() if not bool(torch.isfinite(g).all())]
     if bad or not bool(torch.isfinite(control.log_joint)):
         found = "the mode search found no finite mode" if search is not None else "the given centre is not finite"

@@ -268,7 +268,7 @@ class SWAG:
         modes, searches = [], []
         for r in range(self.num_runs):
             generator = torch.Generator(device=bridge.device).manual_seed(seed + 2 + r)
-            mode, search = find_mode(bridge, bridge, {n: v[r] for n, v in initial.items()}, generator)
+            mode, search = find_mode(bridge, {n: v[r] for n, v in initial.items()}, generator)
             modes.append(mode)
             searches.append(search)
         return {n: torch.stack([m[n] for m in modes]) for n in bridge.sites}, searches

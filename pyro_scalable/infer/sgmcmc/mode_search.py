@@ -1,0 +1,308 @@
+r"""Full-data passes and the posterior mode search behind ``control_variate="map"`` (and SWAG's ``start="map"``).
+
+**A full-data pass** (:func:`full_data_gradient`) sums the log joint :math:`\ell(\theta)` and its gradient over
+chunks of the subsampled plate: chunk :math:`c` of :math:`C_c` points is the bridge's minibatch estimate weighted by
+:math:`C_c/N`, so the weighted sum is exact; it is taken in float64. A chunk holds :data:`CHUNK_SIZE` points, fewer
+where the data's rows would take more than :data:`CHUNK_BYTES`, never fewer than the plate's minibatch (per chunk
+the bridge costs about a millisecond whatever its size, so small chunks make a pass several times a hand-written
+one).
+
+**The search** (:func:`find_mode`) minimises :math:`f(\theta) = -\ell(\theta)/N` over the unconstrained latents by
+L-BFGS (two-loop recursion, weak-Wolfe line search by bisection; Nocedal & Wright 2006, Alg. 7.4; Lewis & Overton
+2013), in two stages where :math:`N \ge` :data:`SUBSAMPLE_FACTOR` chunks:
+
+1. on one fixed random subsample :math:`\mathcal{S}` of a chunk's :math:`S` points, whose estimate
+   :math:`\ell_{\mathcal{S}} = \log p(\theta) + \frac{N}{S}\sum_{\mathcal{S}}\log p(y_i\mid\theta)` is a
+   deterministic objective costing :math:`S/N` of a pass. Its mode lies about :math:`\sqrt{d N/S}` posterior
+   standard deviations from the full data's (d latents; at the full data's mode the subsample's score has
+   :math:`N/S - 1` times the posterior's precision as its covariance); the stage runs to the stopping rule below,
+   cheaply, for the curvature it learns near its mode;
+2. on full-data passes from there, keeping the curvature pairs the first stage collected: per data point,
+   :math:`\ell_{\mathcal{S}}`'s Hessian is the full data's up to :math:`O(S^{-1/2})`, so the first full-data steps
+   are already close to Newton steps.
+
+**Stopping rule.** At an iterate with gradient :math:`g` of :math:`f` and the L-BFGS inverse Hessian :math:`H^{-1}`
+(per point), :math:`\lambda^2 = N\,g^\top H^{-1} g` is twice the Newton decrement of :math:`\ell` in nats and the
+squared length of the next quasi-Newton step in the posterior's metric, i.e. in posterior standard deviations
+(:math:`N H` is the posterior precision at the mode). The search stops at the first iterate with
+:math:`\lambda <` :data:`MODE_TOLERANCE` :math:`\sqrt d` and returns the full-data log joint and gradient of that
+iterate, already computed: the control variate's, so no pass follows the search. The controlled noise grows with
+:math:`\lVert\theta-\hat\theta\rVert^2` (:mod:`.control_variates`), whose mean over the posterior, in its metric,
+is :math:`d` at the mode and :math:`d + \delta^2` at a centre :math:`\delta` standard deviations from it: a centre
+within :math:`0.1\sqrt d` adds at most 1% to it. On a Gaussian posterior the quasi-Newton step is the distance
+left up to its Hessian's error; L-BFGS converges superlinearly, and from the first stage's curvature two or three
+full-data passes reach the rule at N = 10⁶ (``tests/infer/sgmcmc/test_control_variates.py``). Before the first
+curvature pair :math:`\lambda` means nothing (no Hessian is known) and the search goes on.
+
+The values are sums of float32 chunks whose rounding (about :math:`10^{-7}` of :math:`\lvert\ell\rvert`) can exceed
+the decrease a step near the mode achieves; the line search's sufficient-decrease test allows for it, and its
+curvature test, on gradients, does not need to. A log joint of :math:`+\infty` or NaN at a trial point (an overflow
+past the mode, or a density without a finite mode such as a hierarchy whose scale runs to 0) ends the search with
+NaN latents, which :func:`~.control_variates.prepare` reports as no finite mode; :math:`-\infty` (zero density)
+only shortens the step.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+from torch.func import grad_and_value
+
+from pyro_scalable.bridge.minibatches import chunks
+from pyro_scalable.bridge.model import Batch, Latents, ModelBridge
+from pyro_scalable.infer.distributed import all_reduce_sum
+
+__all__ = [
+    "CHUNK_SIZE",
+    "ControlVariate",
+    "ModeSearch",
+    "find_mode",
+    "full_data_gradient",
+    "point_gradient_and_value",
+    "points_per_chunk",
+]
+
+CHUNK_SIZE = 2**16  # data points per chunk of a full-data pass (at least the minibatch size)
+CHUNK_BYTES = 2**26  # ... and fewer where the data's rows of a chunk would take more than this
+SUBSAMPLE_FACTOR = 8  # the first stage runs on one chunk's subsample where the data hold this many chunks
+MODE_TOLERANCE = 0.1  # stop where the next step is under this times √d posterior standard deviations (d latents)
+MODE_ITERATIONS = 200  # L-BFGS iterations per stage at most
+_HISTORY = 20  # curvature pairs kept
+_LINE_SEARCH = 40  # trial points per line search at most
+_C1, _C2 = 1e-4, 0.9  # the weak Wolfe conditions' constants
+
+
+class ControlVariate(NamedTuple):
+    """The centre θ̂ (unconstrained latents) with the full-data log joint and gradient there."""
+
+    centre: Latents
+    gradient: Latents
+    log_joint: Tensor
+
+
+class ModeSearch(NamedTuple):
+    """How :func:`find_mode` went and what it found.
+
+    ``full_passes`` and ``subsample_passes``: evaluations on the full data and on the first stage's subsample (each
+    :data:`CHUNK_SIZE` / N of a pass); ``grad_norm``: the full-data gradient's norm at the mode; ``converged``: the
+    stopping rule was met; ``control``: the full-data log joint and gradient at the mode (``None`` where the search
+    found no finite mode).
+    """
+
+    full_passes: int
+    subsample_passes: int
+    grad_norm: float
+    seconds: float
+    converged: bool = False
+    control: ControlVariate | None = None
+
+
+def points_per_chunk(bridge: ModelBridge, requested: int | None = None) -> int:
+    """Points per chunk of a full-data pass: ``requested``, else :data:`CHUNK_SIZE` capped by :data:`CHUNK_BYTES`.
+
+    The data's bytes per point are those of the arguments whose leading dimension is the plate's size.
+    """
+    plate = next(iter(bridge.plates.values()), None)
+    if plate is None:
+        return CHUNK_SIZE
+    if requested is None:
+        tensors = [*bridge.args, *bridge.kwargs.values()]
+        row = sum(
+            t[:1].numel() * t.element_size()
+            for t in tensors
+            if isinstance(t, Tensor) and t.ndim and len(t) == plate.size
+        )
+        requested = min(CHUNK_SIZE, max(1, CHUNK_BYTES // max(row, 1)))
+    return max(requested, plate.subsample_size)
+
+
+def _batches(bridge: ModelBridge, size: int, indices: Tensor | None) -> Iterator[tuple[Batch, float]]:
+    """The data (or the points ``indices``) as ``(batch, weight)`` pairs whose weighted log joints sum to theirs."""
+    full = bridge.full_batch()
+    plate = next(iter(bridge.plates.values()), None)
+    if plate is None:
+        yield full, 1.0
+        return
+    if indices is None:
+        parts, total = chunks(plate.size, size, bridge.device), plate.size
+    else:
+        parts, total = indices.split(size), len(indices)
+    for part in parts:
+        yield Batch({**full.indices, plate.name: part}, full.args, full.kwargs), len(part) / total
+
+
+def point_gradient_and_value(fn: Callable, latents: Latents, batch: Batch) -> tuple[Latents, Tensor]:
+    """∇ and value of ``fn`` at ``latents`` as constants: plain autograd outside torch.func transforms."""
+    active = getattr(torch._C._functorch, "peek_interpreter_stack", None)
+    if active is None or active() is not None:  # inside vmap, grad, jvp...: autograd cannot be used there
+        return grad_and_value(fn)(latents, batch)
+    leaves = {name: x.detach().requires_grad_() for name, x in latents.items()}
+    with torch.enable_grad():
+        value = fn(leaves, batch)
+        grads = torch.autograd.grad(value, list(leaves.values()), allow_unused=True, materialize_grads=True)
+    return dict(zip(leaves, grads, strict=True)), value.detach()
+
+
+def _sums(bridge: ModelBridge, latents: Latents, size: int, reducer: Any, indices: Tensor | None = None):
+    """The log joint and its gradient at ``latents`` in float64: over the data, or estimated on ``indices``."""
+    first = next(iter(latents.values()))
+    total = {name: torch.zeros_like(x, dtype=torch.float64) for name, x in latents.items()}
+    value = torch.zeros((), dtype=torch.float64, device=first.device)
+    rank, world = (reducer.rank, reducer.world_size) if reducer is not None else (0, 1)
+    for c, (batch, weight) in enumerate(_batches(bridge, size, indices)):
+        if c % world != rank:
+            continue
+        grads, chunk_value = point_gradient_and_value(bridge.log_posterior, latents, batch)
+        value = value + weight * chunk_value.double()
+        for name, g in grads.items():
+            total[name] = total[name] + weight * g.double()
+    if reducer is not None:
+        *summed, value = all_reduce_sum([*total.values(), value])
+        total = dict(zip(total, summed, strict=True))
+    return value, total
+
+
+def full_data_gradient(
+    bridge: ModelBridge, latents: Latents, *, chunk_size: int | None = None, reducer: Any = None
+) -> ControlVariate:
+    """The full-data log joint and its gradient at unconstrained ``latents``, in chunks of the subsampled plate.
+
+    Chunk c of C_c points is the minibatch estimate scaled by C_c/N, so the chunks' sum is exact; the sum is taken
+    in float64. With a ``reducer`` (data-parallel) each rank takes every ``world_size``-th chunk and the sums are
+    all-reduced.
+    """
+    value, total = _sums(bridge, latents, points_per_chunk(bridge, chunk_size), reducer)
+    return _control(latents, value, total)
+
+
+def _control(latents: Latents, value: Tensor, total: Latents) -> ControlVariate:
+    first = next(iter(latents.values()))
+    gradient = {name: total[name].to(x.dtype) for name, x in latents.items()}
+    centre = {name: x.detach().clone() for name, x in latents.items()}
+    return ControlVariate(centre, gradient, value.to(first.dtype))
+
+
+class _Memory:
+    """L-BFGS curvature pairs (s, y) and the two-loop product -H⁻¹g (Nocedal & Wright 2006, Alg. 7.4)."""
+
+    def __init__(self):
+        self.pairs: list[tuple[Tensor, Tensor, float]] = []
+
+    def add(self, s: Tensor, y: Tensor) -> None:
+        sy = float(s @ y)
+        if sy > 1e-10 * float(s.norm() * y.norm()):  # positive curvature (weak Wolfe ensures it up to rounding)
+            self.pairs = [*self.pairs[-(_HISTORY - 1) :], (s, y, 1.0 / sy)]
+
+    def direction(self, g: Tensor) -> Tensor:
+        q, alphas = -g, []
+        for s, y, rho in reversed(self.pairs):
+            alphas.append(rho * float(s @ q))
+            q = q - alphas[-1] * y
+        if self.pairs:
+            s, y, _ = self.pairs[-1]
+            q = q * (float(s @ y) / float(y @ y))
+        for (s, y, rho), alpha in zip(self.pairs, reversed(alphas), strict=True):
+            q = q + (alpha - rho * float(y @ q)) * s
+        return q
+
+
+def find_mode(
+    full: ModelBridge,
+    start: Latents,
+    generator: torch.Generator,
+    *,
+    iterations: int = MODE_ITERATIONS,
+    chunk_size: int | None = None,
+    reducer: Any = None,
+) -> tuple[Latents, ModeSearch]:
+    """The posterior mode in unconstrained space, from ``start``: L-BFGS on a subsample, then on full-data passes.
+
+    ``generator`` draws the first stage's subsample (module docstring). Returns the mode (NaN where the search
+    found no finite mode) and a :class:`ModeSearch` holding the full-data log joint and gradient there.
+    """
+    began = time.perf_counter()
+    plate = next(iter(full.plates.values()), None)
+    n = float(plate.size) if plate is not None else 1.0
+    size = points_per_chunk(full, chunk_size)
+    names = list(start)
+    shapes = [start[k].shape for k in names]
+    dtype = start[names[0]].dtype
+    x = torch.cat([start[k].detach().reshape(-1) for k in names]).double()
+    slack = 8 * torch.finfo(dtype).eps  # the values' relative rounding (module docstring)
+    counts = [0, 0]  # full-data and subsample evaluations
+
+    def unflatten(x: Tensor) -> Latents:
+        parts = x.split([math.prod(s) for s in shapes])
+        return {k: p.reshape(s).to(dtype) for k, p, s in zip(names, parts, shapes, strict=True)}
+
+    def evaluate(x: Tensor, indices: Tensor | None) -> tuple[float, Tensor, Any]:
+        counts[indices is not None] += 1
+        latents = unflatten(x)
+        value, total = _sums(full, latents, size, reducer, indices)
+        g = -torch.cat([total[k].reshape(-1) for k in names]) / n
+        return -float(value) / n, g, (_control(latents, value, total) if indices is None else None)
+
+    stages: list[tuple[Tensor | None, float]] = [(None, MODE_TOLERANCE * math.sqrt(len(x)))]
+    if plate is not None and plate.size >= SUBSAMPLE_FACTOR * size:
+        subsample = torch.randint(0, plate.size, (size,), generator=generator, device=full.device)
+        stages.insert(0, (subsample, MODE_TOLERANCE * math.sqrt(len(x))))
+    memory, converged, control = _Memory(), False, None
+    try:
+        for indices, tolerance in stages:
+            f, g, control = evaluate(x, indices)
+            if not (math.isfinite(f) and bool(torch.isfinite(g).all())):
+                raise _NoFiniteMode
+            converged = False
+            for _ in range(iterations):
+                d = memory.direction(g)
+                if memory.pairs and -n * float(g @ d) < tolerance**2:  # λ², in posterior sds squared
+                    converged = True
+                    break
+                t = 1.0 if memory.pairs else min(1.0, 1.0 / float(g.abs().sum()))
+                step = _line_search(lambda x_t, i=indices: evaluate(x_t, i), x, f, g, d, t, slack * abs(f))
+                if step is None:
+                    break
+                x_new, f, g_new, control = step
+                memory.add(x_new - x, g_new - g)
+                x, g = x_new, g_new
+    except _NoFiniteMode:
+        x, control, converged = torch.full_like(x, math.nan), None, False
+    norm = (
+        math.nan
+        if control is None
+        else math.sqrt(sum(float(v.double().square().sum()) for v in control.gradient.values()))
+    )
+    search = ModeSearch(counts[0], counts[1], norm, time.perf_counter() - began, converged, control)
+    return unflatten(x), search
+
+
+class _NoFiniteMode(Exception):
+    """A trial point's log joint was NaN or +∞, or its gradient not finite."""
+
+
+def _line_search(evaluate: Callable, x: Tensor, f: float, g: Tensor, d: Tensor, t: float, slack: float):
+    """A step ``x + t d`` meeting the weak Wolfe conditions, as ``(x, f, g, control)``.
+
+    ``None`` where none was found within :data:`_LINE_SEARCH` trials; :class:`_NoFiniteMode` at a log joint of NaN or
+    +∞ or a gradient not finite.
+    """
+    slope = float(g @ d)
+    lo, hi = 0.0, math.inf
+    for _ in range(_LINE_SEARCH):
+        x_t = x + t * d
+        f_t, g_t, control = evaluate(x_t)
+        if math.isnan(f_t) or f_t == -math.inf or (f_t < math.inf and not bool(torch.isfinite(g_t).all())):
+            raise _NoFiniteMode
+        if f_t > f + _C1 * t * slope + slack:  # too far (+∞ included: a zero density)
+            hi = t
+        elif float(g_t @ d) < _C2 * slope:  # too short: the slope is still steep
+            lo = t
+        else:
+            return x_t, f_t, g_t, control
+        t = 0.5 * (lo + hi) if hi < math.inf else 2.0 * t
+    return None
