@@ -23,6 +23,7 @@ z) Q_B` and :math:`w_k = \sum_j (Q_A^\top D^{-1/2}\tilde a)_j^2 / E_{kj}`:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import Tensor
@@ -51,15 +52,27 @@ class KronBlock:
     input_factor: Tensor  # A, (in', in')
 
     def __post_init__(self):
-        self.output_eigenvalues, self.output_eigenvectors = _eigh(self.output_factor)
-        self.input_eigenvalues, self.input_eigenvectors = _eigh(self.input_factor)
+        # the evidence needs the eigenvalues only; the eigenvectors (a slower LAPACK call) on first use
+        self.output_eigenvalues = _eigenvalues(self.output_factor)
+        self.input_eigenvalues = _eigenvalues(self.input_factor)
+
+    @cached_property
+    def output_eigenvectors(self) -> Tensor:
+        return _eigenvectors(self.output_factor)
+
+    @cached_property
+    def input_eigenvectors(self) -> Tensor:
+        return _eigenvectors(self.input_factor)
 
 
-def _eigh(matrix: Tensor) -> tuple[Tensor, Tensor]:
-    # in float64: K-FAC factors of ReLU nets have many (near-)zero eigenvalues, where single precision loses the
-    # small ones (and float32 buys no speed here: LAPACK's float32 eigh can be the slower one on such matrices)
-    values, vectors = torch.linalg.eigh(matrix.to(torch.float64))
-    return values.clamp_min(0.0).to(matrix.dtype), vectors.to(matrix.dtype)
+# in float64: K-FAC factors of ReLU nets have many (near-)zero eigenvalues, where single precision loses the small
+# ones (and float32 buys no speed here: LAPACK's float32 eigh can be the slower one on such matrices)
+def _eigenvalues(matrix: Tensor) -> Tensor:
+    return torch.linalg.eigvalsh(matrix.to(torch.float64)).clamp_min(0.0).to(matrix.dtype)
+
+
+def _eigenvectors(matrix: Tensor) -> Tensor:
+    return torch.linalg.eigh(matrix.to(torch.float64)).eigenvectors.to(matrix.dtype)
 
 
 class KronCurvature(PassStructure):
@@ -106,11 +119,15 @@ class _KronAccumulator:
         for k, a in enumerate(chunk.inputs):
             self.input_factors[k] += torch.einsum("nil,njl->ij", a, a) if a.dim() == 3 else a.T @ a
             self.locations[k] = a.shape[-1] if a.dim() == 3 else 1
+        columns = []
         for grads, rest_rows in chunk.columns():
-            for k, g in enumerate(grads):
-                self.output_factors[k] += torch.einsum("nol,npl->op", g, g) if g.dim() == 3 else g.T @ g
+            columns.append(grads)
             if rest_rows is not None:
                 self.rest_diagonal += (rest_rows**2).sum(0)
+        for k, per_column in enumerate(zip(*columns)):
+            # every column's g stacked: one product per layer and chunk
+            g = torch.cat(per_column)
+            self.output_factors[k] += torch.einsum("nol,npl->op", g, g) if g.dim() == 3 else g.T @ g
 
     def finish(self, num_points: int) -> KronCurvature:
         blocks = [
@@ -136,14 +153,18 @@ class KronBlockPrecision:
         check_positive(column.detach(), "the prior precision of a K-FAC layer", block.index[0])
         self.block, self.scale = block, scale
         self.root_prior = column.sqrt()
-        if bool((column.detach() == column.detach()[0]).all()):
+        self.scalar = bool((column.detach() == column.detach()[0]).all())
+        if self.scalar:
             self.input_values = block.input_eigenvalues / column[0]
-            self.input_vectors = block.input_eigenvectors
         else:
-            scaled = block.input_factor / self.root_prior.unsqueeze(-1) / self.root_prior
-            self.input_values, self.input_vectors = _eigh(scaled)
+            self.scaled = block.input_factor / self.root_prior.unsqueeze(-1) / self.root_prior
+            self.input_values = _eigenvalues(self.scaled)
         self.eigenvalues = scale * block.output_eigenvalues.unsqueeze(-1) * self.input_values + 1
         self.num_outputs = prior.shape[0]
+
+    @cached_property
+    def input_vectors(self) -> Tensor:
+        return self.block.input_eigenvectors if self.scalar else _eigenvectors(self.scaled)
 
     def _rotate(self, matrix: Tensor) -> Tensor:
         return self.block.output_eigenvectors.T @ matrix @ self.input_vectors
