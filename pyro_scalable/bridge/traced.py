@@ -32,6 +32,7 @@ nothing, repeated operations and values the model builds from nothing but litera
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import threading
@@ -46,7 +47,15 @@ from pyro_scalable.bridge.checks import first_line
 from pyro_scalable.bridge.graph_passes import simplify, value_shaped
 from pyro_scalable.bridge.records import Batch, Latents
 
-__all__ = ["RTOL", "TRACE_AFTER", "TracedLogDensity", "model_tracing", "under_transform"]
+__all__ = [
+    "RTOL",
+    "TRACE_AFTER",
+    "TracedLogDensity",
+    "compiling",
+    "model_tracing",
+    "portable_history",
+    "under_transform",
+]
 
 TRACE_AFTER = 16  # calls of one signature on the Pyro path before it is recorded
 MAX_SIGNATURES = 16  # recorded (or refused) signatures per bridge; calls of further ones stay on the Pyro path
@@ -64,7 +73,9 @@ def model_tracing(enabled: bool = True, *, compile: bool = False) -> Iterator[No
     Turn it off for a model whose log density reads Python state that changes between steps. ``compile=True`` also
     hands each recorded graph to ``torch.compile`` (an opt-in: seconds of compiling per signature, paid back over
     thousands of steps; a graph that fails to compile, or whose compiled value or gradients differ from the graph's
-    at the check point, is replayed uncompiled).
+    at the check point, is replayed uncompiled). ``StochasticMCMC`` then also compiles its whole sampling step
+    (:class:`~pyro_scalable.infer.sgmcmc.chains.CompiledStep`: minibatch, gradient and the kernel's update in one
+    graph; a step that fails to compile, or whose compiled result differs from the eager one, runs eagerly).
 
     >>> with model_tracing(False):
     ...     pass  # engines built and run here evaluate the model through Pyro on every call
@@ -78,6 +89,11 @@ def model_tracing(enabled: bool = True, *, compile: bool = False) -> Iterator[No
         _enabled, _compile = before
 
 
+def compiling() -> bool:
+    """Whether ``model_tracing(compile=True)`` is in force: engines compile what they offer to compile."""
+    return _compile
+
+
 def under_transform(x: Tensor) -> bool:
     """Whether ``x`` is a torch.func (vmap/grad) wrapper, whose values cannot be read outside the transform.
 
@@ -89,6 +105,8 @@ def under_transform(x: Tensor) -> bool:
         (False, [True])
 
     """
+    if torch.compiler.is_compiling():  # read no values inside a compiled step: its gradients by torch.func, traced
+        return True
     is_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
     return True if is_wrapped is None else bool(is_wrapped(x))
 
@@ -172,6 +190,8 @@ class TracedLogDensity:
         self.refused: dict[Any, str] = {}  # signature -> why it stays on the Pyro path
         self.uncompiled: dict[Any, str] = {}  # signature -> why its graph is replayed uncompiled (compile=True)
         self._calls: dict[Any, int] = {}
+        self._restored: dict[str, tuple[str, Any]] = {}  # a checkpoint's signatures not called since (restore)
+        self._restored_kept = 0  # how many of those were recorded or refused (they count to MAX_SIGNATURES)
 
     def __call__(self, latents: Latents, batch: Batch) -> Tensor:
         if not _enabled:
@@ -180,7 +200,10 @@ class TracedLogDensity:
         graph = self.graphs.get(call.key)
         if graph is not None:
             return graph(*call.tensors)
-        if call.key is None or call.key in self.refused or len(self.graphs) + len(self.refused) >= MAX_SIGNATURES:
+        if self._restored and call.key is not None and call.key not in self._calls and call.key not in self.refused:
+            self._resume(call.key)
+        kept = len(self.graphs) + len(self.refused) + self._restored_kept
+        if call.key is None or call.key in self.refused or kept >= MAX_SIGNATURES:
             return self.evaluate(latents, batch)
         if len(self._calls) > 64 * MAX_SIGNATURES:  # arguments that change on every call: forget the counts
             self._calls.clear()
@@ -198,6 +221,37 @@ class TracedLogDensity:
             self.uncompiled[call.key] = reason
             _log.info("the recorded model for %s is replayed uncompiled: %s", call.describe(), reason)
         return graph(*call.tensors)
+
+    # ------------------------------------------------------------------ the history a checkpoint keeps
+    def history(self) -> tuple:
+        """Which signatures are recorded or refused and how often each other one was called (cheap: every step).
+
+        A run that resumes from a checkpoint goes on bitwise only if each call takes the path (Pyro or the graph) it
+        took in the uninterrupted run: the graph's value agrees with the model's to rounding, not to the bit.
+        :func:`portable_history` makes a checkpoint's entry of it, :meth:`restore` puts that back.
+        """
+        return dict(self._calls), tuple(self.graphs), dict(self.refused), dict(self._restored)
+
+    def restore(self, saved: dict[str, tuple[str, Any]]) -> None:
+        """Go on with the history :func:`portable_history` kept (this process's own so far is dropped).
+
+        Each signature named there resumes at its first call: recorded then, refused, or counted on from its calls.
+        """
+        self.graphs, self.refused, self.uncompiled, self._calls = {}, {}, {}, {}
+        self._restored = {name: (kind, value) for name, (kind, value) in saved.items()}
+        self._restored_kept = sum(kind != "calls" for kind, _ in self._restored.values())
+
+    def _resume(self, key: Any) -> None:
+        """The first call of ``key`` since :meth:`restore`: its path as the checkpoint left it."""
+        kind, value = self._restored.pop(_name(key), ("calls", 0))
+        if kind == "calls":
+            self._calls[key] = value
+            return
+        self._restored_kept -= 1
+        if kind == "refused":
+            self.refused[key] = value
+        else:  # recorded in the run: recorded again at this call (the graph does not depend on the call's values)
+            self._calls[key] = TRACE_AFTER - 1
 
     # ------------------------------------------------------------------ recording (in a thread of its own)
     def _standins(self, call: _Call, generator: torch.Generator | None) -> list[Tensor]:
@@ -268,6 +322,24 @@ def _compiled(graph, check: list[Tensor], call: _Call) -> tuple[Callable, str]:
     if mismatch:
         return graph.forward, f"not compiled ({mismatch})"
     return _Fallback(compiled, graph.forward), ""
+
+
+def portable_history(history: tuple) -> dict[str, tuple[str, Any]]:
+    """:meth:`TracedLogDensity.history` as a checkpoint keeps it: by each signature's ``repr`` (strings and numbers).
+
+    A signature whose ``repr`` holds a memory address (an object argument) cannot be named in another process, nor
+    two signatures with one ``repr`` told apart: those are left out, and resume counts their calls from 0.
+    """
+    calls, graphs, refused, restored = history
+    live = [(k, ("calls", n)) for k, n in calls.items()] + [(k, ("recorded", None)) for k in graphs]
+    named = [(_name(key), entry) for key, entry in live + [(k, ("refused", r)) for k, r in refused.items()]]
+    counts = collections.Counter(name for name, _ in named)
+    kept = {name: entry for name, entry in named if counts[name] == 1 and " at 0x" not in name}
+    return {**restored, **kept}
+
+
+def _name(key: Any) -> str:
+    return repr(key)
 
 
 class _Fallback:

@@ -93,7 +93,9 @@ def constant(value: float, like: Tensor) -> Tensor:
         True
 
     """
-    if torch.is_inference_mode_enabled():  # an inference tensor could not be used outside inference mode later
+    # an inference tensor could not be used outside inference mode later; a compiled step (which cannot ask about
+    # inference mode) makes its constants inside its graph
+    if torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
         return torch.full((), float(value), dtype=like.dtype, device=like.device)
     return _constant(float(value), like.dtype, like.device)
 

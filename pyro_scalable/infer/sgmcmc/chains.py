@@ -12,6 +12,8 @@ halves of a step. With a ``reducer`` (data-parallel, :mod:`.distributed`) a step
 
 from __future__ import annotations
 
+import logging
+import math
 import warnings
 from typing import Any
 
@@ -22,11 +24,14 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from pyro_scalable.bridge.checks import ModelError, first_line, user_stacklevel
 from pyro_scalable.bridge.model import Batch, Latents, ModelBridge
+from pyro_scalable.bridge.traced import TRACE_AFTER, compiling
 from pyro_scalable.infer.sgmcmc.base import GradientEstimate, Phase
 from pyro_scalable.infer.sgmcmc.distributed import normalised_per_chain
 from pyro_scalable.infer.sgmcmc.stragglers import copy_chains
 
-__all__ = ["ChainStepper", "chains_gradient", "first_line"]
+__all__ = ["ChainStepper", "CompiledStep", "chains_gradient", "first_line"]
+
+_log = logging.getLogger(__name__)
 
 
 class ChainStepper:
@@ -54,6 +59,7 @@ class ChainStepper:
         self.state: Any = None
         self._chains: list = []
         self._vsteps: dict[tuple, Any] = {}  # by phase and the indices' vmap dims
+        self.compiled = CompiledStep() if compiling() else None  # model_tracing(compile=True): the whole step
         if self.mode == "vectorized":
             self.state = vmap(program.init)(latents)
         else:
@@ -70,9 +76,12 @@ class ChainStepper:
             self._chains = [finish(chain) for chain in self._chains]
         self.program = program.sampler
         self._vsteps.clear()
+        if self.compiled is not None:
+            self.compiled = CompiledStep()
 
     def _one(self, state: Any, indices: dict, args: tuple, kwargs: dict, phase: Phase):
-        return self.program.step(state, Batch(indices, args, kwargs), self.log_posterior_fn, self.generator, phase)
+        generator = None if torch.compiler.is_compiling() else self.generator  # compiled: torch's RNG, seeded per step
+        return self.program.step(state, Batch(indices, args, kwargs), self.log_posterior_fn, generator, phase)
 
     def _vstep(self, phase: Phase, indices: dict):
         dims = index_dims(indices)
@@ -90,7 +99,8 @@ class ChainStepper:
         if key not in self._vsteps:
 
             def update(state, gradient):
-                return self.program.update(state, gradient, self.generator, phase)
+                generator = None if torch.compiler.is_compiling() else self.generator
+                return self.program.update(state, gradient, generator, phase)
 
             self._vsteps[key] = vmap(update, randomness="different")
         return self._vsteps[key]
@@ -100,16 +110,14 @@ class ChainStepper:
         phase = self.program.phase(step_index)
         if self.reducer is not None:
             return self._reduced_step(batch, phase)
+        if self.compiled is not None and self.program.sampler is self.program:  # sampling: one phase in four
+            stepped = self.compiled(self, batch, phase)
+            if stepped is not None:
+                self.restore(self.mode, stepped[0])
+                return stepped[1]
         if self.mode == "vectorized":
             try:
-                latents = self.program.plain_gradient_at(self.state, phase)
-                if latents is None:
-                    self.state, info = self._vstep(phase, batch.indices)(
-                        self.state, batch.indices, batch.args, batch.kwargs
-                    )
-                    return info
-                gradient = chains_gradient(self.log_posterior_fn, latents, batch)
-                self.state, info = self._vupdate(phase)(self.state, gradient)
+                self.state, info = self.advance(self.state, batch.indices, batch.args, batch.kwargs, phase)
                 return info
             except (RuntimeError, NotImplementedError, ModelError) as error:
                 self._chains = [tree_map(lambda x, c=c: x[c], self.state) for c in range(self.num_chains)]
@@ -123,15 +131,29 @@ class ChainStepper:
                 return info
         return self._sequential(batch, phase)
 
-    def _sequential(self, batch: Batch, phase: Phase):
-        infos = []
-        for c, chain_state in enumerate(self._chains):
-            indices = chain_indices(batch.indices, c)
-            self._chains[c], info = self._one(chain_state, indices, batch.args, batch.kwargs, phase)
+    def advance(self, state: Any, indices: dict, args: tuple, kwargs: dict, phase: Phase) -> tuple[Any, Any]:
+        """Every chain one step from ``state`` (vectorised: the stacked state; sequential: the list of chains).
+
+        A function of its arguments (the generator aside): what :class:`CompiledStep` compiles.
+        """
+        if self.mode == "vectorized":
+            latents = self.program.plain_gradient_at(state, phase)
+            if latents is None or torch.compiler.is_compiling():  # compiled: one vmapped gradient transform, traced
+                return self._vstep(phase, indices)(state, indices, args, kwargs)
+            gradient = chains_gradient(self.log_posterior_fn, latents, Batch(indices, args, kwargs))
+            return self._vupdate(phase)(state, gradient)
+        chains, infos = [], []
+        for c, chain_state in enumerate(state):
+            chain_state, info = self._one(chain_state, chain_indices(indices, c), args, kwargs, phase)
+            chains.append(chain_state)
             infos.append(info)
         # one chain: its Info as it is, 0-d values that broadcast where the chains' dimension would be (the driver
         # records them into (1, ...) buffers); a stacked copy would cost an operation per field on every step
-        return infos[0] if len(infos) == 1 else _stack(infos)
+        return chains, infos[0] if len(infos) == 1 else _stack(infos)
+
+    def _sequential(self, batch: Batch, phase: Phase):
+        self._chains, info = self.advance(self._chains, batch.indices, batch.args, batch.kwargs, phase)
+        return info
 
     def _reduced_step(self, batch: Batch, phase: Phase):
         local = self.reducer.shard(batch)
@@ -215,6 +237,93 @@ class ChainStepper:
             self.state = state
         else:
             self._chains = state
+
+
+class CompiledStep:
+    """``torch.compile`` of a stepper's whole step (:meth:`ChainStepper.advance`), one graph per phase.
+
+    A phase runs eagerly for its first ``TRACE_AFTER`` steps (the bridge records the log density meanwhile), then
+    compiled. The normal draws are made inside the graph (a draw from a ``torch.Generator`` would break it, and
+    under ``vmap`` keep the whole step eager), by torch's global generator seeded for each step from the run's
+    generator and restored after (inductor's ``fallback_random``: torch's own normal draws): reproducible from the
+    run's seed, but other numbers than the eager step's. The first compiled step is checked: the eager step from
+    the same seed must give the same new state to rounding (:attr:`RTOL`). A step that fails to compile, raises
+    or disagrees leaves the run eager from there on, with the reason logged and kept in :attr:`refused`.
+    """
+
+    RTOL = 1e-4  # the compiled step's new state against the eager one's, relative to each leaf's largest value
+
+    def __init__(self):
+        self.steps: dict[tuple, Any] = {}  # by phase, mode and the indices' vmap dims
+        self.seen: dict[tuple, int] = {}
+        self.refused: str | None = None
+
+    def __call__(self, stepper: ChainStepper, batch: Batch, phase: Phase) -> tuple[Any, Any] | None:
+        """The new state and Info, or ``None`` where this step runs eagerly."""
+        if self.refused is not None:
+            return None
+        key = (phase, stepper.mode, tuple(index_dims(batch.indices).items()))
+        self.seen[key] = self.seen.get(key, 0) + 1
+        if self.seen[key] <= TRACE_AFTER:
+            return None
+        arguments = (stepper.final_state, batch.indices, batch.args, batch.kwargs)
+        generator = stepper.generator
+        first = None if key in self.steps else generator.get_state()  # a step that fails to compile draws nothing
+        seed = int(torch.randint(2**62, (), generator=generator, device=generator.device))
+        saved = torch.random.get_rng_state()
+        try:
+            if first is not None:
+                return self._first(stepper, key, phase, arguments, seed)
+            torch.manual_seed(seed)
+            return self.steps[key](*arguments)
+        except Exception as error:  # noqa: BLE001 -- any compiler failure: the eager step, which raises a model error
+            if first is not None:
+                generator.set_state(first)
+            self.refused = f"{type(error).__name__}: {first_line(error)}"
+            _log.warning("the sampling step runs eagerly: it failed to compile (%s)", self.refused)
+            return None
+        finally:
+            torch.random.set_rng_state(saved)
+
+    def _first(self, stepper: ChainStepper, key: tuple, phase: Phase, arguments: tuple, seed: int) -> tuple[Any, Any]:
+        def step(state, indices, args, kwargs):
+            return stepper.advance(state, indices, args, kwargs, phase)
+
+        with warnings.catch_warnings():  # torch's compiler imports scripted modules: a torch internal's notice
+            warnings.filterwarnings("ignore", r".*torch\.jit\.script.* is deprecated", DeprecationWarning)
+            compiled = torch.compile(step, dynamic=False, options={"fallback_random": True})
+            torch.manual_seed(seed)
+            result = compiled(*arguments)
+        torch.manual_seed(seed)
+        generator, stepper.generator = stepper.generator, None  # the eager step draws as the compiled one does
+        try:
+            eager = step(*arguments)
+        finally:
+            stepper.generator = generator
+        worst = _disagreement(tree_flatten(result[0])[0], tree_flatten(eager[0])[0])
+        if worst > self.RTOL:
+            self.refused = f"its new state differs from the eager step's by {worst:.1e} (relative)"
+            _log.warning("the sampling step runs eagerly: %s", self.refused)
+            return eager
+        self.steps[key] = compiled
+        return result
+
+
+def _disagreement(compiled: list, eager: list) -> float:
+    """The largest difference between floating-point leaves, relative to each eager leaf's largest magnitude.
+
+    The magnitude is at least 1; the difference is infinite where the two are not finite at the same places.
+    """
+    worst = 0.0
+    for a, b in zip(compiled, eager, strict=True):
+        if isinstance(b, Tensor) and b.is_floating_point() and b.numel():
+            finite = b.isfinite()
+            if not torch.equal(a.isfinite(), finite):
+                return math.inf
+            if finite.any():
+                scale = b[finite].abs().max().clamp(min=1.0)
+                worst = max(worst, float((a - b)[finite].abs().max() / scale))
+    return worst
 
 
 def chains_gradient(log_posterior_fn: Any, latents: Latents, batch: Batch) -> GradientEstimate:

@@ -55,6 +55,8 @@ _last: tuple = (None, False)  # the last flag asked about and the answer: a step
 def _finite_here(diverging: Tensor) -> bool:
     """Whether a plain CPU step is known finite, so that its rejection can be skipped (no device sync on a GPU)."""
     global _last
+    if torch.compiler.is_compiling():  # a compiled step keeps the rejection in its graph: no host read
+        return False
     flag, finite = _last  # one read of the pair: safe where threads step chains side by side
     if flag is diverging:
         return finite
