@@ -21,13 +21,17 @@ same draw, so the chains are not independent given the data, which between-chain
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from pyro_scalable.bridge.records import DataPlate
 
-__all__ = ["EpochSampler", "chunks", "data_passes", "permutations"]
+__all__ = ["CHUNK_BYTES", "CHUNK_SIZE", "EpochSampler", "chunks", "data_passes", "permutations", "points_per_chunk"]
+
+CHUNK_SIZE = 2**16  # data points per chunk of a full-data pass (per chunk the bridge costs about a millisecond)
+CHUNK_BYTES = 2**26  # ... and fewer where the data's rows of a chunk would take more than this
 
 
 class EpochSampler:
@@ -129,6 +133,26 @@ def chunks(size: int, chunk_size: int, device: torch.device) -> Iterator[Tensor]
     """Consecutive index chunks covering ``range(size)``."""
     for start in range(0, size, chunk_size):
         yield torch.arange(start, min(start + chunk_size, size), device=device)
+
+
+def points_per_chunk(bridge: Any, requested: int | None = None) -> int:
+    """Points per chunk of a pass over the first subsampled plate of ``bridge`` (a ``ModelBridge``).
+
+    ``requested``, else :data:`CHUNK_SIZE` capped so that the data's rows (the arguments whose leading dimension is
+    the plate's size) take at most :data:`CHUNK_BYTES`; never fewer than the plate's minibatch.
+    """
+    plate = next(iter(bridge.plates.values()), None)
+    if plate is None:
+        return CHUNK_SIZE
+    if requested is None:
+        tensors = [*bridge.args, *bridge.kwargs.values()]
+        row = sum(
+            t[:1].numel() * t.element_size()
+            for t in tensors
+            if isinstance(t, Tensor) and t.ndim and len(t) == plate.size
+        )
+        requested = min(CHUNK_SIZE, max(1, CHUNK_BYTES // max(row, 1)))
+    return max(requested, plate.subsample_size)
 
 
 def data_passes(plates: dict[str, DataPlate], steps: int) -> float | None:

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from pyro_scalable.bridge.checks import ModelError
-from pyro_scalable.bridge.minibatches import chunks
+from pyro_scalable.bridge.minibatches import chunks, points_per_chunk
 
 if TYPE_CHECKING:
     from pyro_scalable.bridge.model import ModelBridge
@@ -33,14 +33,14 @@ _HINTS = {
 def check_observed_values(bridge: ModelBridge, chunk_size: int | None = None) -> None:
     """Raise a :class:`ModelError` naming the first observed value outside its distribution's support.
 
-    The first subsampled plate is walked in chunks of ``chunk_size`` (default: the larger of its minibatch size and
-    4,096) so that the full data is never in the model at once.
+    The first subsampled plate is walked in chunks of ``chunk_size`` (default: those of a full-data pass,
+    :func:`~.minibatches.points_per_chunk`) so that the full data is never in the model at once.
     """
     plate = next(iter(bridge.plates.values()), None)
     if plate is None:
         batches = [{}]
     else:
-        size = chunk_size or max(plate.subsample_size, 4096)
+        size = points_per_chunk(bridge, chunk_size)
         batches = [{plate.name: idx} for idx in chunks(plate.size, size, bridge.device)]
     for indices in batches:
         with torch.no_grad():

@@ -2,10 +2,10 @@ r"""Full-data passes and the posterior mode search behind ``control_variate="map
 
 **A full-data pass** (:func:`full_data_gradient`) sums the log joint :math:`\ell(\theta)` and its gradient over
 chunks of the subsampled plate: chunk :math:`c` of :math:`C_c` points is the bridge's minibatch estimate weighted by
-:math:`C_c/N`, so the weighted sum is exact; it is taken in float64. A chunk holds :data:`CHUNK_SIZE` points, fewer
-where the data's rows would take more than :data:`CHUNK_BYTES`, never fewer than the plate's minibatch (per chunk
-the bridge costs about a millisecond whatever its size, so small chunks make a pass several times a hand-written
-one).
+:math:`C_c/N`, so the weighted sum is exact; it is taken in float64. A chunk holds 2^16 points, fewer where the
+data's rows would take more than 64 MB, never fewer than the plate's minibatch
+(:func:`~pyro_scalable.bridge.minibatches.points_per_chunk`: per chunk the bridge costs about a millisecond whatever
+its size, so small chunks make a pass several times a hand-written one).
 
 **The search** (:func:`find_mode`) minimises :math:`f(\theta) = -\ell(\theta)/N` over the unconstrained latents by
 L-BFGS (two-loop recursion, weak-Wolfe line search by bisection; Nocedal & Wright 2006, Alg. 7.4; Lewis & Overton
@@ -53,7 +53,7 @@ import torch
 from torch import Tensor
 from torch.func import grad_and_value
 
-from pyro_scalable.bridge.minibatches import chunks
+from pyro_scalable.bridge.minibatches import CHUNK_SIZE, chunks, points_per_chunk
 from pyro_scalable.bridge.model import Batch, Latents, ModelBridge
 from pyro_scalable.infer.distributed import all_reduce_sum
 
@@ -64,11 +64,8 @@ __all__ = [
     "find_mode",
     "full_data_gradient",
     "point_gradient_and_value",
-    "points_per_chunk",
 ]
 
-CHUNK_SIZE = 2**16  # data points per chunk of a full-data pass (at least the minibatch size)
-CHUNK_BYTES = 2**26  # ... and fewer where the data's rows of a chunk would take more than this
 SUBSAMPLE_FACTOR = 8  # the first stage runs on one chunk's subsample where the data hold this many chunks
 MODE_TOLERANCE = 0.1  # stop where the next step is under this times √d posterior standard deviations (d latents)
 MODE_ITERATIONS = 200  # L-BFGS iterations per stage at most
@@ -100,25 +97,6 @@ class ModeSearch(NamedTuple):
     seconds: float
     converged: bool = False
     control: ControlVariate | None = None
-
-
-def points_per_chunk(bridge: ModelBridge, requested: int | None = None) -> int:
-    """Points per chunk of a full-data pass: ``requested``, else :data:`CHUNK_SIZE` capped by :data:`CHUNK_BYTES`.
-
-    The data's bytes per point are those of the arguments whose leading dimension is the plate's size.
-    """
-    plate = next(iter(bridge.plates.values()), None)
-    if plate is None:
-        return CHUNK_SIZE
-    if requested is None:
-        tensors = [*bridge.args, *bridge.kwargs.values()]
-        row = sum(
-            t[:1].numel() * t.element_size()
-            for t in tensors
-            if isinstance(t, Tensor) and t.ndim and len(t) == plate.size
-        )
-        requested = min(CHUNK_SIZE, max(1, CHUNK_BYTES // max(row, 1)))
-    return max(requested, plate.subsample_size)
 
 
 def _batches(bridge: ModelBridge, size: int, indices: Tensor | None) -> Iterator[tuple[Batch, float]]:
