@@ -323,7 +323,7 @@ def worker(task: str, impl_name: str, data_dir: Path, threads: int) -> None:
             result["reset"] = reset_peak()
             result["base_mb"] = rss_mb()
         load = ForeignLoad()
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         if operation == "fit":
             posterior = impl.fit(p, structure, last_layer)
             result["evidence"] = impl.evidence(posterior)
@@ -335,12 +335,13 @@ def worker(task: str, impl_name: str, data_dir: Path, threads: int) -> None:
                 reset_peak()
                 result["base_mb"] = rss_mb()
             load = ForeignLoad()
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             if operation == "tune":
                 result["prior_precision"] = impl.tune(posterior)
             else:
                 probs = impl.predict(posterior, p["x_test"])
         result["seconds"] = time.perf_counter() - start
+        result["cpu_seconds"] = time.process_time() - cpu  # every thread of the process; less load-sensitive
         result["foreign"] = load.cores()
         if measure:
             result["peak_mb"] = peak_mb()
@@ -531,6 +532,7 @@ def part_cost(cfg: dict, threads: int, max_wait: float, report: list[str], summa
             "mems": mems,
             "bound": "≥ " if mems.get("ours", RESOLUTION_MB) < RESOLUTION_MB else "",
         }
+    report += _cpu_table(labels, results, impls)
     report += [
         "",
         f"**Extra memory (MB)**; ratio = laplace-torch's / ours (> 1: ours leaner); \"–\" where laplace-torch's is "
@@ -588,6 +590,32 @@ def _memory_ratio(theirs: float | None, ours: float | None) -> float | None:
 
 def _ratio(value: float | None) -> str:
     return "–" if value is None else f"{value:.1f}×"
+
+
+def _cpu_table(labels: dict[str, str], results: dict, impls) -> list[str]:
+    """CPU time of the same calls (all threads of the process): on a loaded machine, with 1 thread, the steadier
+    measure of what a call costs (the wall clock there includes the time other processes held the cores)."""
+    lines = [
+        "",
+        "**CPU time (s)** of the same calls (median of the same repetitions); speed-up = laplace-torch's / ours.",
+        "",
+        "| task | ours | laplace-torch (default) | laplace-torch (backpack) | **speed-up vs its fastest** |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for task, label in labels.items():
+        cpu = {}
+        for impl in impls:
+            kept, _ = _kept(results.get((task, impl), []))
+            values = [r["cpu_seconds"] for r in kept if "cpu_seconds" in r]
+            if values:
+                cpu[impl] = statistics.median(values)
+        theirs = [v for k, v in cpu.items() if k != "ours"]
+        speed = min(theirs) / cpu["ours"] if theirs and cpu.get("ours") else None
+        lines.append(
+            f"| {label} | {_fmt_s(cpu.get('ours'))} | {_fmt_s(cpu.get(DEFAULT))} | {_fmt_s(cpu.get(BACKPACK))} "
+            f"| **{_ratio(speed)}** |"
+        )
+    return lines
 
 
 def predictive_checks(data_dir: Path) -> dict[str, str]:
