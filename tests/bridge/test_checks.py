@@ -196,6 +196,21 @@ def test_non_finite_positional_argument_is_named(data, bad):
         ModelBridge(regression, (x, y))
 
 
+def test_finite_values_whose_sum_overflows_are_finite():
+    # the check sums the data first (a NaN or Inf in it makes the sum non-finite); a finite sum that overflows
+    # float32 falls back to the elementwise check, which accepts it
+    x = torch.full((4, 2), 3e38)
+
+    def model(x):
+        pyro.sample("w", dist.Normal(0.0, 1.0))
+
+    assert not bool(torch.isfinite(x.sum()))
+    assert check_inputs(model, (x,), {}) == x.device
+    x[2, 1] = float("nan")
+    with pytest.raises(ModelError, match=r"argument 'x' holds 1 non-finite value"):
+        check_inputs(model, (x,), {})
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_non_finite_keyword_argument_is_named(data, bad):
     x, y = data
