@@ -9,17 +9,18 @@ its size, so small chunks make a pass several times a hand-written one).
 
 **The search** (:func:`find_mode`) minimises :math:`f(\theta) = -\ell(\theta)/N` over the unconstrained latents by
 L-BFGS (two-loop recursion, weak-Wolfe line search by bisection; Nocedal & Wright 2006, Alg. 7.4; Lewis & Overton
-2013), in two stages where :math:`N \ge` :data:`SUBSAMPLE_FACTOR` chunks:
+2013), in stages:
 
-1. on one fixed random subsample :math:`\mathcal{S}` of a chunk's :math:`S` points, whose estimate
-   :math:`\ell_{\mathcal{S}} = \log p(\theta) + \frac{N}{S}\sum_{\mathcal{S}}\log p(y_i\mid\theta)` is a
-   deterministic objective costing :math:`S/N` of a pass. Its mode lies about :math:`\sqrt{d N/S}` posterior
-   standard deviations from the full data's (d latents; at the full data's mode the subsample's score has
-   :math:`N/S - 1` times the posterior's precision as its covariance); the stage runs to the stopping rule below,
-   cheaply, for the curvature it learns near its mode;
-2. on full-data passes from there, keeping the curvature pairs the first stage collected: per data point,
-   :math:`\ell_{\mathcal{S}}`'s Hessian is the full data's up to :math:`O(S^{-1/2})`, so the first full-data steps
-   are already close to Newton steps.
+1. on fixed random subsamples :math:`\mathcal{S}` of :math:`S`, :math:`8S`, ... points (S a chunk's, while the
+   data hold :data:`SUBSAMPLE_FACTOR` times as many), whose estimates
+   :math:`\ell_{\mathcal{S}} = \log p(\theta) + \frac{N}{|\mathcal{S}|}\sum_{\mathcal{S}}\log p(y_i\mid\theta)`
+   are deterministic objectives costing :math:`|\mathcal{S}|/N` of a pass. The mode of one lies about
+   :math:`\sqrt{d N/|\mathcal{S}|}` posterior standard deviations from the full data's (d latents; at the full
+   data's mode the subsample's score has :math:`N/|\mathcal{S}| - 1` times the posterior's precision as its
+   covariance); each stage runs to the stopping rule below, cheaply, for the curvature it learns near its mode;
+2. on full-data passes from there, keeping the curvature pairs the subsamples gave: per data point,
+   :math:`\ell_{\mathcal{S}}`'s Hessian is the full data's up to :math:`O(|\mathcal{S}|^{-1/2})`, so the first
+   full-data steps are already close to Newton steps.
 
 **Stopping rule.** At an iterate with gradient :math:`g` of :math:`f` and the L-BFGS inverse Hessian :math:`H^{-1}`
 (per point), :math:`\lambda^2 = N\,g^\top H^{-1} g` is twice the Newton decrement of :math:`\ell` in nats and the
@@ -30,9 +31,10 @@ iterate, already computed: the control variate's, so no pass follows the search.
 :math:`\lVert\theta-\hat\theta\rVert^2` (:mod:`.control_variates`), whose mean over the posterior, in its metric,
 is :math:`d` at the mode and :math:`d + \delta^2` at a centre :math:`\delta` standard deviations from it: a centre
 within :math:`0.1\sqrt d` adds at most 1% to it. On a Gaussian posterior the quasi-Newton step is the distance
-left up to its Hessian's error; L-BFGS converges superlinearly, and from the first stage's curvature two or three
-full-data passes reach the rule at N = 10⁶ (``tests/infer/sgmcmc/test_control_variates.py``). Before the first
-curvature pair :math:`\lambda` means nothing (no Hessian is known) and the search goes on.
+left up to its Hessian's error; L-BFGS converges superlinearly, and from the subsamples' curvature two or three
+full-data passes reach the rule on logistic regression at N = 10⁶ and 10⁷ (at most four:
+``tests/infer/sgmcmc/test_control_variates.py``). Before the first curvature pair :math:`\lambda` means nothing (no
+Hessian is known) and the search goes on.
 
 The values are sums of float32 chunks whose rounding (about :math:`10^{-7}` of :math:`\lvert\ell\rvert`) can exceed
 the decrease a step near the mode achieves; the line search's sufficient-decrease test allows for it, and its
@@ -66,7 +68,7 @@ __all__ = [
     "point_gradient_and_value",
 ]
 
-SUBSAMPLE_FACTOR = 8  # the first stage runs on one chunk's subsample where the data hold this many chunks
+SUBSAMPLE_FACTOR = 8  # a subsample stage where the data hold this many times its points; each the next's 1/8
 MODE_TOLERANCE = 0.1  # stop where the next step is under this times √d posterior standard deviations (d latents)
 MODE_ITERATIONS = 200  # L-BFGS iterations per stage at most
 _HISTORY = 20  # curvature pairs kept
@@ -85,8 +87,8 @@ class ControlVariate(NamedTuple):
 class ModeSearch(NamedTuple):
     """How :func:`find_mode` went and what it found.
 
-    ``full_passes`` and ``subsample_passes``: evaluations on the full data and on the first stage's subsample (each
-    :data:`CHUNK_SIZE` / N of a pass); ``grad_norm``: the full-data gradient's norm at the mode; ``converged``: the
+    ``full_passes`` and ``subsample_passes``: evaluations on the full data and on the subsamples (S, 8S, ... of N
+    points: that fraction of a pass); ``grad_norm``: the full-data gradient's norm at the mode; ``converged``: the
     stopping rule was met; ``control``: the full-data log joint and gradient at the mode (``None`` where the search
     found no finite mode).
     """
@@ -200,7 +202,7 @@ def find_mode(
 ) -> tuple[Latents, ModeSearch]:
     """The posterior mode in unconstrained space, from ``start``: L-BFGS on a subsample, then on full-data passes.
 
-    ``generator`` draws the first stage's subsample (module docstring). Returns the mode (NaN where the search
+    ``generator`` draws the subsamples (module docstring). Returns the mode (NaN where the search
     found no finite mode) and a :class:`ModeSearch` holding the full-data log joint and gradient there.
     """
     began = time.perf_counter()
@@ -225,13 +227,16 @@ def find_mode(
         g = -torch.cat([total[k].reshape(-1) for k in names]) / n
         return -float(value) / n, g, (_control(latents, value, total) if indices is None else None)
 
-    stages: list[tuple[Tensor | None, float]] = [(None, MODE_TOLERANCE * math.sqrt(len(x)))]
-    if plate is not None and plate.size >= SUBSAMPLE_FACTOR * size:
-        subsample = torch.randint(0, plate.size, (size,), generator=generator, device=full.device)
-        stages.insert(0, (subsample, MODE_TOLERANCE * math.sqrt(len(x))))
+    stages: list[Tensor | None] = []  # subsamples of S, 8 S, ... points while the data hold 8 times as many
+    points = size
+    while plate is not None and plate.size >= SUBSAMPLE_FACTOR * points:
+        stages.append(torch.randint(0, plate.size, (points,), generator=generator, device=full.device))
+        points *= SUBSAMPLE_FACTOR
+    stages.append(None)
+    tolerance = MODE_TOLERANCE * math.sqrt(len(x))
     memory, converged, control = _Memory(), False, None
     try:
-        for indices, tolerance in stages:
+        for indices in stages:
             f, g, control = evaluate(x, indices)
             if not (math.isfinite(f) and bool(torch.isfinite(g).all())):
                 raise _NoFiniteMode
