@@ -4,7 +4,9 @@ A sampling run is a deterministic function of its seed: every random number the 
 (minibatch permutations, injected noise) comes from one ``torch.Generator``. A checkpoint therefore holds
 everything the next step reads — the kernel state of every chain (stacked along a leading chain dimension,
 whether the chains ran vectorised or one after another), the chain stepper's mode, the generator's state, the
-minibatch sampler's permutations and positions — with what the run has produced so far (draws and
+minibatch sampler's permutations and positions, and which of the model's signatures replay its recorded graph
+(:mod:`pyro_scalable.bridge.traced`: the graph agrees with the model to rounding, not to the bit, so a resumed run
+must replay it from the call the uninterrupted run did) — with what the run has produced so far (draws and
 ``sample_stats``, the step index, the number of draws kept, the warm-up divergences) and a fingerprint of the
 run (:func:`run_fingerprint`: the settings, the model's code and the data's values). A run resumed from it goes
 on bitwise as the uninterrupted run would have.
@@ -26,6 +28,7 @@ from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from pyro_scalable.bridge.plates import FullDataModel
+from pyro_scalable.bridge.traced import portable_history
 from pyro_scalable.infer.checkpoint import (
     UNIDENTIFIED,
     CheckpointError,
@@ -47,8 +50,9 @@ __all__ = ["FORMAT", "Resumed", "RunCheckpoint", "run_fingerprint"]
 # model's code and the data's values in the fingerprint; 4: the control variate's centre and full-data gradient,
 # and warm-up's metric; 5: warm-up's metric window per chain, its log-density window and restarted chains;
 # 6: the gradient noise's average in the program's state, not the kernel's; 7: the kernel's values, every setting,
-# the data bound to the model's parameters and what cannot be identified in the fingerprint)
-FORMAT = 7
+# the data bound to the model's parameters and what cannot be identified in the fingerprint; 8: the model tracing's
+# history, which calls replay the recorded graph)
+FORMAT = 8
 KIND = "StochasticMCMC"
 _KEYS = (
     "fingerprint",
@@ -66,6 +70,7 @@ _KEYS = (
     "metric",
     "window",
     "restarted",
+    "tracing",
 )
 
 
@@ -215,6 +220,9 @@ class RunCheckpoint:
         self.metric = metric  # warm-up's MetricSchedule, or None
         self.window = window  # warm-up's WindowLog (.stragglers)
         self.rebuild = rebuild  # a stepper for the metric's stage (its state then restored)
+        record = progress.record  # the model tracing of the steps' bridge and of the full data's (where another)
+        bridges = [record.bridge, *([record.full_bridge] if record.full_bridge not in (None, record.bridge) else [])]
+        self.tracers = [bridge.traced for bridge in bridges]
         self._last: dict[str, Any] = {}
 
     def close(self) -> None:
@@ -259,6 +267,10 @@ class RunCheckpoint:
             results.stats[name][:, :kept].copy_(value)
         if self.window is not None:
             self.window.load_state_dict(saved["window"], self.stepper.bridge.device)
+        if len(saved["tracing"]) != len(self.tracers):
+            raise CheckpointError("the model tracing's history in the checkpoint does not fit this run's models.")
+        for tracer, history in zip(self.tracers, saved["tracing"], strict=True):
+            tracer.restore(history)  # each call goes to Pyro or to the recorded graph as in the uninterrupted run
         control = saved["control_variate"]
         device = self.stepper.bridge.device
         return Resumed(
@@ -285,6 +297,7 @@ class RunCheckpoint:
             "metric": None if self.metric is None else self.metric.state_dict(),
             "window": None if self.window is None else self.window.state_dict(),
             "restarted": self.progress.restarted.clone(),
+            "tracing": [tracer.history() for tracer in self.tracers],
         }
 
     def step_done(self, step: int, kept: int, *, stopped: bool = False) -> None:
@@ -325,6 +338,7 @@ class RunCheckpoint:
                 "metric": _to(last["metric"], "cpu"),
                 "window": _to(last["window"], "cpu"),
                 "warmup_divergences": _to(last["warmup_divergences"], "cpu"),
+                "tracing": [portable_history(history) for history in last["tracing"]],
             },
         )
 

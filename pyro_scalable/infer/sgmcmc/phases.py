@@ -192,8 +192,9 @@ def attach_control_variate(run: Any, state: RunState) -> None:
     )
     if control is not None and control is not resumed:
         state.control_variate, state.mode_search = control, search
-        if state.checkpoint is not None:
-            state.checkpoint.write()  # the centre and its full-data pass are not redone on resume
+        if state.checkpoint is not None:  # the centre and its full-data pass are not redone on resume: nor counted
+            state.checkpoint.remember(state.start, state.kept, stopped=state.diverged)  # (the model tracing's calls)
+            state.checkpoint.write()
     state.stepper.log_posterior_fn = state.schedule.wrap(state.base) if state.schedule else state.base
 
 
