@@ -292,8 +292,9 @@ class CompiledStep:
         with warnings.catch_warnings():  # torch's compiler imports scripted modules: a torch internal's notice
             warnings.filterwarnings("ignore", r".*torch\.jit\.script.* is deprecated", DeprecationWarning)
             compiled = torch.compile(step, dynamic=False, options={"fallback_random": True})
-            torch.manual_seed(seed)
-            result = compiled(*arguments)
+            compiled(*arguments)  # compiling may draw from torch's generator (e.g. to time kernels): not the step's
+        torch.manual_seed(seed)
+        result = compiled(*arguments)
         torch.manual_seed(seed)
         generator, stepper.generator = stepper.generator, None  # the eager step draws as the compiled one does
         try:
