@@ -127,20 +127,21 @@ class _FullAccumulator:
             self.matrix = self._from_blocks(self.matrix)
         return FullCurvature(self.matrix, self.dtype)
 
-    def _from_blocks(self, upper: Tensor) -> Tensor:
-        # mirror the blocks of later units, keep each unit's own (full) block once, then back to the flat order
-        matrix = upper + upper.T
+    def _from_blocks(self, matrix: Tensor) -> Tensor:
+        # mirror each unit's blocks of later units into its columns (in place: below them it holds zeros), then
+        # back to the flat order through one d x d buffer (two, not four, d x d matrices at the peak)
         start = 0
         for plan in self.plans:
             units, width = plan.index.shape
             for _ in range(units):
-                block = slice(start, start + width)
-                matrix[block, block] = upper[block, block]
-                start += width
+                end = start + width
+                matrix[end:, start:end] = matrix[start:end, end:].T
+                start = end
         order = torch.cat([plan.index.flatten() for plan in self.plans])
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
-        return matrix[inverse][:, inverse]
+        rows = torch.index_select(matrix, 0, inverse)
+        return torch.index_select(rows, 1, inverse, out=matrix)
 
 
 def _view(buffer: Tensor, column: int, units: int, width: int) -> Tensor:
