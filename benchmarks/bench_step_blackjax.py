@@ -15,9 +15,12 @@ float32, SGHMC with the step size and friction given, one gradient per step; one
   graph per phase);
 * **hand-written**: the loop a torch user writes (autograd, in-place updates), and that step under
   ``torch.compile`` (``torch.func.grad_and_value``, functional update);
-* **BlackJAX**: ``jax.jit`` of a ``lax.scan`` of ``blackjax.sghmc(..., num_integration_steps=1)`` steps (and
-  ``blackjax.sgld``), minibatches gathered inside the scan from precomputed epoch permutations; 4 chains by
-  ``jax.vmap``.
+* **BlackJAX**: ``jax.jit`` of a ``lax.scan`` of ``blackjax.sgld`` steps (the reference: one gradient per step,
+  used) and of ``blackjax.sghmc(..., num_integration_steps=1)`` steps, minibatches gathered inside the scan from
+  precomputed epoch permutations; 4 chains by ``jax.vmap``. BlackJAX's SGHMC draws a fresh momentum each step
+  and moves the position with it *before* the momentum sees the gradient; with one integration step the
+  gradient is never used, XLA drops its computation, and the "step" is a normal draw: it is timed for the record,
+  not as a reference.
 
 Interleaved rounds of a block of steps each; the median over rounds of the time per step. Compile seconds (the
 first block of a compiled candidate, less its steps at the steady rate) are reported separately. Writes
@@ -234,14 +237,14 @@ def measure(d: int, chains: int, rounds: int, block: int) -> list[str]:
         for name, run in built.items():
             times[name].append(run(block) / block * 1e3)
     ms = {name: statistics.median(t) for name, t in times.items()}
-    hand, jax_sghmc = ms["hand-written torch, eager"], ms["BlackJAX SGHMC, jitted scan"]
+    hand, jax_sgld = ms["hand-written torch, eager"], ms["BlackJAX SGLD, jitted scan"]
     rows = []
     for name in candidates:
         compile_s = max(first[name] - block * ms[name] / 1e3, 0.0)
         note = built[name].check()
         rows.append(
             f"| d = {d}, {chains} chain{'s' if chains > 1 else ''} | {name} | {ms[name]:.3f} | {ms[name] / hand:.2f}× "
-            f"| {ms[name] / jax_sghmc:.2f}× | {compile_s:.1f} | {note} |"
+            f"| {ms[name] / jax_sgld:.2f}× | {compile_s:.1f} | {note} |"
         )
     return rows
 
@@ -275,7 +278,7 @@ def main() -> None:
         "",
         *machine(args.threads),
         "",
-        "| problem | step | ms per step | / hand-written eager | / BlackJAX SGHMC | compile (s) | note |",
+        "| problem | step | ms per step | / hand-written eager | / BlackJAX SGLD | compile (s) | note |",
         "|---|---|---:|---:|---:|---:|---|",
         *rows,
     ]
