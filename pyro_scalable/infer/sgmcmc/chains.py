@@ -270,11 +270,11 @@ class CompiledStep:
         generator = stepper.generator
         first = None if key in self.steps else generator.get_state()  # a step that fails to compile draws nothing
         seed = int(torch.randint(2**62, (), generator=generator, device=generator.device))
-        saved = torch.random.get_rng_state()
+        saved = torch.default_generator.get_state()
         try:
             if first is not None:
                 return self._first(stepper, key, phase, arguments, seed)
-            torch.manual_seed(seed)
+            _seed(seed, generator.device)
             return self.steps[key](*arguments)
         except Exception as error:  # noqa: BLE001 -- any compiler failure: the eager step, which raises a model error
             if first is not None:
@@ -283,7 +283,7 @@ class CompiledStep:
             _log.warning("the sampling step runs eagerly: it failed to compile (%s)", self.refused)
             return None
         finally:
-            torch.random.set_rng_state(saved)
+            torch.default_generator.set_state(saved)
 
     def _first(self, stepper: ChainStepper, key: tuple, phase: Phase, arguments: tuple, seed: int) -> tuple[Any, Any]:
         def step(state, indices, args, kwargs):
@@ -293,9 +293,9 @@ class CompiledStep:
             warnings.filterwarnings("ignore", r".*torch\.jit\.script.* is deprecated", DeprecationWarning)
             compiled = torch.compile(step, dynamic=False, options={"fallback_random": True})
             compiled(*arguments)  # compiling may draw from torch's generator (e.g. to time kernels): not the step's
-        torch.manual_seed(seed)
+        _seed(seed, stepper.generator.device)
         result = compiled(*arguments)
-        torch.manual_seed(seed)
+        _seed(seed, stepper.generator.device)
         generator, stepper.generator = stepper.generator, None  # the eager step draws as the compiled one does
         try:
             eager = step(*arguments)
@@ -308,6 +308,14 @@ class CompiledStep:
             return eager
         self.steps[key] = compiled
         return result
+
+
+def _seed(seed: int, device: torch.device) -> None:
+    """Seed torch's generator for ``device`` (``torch.manual_seed`` records a stack trace: milliseconds a step)."""
+    if device.type == "cuda":
+        torch.cuda.manual_seed(seed)
+    else:
+        torch.default_generator.manual_seed(seed)
 
 
 def _disagreement(compiled: list, eager: list) -> float:
