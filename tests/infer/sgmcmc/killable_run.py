@@ -5,10 +5,16 @@
 
 ``PAUSE`` seconds of sleep before each step slow the run down enough for a test to kill it mid-way; the pause
 does not change a single number, and lives outside the model (whose code is part of the checkpoint's fingerprint).
+
+``python killable_run.py CHECKPOINT signalled KEPT`` waits for a real SIGINT or SIGTERM from its parent: it prints
+``step N`` (flushed) after each step, and from step :data:`ANNOUNCED` on sleeps :data:`LONG_PAUSE` seconds before
+each step, so the signal arrives mid-run however slowly the parent reacts. Interrupted, it saves the draws ``run()``
+kept to ``KEPT`` and exits with 0; a run that ends without a signal exits with 3.
 """
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
 
@@ -21,6 +27,7 @@ from pyro_scalable.infer.sgmcmc.chains import ChainStepper
 from tests.infer import killing
 
 NUM_WARMUP, NUM_SAMPLES = 10, 30
+ANNOUNCED, LONG_PAUSE = 20, 0.5  # past the model tracing's recording (16 calls of the step's signature)
 
 
 def data() -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,7 +67,38 @@ def slow_down(pause: float) -> None:
     ChainStepper.step = slow_step
 
 
+def announce() -> None:
+    """Print ``step N`` after each step; sleep :data:`LONG_PAUSE` before each step from step :data:`ANNOUNCED` on."""
+    step = ChainStepper.step
+    done = []
+
+    def announcing_step(self, batch, step_index):
+        if len(done) >= ANNOUNCED:
+            time.sleep(LONG_PAUSE)
+        info = step(self, batch, step_index)
+        done.append(None)
+        print(f"step {len(done)}", flush=True)
+        return info
+
+    ChainStepper.step = announcing_step
+
+
+def signalled(checkpoint: str, kept: str) -> int:
+    """The run until a signal: what ``run()`` kept saved to ``kept`` (0), or 3 where no signal came."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C's handler, also where the parent ignores it
+    announce()
+    run = sampler(checkpoint)
+    try:
+        run.run(*data())
+    except KeyboardInterrupt:
+        torch.save(run.get_unconstrained_samples(group_by_chain=True), kept)
+        return 0
+    return 3
+
+
 if __name__ == "__main__":
+    if sys.argv[2] == "signalled":
+        sys.exit(signalled(sys.argv[1], sys.argv[3]))
     slow_down(float(sys.argv[2]))
     if len(sys.argv) > 3:
         killing.arm(int(sys.argv[3]), sys.argv[4])

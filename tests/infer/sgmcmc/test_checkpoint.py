@@ -5,10 +5,12 @@ from __future__ import annotations
 import errno
 import os
 import pickle
+import queue
 import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -109,6 +111,58 @@ def test_a_killed_process_resumes_exactly(tmp_path):
     assert torch.equal(
         resumed.get_unconstrained_samples(group_by_chain=True)["w"][:, : saved["kept"]], saved["draws"]["w"]
     )
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs POSIX signals")
+@pytest.mark.parametrize("name", ["SIGINT", "SIGTERM"])
+def test_a_real_signal_keeps_the_draws_and_resumes_exactly(tmp_path, name):
+    """A child run gets a real Ctrl-C or a scheduler's SIGTERM mid-run: it exits cleanly, with the checkpoint written,
+    its lock released and the draws it took, and the run resumed here is bitwise the uninterrupted one."""
+    path, kept_file, stderr = tmp_path / "run.pt", tmp_path / "kept.pt", tmp_path / "stderr.txt"
+    script = Path(killable_run.__file__)
+    with open(stderr, "wb") as errors:
+        process = subprocess.Popen(
+            [sys.executable, str(script), str(path), "signalled", str(kept_file)],
+            stdout=subprocess.PIPE,
+            stderr=errors,
+            env=child_env(),
+        )
+    lines = queue.Queue()
+    reader = threading.Thread(target=lambda: [*map(lines.put, process.stdout), lines.put(None)], daemon=True)
+    reader.start()
+    try:
+        announced = f"step {killable_run.ANNOUNCED}".encode()
+        while True:
+            try:
+                line = lines.get(timeout=120)
+            except queue.Empty:
+                line = None
+            assert line is not None, f"the child never reached {announced}: {stderr.read_text()}"
+            if line.strip() == announced:
+                break
+        os.kill(process.pid, getattr(signal, name))
+        assert process.wait(timeout=120) == 0, stderr.read_text()
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+        reader.join(timeout=60)  # the child's end closed the pipe: the reader is at its end
+        process.stdout.close()
+    assert "interrupted: keeping the" in stderr.read_text()
+    assert sorted(os.listdir(tmp_path)) == ["kept.pt", "run.pt", "stderr.txt"]  # no lock or temporary left
+    saved, kept = load(path), torch.load(kept_file)["w"]
+    # the child announces a step before the driver's bookkeeping of it: a signal may cut that short (then redone)
+    assert killable_run.ANNOUNCED - 1 <= saved["step"] < killable_run.NUM_WARMUP + killable_run.NUM_SAMPLES
+    # the draw of a step the signal cut short after it was recorded is kept by the child, and redone on resume
+    assert 0 < saved["kept"] <= kept.shape[1] <= saved["kept"] + 1
+    reference = killable_run.sampler()
+    reference.run(*killable_run.data())
+    expected = reference.get_unconstrained_samples(group_by_chain=True)["w"]
+    assert torch.equal(kept, expected[:, : kept.shape[1]])
+    assert torch.equal(saved["draws"]["w"], expected[:, : saved["kept"]])
+    resumed = killable_run.sampler(path)
+    resumed.run(*killable_run.data())
+    assert_same_run(resumed, reference)
 
 
 @pytest.mark.parametrize("chain_method", ["vectorized", "sequential", "fallback"])
