@@ -8,11 +8,13 @@ functions that do them, each timed on its own (a part nested in another is repor
 (tracing it, its checks, the support check of the observed values over the full data), recording the log joint as a
 graph (first call of each signature), the control variate (the mode search and its full-data gradient), the
 post-run health checks (repeated draws, r_hat, ESS) and the noise probe. The rest is the steps. A second run in the
-same process shows what a repeat costs.
+same process shows what a repeat costs. The table also gives the mode search's full-data and subsample passes
+(``mcmc.mode_search``).
 
 Part 2 times ``to_inference_data`` on a run of 4 chains x ``--export-draws`` draws at ``--export-n`` data points:
 its wall time and the peak resident memory above what the process held before (``VmHWM`` reset), with the size of
-the log-likelihood group it returns.
+the log-likelihood group it returns. Run without part 2, the report keeps the part-2 section (from its heading
+``## to_inference_data``) of the file it replaces.
 """
 
 from __future__ import annotations
@@ -46,16 +48,29 @@ PARTS = {  # (module, attribute): what it is
 }
 
 
+UNION = "union"  # the wall time of the outermost parts: a part nested in another counts once
+FIRST = "  of which the process's first recording (one-time: torch's make_fx imports and warms up)"
+
+
 def instrument(seconds: dict[str, float]) -> None:
+    depth, first = [0], [False]
     for (owner, name), label in PARTS.items():
         original = getattr(owner, name)
 
         def timed(*args, _original=original, _label=label, **kwargs):
             start = time.perf_counter()
+            depth[0] += 1
             try:
                 return _original(*args, **kwargs)
             finally:
-                seconds[_label] += time.perf_counter() - start
+                depth[0] -= 1
+                elapsed = time.perf_counter() - start
+                seconds[_label] += elapsed
+                if _label == PARTS[(traced.TracedLogDensity, "_record")] and not first[0]:
+                    first[0] = True
+                    seconds[FIRST] += elapsed
+                if depth[0] == 0:
+                    seconds[UNION] += elapsed
 
         setattr(owner, name, timed)
 
@@ -103,22 +118,32 @@ def main() -> None:
         problem = make("logistic", int(args.n), 10, 1000)
         report += ["| part | " + " | ".join(f"run {i + 1} (s) | share" for i in range(args.runs)) + " |"]
         report += ["|---|" + "---:|---:|" * args.runs]
-        runs = []
+        runs, searches = [], []
         for seed in range(args.runs):
             seconds.clear()
-            _, total = one_run(problem, 500, seed)  # 500 warm-up + 500 kept steps
+            mcmc, total = one_run(problem, 500, seed)  # 500 warm-up + 500 kept steps
             runs.append((total, dict(seconds)))
-            log(f"run {seed}: {total:.1f} s, {dict(seconds)} (load {load_average()})")
-        for label in PARTS.values():
+            searches.append(mcmc.mode_search)
+            log(f"run {seed}: {total:.1f} s, {dict(seconds)}, {mcmc.mode_search} (load {load_average()})")
+        labels = list(PARTS.values())
+        labels.insert(labels.index(PARTS[(traced.TracedLogDensity, "_record")]) + 1, FIRST)
+        for label in labels:
             cells = [f"{parts.get(label, 0.0):.2f} | {parts.get(label, 0.0) / total:.1%}" for total, parts in runs]
             report.append(f"| {label} | {' | '.join(cells)} |")
-        fixed = [sum(v for k, v in parts.items() if not k.startswith("  ")) for _, parts in runs]
+        fixed = [parts.get(UNION, 0.0) for _, parts in runs]
         report.append(
-            "| **fixed parts together** | "
+            "| **fixed parts together** (a part nested in another, e.g. recording in the mode search, counted once) | "
             + " | ".join(f"**{f:.2f}** | **{f / t:.1%}**" for f, (t, _) in zip(fixed, runs, strict=True))
             + " |"
         )
         report.append("| the whole run | " + " | ".join(f"{t:.2f} | 100% " for t, _ in runs) + " |")
+        report.append(
+            "| mode search: full-data passes (+ subsample passes) | "
+            + " | ".join(
+                " | " if s is None else f"{s.full_passes} (+ {getattr(s, 'subsample_passes', 0)}) | " for s in searches
+            )
+            + " |"
+        )
         report += ["", f"Load average after part 1: {load_average()}.", ""]
         del problem
 
@@ -134,12 +159,16 @@ def main() -> None:
         peak = peak_mb() - before
         values = idata["log_likelihood"]["obs"].values
         report += [
+            "## to_inference_data's log-likelihood",
+            "",
             f"to_inference_data on 4 x {args.export_draws} draws at N = {args.export_n:.0e}: {took:.2f} s, "
             f"peak resident memory +{peak:.0f} MB above the {before:.0f} MB held before; "
             f"the log_likelihood group is {values.dtype}, {values.nbytes / 2**20:.0f} MB "
             f"(load average {load_average()}).",
             "",
         ]
+    elif args.out.exists() and "\n## to_inference_data" in args.out.read_text():
+        report += ["## to_inference_data" + args.out.read_text().split("\n## to_inference_data", 1)[1]]
     write_report("\n".join(report), args.out)
 
 
