@@ -213,12 +213,8 @@ class LaplacePosterior(LaplacePredictives, GaussianDraws):
             log_likelihood = -0.5 * n * torch.log(2 * math.pi * noise**2) - 0.5 * self.fit.sum_squares / noise**2
         else:
             log_likelihood = self.fit.log_likelihood
-        # at the posterior's own prior and noise, its (cached) factorisation
-        H = (
-            self.precision
-            if prior_precision is None and observation_noise is None
-            else self._precision(precision, noise)
-        )
+        own = prior_precision is None and observation_noise is None  # the posterior's: its cached factorisation
+        H = self.precision if own else self._precision(precision, noise)
         r = theta - self.prior_mean
         evidence = log_likelihood - 0.5 * (r * _prior_times(precision, r)).sum() + 0.5 * _prior_logdet(precision)
         evidence = evidence - 0.5 * H.logdet()
