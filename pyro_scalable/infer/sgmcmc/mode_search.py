@@ -210,15 +210,14 @@ def find_mode(
     n = float(plate.size) if plate is not None else 1.0
     size = points_per_chunk(full, chunk_size)
     names = list(start)
-    shapes = [start[k].shape for k in names]
-    dtype = start[names[0]].dtype
-    x = torch.cat([start[k].detach().reshape(-1) for k in names]).double()
-    slack = 8 * torch.finfo(dtype).eps  # the values' relative rounding (module docstring)
+    shapes, dtypes = [start[k].shape for k in names], [start[k].dtype for k in names]
+    x = torch.cat([start[k].detach().reshape(-1).double() for k in names])
+    slack = 8 * max(torch.finfo(t).eps for t in dtypes)  # the values' relative rounding (module docstring)
     counts = [0, 0]  # full-data and subsample evaluations
 
     def unflatten(x: Tensor) -> Latents:
         parts = x.split([math.prod(s) for s in shapes])
-        return {k: p.reshape(s).to(dtype) for k, p, s in zip(names, parts, shapes, strict=True)}
+        return {k: p.reshape(s).to(t) for k, p, s, t in zip(names, parts, shapes, dtypes, strict=True)}
 
     def evaluate(x: Tensor, indices: Tensor | None) -> tuple[float, Tensor, Any]:
         counts[indices is not None] += 1
