@@ -205,14 +205,14 @@ def crossover(cells_by_n: dict[int, dict], which: str) -> str:
     return f"{where} (ours ÷ NUTS {which}: {'; '.join(ratios)})"
 
 
-def render(args, sizes, results, notes, elapsed, peers) -> str:
+def render(args, sizes, results, notes, elapsed, header) -> str:
     report = [
         "# Time to accuracy: SGHMC(model) at the defaults against NumPyro NUTS and BlackJAX SGLD/SGHMC",
         "",
         f"Command: `python {' '.join(['benchmarks/bench_peers.py', *sys.argv[1:]])}` ({elapsed / 60:.1f} minutes so "
         f"far; NUTS budget {args.nuts_budget:.0f} s a run, total budget {args.total_budget:.0f} minutes)",
         "",
-        *machine(args.threads, peers),
+        *header,
         "",
         "Seconds; in brackets the worst mean error in reference sds and the worst sd error (accurate: ≤ 0.1 sd and "
         "≤ 10%), then the 1-minute load average (2 cores) and the cores other processes used meanwhile. References "
@@ -259,6 +259,7 @@ def main() -> None:
     notes: dict[str, list[str]] = {}
     history: dict[str, NutsHistory | None] = {}
     started = time.perf_counter()
+    header = machine(args.threads, peers)  # the code as imported at the start, not as it is at a later write
 
     def left() -> float:
         return args.total_budget * 60 - (time.perf_counter() - started)
@@ -308,7 +309,7 @@ def main() -> None:
                     problem, data, algorithm, min(args.budget, left())
                 )
             del problem, data
-            write_report(render(args, sizes, results, notes, time.perf_counter() - started, peers), args.out)
+            write_report(render(args, sizes, results, notes, time.perf_counter() - started, header), args.out)
 
 
 if __name__ == "__main__":
