@@ -235,9 +235,12 @@ def _per_group(log_posterior_fn: LogPosteriorFn, latents: Latents, examples: Any
         return vmap(grad_and_value(log_posterior_fn), in_dims=(None, in_dims))(latents, examples)
     size = split[0].shape[0]
     leaves = {name: x.detach().expand(size, *x.shape).clone().requires_grad_() for name, x in latents.items()}
-    with torch.enable_grad():
-        values = vmap(log_posterior_fn, in_dims=(0, in_dims))(leaves, examples)
-        grads = torch.autograd.grad(values.sum(), list(leaves.values()), allow_unused=True, materialize_grads=True)
+    try:
+        with torch.enable_grad():
+            values = vmap(log_posterior_fn, in_dims=(0, in_dims))(leaves, examples)
+            grads = torch.autograd.grad(values.sum(), list(leaves.values()), allow_unused=True, materialize_grads=True)
+    except RuntimeError:  # a model that branches on its latents cannot take them batched: each group's own gradient
+        return vmap(grad_and_value(log_posterior_fn), in_dims=(None, in_dims))(latents, examples)
     return dict(zip(leaves, grads, strict=True)), values.detach()
 
 

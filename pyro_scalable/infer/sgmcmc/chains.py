@@ -136,7 +136,7 @@ class ChainStepper:
 
         A function of its arguments (the generator aside): what :class:`CompiledStep` compiles.
         """
-        if self.mode == "vectorized":
+        if not isinstance(state, list):  # vectorised (also while falling back to sequential: a list of chains)
             latents = self.program.plain_gradient_at(state, phase)
             if latents is None or torch.compiler.is_compiling():  # compiled: one vmapped gradient transform, traced
                 return self._vstep(phase, indices)(state, indices, args, kwargs)
