@@ -58,6 +58,7 @@ from pyro_scalable.infer.swag.posterior import SWAGPosterior
 __all__ = ["SWAG"]
 
 NOISE_PROBES = 32  # minibatch gradients that estimate tr S for lr="auto"
+SWAG_MODE_TOLERANCE = 0.01  # the start SGD leaves from: a mode to 0.01·√d posterior sds (a control variate asks 0.1)
 POWER_ITERATIONS = 30  # Hessian-vector products that find the stiffest direction for lr="auto"
 
 
@@ -268,7 +269,9 @@ class SWAG:
         modes, searches = [], []
         for r in range(self.num_runs):
             generator = torch.Generator(device=bridge.device).manual_seed(seed + 2 + r)
-            mode, search = find_mode(bridge, {n: v[r] for n, v in initial.items()}, generator)
+            mode, search = find_mode(
+                bridge, {n: v[r] for n, v in initial.items()}, generator, tolerance=SWAG_MODE_TOLERANCE
+            )
             modes.append(mode)
             searches.append(search)
         return {n: torch.stack([m[n] for m in modes]) for n in bridge.sites}, searches
