@@ -250,6 +250,8 @@ def find_mode(
                     break
                 t = 1.0 if memory.pairs else min(1.0, 1.0 / float(g.abs().sum()))
                 step = _line_search(lambda x_t, i=indices: evaluate(x_t, i), x, f, g, d, t, slack * abs(f))
+                if step is None and indices is None:  # stalled on the full data short of the mode: a log joint
+                    raise _NoFiniteMode  # that rounding leaves no way up (a funnel's neck), not a mode
                 if step is None:
                     break
                 x_new, f, g_new, control = step
@@ -274,16 +276,19 @@ def _line_search(evaluate: Callable, x: Tensor, f: float, g: Tensor, d: Tensor, 
     """A step ``x + t d`` meeting the weak Wolfe conditions, as ``(x, f, g, control)``.
 
     ``None`` where none was found within :data:`_LINE_SEARCH` trials; :class:`_NoFiniteMode` at a log joint of NaN or
-    +∞ or a gradient not finite.
+    +∞, or a gradient not finite at a point no worse than ``x`` (running downhill to where the gradient overflows:
+    a mode on a support's edge); a trial point uphill whose gradient overflows (e.g. a scale near 0 at large N, in
+    float32) only shortens the step.
     """
     slope = float(g @ d)
     lo, hi = 0.0, math.inf
     for _ in range(_LINE_SEARCH):
         x_t = x + t * d
         f_t, g_t, control = evaluate(x_t)
-        if math.isnan(f_t) or f_t == -math.inf or (f_t < math.inf and not bool(torch.isfinite(g_t).all())):
+        finite = bool(torch.isfinite(g_t).all())
+        if math.isnan(f_t) or f_t == -math.inf or (not finite and f_t <= f):  # downhill to where ∇ overflows
             raise _NoFiniteMode
-        if f_t > f + _C1 * t * slope + slack:  # too far (+∞ included: a zero density)
+        if f_t > f + _C1 * t * slope + slack or not finite:  # too far (+∞ included, or uphill where ∇ overflows)
             hi = t
         elif float(g_t @ d) < _C2 * slope:  # too short: the slope is still steep
             lo = t

@@ -218,6 +218,23 @@ def test_the_mode_search_on_a_subsample_then_the_full_data_reaches_the_mode_in_f
         torch.testing.assert_close(control.gradient["w"], again.gradient["w"], rtol=0, atol=0)
 
 
+def test_a_trial_point_far_uphill_whose_gradient_overflows_only_shortens_the_step():
+    """A scale's float32 gradient overflows far from the mode (log σ = -21 at N = 10⁶: Σ r²/σ² > 3.4e38) while its
+    log joint is still finite: the line search steps back from there instead of calling the mode not finite."""
+
+    def evaluate(x):  # f = x²/2, but beyond x = 3 a finite, huge value whose gradient overflowed
+        if float(x) > 3:
+            return 1e27, torch.tensor([math.inf], dtype=torch.float64), None
+        return 0.5 * float(x) ** 2, x.clone(), None
+
+    x = torch.tensor([-2.0], dtype=torch.float64)
+    f, g, _ = evaluate(x)
+    step = mode_search._line_search(evaluate, x, f, g, torch.tensor([10.0], dtype=torch.float64), 1.0, 0.0)
+    assert step is not None and 0 < float(step[0]) < 2 and step[1] < f
+    with pytest.raises(mode_search._NoFiniteMode):  # downhill to where it overflows: a mode on the support's edge
+        mode_search._line_search(lambda x: (0.0, x * math.inf, None), x, f, g, torch.tensor([1.0]).double(), 1.0, 0.0)
+
+
 CALIBRATED = {
     "sghmc-map": (SGHMC, "map"),
     "sghmc-warmup": (SGHMC, "warmup"),
