@@ -19,7 +19,10 @@ and for its diverging steps there. A chain is **left behind** where
 or where it diverged in the window. Chains sampling one posterior have window means within a fraction of a
 within-chain sd of one another (the sd of a mean over a window of many steps); a chain :math:`G` sds below the
 median chain is not in the same bulk. The median, not the best chain, is the yardstick: a minority of chains far
-below is restarted, never the majority. Chains that are not left behind are the donors; each straggler starts
+below is restarted, never the majority. With an even number of chains it is the upper of the two middle chains, so
+up to half of them may be restarted (two of four chains left 10⁴–10⁵ nats below at the end of a warm-up at
+N = 10⁶: with the lower middle chain as the yardstick, that chain was kept and sampled 40 posterior sds off); with
+two chains only a diverged one is. Chains that are not left behind are the donors; each straggler starts
 again from a donor's state (position, momenta, what warm-up learnt there) and goes on with its own noise and
 minibatches, so the two separate within a few relaxation times. A chain in a distinct mode whose log density is as
 high as the others' is not touched: this check is about chains that are stuck, not about modes.
@@ -110,8 +113,9 @@ def left_behind(mean: Tensor, spread: Tensor, diverged: Tensor) -> Tensor:
         tensor([False, False,  True,  True])
 
     """
-    gap = GAP * spread.median()
-    return (mean < mean.median() - gap) | diverged
+    ordered = mean.sort().values
+    yardstick = ordered[len(ordered) // 2] if len(ordered) > 2 else ordered[0]  # the upper median from 3 chains
+    return (mean < yardstick - GAP * spread.median()) | diverged
 
 
 def donors_for(behind: Tensor) -> tuple[Tensor, Tensor] | None:

@@ -30,6 +30,22 @@ def test_a_window_finds_the_chain_far_below_the_others_and_the_one_that_diverged
     assert window.left_behind() is None
 
 
+def test_two_of_four_chains_far_below_are_both_behind_and_two_chains_are_never_compared():
+    # the end of a warm-up at N = 10⁶ (latent-scale regression, seed 0): two chains 10⁴-10⁵ nats below, each
+    # wandering by thousands; the lower of the two middle chains is one of them, so it cannot be the yardstick
+    window = WindowLog()
+    g = torch.Generator().manual_seed(2)
+    centre = torch.tensor([-2.0, 2.0, -108_000.0, -25_000.0], dtype=torch.float64)
+    spread = torch.tensor([2.0, 2.0, 6_000.0, 3_000.0], dtype=torch.float64)
+    for _ in range(100):
+        window.observe(centre + spread * torch.randn(4, generator=g, dtype=torch.float64), torch.zeros(4, dtype=bool))
+    assert window.left_behind().tolist() == [False, False, True, True]
+    pair = WindowLog()
+    for _ in range(100):  # with two chains neither is the other's yardstick: only a diverged one is behind
+        pair.observe(torch.tensor([-2.0, -25_000.0], dtype=torch.float64), torch.zeros(2, dtype=bool))
+    assert not pair.left_behind().any()
+
+
 def test_chains_within_a_few_sds_of_each_other_are_all_kept():
     window = WindowLog()
     g = torch.Generator().manual_seed(1)
