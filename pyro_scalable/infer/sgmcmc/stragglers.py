@@ -113,8 +113,8 @@ def left_behind(mean: Tensor, spread: Tensor, diverged: Tensor) -> Tensor:
         tensor([False, False,  True,  True])
 
     """
-    ordered = mean.sort().values
-    yardstick = ordered[len(ordered) // 2] if len(ordered) > 2 else ordered[0]  # the upper median from 3 chains
+    ordered = mean.reshape(-1).sort().values  # (a single chain's mean may come 0-d)
+    yardstick = ordered[ordered.numel() // 2] if ordered.numel() > 2 else ordered[0]  # the upper median from 3 on
     return (mean < yardstick - GAP * spread.median()) | diverged
 
 

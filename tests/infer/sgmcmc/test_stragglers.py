@@ -11,7 +11,7 @@ import torch
 
 from pyro_scalable.infer import SGHMC, SGLD, StochasticMCMC
 from pyro_scalable.infer.sgmcmc.adaptation import Adaptation, settle
-from pyro_scalable.infer.sgmcmc.stragglers import GAP, WindowLog, copy_chains, donors_for
+from pyro_scalable.infer.sgmcmc.stragglers import GAP, WindowLog, copy_chains, donors_for, left_behind
 
 from .test_adaptation import NoisyQuadratic
 
@@ -44,6 +44,7 @@ def test_two_of_four_chains_far_below_are_both_behind_and_two_chains_are_never_c
     for _ in range(100):  # with two chains neither is the other's yardstick: only a diverged one is behind
         pair.observe(torch.tensor([-2.0, -25_000.0], dtype=torch.float64), torch.zeros(2, dtype=bool))
     assert not pair.left_behind().any()
+    assert not left_behind(torch.tensor(-2.0), torch.tensor(1.0), torch.tensor(False))  # one chain's 0-d window
 
 
 def test_chains_within_a_few_sds_of_each_other_are_all_kept():
