@@ -51,8 +51,8 @@ __all__ = ["FORMAT", "Resumed", "RunCheckpoint", "run_fingerprint"]
 # and warm-up's metric; 5: warm-up's metric window per chain, its log-density window and restarted chains;
 # 6: the gradient noise's average in the program's state, not the kernel's; 7: the kernel's values, every setting,
 # the data bound to the model's parameters and what cannot be identified in the fingerprint; 8: the model tracing's
-# history, which calls replay the recorded graph)
-FORMAT = 8
+# history, which calls replay the recorded graph; 9: the control variate's policy as the run went on with it)
+FORMAT = 9
 KIND = "StochasticMCMC"
 _KEYS = (
     "fingerprint",
@@ -71,6 +71,7 @@ _KEYS = (
     "window",
     "restarted",
     "tracing",
+    "option",
 )
 
 
@@ -177,6 +178,7 @@ class Resumed(NamedTuple):
     warmup_divergences: Tensor | None = None
     restarted: Tensor | None = None
     control_variate: ControlVariate | None = None
+    option: str | None = None  # the control variate's policy ("map", "warmup") the run went on with, if a string
 
 
 class RunCheckpoint:
@@ -280,6 +282,7 @@ class RunCheckpoint:
             saved["warmup_divergences"].to(device),
             saved["restarted"].clone(),
             None if control is None else ControlVariate(**_to(control, device)),
+            saved["option"],
         )
 
     def remember(self, step: int, kept: int, *, stopped: bool = False) -> None:
@@ -298,6 +301,7 @@ class RunCheckpoint:
             "window": None if self.window is None else self.window.state_dict(),
             "restarted": self.progress.restarted.clone(),
             "tracing": [tracer.history() for tracer in self.tracers],
+            "option": option if isinstance(option := self.progress.option, str) else None,
         }
 
     def step_done(self, step: int, kept: int, *, stopped: bool = False) -> None:

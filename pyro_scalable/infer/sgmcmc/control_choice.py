@@ -3,11 +3,11 @@ r"""Which control variate a run uses, and where its centre is: ``control_variate
 The estimator is in :mod:`.control_variates`; this module is the driver's policy. ``"auto"`` chooses from the model
 and the run (:func:`choose`, with the measurements behind each threshold); :func:`attach` wraps the run's log
 posterior in the chosen estimate, finding a ``"map"`` centre once (a resumed run reads it back); with ``"warmup"``
-the driver calls :func:`recentre` at the end of each of warm-up's metric windows (one full-data pass each) and
-switches the estimate off in burn-in (``ControlledLogPosterior.active``): a chain far from the centre sees noise
-growing with :math:`\lVert\theta-\hat\theta\rVert^2`, and burn-in, which does not bound the gradient noise, would
-amplify it (seen on the non-centred hierarchical logistic regression, centred at its exact posterior mean: the
-burn-in chains ran away).
+the driver calls :func:`recentre` where each of warm-up's calibrated halves starts, at the chains' positions then
+(one full-data pass each), and switches the estimate off in burn-in (``ControlledLogPosterior.active``): a chain
+far from the centre sees noise growing with :math:`\lVert\theta-\hat\theta\rVert^2`, and burn-in, which does
+not bound the gradient noise, would amplify it (seen on the non-centred hierarchical logistic regression, centred
+at its exact posterior mean: the burn-in chains ran away).
 """
 
 from __future__ import annotations
@@ -15,7 +15,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import pyro
+import torch
+
 from pyro_scalable.bridge.model import Latents, ModelBridge
+from pyro_scalable.bridge.plates import plate_indices
 from pyro_scalable.infer.sgmcmc.control_variates import (
     CentreError,
     ControlledLogPosterior,
@@ -25,7 +29,7 @@ from pyro_scalable.infer.sgmcmc.control_variates import (
     require_full_data,
 )
 
-__all__ = ["AUTO_RATIO", "HIERARCHY_RATIO", "attach", "choose", "recentre"]
+__all__ = ["AUTO_RATIO", "HIERARCHY_RATIO", "attach", "centred", "choose", "recentre"]
 
 AUTO_RATIO = 10  # "auto": a control variate at the mode where N/B reaches this (measured: see choose())
 HIERARCHY_RATIO = 4  # "auto": centred at warm-up's windows for a hierarchy where N/B reaches this (see choose())
@@ -46,12 +50,26 @@ def choose(option: Any, kernel: Any, bridge: ModelBridge, *, windows: bool = Tru
       variate lifts that bound for twice the work per step. From ``N/B = 10`` the controlled noise is small enough
       that warm-up's friction drops several-fold, and the draws a run keeps are worth about three times as many
       (the least bulk ESS of the accuracy zoo's small models, ``tests/model_zoo.py``) for about 1.2× the time.
-    * ``"warmup"`` for a model with a latent site inside a plate (group-level latents: a hierarchy) where
-      ``N/B ≥`` :data:`HIERARCHY_RATIO`. There the joint mode is not where the posterior's mass is: in a
-      non-centred hierarchy with G group effects z ~ N(0, 1) the mode wants every z near 0 and a large group scale
-      τ, while the draws hold ‖z‖² ≈ G, so a centre at the mode can lie far outside the posterior's bulk and
-      chains controlled there drift away from it. Warm-up's window means are in the bulk; and each group's effect is
-      informed by its own rows only, so the plain estimate's noise binds even at a small ``N/B``.
+    * For a model with a latent site inside a plate (group-level latents: a hierarchy) where ``N/B ≥``
+      :data:`HIERARCHY_RATIO`: each group's effect is informed by its own rows only, so the plain estimate's noise
+      binds even at a small ``N/B``.
+
+      - ``"map"`` where the hierarchy is **centred** (every such site's prior depends on other latents,
+        ``b_j ~ N(μ, τ)``: :func:`centred`). Where the groups' data inform their effects, the mode (a local one:
+        the joint density is unbounded where τ → 0 and every b_j → 0) sits in the bulk. On a 50-group regression
+        at N = 10⁵ (``benchmarks/bench_peers.py``'s ``hierarchical``) the mode's centre left the draws 0.11–0.17
+        sd off after 1,000 draws × 4 with friction about 1.3, where ``"warmup"`` left them 0.2–0.4 sd off with
+        friction 6–10. Where the search finds no finite mode (few rows per group: it runs into that funnel),
+        :func:`attach` goes on with ``"warmup"``.
+      - ``"warmup"`` where it is **non-centred** (``z_j ~ N(0, 1)``, ``μ + τ z_j`` in the likelihood). There the
+        joint mode is not where the posterior's mass is: the mode wants every z near 0 and a large group scale τ,
+        while the draws hold ‖z‖² ≈ G, so a centre at the mode lies far outside the bulk and chains controlled
+        there drift away from it (on the 60-group hierarchical logistic regression of
+        ``benchmarks/bench_conditioning.py``, ``"map"`` left r_hat 1.5–2.1 over three seeds). Where each
+        calibrated half of warm-up starts the chains have just burnt in, so the centre goes there: the calibrated
+        half chooses the step size and friction with the noise it will see. (Centred at the previous window's
+        mean instead, the chains were still travelling in that window: on the 50-group regression above the
+        centre lay 200 posterior sds off in log σ, the friction came out 17× and the draws 1.4 sds off.)
 
     Example:
         >>> import pyro, pyro.distributions as dist, torch
@@ -71,7 +89,7 @@ def choose(option: Any, kernel: Any, bridge: ModelBridge, *, windows: bool = Tru
 
     """
     plates = list(getattr(bridge, "plates", {}).values())
-    hierarchy = any(name is not None for site in getattr(bridge, "sites", {}).values() for name in site.plates)
+    hierarchy = _hierarchy(bridge)
     if option == "warmup" and not windows:
         raise ValueError(
             "control_variate='warmup' centres on the means of warm-up's metric windows, and this run has none: "
@@ -86,8 +104,48 @@ def choose(option: Any, kernel: Any, bridge: ModelBridge, *, windows: bool = Tru
         return None
     ratio = plates[0].size / plates[0].subsample_size
     if hierarchy:
-        return "warmup" if windows and ratio >= HIERARCHY_RATIO else None
+        if ratio < HIERARCHY_RATIO:
+            return None
+        return "map" if centred(bridge) else ("warmup" if windows else None)
     return "map" if ratio >= AUTO_RATIO else None
+
+
+def _hierarchy(bridge: ModelBridge) -> bool:
+    return any(name is not None for site in getattr(bridge, "sites", {}).values() for name in site.plates)
+
+
+def centred(bridge: ModelBridge) -> bool:
+    """Whether every latent site in a plate has a prior that depends on other latents (a centred hierarchy).
+
+    ``b_j ~ Normal(mu, tau)`` is centred; ``z_j ~ Normal(0, 1)`` with ``mu + tau * z_j`` in the likelihood is not.
+    Found by tracing the model once (on one data point of each subsampled plate, no random draw) with every latent
+    a leaf that requires grad (at unconstrained 0): a centred site's prior log density then has a graph to them.
+
+    Example:
+        >>> import pyro, pyro.distributions as dist, torch
+        >>> from pyro_scalable.bridge import ModelBridge
+        >>> def model(y, centred=True):
+        ...     tau = pyro.sample("tau", dist.HalfNormal(1.0))
+        ...     with pyro.plate("groups", 3):
+        ...         b = pyro.sample("b", dist.Normal(0.0, tau if centred else 1.0))
+        ...     scale = 1.0 if centred else tau
+        ...     with pyro.plate("data", len(y), subsample_size=3) as idx:
+        ...         pyro.sample("obs", dist.Normal(scale * b[idx % 3], 1.0), obs=y[idx])
+        >>> y = torch.randn(30)
+        >>> centred(ModelBridge(model, (y,))), centred(ModelBridge(model, (y, False)))
+        (True, False)
+
+    """
+    grouped = [name for name, site in bridge.sites.items() if any(p is not None for p in site.plates)]
+    one = {name: torch.zeros(1, dtype=torch.long, device=bridge.device) for name in bridge.plates}
+    zeros = {name: torch.zeros(site.unconstrained_shape, device=bridge.device) for name, site in bridge.sites.items()}
+    values = {k: v.to(bridge.sites[k].dtype).requires_grad_() for k, v in bridge.constrain(zeros).items()}
+    with torch.enable_grad(), pyro.validation_enabled(False), plate_indices(one, full_data=True):
+        conditioned = pyro.poutine.condition(bridge.model, data=values)
+        trace = pyro.poutine.trace(conditioned).get_trace(*bridge.args, **bridge.kwargs)
+        return bool(grouped) and all(
+            trace.nodes[name]["fn"].log_prob(values[name].detach()).requires_grad for name in grouped
+        )
 
 
 def attach(
@@ -101,16 +159,18 @@ def attach(
     full: ModelBridge | None,
     resumed: ControlVariate | None = None,
     chosen: bool = False,
-) -> tuple[Callable, ControlVariate | None, Any]:
+    windows: bool = True,
+) -> tuple[Callable, ControlVariate | None, Any, Any]:
     """The log posterior with the control variate ``option`` (from :func:`choose`) asks for, its centre and search.
 
-    Returns ``(log posterior, control variate, mode search)``: ``base`` and ``None`` where ``option`` is ``None``. A
-    centre ``resumed`` from a checkpoint is used as it is; otherwise one is found (one chain's initial point ``start``
-    begins a mode search on ``bridge``, the full-data gradient on ``full``); ``"warmup"`` starts with none (the
-    plain estimate until warm-up's first window). ``chosen``: ``option`` is what ``"auto"`` chose, and a mode search
-    that finds no finite mode (a centred hierarchy whose group effects are not in a plate has none: its group scale
-    runs to 0) leaves the run plain instead of failing it. The driver keeps what this returns, and checkpoints a new
-    centre at once.
+    Returns ``(log posterior, control variate, mode search, option)``: ``base`` and ``None`` where ``option`` is
+    ``None``. A centre ``resumed`` from a checkpoint is used as it is; otherwise one is found (one chain's initial
+    point ``start`` begins a mode search on ``bridge``, the full-data gradient on ``full``); ``"warmup"`` starts with
+    none (the plain estimate until warm-up's first calibrated half). ``chosen``: ``option`` is what ``"auto"``
+    chose, and a mode search that finds no finite mode does not fail the run: a centred hierarchy (its group scale
+    runs to 0 where the groups' data are few) goes on with ``"warmup"`` where warm-up has metric stages
+    (``windows``), any other model plain. The option returned is the one the run goes on with. The driver keeps
+    what this returns, and checkpoints a new centre at once.
 
     Example:
         >>> import pyro, pyro.distributions as dist, torch
@@ -120,14 +180,14 @@ def attach(
         ...     with pyro.plate("data", len(y), subsample_size=5) as idx:
         ...         pyro.sample("obs", dist.Normal(mu, 1.0), obs=y[idx])
         >>> bridge = ModelBridge(model, (torch.arange(20.0),))
-        >>> fn, control, _ = attach({"mu": torch.tensor(9.5)}, bridge.log_posterior_fn, {}, 0, None,
+        >>> fn, control, _, _ = attach({"mu": torch.tensor(9.5)}, bridge.log_posterior_fn, {}, 0, None,
         ...                         bridge=bridge, full=bridge)
         >>> float(control.centre["mu"]), fn.active
         (9.5, True)
 
     """
     if option is None:
-        return base, None, None
+        return base, None, None, None
     require_full_data(full)
     control, search = resumed, None
     if control is None and option != "warmup":
@@ -136,27 +196,34 @@ def attach(
         except CentreError:
             if not chosen:
                 raise
-            return base, None, None
-    return ControlledLogPosterior(base, control), control, search
+            if windows and _hierarchy(bridge):  # a centred hierarchy's funnel: its group scale runs to 0
+                return ControlledLogPosterior(base, None), None, None, "warmup"
+            return base, None, None, None
+    return ControlledLogPosterior(base, control), control, search, option
 
 
-def recentre(full: ModelBridge, schedule: Any, reducer: Any = None) -> ControlVariate:
-    """A control variate centred at warm-up's last window mean (``control_variate="warmup"``): one full-data pass.
+def recentre(full: ModelBridge, positions: Latents, reducer: Any = None) -> ControlVariate:
+    """A control variate centred where the chains are (``control_variate="warmup"``): one full-data pass.
+
+    ``positions``: the chains' unconstrained latents, chain dimension first, where a calibrated half of warm-up
+    starts; the centre is their coordinate-wise median (the mean of the middle two for an even number of chains),
+    so a chain left far behind does not drag it out of the bulk.
 
     Example:
         >>> import pyro, pyro.distributions as dist, torch
         >>> from pyro_scalable.bridge import ModelBridge
-        >>> from pyro_scalable.infer.sgmcmc.metric import MetricSchedule
         >>> def model(y):
         ...     mu = pyro.sample("mu", dist.Normal(0.0, 10.0))
         ...     with pyro.plate("data", len(y), subsample_size=5) as idx:
         ...         pyro.sample("obs", dist.Normal(mu, 1.0), obs=y[idx])
-        >>> schedule = MetricSchedule("dense", 200, {"mu": torch.zeros(4)})  # four chains of a scalar site
-        >>> schedule.window_mean = torch.tensor([9.5])  # as next_map leaves it
-        >>> control = recentre(ModelBridge(model, (torch.arange(20.0),)), schedule)
+        >>> chains = {"mu": torch.tensor([9.0, 9.4, 9.6, 80.0])}  # four chains, one far behind
+        >>> control = recentre(ModelBridge(model, (torch.arange(20.0),)), chains)
         >>> float(control.centre["mu"]), round(float(control.gradient["mu"]), 4)  # the prior's: the data's is 0
         (9.5, -0.095)
 
     """
-    centre = schedule.layout.unflatten(schedule.window_mean)
+    centre = {}
+    for name, x in positions.items():
+        ordered, count = x.detach().sort(0).values, x.shape[0]
+        centre[name] = ordered[(count - 1) // 2 : count // 2 + 1].mean(0)
     return full_data_gradient(full, centre, reducer=reducer)

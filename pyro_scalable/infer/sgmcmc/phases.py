@@ -167,6 +167,7 @@ def resume(run: Any, state: RunState, batches: Iterable | None) -> None:
         state.warmup_divergences, state.restarted = resumed.warmup_divergences, resumed.restarted
     if resumed.control_variate is not None:
         state.control_variate = resumed.control_variate
+    state.option = resumed.option  # a fallback the policy took ("warmup" for a centred hierarchy's funnel) holds
     state.checkpoint.remember(state.start, state.kept, stopped=state.diverged)
     state.stepper = state.checkpoint.stepper  # in a later stage of warm-up's metric, the stage's
     for _ in range(state.start if state.batch_iter is not None else 0):
@@ -176,10 +177,11 @@ def resume(run: Any, state: RunState, batches: Iterable | None) -> None:
 def attach_control_variate(run: Any, state: RunState) -> None:
     """Wrap the log posterior in the control variate the policy chose (or leave it plain); keep a new centre."""
     wanted = run.kernel.control_variate
-    state.option = choose(wanted, run.kernel, state.bridge, windows=state.schedule is not None)
+    if state.option is None:  # not read back from a checkpoint
+        state.option = choose(wanted, run.kernel, state.bridge, windows=state.schedule is not None)
     first = {k: x[0] for k, x in state.latents.items()}  # one chain's initial point starts a mode search
     resumed = state.control_variate  # a checkpoint's centre, if it held one
-    state.base, control, search = attach(
+    state.base, control, search, state.option = attach(
         state.option,
         state.base,
         first,
@@ -189,6 +191,7 @@ def attach_control_variate(run: Any, state: RunState) -> None:
         full=state.record.full_bridge,
         resumed=resumed,
         chosen=wanted == "auto",
+        windows=state.schedule is not None,
     )
     if control is not None and control is not resumed:
         state.control_variate, state.mode_search = control, search
@@ -251,7 +254,11 @@ def step(run: Any, state: RunState, t: int) -> Any:
     else:
         batch = Batch(next(state.sampler), state.bridge.args, state.bridge.kwargs)
     if state.option == "warmup":  # plain in burn-in: the controlled noise grows with the distance to the centre
-        state.base.active = t >= run.num_warmup or not state.stepper.program.phase(t - schedule.stage_start()).burn_in
+        phase, k = state.stepper.program.phase, t - schedule.stage_start()
+        state.base.active = t >= run.num_warmup or not phase(k).burn_in
+        if t < run.num_warmup and k > 0 and state.base.active and phase(k - 1).burn_in:  # a calibrated half starts
+            positions = schedule.to_theta(state.stepper.latents())  # where burn-in left the chains: one pass
+            state.control_variate = state.base.control = recentre(state.record.full_bridge, positions, state.reducer)
     info = state.stepper.step(batch, t - (schedule.stage_start() if schedule else 0))
     if t < run.num_warmup and (schedule.in_window(t) if schedule else t >= run.num_warmup // 2):
         state.window.observe(info.log_posterior, info.diverging)
@@ -288,8 +295,6 @@ def window_end(run: Any, state: RunState, batch: Batch) -> None:
     curvature = schedule.hessian(state.base, Batch(big, batch.args, batch.kwargs))
     keep = None if restart is None else ~behind
     moved = schedule.next_map(next(iter(theta.values())), curvature, keep=keep)
-    if state.option == "warmup":  # recentred at each window's mean: one full-data pass
-        state.control_variate = state.base.control = recentre(state.record.full_bridge, schedule, state.reducer)
     if moved is not None:
         state.stepper = stage_stepper(run, state, schedule.to_z(theta), state.stepper.mode)
         state.stepper.log_posterior_fn = schedule.wrap(state.base)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import math
 import re
+import warnings
 
 import pyro
 import pyro.distributions as dist
@@ -26,8 +27,9 @@ from pyro_scalable.infer.linearized.layout import ParameterLayout
 from pyro_scalable.infer.sgmcmc import mode_search
 from pyro_scalable.infer.sgmcmc.base import estimate_gradient
 from pyro_scalable.infer.sgmcmc.chains import chains_gradient
-from pyro_scalable.infer.sgmcmc.control_choice import choose
+from pyro_scalable.infer.sgmcmc.control_choice import centred, choose
 from pyro_scalable.infer.sgmcmc.control_variates import (
+    CentreError,
     ControlledLogPosterior,
     find_mode,
     full_data_gradient,
@@ -453,11 +455,23 @@ def hierarchical_data(n=1000):
     return x, group, x + 0.8 * z[group] + torch.randn(n, generator=g)
 
 
-def test_auto_centres_a_hierarchy_at_warmups_windows():
-    """A hierarchy's joint mode is atypical (choose's docstring): 'auto' centres on warm-up's window means there,
-    where warm-up has them and N/B reaches HIERARCHY_RATIO; 'warmup' without windows is refused with the fix."""
+def centred_hierarchical(x, group, y, batch=10):
+    """Group effects b_g ~ N(0, τ): the prior of a latent site inside a plate depends on another latent."""
+    tau = pyro.sample("tau", dist.HalfNormal(x.new_ones(())))
+    with pyro.plate("groups", 5):
+        b = pyro.sample("b", dist.Normal(x.new_zeros(()), tau))
+    with pyro.plate("data", len(y), subsample_size=batch) as idx:
+        pyro.sample("obs", dist.Normal(b[group[idx]] + x[idx], 1.0), obs=y[idx])
+
+
+def test_auto_centres_a_centred_hierarchy_at_its_mode_and_a_non_centred_one_at_warmups_chains():
+    """A non-centred hierarchy's joint mode is atypical (choose's docstring): 'auto' centres where warm-up's
+    calibrated halves start, where warm-up has them and N/B reaches HIERARCHY_RATIO; a centred one at its mode;
+    'warmup' without windows is refused with the fix."""
     bridge = ModelBridge(hierarchical, hierarchical_data())
+    assert not centred(bridge) and centred(ModelBridge(centred_hierarchical, hierarchical_data()))
     assert choose("auto", SGHMC(hierarchical), bridge) == "warmup"
+    assert choose("auto", SGHMC(centred_hierarchical), ModelBridge(centred_hierarchical, hierarchical_data())) == "map"
     assert choose("auto", SGHMC(hierarchical), bridge, windows=False) is None
     assert choose("map", SGHMC(hierarchical), bridge) == "map"  # asked for: kept
     wide = ModelBridge(lambda x, g, y: hierarchical(x, g, y, batch=300), hierarchical_data())  # N/B = 3.3
@@ -470,9 +484,10 @@ def test_auto_centres_a_hierarchy_at_warmups_windows():
         ).run(*hierarchical_data())  # "auto" keeps no metric for a warm-up under 200 steps
 
 
-def test_the_warmup_centre_is_each_windows_mean_and_burn_in_is_plain(monkeypatch):
+def test_the_warmup_centre_is_where_each_calibrated_half_starts_and_burn_in_is_plain(monkeypatch):
     """control_variate="warmup": off in every burn-in step and on in every calibrated and sampling step; recentred
-    at the end of each metric window at that window's mean, with the exact full-data gradient there."""
+    where each calibrated half of warm-up starts, at the chains' median position then, with the exact full-data
+    gradient there."""
     from pyro_scalable.infer.sgmcmc import control_choice, metric
 
     flags, centres = [], []
@@ -484,9 +499,9 @@ def test_the_warmup_centre_is_each_windows_mean_and_burn_in_is_plain(monkeypatch
     )
     original = control_choice.recentre
 
-    def spy(full, schedule, reducer=None):
-        centres.append(schedule.window_mean.clone())
-        return original(full, schedule, reducer)
+    def spy(full, positions, reducer=None):
+        centres.append((len(flags) - 2, {k: v.clone() for k, v in positions.items()}))  # the step it is taken at
+        return original(full, positions, reducer)
 
     monkeypatch.setattr("pyro_scalable.infer.sgmcmc.phases.recentre", spy)
     data = hierarchical_data()
@@ -504,19 +519,70 @@ def test_the_warmup_centre_is_each_windows_mean_and_burn_in_is_plain(monkeypatch
     ends = [round(share * num_warmup) for share in metric.STAGES]
     starts = [0, *ends]
     lengths = [b - a for a, b in zip(starts, [*ends, num_warmup])]
-    # the first stage is warm-up's start as without a metric (its burn-in is half of num_warmup); each later
-    # stage is a warm-up of its own, burn-in first
+    # the first stage is warm-up's start as without a metric (its burn-in is half of num_warmup, longer than the
+    # stage: no calibrated half); each later stage is a warm-up of its own, burn-in first
     lengths[0] = num_warmup
     expected = [t - a >= n // 2 for a, n, end in zip(starts, lengths, [*ends, num_warmup]) for t in range(a, end)]
     expected += [True] * 20
     assert flags == [True, *expected]  # on as built; then one setting per step
-    assert len(centres) == len(ends)
-    layout = ParameterLayout({k: v.shape[1:] for k, v in mcmc.state.kernel.latents.items()})
+    calibrated = [a + n // 2 for a, n in zip(starts[1:], lengths[1:])]
+    assert [t for t, _ in centres] == calibrated  # one recentre (one full-data pass) per later stage
+    positions = centres[-1][1]
+    middle = {k: v.sort(0).values.mean(0) for k, v in positions.items()}  # two chains: the median is their mean
     centre = mcmc.control_variate.centre
-    torch.testing.assert_close(layout.flatten(centre, 0), centres[-1])
+    for name, value in middle.items():
+        torch.testing.assert_close(centre[name], value)
     exact = full_data_gradient(ModelBridge(hierarchical, data), centre)
     for name, g in exact.gradient.items():
         torch.testing.assert_close(mcmc.control_variate.gradient[name], g)
+
+
+def funnel_data(n=100):
+    """Group effects that the data put at 0 with few rows each: the centred model's mode search runs into the funnel."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(n, generator=g)
+    return x, torch.arange(n) % 5, x + torch.randn(n, generator=g)
+
+
+def test_a_centred_hierarchy_without_a_finite_mode_goes_on_centred_at_warmups_chains():
+    """'auto' chose the mode for a centred hierarchy; where the search finds none (its group scale runs to 0), the
+    run goes on with "warmup" (no error, no plain run); asked for, "map" says why."""
+    data = funnel_data()
+    short = dict(num_samples=5, num_warmup=200, num_chains=2, seed=0, progress_bar=False)
+    with pytest.raises(CentreError, match="no finite mode"):
+        StochasticMCMC(SGHMC(centred_hierarchical, control_variate="map"), **short).run(*data)
+    mcmc = StochasticMCMC(SGHMC(centred_hierarchical), **short)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # 5 draws: not healthy
+        mcmc.run(*data)
+    assert mcmc.mode_search is None and mcmc.control_variate is not None  # recentred by warm-up
+    assert float(mcmc.control_variate.centre["tau"]) > -5.0  # not in the funnel's neck
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_run_resumed_after_the_fallback_goes_on_recentring(tmp_path, monkeypatch):
+    """The checkpoint keeps the policy the run went on with: resumed after the fallback's second recentre (a dense
+    metric's stages end at steps 30, 60 and 110; calibrated halves start at 45, 85 and 155), the run goes on as
+    "warmup" (not "map" at the centre it read back: off in the last burn-in, recentred at step 155) and equals the
+    uninterrupted run bit for bit."""
+    data = funnel_data()
+
+    def run(path=None):
+        kernel = SGHMC(centred_hierarchical)
+        return StochasticMCMC(kernel, 20, 200, 2, seed=0, progress_bar=False, checkpoint=path, metric="dense")
+
+    reference = run()
+    reference.run(*data)
+    path = tmp_path / "run.pt"
+    with monkeypatch.context() as patch:
+        stop_at(patch, 100, KeyboardInterrupt, after=True)
+        with pytest.raises(KeyboardInterrupt):
+            run(path).run(*data)
+    saved = load(path)
+    assert saved["option"] == "warmup" and saved["control_variate"] is not None
+    resumed = run(path)
+    resumed.run(*data)
+    assert_same_run(resumed, reference)
 
 
 def _centred_without_a_plate(x, y, group):
