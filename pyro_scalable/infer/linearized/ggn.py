@@ -14,6 +14,7 @@ exact, with no per-example Jacobian.
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from dataclasses import dataclass
 from functools import cached_property
@@ -24,13 +25,13 @@ from torch import Tensor
 
 from pyro_scalable.bridge.model import Batch
 from pyro_scalable.infer.linearized.jacobians import (
+    BatchedBackward,
     LayerPlan,
     assemble_rows,
-    layer_grad,
     layer_inputs,
-    layer_plan,
     per_example,
-    pullback,
+    plan_from,
+    pullbacks,
     rest_jacobian,
 )
 from pyro_scalable.infer.linearized.network import NetworkFunction, Outputs
@@ -38,6 +39,8 @@ from pyro_scalable.infer.linearized.network import NetworkFunction, Outputs
 __all__ = ["Accumulator", "Chunk", "DataFit", "GGNDiagonal", "fit_chunk", "ggn_pass"]
 
 _REST_WARNING = 2048
+# the most numbers the layer gradients of one group of columns take (Chunk.column_groups): 64 MB in float32
+COLUMN_NUMBERS = 2**24
 
 
 @dataclass
@@ -57,11 +60,22 @@ class DataFit:
 class Chunk:
     r"""One chunk of the data at :math:`\theta_*`: the outputs, the roots of :math:`\Lambda`, the layer pieces."""
 
-    def __init__(self, net: NetworkFunction, theta: Tensor, batch: Batch, out: Outputs, roots: Tensor, plans, rest):
+    def __init__(
+        self,
+        net: NetworkFunction,
+        theta: Tensor,
+        batch: Batch,
+        out: Outputs,
+        roots: Tensor,
+        plans,
+        rest,
+        batched: BatchedBackward | None = None,
+    ):
         self.net, self.theta, self.batch, self.out = net, theta, batch, out
         self.roots = roots  # (points, outputs, columns)
         self.plans: list[LayerPlan] = plans
         self.rest: Tensor = rest
+        self.batched = batched or BatchedBackward()  # shared by a pass's chunks
 
     @property
     def f(self) -> Tensor:
@@ -74,26 +88,54 @@ class Chunk:
         return [layer_inputs(p.rows(layers[p.position].inputs, self.batch), p) for p in self.plans]
 
     @cached_property
+    def raw_inputs(self) -> list[Tensor]:
+        """Each recorded layer's inputs a, without the bias column (a structure that folds the bias adds it)."""
+        layers = self.out.raw.layers
+        return [p.rows(layers[p.position].inputs, self.batch).detach() for p in self.plans]
+
+    @cached_property
     def rest_jacobian(self) -> Tensor | None:
         if not self.rest.numel():
             return None
         return rest_jacobian(self.net, self.theta.detach(), self.rest, self.batch)
 
-    def columns(self):
-        r"""For each column ``c`` of the roots: the layer gradients :math:`g_{\cdot c}` and the ``rest`` rows."""
+    def column_groups(self):
+        r"""The columns of the roots a group at a time: the stacked layer gradients and ``rest`` rows.
+
+        Each layer's :math:`g_{\cdot c}` come as ``(columns, points, out[, L])``, the ``rest`` rows as
+        ``(columns, points, len(rest))`` (or ``None``). One batched backward per group, whose stacked layer
+        gradients hold at most about :data:`COLUMN_NUMBERS` numbers.
+        """
         layers = self.out.raw.layers
         outputs = [layers[p.position].outputs for p in self.plans]
         rest_jacobian = self.rest_jacobian
-        for c in range(self.roots.shape[-1]):
-            column = self.roots[..., c]
-            grads = pullback(self.f, outputs, column) if outputs else []
-            grads = [layer_grad(p.rows(g, self.batch), p) for g, p in zip(grads, self.plans)]
-            rest_rows = torch.einsum("pm,pmr->pr", column, rest_jacobian) if rest_jacobian is not None else None
+        width = self.roots.shape[-1]
+        size = max(1, min(width, COLUMN_NUMBERS // max(sum(t.numel() for t in outputs), 1)))
+        for start in range(0, width, size):
+            roots = self.roots[..., start : start + size]
+            grads = pullbacks(self.f, outputs, roots.movedim(-1, 0), self.batched) if outputs else ()
+            grads = [_stacked_grad(g, p, self.batch) for g, p in zip(grads, self.plans)]
+            rest_rows = torch.einsum("pmc,pmr->cpr", roots, rest_jacobian) if rest_jacobian is not None else None
             yield grads, rest_rows
+
+    def columns(self):
+        r"""For each column ``c`` of the roots: the layer gradients :math:`g_{\cdot c}` and the ``rest`` rows."""
+        for grads, rest_rows in self.column_groups():
+            for c in range(len(grads[0]) if grads else 0 if rest_rows is None else rest_rows.shape[0]):
+                yield [g[c] for g in grads], (rest_rows[c] if rest_rows is not None else None)
 
     def rows(self, grads: list[Tensor], rest_rows: Tensor | None) -> Tensor:
         """The per-example rows ``(points, d)`` of one column."""
         return assemble_rows(self.f, self.plans, grads, self.inputs, self.rest, rest_rows, self.theta.numel())
+
+
+def _stacked_grad(grad: Tensor, plan: LayerPlan, batch: Batch) -> Tensor:
+    """:func:`layer_grad` of gradients stacked over columns: ``(columns, points, out)`` or ``(..., out, L)``."""
+    if plan.plate is not None:
+        grad = grad[:, batch.indices[plan.plate]]
+    if plan.conv:
+        return grad.flatten(3)
+    return grad.unsqueeze(-1) if grad.dim() == 2 else grad
 
 
 class Accumulator(Protocol):
@@ -107,19 +149,30 @@ class Accumulator(Protocol):
 
 
 def fit_chunk(
-    net: NetworkFunction, theta: Tensor, batch: Batch, plans, rest: Tensor, curvature: Literal["ggn", "ef"]
+    net: NetworkFunction,
+    theta: Tensor,
+    batch: Batch,
+    plans,
+    rest: Tensor,
+    curvature: Literal["ggn", "ef"],
+    forward: tuple[Tensor, Outputs] | None = None,
+    batched: BatchedBackward | None = None,
 ) -> tuple[Chunk, Tensor, Tensor]:
     r"""The :class:`Chunk` of ``batch`` at ``theta``, with its log-likelihood and the gradient of that in theta.
 
     The chunk's roots are :math:`\Lambda^{1/2}` (``"ggn"``) or the score (``"ef"``, the empirical Fisher).
+    ``forward``: the leaf and the outputs (layers recorded) of a forward pass already taken on ``batch``;
+    ``batched``: whether the chunk's columns are pulled back in one batched backward (shared by a pass's chunks).
     """
-    leaf = theta.detach().requires_grad_(True)
-    out = net.outputs(leaf, batch, layers=True)
+    if forward is None:
+        leaf = theta.detach().requires_grad_(True)
+        forward = leaf, net.outputs(leaf, batch, layers=True)
+    leaf, out = forward
     f, likelihood = out.f, out.likelihood
     log_prob = likelihood.log_prob(f, out.value)
     grad_theta, grad_f = torch.autograd.grad(log_prob, [leaf, f], retain_graph=True)
     roots = likelihood.hessian_sqrt(f.detach()) if curvature == "ggn" else grad_f.detach().unsqueeze(-1)
-    return Chunk(net, leaf, batch, out, roots, plans, rest), log_prob, grad_theta
+    return Chunk(net, leaf, batch, out, roots, plans, rest, batched), log_prob, grad_theta
 
 
 def ggn_pass(
@@ -130,8 +183,15 @@ def ggn_pass(
     curvature: Literal["ggn", "ef"] = "ggn",
     stacklevel: int = 2,
 ) -> DataFit:
-    """Walk the full data once: log-likelihood, its gradient and residuals, and ``accumulator``'s curvature."""
-    plans, rest = layer_plan(net, theta)
+    """Walk the full data once: log-likelihood, its gradient and residuals, and ``accumulator``'s curvature.
+
+    The layer plan comes from the first chunk's forward pass, which the pass then goes on with.
+    """
+    batches = net.batches()
+    first = next(batches)
+    leaf = theta.detach().requires_grad_(True)
+    forward: tuple[Tensor, Outputs] | None = (leaf, net.outputs(leaf, first, layers=True))
+    plans, rest = plan_from(net, leaf, first, forward[1])
     if accumulator.uses_rows and rest.numel() > _REST_WARNING:
         names = sorted({net.layout.site_of(int(i)) for i in rest[:: max(rest.numel() // 50, 1)]})
         warnings.warn(
@@ -142,10 +202,12 @@ def ggn_pass(
             stacklevel=stacklevel + 1,
         )
     accumulator.start(net, theta, plans, rest)
+    batched = BatchedBackward()
     log_likelihood, gradient = theta.new_zeros(()), theta.new_zeros(net.layout.num_params)
     sum_squares, num_observations, num_points = theta.new_zeros(()), theta.new_zeros(()), 0
-    for batch in net.batches():
-        chunk, log_prob, grad_theta = fit_chunk(net, theta, batch, plans, rest, curvature)
+    for batch in itertools.chain([first], batches):
+        chunk, log_prob, grad_theta = fit_chunk(net, theta, batch, plans, rest, curvature, forward, batched)
+        forward = None
         f, likelihood = chunk.f, chunk.out.likelihood
         num_points += f.shape[0]
         log_likelihood = log_likelihood + log_prob.detach()
@@ -180,19 +242,28 @@ class GGNDiagonal:
         self.layer_diagonals = [theta.new_zeros(p.index.shape) for p in plans]
 
     def accumulate(self, chunk: Chunk) -> None:
-        inputs = chunk.inputs
-        squared_grads: list[Tensor | float] = [0.0] * len(self.plans)
-        for grads, rest_rows in chunk.columns():
-            for k, (plan, g, a) in enumerate(zip(self.plans, grads, inputs)):
+        squared_grads: list[Tensor | None] = [None] * len(self.plans)
+        for grads, rest_rows in chunk.column_groups():
+            for k, (plan, g) in enumerate(zip(self.plans, grads)):
                 if plan.conv:
-                    self.layer_diagonals[k] += (per_example(g, a, plan) ** 2).sum(0)
-                else:
-                    squared_grads[k] = squared_grads[k] + g**2  # summed over columns, one product per chunk
+                    for column in g:
+                        self.layer_diagonals[k] += per_example(column, chunk.inputs[k], plan).square().sum(0)
+                    continue
+                squares = g.square_().sum(0)  # summed over the columns: one product per layer and chunk
+                squared_grads[k] = squares if squared_grads[k] is None else squared_grads[k] + squares
             if rest_rows is not None:
-                self.diagonal[self.rest] += (rest_rows**2).sum(0)
-        for k, (plan, a) in enumerate(zip(self.plans, inputs)):
-            if not plan.conv:
-                self.layer_diagonals[k] += squared_grads[k].T @ a**2
+                self.diagonal[self.rest] += rest_rows.square().sum((0, 1))
+        for k, (plan, a) in enumerate(zip(self.plans, chunk.raw_inputs)):
+            squares = squared_grads[k]
+            if plan.conv or squares is None:
+                continue
+            # the weight columns from the inputs' squares, the folded bias column from the column sums (no
+            # (points, in + 1) copy of the inputs with a column of ones)
+            diagonal = self.layer_diagonals[k]
+            weights = diagonal[:, :-1] if plan.bias is not None else diagonal
+            weights.addmm_(squares.T, a.square())
+            if plan.bias is not None:
+                diagonal[:, -1] += squares.sum(0)
 
     def finish(self, num_points: int) -> Tensor:
         for plan, values in zip(self.plans, self.layer_diagonals):

@@ -14,6 +14,7 @@ checked once against autograd; one that fails (a weight used twice, say) is trea
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -25,6 +26,7 @@ from pyro_scalable.infer.linearized.likelihoods import Likelihood
 from pyro_scalable.infer.linearized.network import NetworkFunction
 
 __all__ = [
+    "BatchedBackward",
     "LayerPlan",
     "OutputJacobian",
     "assemble_rows",
@@ -32,7 +34,9 @@ __all__ = [
     "layer_inputs",
     "layer_plan",
     "per_example",
+    "plan_from",
     "pullback",
+    "pullbacks",
     "rest_jacobian",
 ]
 
@@ -57,7 +61,14 @@ def layer_plan(net: NetworkFunction, theta: Tensor) -> tuple[list[LayerPlan], Te
     """Which recorded layers give exact per-example rows, and the flat indices left to the basis products."""
     batch = next(net.batches())
     theta = theta.detach().requires_grad_(True)
-    out = net.outputs(theta, batch, layers=True)
+    return plan_from(net, theta, batch, net.outputs(theta, batch, layers=True))
+
+
+def plan_from(net: NetworkFunction, theta: Tensor, batch: Batch, out) -> tuple[list[LayerPlan], Tensor]:
+    """:func:`layer_plan` from a forward pass already taken: ``out`` (layers recorded) at the leaf ``theta``.
+
+    The graph of ``out`` is kept (a pass goes on to use it for its first chunk).
+    """
     counts: dict[str, int] = {}
     for layer in out.raw.layers:
         for name in (layer.weight, layer.bias):
@@ -130,6 +141,62 @@ def pullback(output: Tensor, inputs: list[Tensor], cotangent: Tensor) -> tuple[T
     # Differentiating a scalar: torch.autograd.grad with explicit grad_outputs imports sympy on its first call
     # in a process (about 1.5 s and 300 MB), a one-off that the inner product avoids.
     return torch.autograd.grad((output * cotangent).sum(), inputs, retain_graph=True)
+
+
+class BatchedBackward:
+    """Whether :func:`pullbacks` runs one batched backward: decided on its first use, kept for a pass.
+
+    The batched backward is autograd's own ``is_grads_batched`` path (called without its argument checks, whose
+    first call imports sympy). Where an operation of the backward graph has no batching rule (a convolution's or a
+    pooling's backward) that path loops over the cotangents inside every such operation, slower than one backward
+    per cotangent: the first call listens for torch's fallback warnings and, on any, turns the batching off.
+    """
+
+    def __init__(self):
+        self.enabled: bool | None = None  # None: not tried yet
+
+    def __call__(self, output: Tensor, inputs: tuple[Tensor, ...], cotangents: Tensor) -> tuple[Tensor, ...] | None:
+        if self.enabled is False:
+            return None
+        try:
+            from torch._vmap_internals import _vmap
+            from torch.autograd.graph import _engine_run_backward
+        except ImportError:
+            self.enabled = False
+            return None
+
+        def backward(cotangent: Tensor):
+            return _engine_run_backward((output,), (cotangent,), True, False, inputs, False, accumulate_grad=False)
+
+        if self.enabled:
+            return tuple(_vmap(backward, 0, 0)(cotangents))
+        shown = torch._C._debug_only_are_vmap_fallback_warnings_enabled()
+        torch._C._debug_only_display_vmap_fallback_warnings(True)
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                result = tuple(_vmap(backward, 0, 0)(cotangents))
+        except RuntimeError:
+            self.enabled = False
+            return None
+        finally:
+            torch._C._debug_only_display_vmap_fallback_warnings(shown)
+        self.enabled = not any("batching rule" in str(w.message) for w in caught)
+        return result
+
+
+def pullbacks(
+    output: Tensor, inputs: list[Tensor], cotangents: Tensor, batched: BatchedBackward | None = None
+) -> tuple[Tensor, ...]:
+    """:func:`pullback` of every cotangent ``cotangents[k]`` (shaped like ``output``), stacked over ``k``.
+
+    One batched backward where ``batched`` (:class:`BatchedBackward`) allows it, else one backward per cotangent.
+    """
+    result = (batched or BatchedBackward())(output, tuple(inputs), cotangents)
+    if result is not None:
+        return result
+    rows = [pullback(output, inputs, cotangent) for cotangent in cotangents]
+    return tuple(torch.stack(per_input) for per_input in zip(*rows))
 
 
 def layer_grad(grad: Tensor, plan: LayerPlan) -> Tensor:

@@ -116,25 +116,66 @@ class _KronAccumulator:
         self.locations = [1] * len(plans)
 
     def accumulate(self, chunk: Chunk) -> None:
-        for k, a in enumerate(chunk.inputs):
-            self.input_factors[k] += torch.einsum("nil,njl->ij", a, a) if a.dim() == 3 else a.T @ a
-            self.locations[k] = a.shape[-1] if a.dim() == 3 else 1
-        columns = []
-        for grads, rest_rows in chunk.columns():
-            columns.append(grads)
+        for k, (plan, a) in enumerate(zip(self.plans, chunk.raw_inputs)):
+            if plan.conv:
+                a = chunk.inputs[k]
+                self.input_factors[k] += torch.einsum("nil,njl->ij", a, a)
+                self.locations[k] = a.shape[-1]
+                continue
+            # A = ã^T ã with ã = (a, 1), in place and by blocks: no (points, in + 1) copy with a column of ones
+            factor, m = self.input_factors[k], a.shape[1]
+            _add_lower_gram(factor[:m, :m], a)
+            if plan.bias is not None:
+                sums = a.sum(0)
+                factor[:m, m] += sums
+                factor[m, :m] += sums
+                factor[m, m] += a.shape[0]
+        for grads, rest_rows in chunk.column_groups():
+            # B summed over a group of columns (stacked by the pullback) in one product per layer
+            for factor, g in zip(self.output_factors, grads):
+                if g.dim() == 4:
+                    factor += torch.einsum("cnol,cnpl->op", g, g)
+                else:
+                    g = g.reshape(-1, g.shape[-1])
+                    factor.addmm_(g.T, g)
             if rest_rows is not None:
-                self.rest_diagonal += (rest_rows**2).sum(0)
-        for k, per_column in enumerate(zip(*columns)):
-            # every column's g stacked: one product per layer and chunk
-            g = torch.cat(per_column)
-            self.output_factors[k] += torch.einsum("nol,npl->op", g, g) if g.dim() == 3 else g.T @ g
+                self.rest_diagonal += rest_rows.square().sum((0, 1))
 
     def finish(self, num_points: int) -> KronCurvature:
+        for plan, factor in zip(self.plans, self.input_factors):
+            if not plan.conv:
+                m = factor.shape[0] - (plan.bias is not None)
+                _mirror_lower(factor[:m, :m])
         blocks = [
             KronBlock(p.index, b / (num_points * size), a)
             for p, b, a, size in zip(self.plans, self.output_factors, self.input_factors, self.locations)
         ]
         return KronCurvature(blocks, self.rest, self.rest_diagonal, self.num_params)
+
+
+# a Gram matrix this wide is summed by its lower blocks only (3/4 of the products), mirrored once at the end
+_GRAM_SPLIT = 256
+
+
+def _add_lower_gram(factor: Tensor, a: Tensor) -> None:
+    """Add ``a^T a`` to ``factor``: all of it, or for a wide ``a`` its lower blocks (then :func:`_mirror_lower`)."""
+    m = a.shape[1]
+    if m < _GRAM_SPLIT:
+        factor.addmm_(a.T, a)
+        return
+    half = m // 2
+    low, high = a[:, :half], a[:, half:]
+    factor[:half, :half].addmm_(low.T, low)
+    factor[half:, :half].addmm_(high.T, low)
+    factor[half:, half:].addmm_(high.T, high)
+
+
+def _mirror_lower(factor: Tensor) -> None:
+    """Copy the lower off-diagonal block that :func:`_add_lower_gram` summed into the upper one."""
+    m = factor.shape[0]
+    if m >= _GRAM_SPLIT:
+        half = m // 2
+        factor[:half, half:] = factor[half:, :half].T
 
 
 class KronBlockPrecision:
