@@ -34,6 +34,7 @@ ones, and an average over 50 steps changes little in four.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
@@ -58,6 +59,7 @@ __all__ = [
     "estimate_gradient",
     "evaluate",
     "extended_info",
+    "flag",
     "gaussian_like",
     "injected_variance",
     "functional_step",
@@ -178,9 +180,13 @@ def evaluate(log_posterior_fn: LogPosteriorFn, latents: Latents, batch: Any) -> 
             values = torch.autograd.grad(value, list(leaves.values()), allow_unused=True, materialize_grads=True)
         grads = dict(zip(leaves, values, strict=True))
         value = value.detach()
-    grad_sq = sum(g.square().sum() for g in grads.values())
+    grad_sq = functools.reduce(torch.add, (g.square().sum() for g in grads.values()))
     # one check for both: the sum is finite where both are (grad_sq >= 0; it overflows only past ~1e38, a divergence)
-    diverging = ~torch.isfinite(value + grad_sq)
+    total = value + grad_sq
+    if total.device.type == "cpu" and not under_transform(total) and not torch.is_inference_mode_enabled():
+        diverging = flag(not math.isfinite(total.item()), total.device)  # a plain CPU step: one read, no flag made
+    else:
+        diverging = ~torch.isfinite(total)
     return grads, value, grad_sq.sqrt(), diverging
 
 
@@ -194,7 +200,7 @@ def estimate_gradient(
     """
     if not noise:
         grads, value, grad_norm, diverging = evaluate(log_posterior_fn, latents, batch)
-        return GradientEstimate(grads, value, grad_norm, diverging, {}, torch.zeros((), device=value.device), {})
+        return GradientEstimate(grads, value, grad_norm, diverging, {}, _no_examples(value.device), {})
     split = getattr(log_posterior_fn, "examples", None)
     if split is None:
         raise TypeError(
@@ -220,6 +226,24 @@ def estimate_gradient(
     diverging = ~(torch.isfinite(value) & torch.isfinite(grad_sq) & finite_noise)
     count = torch.full((), float(size), dtype=value.dtype, device=value.device)
     return GradientEstimate(grads, value, grad_sq.sqrt(), diverging, variance, count, {})
+
+
+@functools.lru_cache(maxsize=16)
+def flag(value: bool, device: torch.device) -> Tensor:
+    """A shared 0-d bool tensor (``evaluate``'s divergence flag on a plain CPU step): read it, never write to it."""
+    return torch.full((), value, dtype=torch.bool, device=device)
+
+
+def _no_examples(device: torch.device) -> Tensor:
+    """``num_examples`` of a plain gradient: a shared 0-d zero of the default dtype (read, never written)."""
+    if torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
+        return torch.zeros((), device=device)
+    return _zero(torch.get_default_dtype(), device)
+
+
+@functools.lru_cache(maxsize=16)
+def _zero(dtype: torch.dtype, device: torch.device) -> Tensor:
+    return torch.zeros((), dtype=dtype, device=device)
 
 
 def _per_group(log_posterior_fn: LogPosteriorFn, latents: Latents, examples: Any, in_dims: Any) -> tuple:

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from pyro_scalable.bridge.traced import under_transform
-from pyro_scalable.infer.sgmcmc.base import Latents
+from pyro_scalable.infer.sgmcmc.base import Latents, flag
 
 __all__ = ["keep_where_finite", "zero_where_diverging"]
 
@@ -57,8 +57,10 @@ def _finite_here(diverging: Tensor) -> bool:
     global _last
     if torch.compiler.is_compiling():  # a compiled step keeps the rejection in its graph: no host read
         return False
-    flag, finite = _last  # one read of the pair: safe where threads step chains side by side
-    if flag is diverging:
+    if diverging is flag(False, diverging.device):  # evaluate's shared flag: read on the host already
+        return True
+    last, finite = _last  # one read of the pair: safe where threads step chains side by side
+    if last is diverging:
         return finite
     finite = diverging.device.type == "cpu" and not under_transform(diverging) and not bool(diverging.any())
     _last = (diverging, finite)

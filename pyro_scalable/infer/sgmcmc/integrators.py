@@ -41,13 +41,22 @@ def langevin(
 
 
 def momentum(
-    momenta: Latents, grads: Latents, step_size: Tensor, decay: Tensor | Latents, variance: Latents, noise: Latents
+    momenta: Latents,
+    grads: Latents,
+    step_size: Tensor,
+    decay: Tensor | Latents,
+    variance: Latents | None,
+    noise: Latents,
+    *,
+    std: Latents | None = None,
 ) -> Latents:
-    """A momentum step with friction: ``d p + ε ĝ + √v ξ`` (``decay`` d a scalar or per site)."""
+    """A momentum step with friction: ``d p + ε ĝ + √v ξ`` (``decay`` d a scalar or per site; ``std``: √v if known)."""
+    if std is None:
+        std = {name: v.sqrt() for name, v in variance.items()}
     return {
         name: (decay[name] if isinstance(decay, dict) else decay) * p
         + step_size * grads[name]
-        + variance[name].sqrt() * noise[name]
+        + std[name] * noise[name]
         for name, p in momenta.items()
     }
 

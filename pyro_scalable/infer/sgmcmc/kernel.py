@@ -16,11 +16,12 @@ import torch
 from torch import Tensor
 
 from pyro_scalable.bridge.model import FullDataModel, Latents
+from pyro_scalable.bridge.traced import under_transform
 from pyro_scalable.infer.schedules import ScalarOrSchedule, check_positive
 from pyro_scalable.infer.sgmcmc.base import GradientEstimate, check_gradient_noise
 from pyro_scalable.infer.sgmcmc.control_variates import check_control_variate
 
-__all__ = ["Kernel", "MomentumKernel"]
+__all__ = ["Kernel", "MomentumKernel", "RunConstants"]
 
 
 class Kernel:
@@ -126,3 +127,44 @@ class MomentumKernel(Kernel):
         moved = Kernel.relocate(state, centre, jump)
         rest = {name: torch.where(jump, p.new_zeros(()), p) for name, p in moved.momenta.items()}
         return moved._replace(momenta=rest)
+
+
+class RunConstants:
+    """A kernel's coefficients as a function of its hyperparameters, computed once while those stay the same objects.
+
+    ``function(latents, *hyperparameters)``'s result (the decay, the injected noise's scale, ...) depends on the
+    latents' shapes only, and on hyperparameters that are the same objects from step to step where they are constant
+    (a shared 0-d :func:`~pyro_scalable.infer.schedules.constant`, warm-up's choice, the noise average between two
+    measurements): recomputing them would dispatch a few operations per step, a noticeable share of a small model's
+    step. The result is the one ``function`` computed, read, never written to. Tensors are compared by identity (and
+    in-place version), the rest by equality; under ``torch.func`` transforms (vmap's tensors are new on every call)
+    and compiling, ``function`` is called every time.
+    """
+
+    def __init__(self, function: Callable, size: int = 16):
+        self.function, self.size = function, size
+        self._kept: dict[tuple, tuple] = {}
+
+    def __call__(self, latents: Latents, *hyperparameters: Any) -> Any:
+        if under_transform(next(iter(latents.values()))) or torch.is_inference_mode_enabled():  # also compiling
+            return self.function(latents, *hyperparameters)
+        key, held = [(name, x.shape, x.dtype, x.device) for name, x in latents.items()], []
+        for value in hyperparameters:
+            for name, x in value.items() if isinstance(value, dict) else ((None, value),):
+                if isinstance(x, Tensor):
+                    key.append((name, id(x), x._version))
+                    held.append(x)
+                else:
+                    key.append((name, x))
+        key = tuple(key)
+        try:
+            kept = self._kept.get(key)
+        except TypeError:  # an argument that cannot be hashed (a list, an array): computed every time
+            return self.function(latents, *hyperparameters)
+        if kept is not None and all(a is b for a, b in zip(kept[0], held, strict=True)):
+            return kept[1]
+        result = self.function(latents, *hyperparameters)
+        if len(self._kept) >= self.size:
+            self._kept.pop(next(iter(self._kept)))
+        self._kept[key] = (held, result)
+        return result

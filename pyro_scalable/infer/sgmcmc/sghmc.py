@@ -36,27 +36,16 @@ from pyro.infer.autoguide.initialization import init_to_uniform
 from torch import Tensor
 
 from pyro_scalable.infer.schedules import ScalarOrSchedule, resolve
-from pyro_scalable.infer.sgmcmc import integrators
-from pyro_scalable.infer.sgmcmc.base import (
-    NOISE_FRACTION,
-    GradientEstimate,
-    Latents,
-    extended_info,
-    functional_step,
-    gaussian_like,
-    injected_variance,
-    noise_in_update,
-    scalar_like,
-    shared_info,
-)
+from pyro_scalable.infer.sgmcmc import base, integrators
+from pyro_scalable.infer.sgmcmc.base import GradientEstimate, Latents
 from pyro_scalable.infer.sgmcmc.divergence import keep_where_finite, zero_where_diverging
-from pyro_scalable.infer.sgmcmc.kernel import MomentumKernel
+from pyro_scalable.infer.sgmcmc.kernel import MomentumKernel, RunConstants
 from pyro_scalable.infer.sgmcmc.mass import Mass, check_mass, mass_like
 from pyro_scalable.infer.sgmcmc.sgd_limit import sghmc_hyperparameters as sgd_hyperparameters
 
 __all__ = ["SGHMC", "SGHMCInfo", "SGHMCState", "init", "sgd_hyperparameters", "step", "update"]
 
-SGHMCInfo = extended_info("SGHMCInfo", "friction")
+SGHMCInfo = base.extended_info("SGHMCInfo", "friction")
 
 
 class SGHMCState(NamedTuple):
@@ -70,10 +59,9 @@ class SGHMCState(NamedTuple):
 
 def init(latents: Latents, momenta: Latents | None = None) -> SGHMCState:
     """Start a chain at ``latents`` with zero momenta (or the given ones)."""
-    first = next(iter(latents.values()))
     if momenta is None:
         momenta = {name: torch.zeros_like(x) for name, x in latents.items()}
-    zero = torch.zeros((), dtype=torch.int64, device=first.device)
+    zero = torch.zeros((), dtype=torch.int64, device=next(iter(latents.values())).device)
     return SGHMCState(dict(latents), dict(momenta), dict(latents), zero)
 
 
@@ -91,35 +79,43 @@ def update(
     """Move one chain by one SGHMC step with ``gradient`` (its noise: the variance to correct); friction: per site."""
     temperature_now = resolve(temperature, state.step_count, gradient.log_posterior)
     step_size_now = resolve(step_size, state.step_count, gradient.log_posterior)
-    masses = mass_like(mass, state.latents)
+    noise_variance = {} if gradient_noise == "ignore" else gradient.noise_variance
+    decay, std, scale, noise_ratio, uncorrected, friction = _coefficients(
+        state.latents, step_size_now, temperature_now, friction, mass, gradient_noise, noise_variance
+    )
+    noise = base.gaussian_like(state.latents, generator, temperature)
+    momenta = integrators.momentum(state.momenta, gradient.grads, step_size_now, decay, None, noise, std=std)
+    proposal = integrators.drift(state.latents, momenta, scale)
+    diverging = gradient.diverging
+    latents, previous = (keep_where_finite(diverging, x, state.checked_latents) for x in (proposal, state.latents))
+    momenta = zero_where_diverging(diverging, momenta)
+    info = SGHMCInfo(*base.shared_info(gradient, step_size_now, temperature_now, noise_ratio, uncorrected), friction)
+    return SGHMCState(latents, momenta, previous, state.step_count + 1), info
+
+
+@RunConstants
+def _coefficients(latents, step_size_now, temperature_now, friction, mass, gradient_noise, noise_variance) -> tuple:
+    """The decay, noise scale √v and drift scale ε/m per site, the noise statistics and the largest friction."""
+    masses = mass_like(mass, latents)
     if isinstance(friction, dict):  # one per coordinate, as warm-up chooses it; the Info shows the largest
         frictions, friction = friction, torch.stack([f.max() for f in friction.values()]).max()
         wanted = {name: 2.0 * f * step_size_now * temperature_now for name, f in frictions.items()}
     else:
-        friction = scalar_like(friction, step_size_now)
-        frictions = dict.fromkeys(state.latents, friction)
+        friction = base.scalar_like(friction, step_size_now)
+        frictions = dict.fromkeys(latents, friction)
         wanted = 2.0 * friction * step_size_now * temperature_now  # one for all sites
-    gradient_variance = noise_in_update(gradient, gradient_noise, step_size_now**2)
-    if gradient_noise == "correct":
+    gradient_variance = {name: step_size_now**2 * v for name, v in noise_variance.items()}  # base.noise_in_update
+    correct = gradient_noise == "correct"
+    if correct:
         frictions, friction = _noise_held(frictions, gradient_variance, step_size_now, temperature_now, masses)
         wanted = {name: 2.0 * f * step_size_now * temperature_now for name, f in frictions.items()}
-    correct = gradient_noise == "correct"
-    variance, noise_ratio, uncorrected = injected_variance(wanted, gradient_variance, correct, state.latents)
-    noise = gaussian_like(state.latents, generator, temperature)
+    variance, noise_ratio, uncorrected = base.injected_variance(wanted, gradient_variance, correct, latents)
     decay = {name: 1.0 - step_size_now * frictions[name] / m for name, m in masses.items()}
-    momenta = integrators.momentum(state.momenta, gradient.grads, step_size_now, decay, variance, noise)
-    proposal = integrators.drift(state.latents, momenta, {name: step_size_now / m for name, m in masses.items()})
-    diverging = gradient.diverging
-    latents = keep_where_finite(diverging, proposal, state.checked_latents)
-    previous = keep_where_finite(diverging, state.latents, state.checked_latents)
-    momenta = zero_where_diverging(diverging, momenta)
-    info = SGHMCInfo(*shared_info(gradient, step_size_now, temperature_now, noise_ratio, uncorrected), friction)
-    return SGHMCState(latents, momenta, previous, state.step_count + 1), info
+    std = {name: v.sqrt() for name, v in variance.items()}
+    return decay, std, {name: step_size_now / m for name, m in masses.items()}, noise_ratio, uncorrected, friction
 
 
-def _noise_held(
-    frictions: Latents, gradient_variance: Latents, step_size: Tensor, temperature: Tensor, masses: Latents
-) -> tuple[Latents, Tensor]:
+def _noise_held(frictions, gradient_variance, step_size, temperature, masses) -> tuple[Latents, Tensor]:
     """Each coordinate's friction, raised to α_j ≥ ε V̄_j / (2Tρ) (at most m_j/ε) with the chain's own noise average.
 
     Warm-up chose the frictions from the noise it saw; where a chain's gradient is noisier (a control variate's noise
@@ -128,13 +124,13 @@ def _noise_held(
     hot = temperature > 0
     held = {}
     for name, f in frictions.items():
-        need = gradient_variance[name] / torch.where(hot, 2.0 * step_size * temperature * NOISE_FRACTION, 1.0)
+        need = gradient_variance[name] / torch.where(hot, 2.0 * step_size * temperature * base.NOISE_FRACTION, 1.0)
         need = torch.minimum(torch.where(hot, need, 0.0), masses[name] / step_size)
         held[name] = torch.maximum(f, need)
     return held, torch.stack([f.max() for f in held.values()]).max()
 
 
-step = functional_step(update)
+step = base.functional_step(update)
 
 
 class SGHMC(MomentumKernel):
