@@ -316,11 +316,23 @@ def choose_sites(bridge: ModelBridge, site: str, latents: Latents, sites) -> tup
     mean_output = likelihood.outputs()
     names = list(leaves)
 
+    by_id = {id(leaves[n]): n for n in names}
+
     def depends(tensor) -> set[str]:
-        if not tensor.requires_grad:
-            return set()
-        grads = torch.autograd.grad(tensor.sum(), [leaves[n] for n in names], allow_unused=True, retain_graph=True)
-        return {n for n, g in zip(names, grads) if g is not None}
+        # the leaves the autograd graph of ``tensor`` reaches (walked, not differentiated: no weight gradients)
+        found: set[str] = {by_id[id(tensor)]} if id(tensor) in by_id else set()
+        seen: set = set()
+        stack = [tensor.grad_fn] if tensor.requires_grad else []
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            name = by_id.get(id(getattr(node, "variable", None)))
+            if name is not None:
+                found.add(name)
+            stack.extend(child for child, _ in node.next_functions)
+        return found
 
     on_mean = depends(mean_output)
     heteroscedastic, noise_site, noise = False, None, None
