@@ -3,11 +3,11 @@ r"""Which control variate a run uses, and where its centre is: ``control_variate
 The estimator is in :mod:`.control_variates`; this module is the driver's policy. ``"auto"`` chooses from the model
 and the run (:func:`choose`, with the measurements behind each threshold); :func:`attach` wraps the run's log
 posterior in the chosen estimate, finding a ``"map"`` centre once (a resumed run reads it back); with ``"warmup"``
-the driver calls :func:`recentre` where each of warm-up's calibrated halves starts, at the chains' positions then
-(one full-data pass each), and switches the estimate off in burn-in (``ControlledLogPosterior.active``): a chain
-far from the centre sees noise growing with :math:`\lVert\theta-\hat\theta\rVert^2`, and burn-in, which does
-not bound the gradient noise, would amplify it (seen on the non-centred hierarchical logistic regression, centred
-at its exact posterior mean: the burn-in chains ran away).
+the driver calls :func:`recentre` at the end of each of warm-up's metric windows (one full-data pass each) and
+switches the estimate off in burn-in (``ControlledLogPosterior.active``): a chain far from the centre sees noise
+growing with :math:`\lVert\theta-\hat\theta\rVert^2`, and burn-in, which does not bound the gradient noise, would
+amplify it (seen on the non-centred hierarchical logistic regression, centred at its exact posterior mean: the
+burn-in chains ran away).
 """
 
 from __future__ import annotations
@@ -29,10 +29,11 @@ from pyro_scalable.infer.sgmcmc.control_variates import (
     require_full_data,
 )
 
-__all__ = ["AUTO_RATIO", "HIERARCHY_RATIO", "attach", "centred", "choose", "recentre"]
+__all__ = ["AUTO_RATIO", "HIERARCHY_RATIO", "ROWS_PER_GROUP", "attach", "centred", "choose", "recentre"]
 
 AUTO_RATIO = 10  # "auto": a control variate at the mode where N/B reaches this (measured: see choose())
 HIERARCHY_RATIO = 4  # "auto": centred at warm-up's windows for a hierarchy where N/B reaches this (see choose())
+ROWS_PER_GROUP = 20  # "auto": a centred hierarchy with this many rows per group or more is centred at its mode
 
 
 def choose(option: Any, kernel: Any, bridge: ModelBridge, *, windows: bool = True) -> Any:
@@ -55,21 +56,21 @@ def choose(option: Any, kernel: Any, bridge: ModelBridge, *, windows: bool = Tru
       binds even at a small ``N/B``.
 
       - ``"map"`` where the hierarchy is **centred** (every such site's prior depends on other latents,
-        ``b_j ~ N(μ, τ)``: :func:`centred`). Where the groups' data inform their effects, the mode (a local one:
-        the joint density is unbounded where τ → 0 and every b_j → 0) sits in the bulk. On a 50-group regression
-        at N = 10⁵ (``benchmarks/bench_peers.py``'s ``hierarchical``) the mode's centre left the draws 0.11–0.17
-        sd off after 1,000 draws × 4 with friction about 1.3, where ``"warmup"`` left them 0.2–0.4 sd off with
-        friction 6–10. Where the search finds no finite mode (few rows per group: it runs into that funnel),
-        :func:`attach` goes on with ``"warmup"``.
-      - ``"warmup"`` where it is **non-centred** (``z_j ~ N(0, 1)``, ``μ + τ z_j`` in the likelihood). There the
-        joint mode is not where the posterior's mass is: the mode wants every z near 0 and a large group scale τ,
-        while the draws hold ‖z‖² ≈ G, so a centre at the mode lies far outside the bulk and chains controlled
-        there drift away from it (on the 60-group hierarchical logistic regression of
-        ``benchmarks/bench_conditioning.py``, ``"map"`` left r_hat 1.5–2.1 over three seeds). Where each
-        calibrated half of warm-up starts the chains have just burnt in, so the centre goes there: the calibrated
-        half chooses the step size and friction with the noise it will see. (Centred at the previous window's
-        mean instead, the chains were still travelling in that window: on the 50-group regression above the
-        centre lay 200 posterior sds off in log σ, the friction came out 17× and the draws 1.4 sds off.)
+        ``b_j ~ N(μ, τ)``: :func:`centred`) and has :data:`ROWS_PER_GROUP` rows per group or more (N over the
+        largest group plate). There the data place each group's effect and the mode (a local one: the joint
+        density is unbounded where τ → 0 and every b_j → 0) sits in the bulk. On a 50-group regression at
+        N = 10⁵ (``benchmarks/bench_peers.py``'s ``hierarchical``) it left 1,000 draws × 4 within 0.11–0.17 sd of
+        the exact means (friction about 1.3), where ``"warmup"`` left them 1.4 sd off (friction 23: warm-up's
+        chains were still travelling when the last window closed, and its mean lay 200 posterior sds off in log
+        σ). At 20 rows per group (the zoo's panel and mixed logit, the 11-group partial pooling) the two were
+        alike over five seeds; at 5 (the zoo's 300-group varying intercept) ``"warmup"`` was better. Where the
+        search finds no finite mode (it ran into that funnel), :func:`attach` goes on with ``"warmup"``.
+      - ``"warmup"`` otherwise, and always where it is **non-centred** (``z_j ~ N(0, 1)``, ``μ + τ z_j`` in the
+        likelihood). There the joint mode is not where the posterior's mass is: the mode wants every z near 0 and
+        a large group scale τ, while the draws hold ‖z‖² ≈ G, so a centre at the mode lies far outside the bulk
+        and chains controlled there drift away from it (on the 60-group hierarchical logistic regression of
+        ``benchmarks/bench_conditioning.py``, ``"map"`` left r_hat 1.5–2.1 over three seeds). Warm-up's window
+        means are in the bulk.
 
     Example:
         >>> import pyro, pyro.distributions as dist, torch
@@ -106,7 +107,8 @@ def choose(option: Any, kernel: Any, bridge: ModelBridge, *, windows: bool = Tru
     if hierarchy:
         if ratio < HIERARCHY_RATIO:
             return None
-        return "map" if centred(bridge) else ("warmup" if windows else None)
+        rows = plates[0].size / max(s for site in bridge.sites.values() for s, p in zip(site.shape, site.plates) if p)
+        return "map" if rows >= ROWS_PER_GROUP and centred(bridge) else ("warmup" if windows else None)
     return "map" if ratio >= AUTO_RATIO else None
 
 
@@ -202,28 +204,23 @@ def attach(
     return ControlledLogPosterior(base, control), control, search, option
 
 
-def recentre(full: ModelBridge, positions: Latents, reducer: Any = None) -> ControlVariate:
-    """A control variate centred where the chains are (``control_variate="warmup"``): one full-data pass.
-
-    ``positions``: the chains' unconstrained latents, chain dimension first, where a calibrated half of warm-up
-    starts; the centre is their coordinate-wise median (the mean of the middle two for an even number of chains),
-    so a chain left far behind does not drag it out of the bulk.
+def recentre(full: ModelBridge, schedule: Any, reducer: Any = None) -> ControlVariate:
+    """A control variate centred at warm-up's last window mean (``control_variate="warmup"``): one full-data pass.
 
     Example:
         >>> import pyro, pyro.distributions as dist, torch
         >>> from pyro_scalable.bridge import ModelBridge
+        >>> from pyro_scalable.infer.sgmcmc.metric import MetricSchedule
         >>> def model(y):
         ...     mu = pyro.sample("mu", dist.Normal(0.0, 10.0))
         ...     with pyro.plate("data", len(y), subsample_size=5) as idx:
         ...         pyro.sample("obs", dist.Normal(mu, 1.0), obs=y[idx])
-        >>> chains = {"mu": torch.tensor([9.0, 9.4, 9.6, 80.0])}  # four chains, one far behind
-        >>> control = recentre(ModelBridge(model, (torch.arange(20.0),)), chains)
+        >>> schedule = MetricSchedule("dense", 200, {"mu": torch.zeros(4)})  # four chains of a scalar site
+        >>> schedule.window_mean = torch.tensor([9.5])  # as next_map leaves it
+        >>> control = recentre(ModelBridge(model, (torch.arange(20.0),)), schedule)
         >>> float(control.centre["mu"]), round(float(control.gradient["mu"]), 4)  # the prior's: the data's is 0
         (9.5, -0.095)
 
     """
-    centre = {}
-    for name, x in positions.items():
-        ordered, count = x.detach().sort(0).values, x.shape[0]
-        centre[name] = ordered[(count - 1) // 2 : count // 2 + 1].mean(0)
+    centre = schedule.layout.unflatten(schedule.window_mean)
     return full_data_gradient(full, centre, reducer=reducer)

@@ -161,7 +161,7 @@ class MetricSchedule:
         self.kind = kind
         self.stage = 0
         self.affine: AffineMap | None = None
-        self.window_mean: Tensor | None = None  # the last window's mean (next_map): the dense metric's Hessian point
+        self.window_mean: Tensor | None = None  # the last window's mean (next_map), where "warmup" recentres
         self._reset()
 
     @classmethod

@@ -254,11 +254,7 @@ def step(run: Any, state: RunState, t: int) -> Any:
     else:
         batch = Batch(next(state.sampler), state.bridge.args, state.bridge.kwargs)
     if state.option == "warmup":  # plain in burn-in: the controlled noise grows with the distance to the centre
-        phase, k = state.stepper.program.phase, t - schedule.stage_start()
-        state.base.active = t >= run.num_warmup or not phase(k).burn_in
-        if t < run.num_warmup and k > 0 and state.base.active and phase(k - 1).burn_in:  # a calibrated half starts
-            positions = schedule.to_theta(state.stepper.latents())  # where burn-in left the chains: one pass
-            state.control_variate = state.base.control = recentre(state.record.full_bridge, positions, state.reducer)
+        state.base.active = t >= run.num_warmup or not state.stepper.program.phase(t - schedule.stage_start()).burn_in
     info = state.stepper.step(batch, t - (schedule.stage_start() if schedule else 0))
     if t < run.num_warmup and (schedule.in_window(t) if schedule else t >= run.num_warmup // 2):
         state.window.observe(info.log_posterior, info.diverging)
@@ -295,6 +291,8 @@ def window_end(run: Any, state: RunState, batch: Batch) -> None:
     curvature = schedule.hessian(state.base, Batch(big, batch.args, batch.kwargs))
     keep = None if restart is None else ~behind
     moved = schedule.next_map(next(iter(theta.values())), curvature, keep=keep)
+    if state.option == "warmup":  # recentred at each window's mean: one full-data pass
+        state.control_variate = state.base.control = recentre(state.record.full_bridge, schedule, state.reducer)
     if moved is not None:
         state.stepper = stage_stepper(run, state, schedule.to_z(theta), state.stepper.mode)
         state.stepper.log_posterior_fn = schedule.wrap(state.base)

@@ -458,20 +458,23 @@ def hierarchical_data(n=1000):
 def centred_hierarchical(x, group, y, batch=10):
     """Group effects b_g ~ N(0, τ): the prior of a latent site inside a plate depends on another latent."""
     tau = pyro.sample("tau", dist.HalfNormal(x.new_ones(())))
-    with pyro.plate("groups", 5):
+    with pyro.plate("groups", int(group.max()) + 1):
         b = pyro.sample("b", dist.Normal(x.new_zeros(()), tau))
     with pyro.plate("data", len(y), subsample_size=batch) as idx:
         pyro.sample("obs", dist.Normal(b[group[idx]] + x[idx], 1.0), obs=y[idx])
 
 
-def test_auto_centres_a_centred_hierarchy_at_its_mode_and_a_non_centred_one_at_warmups_chains():
-    """A non-centred hierarchy's joint mode is atypical (choose's docstring): 'auto' centres where warm-up's
-    calibrated halves start, where warm-up has them and N/B reaches HIERARCHY_RATIO; a centred one at its mode;
-    'warmup' without windows is refused with the fix."""
+def test_auto_centres_a_centred_hierarchy_at_its_mode_and_a_non_centred_one_at_warmups_windows():
+    """A non-centred hierarchy's joint mode is atypical (choose's docstring): 'auto' centres on warm-up's window
+    means there, where warm-up has them and N/B reaches HIERARCHY_RATIO; a centred one with ROWS_PER_GROUP rows a
+    group or more at its mode; 'warmup' without windows is refused with the fix."""
     bridge = ModelBridge(hierarchical, hierarchical_data())
     assert not centred(bridge) and centred(ModelBridge(centred_hierarchical, hierarchical_data()))
     assert choose("auto", SGHMC(hierarchical), bridge) == "warmup"
     assert choose("auto", SGHMC(centred_hierarchical), ModelBridge(centred_hierarchical, hierarchical_data())) == "map"
+    x, _, y = hierarchical_data()  # 1,000 rows in 200 groups: 5 rows a group, under ROWS_PER_GROUP
+    few = ModelBridge(centred_hierarchical, (x, torch.arange(1000) % 200, y))
+    assert centred(few) and choose("auto", SGHMC(centred_hierarchical), few) == "warmup"
     assert choose("auto", SGHMC(hierarchical), bridge, windows=False) is None
     assert choose("map", SGHMC(hierarchical), bridge) == "map"  # asked for: kept
     wide = ModelBridge(lambda x, g, y: hierarchical(x, g, y, batch=300), hierarchical_data())  # N/B = 3.3
@@ -484,10 +487,9 @@ def test_auto_centres_a_centred_hierarchy_at_its_mode_and_a_non_centred_one_at_w
         ).run(*hierarchical_data())  # "auto" keeps no metric for a warm-up under 200 steps
 
 
-def test_the_warmup_centre_is_where_each_calibrated_half_starts_and_burn_in_is_plain(monkeypatch):
+def test_the_warmup_centre_is_each_windows_mean_and_burn_in_is_plain(monkeypatch):
     """control_variate="warmup": off in every burn-in step and on in every calibrated and sampling step; recentred
-    where each calibrated half of warm-up starts, at the chains' median position then, with the exact full-data
-    gradient there."""
+    at the end of each metric window at that window's mean, with the exact full-data gradient there."""
     from pyro_scalable.infer.sgmcmc import control_choice, metric
 
     flags, centres = [], []
@@ -499,9 +501,9 @@ def test_the_warmup_centre_is_where_each_calibrated_half_starts_and_burn_in_is_p
     )
     original = control_choice.recentre
 
-    def spy(full, positions, reducer=None):
-        centres.append((len(flags) - 2, {k: v.clone() for k, v in positions.items()}))  # the step it is taken at
-        return original(full, positions, reducer)
+    def spy(full, schedule, reducer=None):
+        centres.append(schedule.window_mean.clone())
+        return original(full, schedule, reducer)
 
     monkeypatch.setattr("pyro_scalable.infer.sgmcmc.phases.recentre", spy)
     data = hierarchical_data()
@@ -519,19 +521,16 @@ def test_the_warmup_centre_is_where_each_calibrated_half_starts_and_burn_in_is_p
     ends = [round(share * num_warmup) for share in metric.STAGES]
     starts = [0, *ends]
     lengths = [b - a for a, b in zip(starts, [*ends, num_warmup])]
-    # the first stage is warm-up's start as without a metric (its burn-in is half of num_warmup, longer than the
-    # stage: no calibrated half); each later stage is a warm-up of its own, burn-in first
+    # the first stage is warm-up's start as without a metric (its burn-in is half of num_warmup); each later
+    # stage is a warm-up of its own, burn-in first
     lengths[0] = num_warmup
     expected = [t - a >= n // 2 for a, n, end in zip(starts, lengths, [*ends, num_warmup]) for t in range(a, end)]
     expected += [True] * 20
     assert flags == [True, *expected]  # on as built; then one setting per step
-    calibrated = [a + n // 2 for a, n in zip(starts[1:], lengths[1:])]
-    assert [t for t, _ in centres] == calibrated  # one recentre (one full-data pass) per later stage
-    positions = centres[-1][1]
-    middle = {k: v.sort(0).values.mean(0) for k, v in positions.items()}  # two chains: the median is their mean
+    assert len(centres) == len(ends)
+    layout = ParameterLayout({k: v.shape[1:] for k, v in mcmc.state.kernel.latents.items()})
     centre = mcmc.control_variate.centre
-    for name, value in middle.items():
-        torch.testing.assert_close(centre[name], value)
+    torch.testing.assert_close(layout.flatten(centre, 0), centres[-1])
     exact = full_data_gradient(ModelBridge(hierarchical, data), centre)
     for name, g in exact.gradient.items():
         torch.testing.assert_close(mcmc.control_variate.gradient[name], g)
@@ -544,7 +543,7 @@ def funnel_data(n=100):
     return x, torch.arange(n) % 5, x + torch.randn(n, generator=g)
 
 
-def test_a_centred_hierarchy_without_a_finite_mode_goes_on_centred_at_warmups_chains():
+def test_a_centred_hierarchy_without_a_finite_mode_goes_on_centred_at_warmups_windows():
     """'auto' chose the mode for a centred hierarchy; where the search finds none (its group scale runs to 0), the
     run goes on with "warmup" (no error, no plain run); asked for, "map" says why."""
     data = funnel_data()
@@ -562,9 +561,8 @@ def test_a_centred_hierarchy_without_a_finite_mode_goes_on_centred_at_warmups_ch
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_a_run_resumed_after_the_fallback_goes_on_recentring(tmp_path, monkeypatch):
     """The checkpoint keeps the policy the run went on with: resumed after the fallback's second recentre (a dense
-    metric's stages end at steps 30, 60 and 110; calibrated halves start at 45, 85 and 155), the run goes on as
-    "warmup" (not "map" at the centre it read back: off in the last burn-in, recentred at step 155) and equals the
-    uninterrupted run bit for bit."""
+    metric's windows close at steps 30, 60 and 110), the run goes on as "warmup" (not "map" at the centre it read
+    back: off in the last stage's burn-in, recentred at step 110) and equals the uninterrupted run bit for bit."""
     data = funnel_data()
 
     def run(path=None):
