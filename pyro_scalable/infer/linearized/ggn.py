@@ -113,7 +113,7 @@ class Chunk:
         size = max(1, min(width, COLUMN_NUMBERS // max(sum(t.numel() for t in outputs), 1)))
         for start in range(0, width, size):
             roots = self.roots[..., start : start + size]
-            grads = pullbacks(self.f, outputs, roots.movedim(-1, 0), self.batched) if outputs else ()
+            grads = pullbacks(self.f, outputs, roots.movedim(-1, 0).contiguous(), self.batched) if outputs else ()
             grads = [_stacked_grad(g, p, self.batch) for g, p in zip(grads, self.plans)]
             rest_rows = torch.einsum("pmc,pmr->cpr", roots, rest_jacobian) if rest_jacobian is not None else None
             yield grads, rest_rows
