@@ -1,6 +1,6 @@
 """Where one SGHMC step's host time goes on problem (a): ATen operations per step, ours against the hand-written loop.
 
-    python benchmarks/diagnose_step_ops.py        # about 20 seconds; prints a table
+    python benchmarks/diagnose_step_ops.py        # about 40 seconds; writes benchmarks/results/step_ops.md
 
 bench_sgmcmc.py part 1 times a step of (a), logistic regression; at its size (N = 10⁶, d = 100, B = 1,000) the step
 is a few dozen small operations, each costing the dispatcher's few microseconds on a CPU. This counts them with
@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import collections
 import warnings
+from pathlib import Path
 
 import bench_sgmcmc as bench  # benchmarks/ is on sys.path when a script runs
 import torch
+from harness import machine, write_report
 from torch.profiler import ProfilerActivity, profile
 
 
@@ -44,11 +46,24 @@ def main() -> None:
         "hand-written": lambda n: bench.run_hand_written(problem, n, 1),
     }
     counts = {label: ops_per_step(run) for label, run in runs.items()}
-    print("ATen operations per step: " + ", ".join(f"{k} {sum(v.values()):.1f}" for k, v in counts.items()) + "\n")
-    print("| operation | " + " | ".join(counts) + " |\n|---|" + "---:|" * len(counts))
+    report = [
+        "# ATen operations per SGHMC step on the logistic regression: ours against the hand-written loop",
+        "",
+        "Command: `python benchmarks/diagnose_step_ops.py`; N = 10⁴, d = 100, B = 10, one chain, the step size "
+        "given; operations per step = (400-step run - 200-step run) / 200, the driver's bookkeeping included; counts "
+        "do not depend on the machine's load.",
+        "",
+        *machine(1),
+        "",
+        "ATen operations per step: " + ", ".join(f"{k} {sum(v.values()):.1f}" for k, v in counts.items()),
+        "",
+        "| operation | " + " | ".join(counts) + " |",
+        "|---|" + "---:|" * len(counts),
+    ]
     ours = counts["ours, noise-corrected"]
     for name in sorted(set().union(*counts.values()), key=lambda k: -ours.get(k, 0.0)):
-        print(f"| `{name}` | " + " | ".join(f"{c.get(name, 0.0):.2f}" for c in counts.values()) + " |")
+        report.append(f"| `{name}` | " + " | ".join(f"{c.get(name, 0.0):.2f}" for c in counts.values()) + " |")
+    write_report("\n".join(report) + "\n", Path(__file__).parent / "results" / "step_ops.md")
 
 
 if __name__ == "__main__":
