@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
+from pyro.infer.autoguide.initialization import init_to_uniform
 from torch import Tensor
 from tqdm.auto import tqdm
 
@@ -195,7 +196,12 @@ def attach_control_variate(run: Any, state: RunState) -> None:
     )
     if control is not None and control is not resumed:
         state.control_variate, state.mode_search = control, search
+        if search is not None and run.kernel.init_strategy is init_to_uniform:  # every chain starts at the mode
+            state.latents = {k: control.centre[k].to(v).expand_as(v).clone() for k, v in state.latents.items()}
+            program, method = state.stepper.program, run.chain_method
+            state.stepper = ChainStepper(program, state.bridge, state.latents, state.generator, method, state.reducer)
         if state.checkpoint is not None:  # the centre and its full-data pass are not redone on resume: nor counted
+            state.checkpoint.stepper = state.stepper
             state.checkpoint.remember(state.start, state.kept, stopped=state.diverged)  # (the model tracing's calls)
             state.checkpoint.write()
     state.stepper.log_posterior_fn = state.schedule.wrap(state.base) if state.schedule else state.base

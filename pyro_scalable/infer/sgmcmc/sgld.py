@@ -119,7 +119,9 @@ class SGLD(Kernel):
             by site, or a trained autoguide; ``None``: plain minibatch gradients; ``"auto"`` (the default): ``"map"``
             where warm-up chooses the step and ``N/B ≥ 10``, ``"warmup"`` for a hierarchy at ``N/B ≥ 4``
             (:func:`~pyro_scalable.infer.sgmcmc.control_choice.choose`).
-        init_strategy: a Pyro init strategy (``pyro.infer.autoguide.init_to_*``), one draw per chain.
+        init_strategy: a Pyro init strategy (``pyro.infer.autoguide.init_to_*``), one draw per chain. Left at its
+            default (``init_to_uniform`` itself), a run whose control variate is at a mode it searched for starts
+            every chain at that mode; ``init_to_uniform(radius=2.0)`` draws as Pyro does.
 
     Example:
         >>> import pyro, pyro.distributions as dist, torch

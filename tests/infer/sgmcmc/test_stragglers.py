@@ -8,6 +8,7 @@ import pyro
 import pyro.distributions as dist
 import pytest
 import torch
+from pyro.infer.autoguide.initialization import init_to_uniform
 
 from pyro_scalable.infer import SGHMC, SGLD, StochasticMCMC
 from pyro_scalable.infer.sgmcmc.adaptation import Adaptation, settle
@@ -107,9 +108,8 @@ def test_a_chain_started_at_a_stiff_point_is_restarted_and_the_run_agrees_with_i
     x = torch.randn(2000, 3, generator=g)
     w = torch.randn(3, generator=g)
     y = x @ w + 0.5 * torch.randn(2000, generator=g)
-    mcmc = StochasticMCMC(
-        SGHMC(_regression), num_samples=600, num_warmup=1500, num_chains=4, seed=10, progress_bar=False
-    )
+    kernel = SGHMC(_regression, init_strategy=init_to_uniform(radius=2.0))  # Pyro's draws, not the mode (N/B = 20)
+    mcmc = StochasticMCMC(kernel, num_samples=600, num_warmup=1500, num_chains=4, seed=10, progress_bar=False)
     mcmc.run(x, y)
     assert int(mcmc.restarted.sum()) >= 1
     samples = mcmc.get_samples(group_by_chain=True)
