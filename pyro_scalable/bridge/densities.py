@@ -51,11 +51,18 @@ def _number_scale(scale) -> bool:
     return isinstance(scale, Number) or (isinstance(scale, Tensor) and scale.dim() == 0)
 
 
+def _covers(shape: torch.Size, other: torch.Size) -> bool:
+    """Whether ``shape`` is the broadcast of ``shape`` and ``other`` (``torch.broadcast_shapes`` imports sympy)."""
+    if len(other) > len(shape):
+        return False
+    return all(b == 1 or b == a for a, b in zip(shape[len(shape) - len(other) :], other, strict=True))
+
+
 def summed_log_prob(fn, value: Tensor, scale, mask, args: tuple = (), kwargs: dict | None = None) -> Tensor:
     """``scale_and_mask(fn.log_prob(value), scale, mask).sum()``, cheaper for Normals with one expanded scale."""
     normal = _plain_normal(fn) if not args and not kwargs and (mask is None or mask is True) else None
     sigma = _one_number(normal.scale) if normal is not None and _number_scale(scale) else None
-    if sigma is None or value.shape != torch.broadcast_shapes(value.shape, normal.batch_shape):
+    if sigma is None or not _covers(value.shape, normal.batch_shape):
         log_prob = fn.log_prob(value, *args, **(kwargs or {}))
         return scale_and_mask(log_prob, scale, mask).sum()
     n = value.numel()
