@@ -181,7 +181,11 @@ class BatchedBackward:
             return None
         finally:
             torch._C._debug_only_display_vmap_fallback_warnings(shown)
-        self.enabled = not any("batching rule" in str(w.message) for w in caught)
+        fallbacks = ["batching rule" in str(w.message) for w in caught]
+        self.enabled = not any(fallbacks)
+        for warning, fallback in zip(caught, fallbacks):  # any other warning of the backward goes on to the caller
+            if not fallback:
+                warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
         return result
 
 

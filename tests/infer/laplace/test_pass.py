@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -70,3 +72,21 @@ def test_batched_pullbacks_equal_one_backward_per_cotangent_and_fall_back_withou
     assert batched.enabled is batches
     (again,) = pullbacks(f, [z], cotangents, batched)  # the decision is kept for the pass
     torch.testing.assert_close(again, expected, rtol=1e-12, atol=1e-12)
+
+
+class _Warns(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return 2 * x
+
+    @staticmethod
+    def backward(ctx, grad):
+        warnings.warn("raised in the backward", RuntimeWarning, stacklevel=1)
+        return 2 * grad
+
+
+def test_the_first_batched_backward_passes_on_warnings_other_than_torchs_fallback_notice():
+    z = torch.randn(4, 3, dtype=torch.float64, requires_grad=True) * 1.0
+    with pytest.warns(RuntimeWarning, match="raised in the backward"):
+        (stacked,) = pullbacks(_Warns.apply(z), [z], torch.ones(2, 4, 3, dtype=torch.float64), BatchedBackward())
+    torch.testing.assert_close(stacked, torch.full((2, 4, 3), 2.0, dtype=torch.float64))
