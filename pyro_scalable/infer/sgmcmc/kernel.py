@@ -164,7 +164,7 @@ class RunConstants:
         if kept is not None and all(a is b for a, b in zip(kept[0], held, strict=True)):
             return kept[1]
         result = self.function(latents, *hyperparameters)
-        if len(self._kept) >= self.size:
-            self._kept.pop(next(iter(self._kept)))
+        if len(self._kept) >= self.size:  # a fresh memory (one assignment: safe where threads step chains)
+            self._kept = {}
         self._kept[key] = (held, result)
         return result

@@ -116,6 +116,10 @@ def test_run_constants_recompute_for_new_or_changed_hyperparameters():
     assert memo(latents, {"a": scale}) is not memo(latents, {"b": scale})  # a dict's names count
     batched = torch.func.vmap(lambda x: memo({"w": x}, scale)["w"])(torch.zeros(2, 3))  # under vmap: every time
     assert torch.equal(batched, torch.full((2, 3), 6.0))
+    small = RunConstants(double, size=2)  # full: forgets, and computes again
+    scales = [torch.tensor(float(k)) for k in range(3)]
+    for _ in range(2):
+        assert [float(small(latents, k)["w"][0]) for k in scales] == [0.0, 2.0, 4.0]
 
 
 def test_a_non_finite_plain_gradient_is_flagged_and_rejected():
