@@ -5,11 +5,13 @@
 
 Part 1 times the fixed parts of one run on logistic regression (d = 10, B = 1,000, every default) by wrapping the
 functions that do them, each timed on its own (a part nested in another is reported within it): binding the model
-(tracing it, its checks, the support check of the observed values over the full data), recording the log joint as a
-graph (first call of each signature), the control variate (the mode search and its full-data gradient), the
-post-run health checks (repeated draws, r_hat, ESS) and the noise probe. The rest is the steps. A second run in the
-same process shows what a repeat costs. The table also gives the mode search's full-data and subsample passes
-(``mcmc.mode_search``).
+(tracing it, its checks, the support check of the observed values over the full data), the chains' initial values
+(a trace of the model each), recording the log joint as a graph (first call of each signature), the control variate
+(the mode search and its full-data gradient), the post-run health checks (repeated draws, r_hat, ESS), the noise
+probe, and torch's one-time import of ``torch._dynamo``, which ``torch.func.grad`` and ``make_fx`` trigger on their
+first call in a process (within the part that triggered it; counted as fixed also where a step triggered it). The
+rest is the steps. A second run in the same process shows what a repeat costs. The table also gives the mode
+search's full-data and subsample passes (``mcmc.mode_search``).
 
 Part 2 times ``to_inference_data`` on a run of 4 chains x ``--export-draws`` draws at ``--export-n`` data points:
 its wall time and the peak resident memory above what the process held before (``VmHWM`` reset), with the size of
@@ -20,6 +22,8 @@ the log-likelihood group it returns. Run without part 2, the report keeps the pa
 from __future__ import annotations
 
 import argparse
+import importlib.abc
+import importlib.machinery
 import sys
 import time
 import warnings
@@ -40,6 +44,7 @@ from pyro_scalable.infer import SGHMC, StochasticMCMC  # noqa: E402
 PARTS = {  # (module, attribute): what it is
     (phases, "bind"): "binding the model: tracing, checks (the support check below included)",
     (bridge_model, "check_observed_values"): "  support check of the observed values over the full data",
+    (bridge_model.ModelBridge, "init_latents"): "chains' initial values (one trace of the model through Pyro each)",
     (traced.TracedLogDensity, "_record"): "recording the log joint as a graph (each call signature once)",
     (phases, "attach"): "control variate: mode search and its full-data gradient",
     (phases, "repeated_draws"): "health: repeated draws",
@@ -50,6 +55,33 @@ PARTS = {  # (module, attribute): what it is
 
 UNION = "union"  # the wall time of the outermost parts: a part nested in another counts once
 FIRST = "  of which the process's first recording (one-time: torch's make_fx imports and warms up)"
+DYNAMO = (
+    "torch's one-time import of torch._dynamo (the process's first torch.func gradient or make_fx; "
+    "counted in the part that triggers it)"
+)
+
+
+class _TimedImport(importlib.abc.MetaPathFinder):
+    """Times the one import of ``name`` in this process (its module's execution, the modules it imports included)."""
+
+    def __init__(self, name: str, done):
+        self.name, self.done = name, done
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.name:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        execute = spec.loader.exec_module
+
+        def timed(module):
+            start = time.perf_counter()
+            try:
+                execute(module)
+            finally:
+                self.done(time.perf_counter() - start)
+
+        spec.loader.exec_module = timed
+        return spec
 
 
 def instrument(seconds: dict[str, float]) -> None:
@@ -73,6 +105,14 @@ def instrument(seconds: dict[str, float]) -> None:
                     seconds[UNION] += elapsed
 
         setattr(owner, name, timed)
+
+    def imported(elapsed: float) -> None:
+        seconds[DYNAMO] += elapsed
+        if depth[0] == 0:  # outside every timed part (a step): a fixed cost all the same
+            seconds[UNION] += elapsed
+
+    if "torch._dynamo" not in sys.modules:
+        sys.meta_path.insert(0, _TimedImport("torch._dynamo", imported))
 
 
 def one_run(problem, num_samples: int, seed: int) -> tuple[StochasticMCMC, float]:
@@ -127,6 +167,7 @@ def main() -> None:
             log(f"run {seed}: {total:.1f} s, {dict(seconds)}, {mcmc.mode_search} (load {load_average()})")
         labels = list(PARTS.values())
         labels.insert(labels.index(PARTS[(traced.TracedLogDensity, "_record")]) + 1, FIRST)
+        labels.insert(0, DYNAMO)
         for label in labels:
             cells = [f"{parts.get(label, 0.0):.2f} | {parts.get(label, 0.0) / total:.1%}" for total, parts in runs]
             report.append(f"| {label} | {' | '.join(cells)} |")
