@@ -90,7 +90,7 @@ def choose(option: Any, kernel: Any, bridge: ModelBridge, *, windows: bool = Tru
 
     """
     plates = list(getattr(bridge, "plates", {}).values())
-    hierarchy = _hierarchy(bridge)
+    groups = _group_sizes(bridge)
     if option == "warmup" and not windows:
         raise ValueError(
             "control_variate='warmup' centres on the means of warm-up's metric windows, and this run has none: "
@@ -104,16 +104,22 @@ def choose(option: Any, kernel: Any, bridge: ModelBridge, *, windows: bool = Tru
     if len(plates) != 1:
         return None
     ratio = plates[0].size / plates[0].subsample_size
-    if hierarchy:
+    if groups:
         if ratio < HIERARCHY_RATIO:
             return None
-        rows = plates[0].size / max(s for site in bridge.sites.values() for s, p in zip(site.shape, site.plates) if p)
+        rows = plates[0].size / max(groups.values())
         return "map" if rows >= ROWS_PER_GROUP and centred(bridge) else ("warmup" if windows else None)
     return "map" if ratio >= AUTO_RATIO else None
 
 
-def _hierarchy(bridge: ModelBridge) -> bool:
-    return any(name is not None for site in getattr(bridge, "sites", {}).values() for name in site.plates)
+def _group_sizes(bridge: ModelBridge) -> dict[str, int]:
+    """The latent sites inside a plate (group-level latents: a hierarchy), each with its largest plate's size."""
+    sites = getattr(bridge, "sites", {}).items()
+    return {
+        name: max(size for size, plate in zip(site.shape, site.plates) if plate is not None)
+        for name, site in sites
+        if any(plate is not None for plate in site.plates)
+    }
 
 
 def centred(bridge: ModelBridge) -> bool:
@@ -138,7 +144,7 @@ def centred(bridge: ModelBridge) -> bool:
         (True, False)
 
     """
-    grouped = [name for name, site in bridge.sites.items() if any(p is not None for p in site.plates)]
+    grouped = _group_sizes(bridge)
     one = {name: torch.zeros(1, dtype=torch.long, device=bridge.device) for name in bridge.plates}
     zeros = {name: torch.zeros(site.unconstrained_shape, device=bridge.device) for name, site in bridge.sites.items()}
     values = {k: v.to(bridge.sites[k].dtype).requires_grad_() for k, v in bridge.constrain(zeros).items()}
@@ -198,7 +204,7 @@ def attach(
         except CentreError:
             if not chosen:
                 raise
-            if windows and _hierarchy(bridge):  # a centred hierarchy's funnel: its group scale runs to 0
+            if windows and _group_sizes(bridge):  # a centred hierarchy's funnel: its group scale runs to 0
                 return ControlledLogPosterior(base, None), None, None, "warmup"
             return base, None, None, None
     return ControlledLogPosterior(base, control), control, search, option
