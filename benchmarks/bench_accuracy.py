@@ -283,7 +283,7 @@ def run_ours(problem: Problem, control_variate: str | None, num_samples: int, se
         warnings.filterwarnings("ignore", message="in .* of the coordinates of the kept steps")
         mcmc.run(problem.x, problem.y)
     seconds = time.perf_counter() - start
-    draws = unconstrained(problem, mcmc.get_samples())
+    draws = unconstrained(problem, mcmc.get_samples()).cpu()  # the reference is on the CPU (data maybe on a GPU)
     search = mcmc.mode_search
     return OursRun(
         num_samples,

@@ -2,6 +2,7 @@
 
     python benchmarks/bench_peers.py --threads 1        # every problem at N = 1e4 … 1e7 within --total-budget
     python benchmarks/bench_peers.py --problems logistic10 --sizes 1e4 --out /tmp/peers.md   # one cell
+    python benchmarks/bench_peers.py --device cuda --sizes 1e6,1e7 --out /tmp/peers_gpu.md   # on a GPU (JAX too)
 
 Needs the benchmark-only peers (``pip install -e ".[peers]"``: jax[cpu], numpyro, blackjax); without them the run
 stops with the import error. Writes a markdown report to ``benchmarks/results/peers.md`` after every problem and
@@ -56,7 +57,7 @@ import argparse
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -180,7 +181,15 @@ def blackjax_runs(problem, data, algorithm: str, budget: float) -> tuple[Cell, C
 
 
 # ====================================================================================== ours
-def ours(problem, budget: float) -> Cell:
+def ours(problem, budget: float, device: torch.device) -> Cell:
+    if device.type != "cpu":  # the same arrays, moved before the clock starts (as a user's data would already be)
+        moved = replace(
+            problem,
+            **{k: getattr(problem, k).to(device) for k in ("x", "y", "groups") if getattr(problem, k) is not None},
+        )
+        moved.reference, problem = problem.reference, moved
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
     runs = ours_to_accuracy(problem, "auto", budget)  # each run timed on its own; the last is reported
     last = runs[-1]
     note = f"{last.draws} draws × 4; tried {', '.join(str(r.draws) for r in runs)}; "
@@ -246,15 +255,21 @@ def main() -> None:
     parser.add_argument("--nuts-budget", type=float, default=600.0, help="seconds one NUTS run may take")
     parser.add_argument("--total-budget", type=float, default=90.0, help="minutes the whole run may take")
     parser.add_argument("--samplers", default="ours,nuts,blackjax", help="a subset of ours,nuts,blackjax")
+    parser.add_argument("--device", default="cpu", help="where ours runs ('cuda'); the peers on JAX's default device")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "peers.md")
     args = parser.parse_args()
     flags = f"--xla_cpu_multi_thread_eigen={'false' if args.threads == 1 else 'true'}"
     os.environ["XLA_FLAGS"] = f"{flags} intra_op_parallelism_threads={args.threads}"
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # a GPU shared with torch: JAX allocates as it goes
     torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
     jax, numpyro, blackjax, _ = import_peers()
 
     sizes = sorted(int(float(n)) for n in args.sizes.split(","))
     peers = f"jax {jax.__version__}, numpyro {numpyro.__version__}, blackjax {blackjax.__version__}"
+    peers += f"; JAX on {jax.devices()[0].device_kind} ({jax.devices()[0].platform})"
+    if device.type == "cuda":
+        peers += f"; ours on {torch.cuda.get_device_name(device)}"
     results: dict[str, dict[int, dict]] = {}
     notes: dict[str, list[str]] = {}
     history: dict[str, NutsHistory | None] = {}
@@ -293,7 +308,7 @@ def main() -> None:
                     )
             data = jax_data(problem)
             log("  ours at the defaults")
-            cells["ours"] = ours(problem, min(args.budget, left()))
+            cells["ours"] = ours(problem, min(args.budget, left()), device)
             if "nuts" in args.samplers:
                 log("  NumPyro NUTS")
                 limit = min(args.nuts_budget, left())

@@ -2,6 +2,7 @@
 
     python benchmarks/bench_step_blackjax.py               # about 12 minutes on 2 CPU cores (a third compiling)
     python benchmarks/bench_step_blackjax.py --quick       # fewer rounds and dimensions
+    python benchmarks/bench_step_blackjax.py --device cuda --quick --dims 100   # on a GPU; JAX there if it has CUDA
 
 Logistic regression, N = 10⁵ (a step gathers B rows; N does not enter its cost), d = 10 and 100, B = 1,000,
 float32, SGHMC with the step size and friction given, one gradient per step; one chain and 4 vectorised chains
@@ -14,7 +15,9 @@ float32, SGHMC with the step size and friction given, one gradient per step; one
 * **ours, compiled**: the same under ``model_tracing(compile=True)`` (the whole step in one ``torch.compile``
   graph per phase);
 * **hand-written**: the loop a torch user writes (autograd, in-place updates), and that step under
-  ``torch.compile`` (``torch.func.grad_and_value``, functional update);
+  ``torch.compile`` (``torch.func.grad_and_value``, functional update); on a GPU also compiled with
+  ``mode="reduce-overhead"`` (CUDA graphs: the step's kernels replayed as one graph) — how near BlackJAX a torch
+  step can come;
 * **BlackJAX**: ``jax.jit`` of a ``lax.scan`` of ``blackjax.sgld`` steps (the reference: one gradient per step,
   used) and of ``blackjax.sghmc(..., num_integration_steps=1)`` steps, minibatches gathered inside the scan from
   precomputed epoch permutations; 4 chains by ``jax.vmap``. BlackJAX's SGHMC draws a fresh momentum each step
@@ -82,7 +85,7 @@ class Ours:
             for _ in range(steps):
                 info = stepper.step(Batch(next(state.sampler), args, kwargs), self.t)
                 self.t += 1
-        elapsed = time.perf_counter() - start
+            elapsed = bench.elapsed(start)
         assert not bool(info.diverging.any())
         return elapsed
 
@@ -104,11 +107,11 @@ def make_ours(problem, chains, noise, compiled):
 class Hand:
     """The hand-written SGHMC loop (``bench_sgmcmc.run_hand_written``'s), eager or as one compiled step."""
 
-    def __init__(self, problem, chains: int, compiled: bool):
-        self.problem, self.chains = problem, chains
+    def __init__(self, problem, chains: int, compiled: bool, graphs: bool = False):
+        self.problem, self.chains, self.graphs = problem, chains, graphs
         gen = torch.Generator().manual_seed(0)
         d = problem.shapes["w"][0]
-        self.w = torch.rand(chains, d, generator=gen) * 4 - 2
+        self.w = (torch.rand(chains, d, generator=gen) * 4 - 2).to(bench.DEVICE)
         self.m = torch.zeros_like(self.w)
         self.streams = [bench.epoch_batches(problem.num_data, B, gen) for _ in range(chains)]
         self.decay, self.scale = 1.0 - STEP_SIZE * FRICTION, math.sqrt(2.0 * FRICTION * STEP_SIZE)
@@ -119,7 +122,10 @@ class Hand:
             m = self.decay * m + STEP_SIZE * grads + self.scale * torch.randn_like(w)
             return w + STEP_SIZE * m, m
 
-        self.step = torch.compile(step, dynamic=False) if compiled else None
+        if graphs:  # CUDA graphs: the step's kernels replayed as one graph, no launch per kernel
+            self.step = torch.compile(step, dynamic=False, mode="reduce-overhead")
+        else:
+            self.step = torch.compile(step, dynamic=False) if compiled else None
         self.w1, self.m1 = self.w[0].clone().requires_grad_(), self.m[0].clone()  # one chain, eager
         self.w.requires_grad_(chains > 1 and not compiled)
 
@@ -130,9 +136,11 @@ class Hand:
             w, m = self.w, self.m
             for _ in range(steps):
                 idx = torch.stack([next(s) for s in self.streams])
+                if self.graphs:
+                    torch.compiler.cudagraph_mark_step_begin()
                 w, m = self.step(w, m, idx)
             self.w, self.m = w, m
-            return time.perf_counter() - start
+            return bench.elapsed(start)
         w, m = (self.w, self.m) if self.chains > 1 else (self.w1, self.m1)
         for _ in range(steps):
             if self.chains > 1:
@@ -143,9 +151,11 @@ class Hand:
                 value = problem.log_density({"w": w}, x[idx], y[idx])
             (grad,) = torch.autograd.grad(value, (w,))
             with torch.no_grad():
-                m.mul_(self.decay).add_(grad, alpha=STEP_SIZE).add_(torch.randn(w.shape), alpha=self.scale)
+                m.mul_(self.decay).add_(grad, alpha=STEP_SIZE).add_(
+                    torch.randn(w.shape, device=w.device), alpha=self.scale
+                )
                 w.add_(m, alpha=STEP_SIZE)
-        return time.perf_counter() - start
+        return bench.elapsed(start)
 
     def check(self) -> str:
         return ""
@@ -161,7 +171,7 @@ class BlackJAX:
         import jax.numpy as jnp
 
         self.jax, self.block = jax, block
-        x, y = jnp.asarray(problem.x.numpy()), jnp.asarray(problem.y.numpy())
+        x, y = jnp.asarray(problem.x.cpu().numpy()), jnp.asarray(problem.y.cpu().numpy())  # on JAX's default device
         d = x.shape[1]
 
         def logprior(w):
@@ -227,6 +237,11 @@ def measure(d: int, chains: int, rounds: int, block: int) -> list[str]:
         "ours, compiled, noise-corrected": lambda: make_ours(problem, chains, "correct", True),
         "hand-written torch, eager": lambda: Hand(problem, chains, False),
         "hand-written torch, compiled": lambda: Hand(problem, chains, True),
+        **(
+            {"hand-written torch, compiled, CUDA graphs": lambda: Hand(problem, chains, True, graphs=True)}
+            if bench.DEVICE.type == "cuda"
+            else {}
+        ),
         "BlackJAX SGHMC, jitted scan": lambda: BlackJAX(problem, chains, "sghmc", block),
         "BlackJAX SGLD, jitted scan": lambda: BlackJAX(problem, chains, "sgld", block),
     }
@@ -256,15 +271,24 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--chains", type=int, nargs="+", default=[1, 4], help="the chain counts to measure")
+    parser.add_argument("--dims", type=int, nargs="+", default=[10, 100], help="the dimensions to measure")
+    parser.add_argument("--device", default="cpu", help="where our steps and the hand-written ones run ('cuda')")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "step_blackjax.md")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    bench.DEVICE = torch.device(args.device)
     os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false")
+    # JAX runs on its default device: the GPU where jax has CUDA (then it must not take the GPU's memory up front)
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    import jax
+
+    where = "the CPU" if bench.DEVICE.type == "cpu" else torch.cuda.get_device_name(bench.DEVICE)
+    jax_where = f"JAX on {jax.devices()[0].device_kind} ({jax.devices()[0].platform})"
     warnings.filterwarnings("ignore", message="the chains are not healthy")
     warnings.filterwarnings("ignore", message="in .* of the coordinates")
     warnings.filterwarnings("ignore", category=UserWarning, module="torch._dynamo")
     rounds, block = (3, 200) if args.quick else (5, 300)
-    configs = [c for c in [(10, 1), (100, 1), (10, 4), (100, 4)] if c[1] in args.chains]
+    configs = [c for c in [(10, 1), (100, 1), (10, 4), (100, 4)] if c[1] in args.chains and c[0] in args.dims]
     load_before = os.getloadavg()
     rows = []
     for d, chains in configs:
@@ -272,13 +296,12 @@ def main() -> None:
         print(rows[-8:], flush=True)
     load_after = os.getloadavg()
     report = [
-        "# One SG-MCMC step against BlackJAX's jitted step (CPU)",
+        f"# One SG-MCMC step against BlackJAX's jitted step ({'CPU' if bench.DEVICE.type == 'cpu' else 'GPU'})",
         "",
-        f"Command: `python benchmarks/bench_step_blackjax.py{' --quick' if args.quick else ''}"
-        f"{' --chains ' + ' '.join(map(str, args.chains)) if args.chains != [1, 4] else ''}`; logistic regression, "
+        f"Command: `python {' '.join(['benchmarks/bench_step_blackjax.py', *sys.argv[1:]])}`; logistic regression, "
         f"N = {N:,}, B = {B:,}, float32, SGHMC ε = {STEP_SIZE}, α = {FRICTION}; median over {rounds} interleaved "
-        f"rounds of {block} steps; `torch.set_num_threads({args.threads})`, XLA single-threaded. Load average "
-        f"before {load_before[0]:.2f}, after {load_after[0]:.2f} (a shared 2-core machine).",
+        f"rounds of {block} steps; torch on {where}, `torch.set_num_threads({args.threads})`; {jax_where}, XLA's "
+        f"CPU single-threaded. Load average before {load_before[0]:.2f}, after {load_after[0]:.2f}.",
         "",
         *machine(args.threads),
         "",

@@ -2,43 +2,70 @@
 # The checks that need a CUDA GPU, in one run (CI has none): the device tests, then the GPU benchmarks.
 #
 #     bash benchmarks/gpu_checks.sh [OUT]    # OUT: where the logs and reports go (default benchmarks/results/gpu)
+#     STEPS="tests part2 peers" bash benchmarks/gpu_checks.sh    # a subset of: tests part1 part2 step peers sto
 #
 # Needs pyro_scalable's dependencies and pytest importable (posteriors is not needed: bench_sgmcmc runs without its
-# column). Each step has its own time limit, so that one stuck step leaves the others' results. About 8 minutes
-# on an H100 (benchmarks/results/*_gpu*.md came from these steps).
+# column); the steps `step` and `peers` also need jax with CUDA, numpyro and blackjax (they compare with JAX on the
+# same GPU). Each step has its own time limit, so that one stuck step leaves the others' results. All steps take
+# about 12 minutes on an H100 or H200 (benchmarks/results/*_gpu*.md came from these steps).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=$(realpath -m "${1:-benchmarks/results/gpu}")
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 PYTHON=${PYTHON:-python3}
+STEPS=" ${STEPS:-tests part1 part2 step peers sto} "
 status=0
+wants() { [[ "$STEPS" == *" $1 "* ]]; }
 
-"$PYTHON" - <<'EOF' | tee "$OUT/machine.txt"
+"$PYTHON" - <<'PY' | tee "$OUT/machine.txt"
 import torch, pyro
 print(f"torch {torch.__version__}, pyro {pyro.__version__}, CUDA {torch.version.cuda}")
 print(f"{torch.cuda.get_device_name()}, {torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} GiB")
-EOF
+PY
 
-echo "== device tests (pytest -m cuda)"
-timeout 90 "$PYTHON" -m pytest -q -p no:cacheprovider -m cuda -rs \
-    tests/test_devices.py tests/bridge/test_checks.py tests/infer/sgmcmc/test_mcmc.py \
-    tests/infer/sgmcmc/test_checkpoint.py tests/infer/laplace/test_posterior.py 2>&1 | tee "$OUT/tests.log" | tail -25
-status=$((status | $?))
+if wants tests; then
+    echo "== device tests (pytest -m cuda)"
+    timeout 100 "$PYTHON" -m pytest -q -p no:cacheprovider -m cuda -rs \
+        tests/test_devices.py tests/bridge/test_checks.py tests/infer/sgmcmc/test_mcmc.py \
+        tests/infer/sgmcmc/test_checkpoint.py tests/infer/laplace/test_posterior.py 2>&1 | tee "$OUT/tests.log" | tail -25
+    status=$((status | $?))
+fi
 
-echo "== SG-MCMC on the GPU: one chain against the hand-written loop (part 1, quick)"
-(cd benchmarks && timeout 150 "$PYTHON" bench_sgmcmc.py --device cuda --quick --reps 3 --parts 1 --without-posteriors \
-    --out "$OUT/sgmcmc_gpu_quick.md" 2> "$OUT/sgmcmc_gpu_quick.err" | tail -16)
-status=$((status | $?))
+if wants part1; then
+    echo "== SG-MCMC on the GPU: one chain against the hand-written loop (part 1, quick)"
+    (cd benchmarks && timeout 150 "$PYTHON" bench_sgmcmc.py --device cuda --quick --reps 3 --parts 1 \
+        --without-posteriors --out "$OUT/sgmcmc_gpu_quick.md" 2> "$OUT/sgmcmc_gpu_quick.err" | tail -16)
+    status=$((status | $?))
+fi
 
 # part 2 in its full size: the quick run's short and long runs are too few steps apart to time on a GPU
-echo "== SG-MCMC on the GPU: 16 vectorised chains against 16 sequential and a hand-written batched loop (part 2)"
-(cd benchmarks && timeout 120 "$PYTHON" bench_sgmcmc.py --device cuda --parts 2 --without-posteriors \
-    --out "$OUT/sgmcmc_gpu_part2.md" 2> "$OUT/sgmcmc_gpu_part2.err" | tail -16)
-status=$((status | $?))
+if wants part2; then
+    echo "== SG-MCMC on the GPU: 16 vectorised chains against 16 sequential and a hand-written batched loop (part 2)"
+    (cd benchmarks && timeout 110 "$PYTHON" bench_sgmcmc.py --device cuda --parts 2 --without-posteriors \
+        --out "$OUT/sgmcmc_gpu_part2.md" 2> "$OUT/sgmcmc_gpu_part2.err" | tail -16)
+    status=$((status | $?))
+fi
 
-echo "== sample-then-optimise on the GPU: the step against a forward + backward, memory per sample"
-(cd benchmarks && timeout 170 "$PYTHON" bench_sample_then_optimize_gpu.py \
-    --out "$OUT/sample_then_optimize_gpu.md" 2> "$OUT/sto_gpu.err" | tail -14)
-status=$((status | $?))
+if wants step; then
+    echo "== one step, eager and compiled, against the hand-written loop and BlackJAX's jitted step on the same GPU"
+    timeout 150 "$PYTHON" benchmarks/bench_step_blackjax.py --device cuda --quick --chains 1 --dims 100 \
+        --out "$OUT/step_blackjax_gpu.md" 2> "$OUT/step_blackjax_gpu.err" | tail -14
+    status=$((status | $?))
+fi
+
+if wants peers; then
+    echo "== time to accuracy on the GPU: ours against NumPyro NUTS on the same GPU (logistic, d = 10)"
+    timeout 170 "$PYTHON" benchmarks/bench_peers.py --device cuda --threads 8 --problems logistic10 \
+        --sizes 1e6,1e7 --samplers ours,nuts --budget 60 --nuts-budget 60 --total-budget 2.7 \
+        --out "$OUT/peers_gpu.md" 2> "$OUT/peers_gpu.err" | tail -14
+    status=$((status | $?))
+fi
+
+if wants sto; then
+    echo "== sample-then-optimise on the GPU: the step against a forward + backward, memory per sample"
+    (cd benchmarks && timeout 170 "$PYTHON" bench_sample_then_optimize_gpu.py \
+        --out "$OUT/sample_then_optimize_gpu.md" 2> "$OUT/sto_gpu.err" | tail -14)
+    status=$((status | $?))
+fi
 exit $status

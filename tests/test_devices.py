@@ -244,3 +244,29 @@ def test_a_hierarchy_with_every_default_on_the_device(device, kernel):
     assert float(mcmc.sample_stats["diverging"].float().mean()) == 0.0
     friction = mcmc.sample_stats["friction"]
     assert bool(torch.isfinite(friction).all()) and bool((friction > 0).all())
+
+
+@pytest.mark.filterwarnings("ignore:in .* of the coordinates")
+def test_a_centred_hierarchy_starts_and_is_centred_at_its_mode_on_the_device(device):
+    """ "auto" on a centred hierarchy with enough rows a group: the mode search on the device, the chains started
+    there, and the group intercepts' posterior means where the data put them (50 rows a group, noise sd 0.3: each
+    intercept's posterior sd is about 0.3 / √50 = 0.04; the tolerance is 5 of them, shrinkage to μ is 1% of it)."""
+    g = torch.Generator().manual_seed(7)
+    group = torch.arange(4).repeat_interleave(50)
+    truth = torch.tensor([-1.0, 0.0, 0.5, 2.0])
+    x = torch.randn(200, generator=g)
+    y = truth[group] + x + 0.3 * torch.randn(200, generator=g)
+    mcmc = StochasticMCMC(
+        SGHMC(lambda *a: partial_pooling(*a, batch=20)),
+        num_samples=300,
+        num_warmup=300,
+        num_chains=4,
+        seed=0,
+        progress_bar=False,
+    )
+    mcmc.run(x.to(device), group.to(device), y.to(device))
+    assert mcmc.mode_search is not None and mcmc.control_variate is not None  # "auto" chose the mode
+    a = mcmc.get_samples()["a"]
+    assert a.device.type == device.type and bool(torch.isfinite(a).all())
+    group_means = torch.stack([(y - x)[group == j].mean() for j in range(4)])
+    assert float((a.mean(0).cpu() - group_means).abs().max()) < 5 * 0.3 / math.sqrt(50)
