@@ -29,6 +29,7 @@ __all__ = [
     "first_line",
     "named_tensors",
     "one_subsampled_plate",
+    "same_support",
     "user_stacklevel",
 ]
 
@@ -306,6 +307,20 @@ def explain_mixed_tensors(trace, tensors: Iterator[tuple[str, Tensor]], error: E
 
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def same_support(first, second) -> bool:
+    """Whether two traces' supports of one site are the same constraint (bounds equal, e.g. not a latent's value)."""
+    if type(first) is not type(second):
+        return False
+    a, b = _bounds(first), _bounds(second)
+    return len(a) == len(b) and all(x.shape == y.shape and bool((x == y).all()) for x, y in zip(a, b))
+
+
+def _bounds(support) -> list[Tensor]:
+    while hasattr(support, "base_constraint"):
+        support = support.base_constraint
+    return [torch.as_tensor(getattr(support, a)) for a in ("lower_bound", "upper_bound") if hasattr(support, a)]
 
 
 def user_stacklevel() -> int:

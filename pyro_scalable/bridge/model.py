@@ -41,6 +41,7 @@ from pyro_scalable.bridge.checks import (
     explain_mixed_tensors,
     explain_sequence_data,
     named_tensors,
+    same_support,
     user_stacklevel,
 )
 from pyro_scalable.bridge.densities import summed_log_prob
@@ -106,20 +107,6 @@ class _Evaluate(Messenger):
             self.log_joint = self.log_joint + summed_log_prob(fn, value, msg["scale"], msg["mask"], args, kwargs)
 
 
-def _bounds(support) -> list[Tensor]:
-    while hasattr(support, "base_constraint"):
-        support = support.base_constraint
-    return [torch.as_tensor(getattr(support, a)) for a in ("lower_bound", "upper_bound") if hasattr(support, a)]
-
-
-def _same_support(first, second) -> bool:
-    """Whether two traces' supports of one site are the same constraint (bounds equal, e.g. not a latent's value)."""
-    if type(first) is not type(second):
-        return False
-    a, b = _bounds(first), _bounds(second)
-    return len(a) == len(b) and all(x.shape == y.shape and bool((x == y).all()) for x, y in zip(a, b))
-
-
 class ModelBridge:
     """A Pyro model bound to its data: unconstrained latents, log posterior, full-data log-likelihood.
 
@@ -129,16 +116,25 @@ class ModelBridge:
     chunks), and distribution parameters that are valid where the latents are drawn from their prior. Each failure
     is a :class:`ModelError` naming the site or argument. Those prior draws come from ``seed`` (a run passes its
     own), so the checks pass or fail alike on every call with it, and the global RNG is left as it was.
+    ``check_values=False`` leaves the support of the observed values to the caller, which must then pass every
+    chunk it reads through :func:`~.observed.check_site_values` before it evaluates it (the Laplace pass does).
     """
 
     def __init__(
-        self, model: Callable, args: tuple = (), kwargs: Mapping[str, Any] | None = None, *, seed: int | None = None
+        self,
+        model: Callable,
+        args: tuple = (),
+        kwargs: Mapping[str, Any] | None = None,
+        *,
+        seed: int | None = None,
+        check_values: bool = True,
     ):
         self.model = model.model if isinstance(model, FullDataModel) else model
         check_model(self.model, args, kwargs)
         self.args = tuple(args)
         self.kwargs = dict(kwargs or {})
         self.device = check_inputs(self.model, self.args, self.kwargs)
+        self.values_checked = check_values  # the observed values' support, over the full data (bridge/observed.py)
         with checking_draws(seed, self.device):
             self._check(self._trace(self.model, validate=True))
         sizes = {plate.name: plate.size for plate in self.plates.values()}
@@ -160,7 +156,8 @@ class ModelBridge:
         if self.device is None:
             self.device = next((v["value"].device for _, v in self._latent_nodes(trace)), torch.device("cpu"))
         self._check_plate_sizes(trace)
-        check_observed_values(self)
+        if self.values_checked:
+            check_observed_values(self)
 
     # ------------------------------------------------------------------ discovery and checks
     def _trace(self, model: Callable, *, validate: bool, indices: Mapping[str, Tensor] | None = None):
@@ -306,7 +303,7 @@ class ModelBridge:
             last = torch.arange(max(plate.size - plate.subsample_size, 0), plate.size, device=self.device)
             self._trace(self.model, validate=True, indices={plate.name: last})
         for site, node in self._latent_nodes(self._trace(self.model, validate=False)):
-            if not _same_support(node["fn"].support, self._supports[site.name]):
+            if not same_support(node["fn"].support, self._supports[site.name]):
                 raise ModelError(
                     f"latent site '{site.name}' has a support that depends on other latents ({node['fn'].support} "
                     f"in one prior draw, {self._supports[site.name]} in another); the unconstrained space needs a "

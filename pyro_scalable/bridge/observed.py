@@ -5,6 +5,11 @@ tracing a model never calls ``log_prob``, so data outside a likelihood's support
 log density: Bernoulli labels coded -1/1 give log-probabilities above 0, negative or fractional Poisson counts a
 finite garbage value. Plain Pyro raises there; so does this check, with the site, the first offending data index
 and the fix, before any step is taken.
+
+:func:`check_observed_values` walks the data for the bridge (one forward pass of the model over all of it). An
+engine that reads every chunk of the full data anyway (the linearised Laplace pass) builds its bridge with
+``check_values=False`` and calls :func:`check_site_values` on each chunk before it evaluates the chunk's
+likelihood: the same error, without the extra pass.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from pyro_scalable.bridge.minibatches import chunks, points_per_chunk
 if TYPE_CHECKING:
     from pyro_scalable.bridge.model import ModelBridge
 
-__all__ = ["check_observed_values", "no_mode_reason"]
+__all__ = ["check_observed_values", "check_site_values", "no_mode_reason"]
 
 _HINTS = {
     "Bernoulli": "Bernoulli labels must be 0 or 1 (labels coded -1/1 become (y + 1) / 2)",
@@ -47,18 +52,26 @@ def check_observed_values(bridge: ModelBridge, chunk_size: int | None = None) ->
             trace = bridge.trace_at(indices)
         for name, frames in bridge.observed.items():
             node = trace.nodes[name]
-            fn, value = node["fn"], node["value"]
-            inside = fn.support.check(value)
-            if bool(inside.all()):
-                continue
-            position = tuple(int(i) for i in (~inside).nonzero()[0])
-            where = _data_index(position, frames, indices)
-            hint = _HINTS.get(type(fn).__name__, "recode the data to the likelihood's support")
-            raise ModelError(
-                f"observed site '{name}' has the value {_value_at(value, position, fn.event_dim)} at {where}, "
-                f"outside the support of its {type(fn).__name__} likelihood ({fn.support}); {hint}, or choose a "
-                "likelihood whose support holds the data."
-            )
+            check_site_values(name, node["fn"], node["value"], frames, indices)
+
+
+def check_site_values(name: str, fn, value: Tensor, frames: dict[int, str], indices: dict[str, Tensor]) -> None:
+    """Raise a :class:`ModelError` naming the first of observed site ``name``'s ``value`` outside ``fn``'s support.
+
+    ``value`` holds the data points ``indices`` (plate name -> data indices, as a chunk of the data passes them);
+    ``frames`` are the site's plates (``ModelBridge.observed[name]``), to name the offending data index.
+    """
+    inside = fn.support.check(value)
+    if bool(inside.all()):
+        return
+    position = tuple(int(i) for i in (~inside).nonzero()[0])
+    where = _data_index(position, frames, indices)
+    hint = _HINTS.get(type(fn).__name__, "recode the data to the likelihood's support")
+    raise ModelError(
+        f"observed site '{name}' has the value {_value_at(value, position, fn.event_dim)} at {where}, "
+        f"outside the support of its {type(fn).__name__} likelihood ({fn.support}); {hint}, or choose a "
+        "likelihood whose support holds the data."
+    )
 
 
 def _data_index(position: tuple[int, ...], frames: dict[int, str], indices: dict[str, Tensor]) -> str:

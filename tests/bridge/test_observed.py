@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pyro_scalable.bridge import ModelBridge, ModelError
-from pyro_scalable.bridge.observed import check_observed_values
+from pyro_scalable.bridge.observed import check_observed_values, check_site_values
 
 N = 300
 
@@ -51,6 +51,24 @@ def test_checked_in_chunks_across_the_whole_plate():
     y[123] = 2.0  # the bridge holds the caller's tensor: a chunk of 50 finds the change in its third chunk
     with pytest.raises(ModelError, match="index 123 of plate 'data'"):
         check_observed_values(bridge, chunk_size=50)
+
+
+def test_a_bridge_can_leave_the_check_to_a_pass_that_reads_every_chunk_with_the_same_error():
+    x, y = torch.randn(N, 2), torch.bernoulli(torch.full((N,), 0.5))
+    y[123] = 2.0
+    with pytest.raises(ModelError) as full_data:
+        ModelBridge(BERNOULLI, (x, y))
+    bridge = ModelBridge(BERNOULLI, (x, y), check_values=False)  # built: the caller checks each chunk it reads
+    assert not bridge.values_checked and ModelBridge(BERNOULLI, (x, y.clamp(max=1.0))).values_checked
+    for start in range(0, N, 50):
+        indices = {"data": torch.arange(start, min(start + 50, N))}
+        node = bridge.trace_at(indices).nodes["obs"]
+        if start != 100:  # the chunks without the bad value pass
+            check_site_values("obs", node["fn"], node["value"], bridge.observed["obs"], indices)
+            continue
+        with pytest.raises(ModelError) as chunk:
+            check_site_values("obs", node["fn"], node["value"], bridge.observed["obs"], indices)
+        assert str(chunk.value) == str(full_data.value) and "index 123 of plate 'data'" in str(chunk.value)
 
 
 def test_the_reason_a_mode_search_fails_names_what_fits_the_model():

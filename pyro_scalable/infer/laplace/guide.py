@@ -21,7 +21,7 @@ from pyro.infer.autoguide.initialization import InitMessenger
 from pyro_scalable.arguments import check_choice, check_count, check_flag, check_number, check_seed, check_tensor
 from pyro_scalable.bridge.checks import ModelError
 from pyro_scalable.bridge.model import Latents, ModelBridge
-from pyro_scalable.infer.laplace.curvature import FitRequest
+from pyro_scalable.infer.laplace.curvature import FitRequest, PassStructure
 from pyro_scalable.infer.laplace.posterior import LaplacePosterior
 from pyro_scalable.infer.laplace.structures import STRUCTURES, StructureName, structure_class
 from pyro_scalable.infer.linearized.layout import ParameterLayout
@@ -114,7 +114,11 @@ class AutoLinearizedLaplace(AutoLaplaceApproximation):
             )
         check_flag("check_map", check_map)
         check_seed("seed", seed)
-        bridge = ModelBridge(_user_model(self.model), args, kwargs)
+        structure_type = structure_class(structure)
+        # a structure fitted by the one GGN pass has each chunk's observed values checked there, before they are
+        # used; the bridge's own check would be one more forward pass of the model over the full data
+        in_pass = issubclass(structure_type, PassStructure)
+        bridge = ModelBridge(_user_model(self.model), args, kwargs, check_values=not in_pass)
         site = observed_site(bridge, "linearised Laplace")
         if chunk_size is not None and not bridge.plates:
             warnings.warn(
@@ -141,7 +145,6 @@ class AutoLinearizedLaplace(AutoLaplaceApproximation):
             precision = torch.broadcast_to(
                 torch.as_tensor(prior_precision, dtype=theta.dtype, device=theta.device), theta.shape
             ).clone()
-        structure_type = structure_class(structure)
         request = FitRequest(
             net,
             theta,

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from pyro_scalable.bridge.model import Batch
+from pyro_scalable.bridge.observed import check_site_values
 from pyro_scalable.infer.linearized.jacobians import (
     BatchedBackward,
     LayerPlan,
@@ -185,7 +186,9 @@ def ggn_pass(
 ) -> DataFit:
     """Walk the full data once: log-likelihood, its gradient and residuals, and ``accumulator``'s curvature.
 
-    The layer plan comes from the first chunk's forward pass, which the pass then goes on with.
+    The layer plan comes from the first chunk's forward pass, which the pass then goes on with. Each chunk's observed
+    values are checked against the likelihood's support before they are used (:func:`check_site_values`: the same
+    error as the bridge's full-data check, which a bridge built with ``check_values=False`` leaves to this pass).
     """
     batches = net.batches()
     first = next(batches)
@@ -206,6 +209,12 @@ def ggn_pass(
     log_likelihood, gradient = theta.new_zeros(()), theta.new_zeros(net.layout.num_params)
     sum_squares, num_observations, num_points = theta.new_zeros(()), theta.new_zeros(()), 0
     for batch in itertools.chain([first], batches):
+        if forward is None:
+            leaf = theta.detach().requires_grad_(True)
+            forward = leaf, net.outputs(leaf, batch, layers=True)
+        raw = forward[1].raw
+        if raw.value is not None:  # before the chunk's likelihood is evaluated (the bridge may leave it to the pass)
+            check_site_values(net.site, raw.fn, raw.value, net.bridge.observed[net.site], batch.indices)
         chunk, log_prob, grad_theta = fit_chunk(net, theta, batch, plans, rest, curvature, forward, batched)
         forward = None
         f, likelihood = chunk.f, chunk.out.likelihood
