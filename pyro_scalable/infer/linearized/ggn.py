@@ -220,7 +220,7 @@ def ggn_pass(
         f, likelihood = chunk.f, chunk.out.likelihood
         num_points += f.shape[0]
         log_likelihood = log_likelihood + log_prob.detach()
-        gradient = gradient + grad_theta
+        gradient += grad_theta
         if likelihood.name == "Normal" and not likelihood.heteroscedastic:
             keep = likelihood.mask_outputs(f) if likelihood.mask is not None else torch.ones_like(f)
             residual = likelihood.flatten(chunk.out.value) - f.detach()

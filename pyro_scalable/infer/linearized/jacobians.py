@@ -124,10 +124,16 @@ def _verified(plans: list[LayerPlan], out, theta: Tensor, batch) -> list[LayerPl
     grads = pullback(out.f, [theta] + outputs, cotangent)
     kept = []
     for plan, grad in zip(plans, grads[1:]):
-        inputs = layer_inputs(plan.rows(out.raw.layers[plan.position].inputs, batch), plan)
+        inputs = plan.rows(out.raw.layers[plan.position].inputs, batch).detach()
         grad = layer_grad(plan.rows(grad, batch), plan)
-        # the sum over examples of g_i ⊗ ã_i, without forming the per-example products
-        assembled = torch.einsum("nol,nil->oi", grad, inputs) if plan.conv else grad.T @ inputs
+        # the sum over examples of g_i ⊗ ã_i, without forming the per-example products (nor, for a dense layer,
+        # the copy of the inputs with a column of ones: the bias column is the sum of the g_i)
+        if plan.conv:
+            assembled = torch.einsum("nol,nil->oi", grad, layer_inputs(inputs, plan))
+        else:
+            assembled = grad.T @ inputs
+            if plan.bias is not None:
+                assembled = torch.cat([assembled, grad.sum(0).unsqueeze(1)], 1)
         reference = grads[0][plan.index]
         # A layer that is not what it seems (a weight used twice) is off by O(1); rounding, by a few eps of the
         # dtype times the depth of the sums. An elementwise test fails float32 layers on their near-zero entries.

@@ -40,9 +40,14 @@ class ParameterLayout:
         return list(self.slots)
 
     def unflatten(self, theta: Tensor) -> dict[str, Tensor]:
-        """``{site: value}`` from ``theta`` (any leading batch dims)."""
+        """``{site: value}`` from ``theta`` (any leading batch dims).
+
+        One ``split`` rather than a slice per site: its backward concatenates the sites' gradients into the flat one
+        (a slice's backward zero-fills a ``d``-vector per site and adds them up).
+        """
         batch = theta.shape[:-1]
-        return {s.name: theta[..., s.start : s.stop].reshape(batch + s.shape) for s in self.slots.values()}
+        pieces = theta.split([s.shape.numel() for s in self.slots.values()], dim=-1)
+        return {s.name: piece.reshape(batch + s.shape) for s, piece in zip(self.slots.values(), pieces)}
 
     def flatten(self, values: dict[str, Tensor], batch_dims: int = 0) -> Tensor:
         """The flat vector of ``values`` (each with ``batch_dims`` leading dims)."""

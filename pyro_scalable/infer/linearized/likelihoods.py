@@ -281,7 +281,8 @@ class _Categorical(Likelihood):
     def _sqrt_lambda(self, f: Tensor) -> Tensor:
         p = torch.softmax(self._groups(f), -1)
         root_p = p.sqrt()
-        blocks = torch.diag_embed(root_p) - p.unsqueeze(-1) * root_p.unsqueeze(-2)  # (points, groups, K, K)
+        blocks = p.unsqueeze(-1) * -root_p.unsqueeze(-2)  # (points, groups, K, K): diag(√p) - p √pᵀ
+        blocks.diagonal(dim1=-2, dim2=-1).add_(root_p)
         return blocks.squeeze(-3) if blocks.shape[-3] == 1 else _block_diag(blocks)
 
     def _base(self, f: Tensor):
