@@ -136,9 +136,11 @@ class Hand:
             w, m = self.w, self.m
             for _ in range(steps):
                 idx = torch.stack([next(s) for s in self.streams])
-                if self.graphs:
+                if self.graphs:  # the graph's outputs are overwritten by its next replay: the state is copied out
                     torch.compiler.cudagraph_mark_step_begin()
-                w, m = self.step(w, m, idx)
+                    w, m = (t.clone() for t in self.step(w, m, idx))
+                else:
+                    w, m = self.step(w, m, idx)
             self.w, self.m = w, m
             return bench.elapsed(start)
         w, m = (self.w, self.m) if self.chains > 1 else (self.w1, self.m1)
