@@ -209,7 +209,8 @@ def crossover(cells_by_n: dict[int, dict], which: str) -> str:
             if first is None and ratio < 1 and accurate(mine.err):
                 first = n
         elif isinstance(mine, Cell):
-            ratios.append(f"{n:.0e}: NUTS did not fit the budget, ours {mine.seconds:.0f} s")
+            why = "NUTS not run" if theirs is None else "NUTS did not fit the budget"
+            ratios.append(f"{n:.0e}: {why}, ours {mine.seconds:.0f} s")
     where = f"N = {first:.0e}" if first is not None else "none in the grid measured"
     return f"{where} (ours ÷ NUTS {which}: {'; '.join(ratios)})"
 
