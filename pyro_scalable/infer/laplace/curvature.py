@@ -143,9 +143,16 @@ class PassStructure:
 
     @classmethod
     def fit(cls, request: FitRequest) -> DataFit:
-        """One pass over the full data at ``request.theta``, accumulating this structure's :math:`G`."""
+        """One pass over the full data at ``request.theta``, accumulating this structure's :math:`G`.
+
+        The gradient of the log-likelihood is taken in the pass where something reads it for sure (the MAP check,
+        the exact structure's evidence and mean); otherwise on first use (:attr:`DataFit.gradient`).
+        """
         accumulator = cls.accumulator(request)
-        return ggn_pass(request.net, request.theta, accumulator, curvature=request.curvature, stacklevel=3)
+        gradient = request.check_map or cls.exact
+        return ggn_pass(
+            request.net, request.theta, accumulator, curvature=request.curvature, stacklevel=3, gradient=gradient
+        )
 
 
 def gaussian_noise(shape, like: Tensor, generator) -> Tensor:

@@ -30,7 +30,6 @@ L-BFGS over :math:`\log P` (scalar, per site or per parameter) and :math:`\log\s
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any, Literal
 
@@ -252,7 +251,7 @@ class LaplacePosterior(LaplacePredictives, GaussianDraws):
             )
         if not self._structure.has_evidence:
             curvature = self.fit.curvature.tune_prior(method, observation_noise, em_steps, self._prior_precision)
-            self.fit = dataclasses.replace(self.fit, curvature=curvature)
+            self.fit = self.fit.with_curvature(curvature)
             self.prior_precision = curvature.prior_precision
             return self
         theta = self.theta_star

@@ -14,9 +14,11 @@ exact, with no per-example Jacobian.
 
 from __future__ import annotations
 
+import copy
+import functools
 import itertools
 import warnings
-from dataclasses import dataclass
+from collections.abc import Callable
 from functools import cached_property
 from typing import Any, Literal, Protocol
 
@@ -37,25 +39,47 @@ from pyro_scalable.infer.linearized.jacobians import (
 )
 from pyro_scalable.infer.linearized.network import NetworkFunction, Outputs
 
-__all__ = ["Accumulator", "Chunk", "DataFit", "GGNDiagonal", "fit_chunk", "ggn_pass"]
+__all__ = ["Accumulator", "Chunk", "DataFit", "GGNDiagonal", "data_gradient", "fit_chunk", "ggn_pass"]
 
 _REST_WARNING = 2048
 # the most numbers the layer gradients of one group of columns take (Chunk.column_groups): 64 MB in float32
 COLUMN_NUMBERS = 2**24
 
 
-@dataclass
 class DataFit:
-    r"""What a posterior needs from the data at :math:`\theta_*`: the accumulated curvature and the likelihood."""
+    r"""What a posterior needs from the data at :math:`\theta_*`: the accumulated curvature and the likelihood.
 
-    curvature: Any  # what the accumulator finished into
-    log_likelihood: Tensor  # log p(D | theta*)
-    gradient: Tensor  # grad_theta log p(D | theta*), flat
-    num_points: int
-    layers: list[LayerPlan]
-    rest: Tensor  # flat indices outside recorded layers
-    sum_squares: Tensor | None = None  # Normal: sum of squared residuals (observed, unmasked)
-    num_observations: Tensor | None = None  # Normal: number of observed scalars
+    ``gradient`` is :math:`\nabla_\theta \log p(D\mid\theta_*)` (flat), or a function that computes it: a pass
+    that had no use for it (``ggn_pass(..., gradient=False)``) leaves it to :func:`data_gradient` on first read.
+    """
+
+    def __init__(
+        self,
+        curvature: Any,  # what the accumulator finished into
+        log_likelihood: Tensor,  # log p(D | theta*)
+        gradient: Tensor | Callable[[], Tensor],
+        num_points: int,
+        layers: list[LayerPlan],
+        rest: Tensor,  # flat indices outside recorded layers
+        sum_squares: Tensor | None = None,  # Normal: sum of squared residuals (observed, unmasked)
+        num_observations: Tensor | None = None,  # Normal: number of observed scalars
+    ):
+        self.curvature, self.log_likelihood, self._gradient = curvature, log_likelihood, gradient
+        self.num_points, self.layers, self.rest = num_points, layers, rest
+        self.sum_squares, self.num_observations = sum_squares, num_observations
+
+    def with_curvature(self, curvature: Any) -> DataFit:
+        """The same fit with another curvature (a structure that tunes its prior returns a new one)."""
+        fit = copy.copy(self)
+        fit.curvature = curvature
+        return fit
+
+    @property
+    def gradient(self) -> Tensor:
+        r""":math:`\nabla_\theta \log p(D\mid\theta_*)`, flat (computed here on first read if the pass skipped it)."""
+        if callable(self._gradient):
+            self._gradient = self._gradient()
+        return self._gradient
 
 
 class Chunk:
@@ -158,12 +182,14 @@ def fit_chunk(
     curvature: Literal["ggn", "ef"],
     forward: tuple[Tensor, Outputs] | None = None,
     batched: BatchedBackward | None = None,
-) -> tuple[Chunk, Tensor, Tensor]:
+    gradient: bool = True,
+) -> tuple[Chunk, Tensor, Tensor | None]:
     r"""The :class:`Chunk` of ``batch`` at ``theta``, with its log-likelihood and the gradient of that in theta.
 
     The chunk's roots are :math:`\Lambda^{1/2}` (``"ggn"``) or the score (``"ef"``, the empirical Fisher).
     ``forward``: the leaf and the outputs (layers recorded) of a forward pass already taken on ``batch``;
-    ``batched``: whether the chunk's columns are pulled back in one batched backward (shared by a pass's chunks).
+    ``batched``: whether the chunk's columns are pulled back in one batched backward (shared by a pass's chunks);
+    ``gradient=False``: no gradient in theta (``None``; a backward pass through the network less).
     """
     if forward is None:
         leaf = theta.detach().requires_grad_(True)
@@ -171,9 +197,31 @@ def fit_chunk(
     leaf, out = forward
     f, likelihood = out.f, out.likelihood
     log_prob = likelihood.log_prob(f, out.value)
-    grad_theta, grad_f = torch.autograd.grad(log_prob, [leaf, f], retain_graph=True)
+    grad_theta, grad_f = None, None
+    if gradient:
+        grad_theta, grad_f = torch.autograd.grad(log_prob, [leaf, f], retain_graph=True)
+    elif curvature == "ef":
+        (grad_f,) = torch.autograd.grad(log_prob, [f], retain_graph=True)
     roots = likelihood.hessian_sqrt(f.detach()) if curvature == "ggn" else grad_f.detach().unsqueeze(-1)
     return Chunk(net, leaf, batch, out, roots, plans, rest, batched), log_prob, grad_theta
+
+
+def data_gradient(net: NetworkFunction, theta: Tensor, noise: Tensor | None = None) -> Tensor:
+    r""":math:`\nabla_\theta \log p(D\mid\theta)`, flat: one pass over the data (a forward and a backward per chunk).
+
+    At the observation noise ``noise`` (:attr:`NetworkFunction.noise`: ``None`` for the model's own).
+    """
+    gradient = theta.new_zeros(net.layout.num_params)
+    kept, net.noise = net.noise, noise
+    try:
+        for batch in net.batches():
+            leaf = theta.detach().requires_grad_(True)
+            out = net.outputs(leaf, batch)
+            (grad_theta,) = torch.autograd.grad(out.likelihood.log_prob(out.f, out.value), [leaf])
+            gradient += grad_theta
+    finally:
+        net.noise = kept
+    return gradient
 
 
 def ggn_pass(
@@ -183,8 +231,12 @@ def ggn_pass(
     *,
     curvature: Literal["ggn", "ef"] = "ggn",
     stacklevel: int = 2,
+    gradient: bool = True,
 ) -> DataFit:
     """Walk the full data once: log-likelihood, its gradient and residuals, and ``accumulator``'s curvature.
+
+    ``gradient=False`` leaves the gradient out of the pass (one backward pass through the network per chunk less);
+    the :class:`DataFit` then computes it with :func:`data_gradient` if and when it is read.
 
     The layer plan comes from the first chunk's forward pass, which the pass then goes on with. Each chunk's observed
     values are checked against the likelihood's support before they are used (:func:`check_site_values`: the same
@@ -206,7 +258,7 @@ def ggn_pass(
         )
     accumulator.start(net, theta, plans, rest)
     batched = BatchedBackward()
-    log_likelihood, gradient = theta.new_zeros(()), theta.new_zeros(net.layout.num_params)
+    log_likelihood, total = theta.new_zeros(()), theta.new_zeros(net.layout.num_params) if gradient else None
     sum_squares, num_observations, num_points = theta.new_zeros(()), theta.new_zeros(()), 0
     for batch in itertools.chain([first], batches):
         if forward is None:
@@ -215,12 +267,13 @@ def ggn_pass(
         raw = forward[1].raw
         if raw.value is not None:  # before the chunk's likelihood is evaluated (the bridge may leave it to the pass)
             check_site_values(net.site, raw.fn, raw.value, net.bridge.observed[net.site], batch.indices)
-        chunk, log_prob, grad_theta = fit_chunk(net, theta, batch, plans, rest, curvature, forward, batched)
+        chunk, log_prob, grad_theta = fit_chunk(net, theta, batch, plans, rest, curvature, forward, batched, gradient)
         forward = None
         f, likelihood = chunk.f, chunk.out.likelihood
         num_points += f.shape[0]
         log_likelihood = log_likelihood + log_prob.detach()
-        gradient += grad_theta
+        if total is not None:
+            total += grad_theta
         if likelihood.name == "Normal" and not likelihood.heteroscedastic:
             keep = likelihood.mask_outputs(f) if likelihood.mask is not None else torch.ones_like(f)
             residual = likelihood.flatten(chunk.out.value) - f.detach()
@@ -231,7 +284,7 @@ def ggn_pass(
     return DataFit(
         accumulator.finish(num_points),
         log_likelihood,
-        gradient.detach(),
+        total.detach() if total is not None else functools.partial(data_gradient, net, theta.detach(), net.noise),
         num_points,
         plans,
         rest,

@@ -45,6 +45,20 @@ def test_diag_of_a_wide_layer_equals_the_brute_force_ggn_diagonal():
     torch.testing.assert_close(posterior.fit.curvature.diagonal, ggn, rtol=1e-10, atol=1e-12 * float(ggn.max()))
 
 
+def test_a_fit_that_does_not_read_the_gradient_leaves_it_to_its_first_use_with_the_same_value():
+    model, latents, x, y = _wide_problem(width=5)
+    common = dict(map_latents=latents, chunk_size=16)
+    guide = AutoLinearizedLaplace(model)
+    with pytest.warns(UserWarning):  # random latents are not a MAP: the check (which reads the gradient) says so
+        checked = guide.laplace_approximation(x, y, structure="diag", check_map=True, **common)
+    unchecked = guide.laplace_approximation(x, y, structure="diag", check_map=False, **common)
+    assert not callable(checked.fit._gradient) and callable(unchecked.fit._gradient)  # in the pass / not yet
+    torch.testing.assert_close(unchecked.log_marginal_likelihood(), checked.log_marginal_likelihood(), rtol=0, atol=0)
+    assert callable(unchecked.fit._gradient)  # the evidence of a diagonal H does not read it
+    torch.testing.assert_close(unchecked.fit.gradient, checked.fit.gradient, rtol=1e-12, atol=0)
+    assert unchecked.newton_gain() == pytest.approx(checked.newton_gain(), rel=1e-12)
+
+
 def _graph(kind: str):
     g = torch.Generator().manual_seed(0)
     if kind == "conv":

@@ -388,4 +388,4 @@ class Problem:
 
 
 def _ggn_diagonal(net: NetworkFunction, theta: Tensor) -> Tensor:
-    return ggn_pass(net, theta, GGNDiagonal()).curvature
+    return ggn_pass(net, theta, GGNDiagonal(), gradient=False).curvature  # the diagonal alone
