@@ -2,7 +2,7 @@
 # The checks that need a CUDA GPU, in one run (CI has none): the device tests, then the GPU benchmarks.
 #
 #     bash benchmarks/gpu_checks.sh [OUT]    # OUT: where the logs and reports go (default benchmarks/results/gpu)
-#     STEPS="tests part2 peers" bash benchmarks/gpu_checks.sh    # a subset of: tests part1 part2 step peers sto
+#     STEPS="tests part2 peers" bash benchmarks/gpu_checks.sh    # a subset of: tests part1 part2 step peers sto diagnose
 #
 # Needs pyro_scalable's dependencies and pytest importable (posteriors is not needed: bench_sgmcmc runs without its
 # column); the steps `step` and `peers` also need jax with CUDA, numpyro and blackjax (they compare with JAX on the
@@ -14,7 +14,7 @@ OUT=$(realpath -m "${1:-benchmarks/results/gpu}")
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 PYTHON=${PYTHON:-python3}
-STEPS=" ${STEPS:-tests part1 part2 step peers sto} "
+STEPS=" ${STEPS:-tests part1 part2 step peers sto diagnose} "
 status=0
 wants() { [[ "$STEPS" == *" $1 "* ]]; }
 
@@ -66,6 +66,13 @@ if wants sto; then
     echo "== sample-then-optimise on the GPU: the step against a forward + backward, memory per sample"
     (cd benchmarks && timeout 170 "$PYTHON" bench_sample_then_optimize_gpu.py \
         --out "$OUT/sample_then_optimize_gpu.md" 2> "$OUT/sto_gpu.err" | tail -14)
+    status=$((status | $?))
+fi
+if wants diagnose; then
+    echo "== diagnoses: the compiled step (dynamo's counters, a profile), then where 16 vectorised chains spend a step"
+    timeout 120 "$PYTHON" benchmarks/diagnose_compiled_step.py --device cuda > "$OUT/compiled_step_gpu.txt" 2>&1
+    status=$((status | $?))
+    (cd benchmarks && timeout 90 "$PYTHON" diagnose_chains_gpu.py > "$OUT/chains_gpu_profile.txt" 2>&1)
     status=$((status | $?))
 fi
 exit $status

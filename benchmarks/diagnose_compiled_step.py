@@ -1,0 +1,69 @@
+"""Why the compiled SG-MCMC step costs what it does: dynamo's counters and a profile of the eager and compiled steps.
+
+    python benchmarks/diagnose_compiled_step.py                  # the CPU: a minute
+    python benchmarks/diagnose_compiled_step.py --device cuda    # a GPU, where the compiled step was slower (3.3 ms
+                                                                 # against 1.4 ms eager on an H200)
+
+The step of ``bench_step_blackjax.py`` (logistic regression, N = 10⁵, B = 1,000, one chain, noise-corrected SGHMC):
+eager, then under ``model_tracing(compile=True)``; for each, the time per step over blocks of 200 steps, then a
+``torch.profiler`` table of 50 steps with the kernel launches and the host-device synchronisations per step; for the
+compiled one also dynamo's counters (frames compiled, graph breaks, recompilations, graphs) after the blocks, so that
+a step that recompiles, breaks its graph or falls back to eager shows itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import bench_sgmcmc as bench  # noqa: E402  (benchmarks/ is on sys.path when a script runs)
+import bench_step_blackjax as step_bench  # noqa: E402
+
+STEPS = 50
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--d", type=int, default=100)
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore", message="the chains are not healthy")
+    warnings.filterwarnings("ignore", message="in .* of the coordinates")
+    torch.set_num_threads(1)
+    bench.DEVICE = torch.device(args.device)
+    problem = bench.make_logistic(step_bench.N, args.d, step_bench.B, seed=0)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if bench.DEVICE.type == "cuda" else [])
+    from torch._dynamo.utils import counters
+
+    for compiled in (False, True):
+        ours = step_bench.make_ours(problem, 1, "correct", compiled)
+        blocks = [ours(200) / 200 * 1e3 for _ in range(4)]
+        print(
+            f"\n## {'compiled' if compiled else 'eager'}: ms per step, blocks of 200: {[round(b, 3) for b in blocks]}"
+        )
+        print(f"check: {ours.check() or 'ok'}")
+        if compiled:
+            print("dynamo counters:", {k: dict(v) for k, v in counters.items() if v and k != "unimplemented"})
+            print("unsupported (first lines):", [k.splitlines()[0] for k in counters.get("unimplemented", {})][:5])
+        with profile(activities=activities) as prof:
+            ours(STEPS)
+        events = prof.key_averages()
+        syncs = {
+            e.key: round(e.count / STEPS, 2)
+            for e in events
+            if e.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "aten::item", "aten::_local_scalar_dense")
+            or "DtoH" in e.key
+        }
+        launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel")) / STEPS
+        print(f"kernel launches per step {launches:.0f}; synchronisations per step {syncs}")
+        print(events.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=48))
+
+
+if __name__ == "__main__":
+    main()
