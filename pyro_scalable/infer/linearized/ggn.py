@@ -191,10 +191,7 @@ def fit_chunk(
     ``batched``: whether the chunk's columns are pulled back in one batched backward (shared by a pass's chunks);
     ``gradient=False``: no gradient in theta (``None``; a backward pass through the network less).
     """
-    if forward is None:
-        leaf = theta.detach().requires_grad_(True)
-        forward = leaf, net.outputs(leaf, batch, layers=True)
-    leaf, out = forward
+    leaf, out = forward if forward is not None else _forward(net, theta, batch)
     f, likelihood = out.f, out.likelihood
     log_prob = likelihood.log_prob(f, out.value)
     grad_theta, grad_f = None, None
@@ -204,6 +201,12 @@ def fit_chunk(
         (grad_f,) = torch.autograd.grad(log_prob, [f], retain_graph=True)
     roots = likelihood.hessian_sqrt(f.detach()) if curvature == "ggn" else grad_f.detach().unsqueeze(-1)
     return Chunk(net, leaf, batch, out, roots, plans, rest, batched), log_prob, grad_theta
+
+
+def _forward(net: NetworkFunction, theta: Tensor, batch: Batch) -> tuple[Tensor, Outputs]:
+    """A leaf at ``theta`` and the network's outputs on ``batch`` from it, its layers recorded."""
+    leaf = theta.detach().requires_grad_(True)
+    return leaf, net.outputs(leaf, batch, layers=True)
 
 
 def data_gradient(net: NetworkFunction, theta: Tensor, noise: Tensor | None = None) -> Tensor:
@@ -244,9 +247,8 @@ def ggn_pass(
     """
     batches = net.batches()
     first = next(batches)
-    leaf = theta.detach().requires_grad_(True)
-    forward: tuple[Tensor, Outputs] | None = (leaf, net.outputs(leaf, first, layers=True))
-    plans, rest = plan_from(net, leaf, first, forward[1])
+    forward: tuple[Tensor, Outputs] | None = _forward(net, theta, first)
+    plans, rest = plan_from(net, forward[0], first, forward[1])
     if accumulator.uses_rows and rest.numel() > _REST_WARNING:
         names = sorted({net.layout.site_of(int(i)) for i in rest[:: max(rest.numel() // 50, 1)]})
         warnings.warn(
@@ -262,10 +264,9 @@ def ggn_pass(
     sum_squares, num_observations, num_points = theta.new_zeros(()), theta.new_zeros(()), 0
     for batch in itertools.chain([first], batches):
         if forward is None:
-            leaf = theta.detach().requires_grad_(True)
-            forward = leaf, net.outputs(leaf, batch, layers=True)
+            forward = _forward(net, theta, batch)
         raw = forward[1].raw
-        if raw.value is not None:  # before the chunk's likelihood is evaluated (the bridge may leave it to the pass)
+        if raw.value is not None and not net.bridge.values_checked:  # the bridge left it to the pass: before use
             check_site_values(net.site, raw.fn, raw.value, net.bridge.observed[net.site], batch.indices)
         chunk, log_prob, grad_theta = fit_chunk(net, theta, batch, plans, rest, curvature, forward, batched, gradient)
         forward = None
