@@ -60,6 +60,16 @@ def check_site_values(name: str, fn, value: Tensor, frames: dict[int, str], indi
 
     ``value`` holds the data points ``indices`` (plate name -> data indices, as a chunk of the data passes them);
     ``frames`` are the site's plates (``ModelBridge.observed[name]``), to name the offending data index.
+
+    Example:
+        >>> import pyro.distributions as dist, torch
+        >>> labels = torch.tensor([1.0, -1.0, 0.0])  # the second of data points 10, 11, 12 is coded -1
+        >>> check_site_values("y", dist.Bernoulli(logits=torch.zeros(3)), labels, {-1: "data"},
+        ...                   {"data": torch.tensor([10, 11, 12])})
+        Traceback (most recent call last):
+        ...
+        pyro_scalable.bridge.checks.ModelError: observed site 'y' has the value -1.0 at ...
+
     """
     inside = fn.support.check(value)
     if bool(inside.all()):
