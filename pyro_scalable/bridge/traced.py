@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from pyro_scalable.bridge.checks import first_line
-from pyro_scalable.bridge.graph_passes import simplify, value_shaped
+from pyro_scalable.bridge.graph_passes import bind_python, simplify, value_shaped
 from pyro_scalable.bridge.records import Batch, Latents
 
 __all__ = [
@@ -297,6 +297,7 @@ class TracedLogDensity:
         if shaped:
             return None, f"operations whose shapes depend on values: {', '.join(shaped)}"
         simplify(graph, standins)
+        bind_python(graph, standins)
         generator = torch.Generator().manual_seed(0)
         check = self._standins(call, generator)
         try:
