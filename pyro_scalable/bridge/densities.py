@@ -1,4 +1,6 @@
-r"""The summed log density of one sample site, with a fast path for Normals whose scale is one expanded number.
+r"""The summed log density of one sample site, with fast paths for two common likelihoods and priors.
+
+Normals whose scale is one expanded number, and Bernoullis given by their logits.
 
 A prior written the usual way, ``dist.Normal(0., s).expand(shape).to_event(k)``, holds ``scale`` as a stride-0
 view of one number; ``torch.distributions.Normal.log_prob`` then builds ``scale ** 2`` and ``scale.log()`` at the
@@ -11,8 +13,16 @@ mask, the bridge only needs the sum
     \sum_i \log \mathcal{N}(v_i;\ \mu_i, \sigma)
         = -\frac{1}{2\sigma^2} \sum_i (v_i - \mu_i)^2 - n \log\sigma - \frac{n}{2}\log 2\pi,
 
-which reads ``loc`` as it is (broadcast) and :math:`\sigma` as a 0-d tensor. Every other site goes through the
-distribution's own ``log_prob``. The two agree to rounding (``tests/bridge/test_densities.py``).
+which reads ``loc`` as it is (broadcast) and :math:`\sigma` as a 0-d tensor.
+
+A ``Bernoulli(logits=f)`` (the usual classification likelihood) has
+:math:`\sum_i \log p(y_i\mid f_i) = -\sum_i \mathrm{BCE}(f_i, y_i)`; ``log_prob`` computes the binary cross-entropy
+per element, then the bridge negates, scales and sums those elements (and their backward walks each step back at
+the minibatch's size). One ``binary_cross_entropy_with_logits(..., reduction="sum")`` computes the sum in one
+kernel, and the negation and scale act on one number.
+
+Every other site goes through the distribution's own ``log_prob``. The fast paths agree with it to rounding
+(``tests/bridge/test_densities.py``).
 """
 
 from __future__ import annotations
@@ -23,7 +33,8 @@ from numbers import Number
 import torch
 from pyro.distributions.util import scale_and_mask
 from torch import Tensor
-from torch.distributions import Independent, Normal
+from torch.distributions import Bernoulli, Independent, Normal
+from torch.nn.functional import binary_cross_entropy_with_logits
 
 __all__ = ["summed_log_prob"]
 
@@ -47,6 +58,15 @@ def _plain_normal(fn) -> Normal | None:
     return None
 
 
+def _logits_bernoulli(fn) -> Tensor | None:
+    """The logits of a plain ``Bernoulli`` built from its logits (not its probabilities), else ``None``."""
+    while isinstance(fn, Independent):
+        fn = fn.base_dist
+    if isinstance(fn, Bernoulli) and type(fn).log_prob is Bernoulli.log_prob and "logits" in vars(fn):
+        return fn.logits
+    return None
+
+
 def _number_scale(scale) -> bool:
     return isinstance(scale, Number) or (isinstance(scale, Tensor) and scale.dim() == 0)
 
@@ -59,7 +79,11 @@ def _covers(shape: torch.Size, other: torch.Size) -> bool:
 
 
 def summed_log_prob(fn, value: Tensor, scale, mask, args: tuple = (), kwargs: dict | None = None) -> Tensor:
-    """``scale_and_mask(fn.log_prob(value), scale, mask).sum()``, cheaper for Normals with one expanded scale."""
+    """``scale_and_mask(fn.log_prob(value), scale, mask).sum()``, cheaper on the fast paths."""
+    plain = not args and not kwargs and (mask is None or mask is True) and _number_scale(scale)
+    logits = _logits_bernoulli(fn) if plain else None
+    if logits is not None and _covers(value.shape, logits.shape) and logits.dtype == value.dtype:
+        return -binary_cross_entropy_with_logits(logits.expand(value.shape), value, reduction="sum") * scale
     normal = _plain_normal(fn) if not args and not kwargs and (mask is None or mask is True) else None
     sigma = _one_number(normal.scale) if normal is not None and _number_scale(scale) else None
     if sigma is None or not _covers(value.shape, normal.batch_shape):

@@ -55,6 +55,45 @@ def test_value_and_gradients_match_log_prob(case, dtype, scale, mask):
         torch.testing.assert_close(a, b, **tol)
 
 
+BERNOULLI = {
+    "logits": lambda f: dist.Bernoulli(logits=f).to_event(2),
+    "logits, no to_event": lambda f: dist.Bernoulli(logits=f),
+    "one logit expanded": lambda f: dist.Bernoulli(logits=f[0, 0]).expand([3, 4]).to_event(2),
+    "a row of logits broadcast": lambda f: dist.Bernoulli(logits=f[0]),
+    "probs (no fast path)": lambda f: dist.Bernoulli(probs=torch.sigmoid(f)).to_event(2),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("case", list(BERNOULLI))
+@pytest.mark.parametrize(("scale", "mask"), [(1.0, None), (250.0, None), (torch.tensor(3.0), None), (2.0, "tensor")])
+def test_bernoulli_value_and_gradients_match_log_prob(case, dtype, scale, mask):
+    gen = torch.Generator().manual_seed(0)
+    logits = (3 * torch.randn(3, 4, generator=gen, dtype=dtype)).requires_grad_()
+    value = torch.bernoulli(torch.full((3, 4), 0.4, dtype=dtype), generator=gen)
+    scale = scale.to(dtype) if isinstance(scale, torch.Tensor) else scale
+    mask = torch.rand(3, 4, generator=gen) < 0.5 if mask == "tensor" else mask
+    fn = BERNOULLI[case](logits)
+    ours, expected = summed_log_prob(fn, value, scale, mask), reference(fn, value, scale, mask)
+    tol = {"rtol": 1e-5, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 1e-12, "atol": 1e-10}
+    torch.testing.assert_close(ours, expected, **tol)
+    g_ours = torch.autograd.grad(ours, logits, retain_graph=True)[0]  # the probs case shares sigmoid(logits)
+    torch.testing.assert_close(g_ours, torch.autograd.grad(expected, logits)[0], **tol)
+
+
+def test_bernoulli_fast_path_is_taken_for_logits_only(monkeypatch):
+    calls = []
+    original = torch.distributions.Bernoulli.log_prob
+    monkeypatch.setattr(torch.distributions.Bernoulli, "log_prob", lambda *a, **k: calls.append(1) or original(*a, **k))
+    value = torch.tensor([0.0, 1.0, 1.0])
+    summed_log_prob(dist.Bernoulli(logits=torch.randn(3)), value, 10.0, None)
+    assert calls == []
+    summed_log_prob(dist.Bernoulli(probs=torch.rand(3)), value, 10.0, None)
+    summed_log_prob(dist.Bernoulli(logits=torch.randn(3)), value, 10.0, torch.tensor([True, False, True]))
+    summed_log_prob(dist.Bernoulli(logits=torch.randn(3, dtype=torch.float64)), value, 10.0, None)  # other dtype
+    assert calls == [1, 1, 1]
+
+
 def test_per_chain_scale_under_vmap():
     """A hierarchical scale, one per chain, expanded over the site: vmap and grad through the fast path."""
     taus = torch.tensor([0.5, 1.0, 2.5], dtype=torch.float64)
