@@ -199,7 +199,8 @@ def fit_chunk(
         grad_theta, grad_f = torch.autograd.grad(log_prob, [leaf, f], retain_graph=True)
     elif curvature == "ef":
         (grad_f,) = torch.autograd.grad(log_prob, [f], retain_graph=True)
-    roots = likelihood.hessian_sqrt(f.detach()) if curvature == "ggn" else grad_f.detach().unsqueeze(-1)
+    # detached: a Normal's scale among the Laplace sites would otherwise carry the leaf into the pulled-back columns
+    roots = likelihood.hessian_sqrt(f.detach()).detach() if curvature == "ggn" else grad_f.detach().unsqueeze(-1)
     return Chunk(net, leaf, batch, out, roots, plans, rest, batched), log_prob, grad_theta
 
 
