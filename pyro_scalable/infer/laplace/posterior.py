@@ -359,7 +359,7 @@ class LaplacePosterior(LaplacePredictives, GaussianDraws):
         The gain is a lower bound on :math:`\tfrac12 b^\top H^{-1} b` with the *exact* GGN over the full data,
         by conjugate gradients preconditioned with this structure's :math:`H`
         (:mod:`~pyro_scalable.infer.linearized.map_check`; sample-then-optimise checks with the same function).
-        Returns it.
+        Returns it, as far as the iterations went: they stop once an upper bound shows it is at most ``threshold``.
         """
         check_number("threshold", threshold, nonnegative=True)
         prior, noise = self._prior_precision, self._observation_noise
@@ -371,7 +371,9 @@ class LaplacePosterior(LaplacePredictives, GaussianDraws):
                 ggn = self.net.ggn_vp(self.theta_star, v.unsqueeze(0)).squeeze(0)
             return scale * ggn + _prior_times(prior, v) + self.jitter * v
 
-        gain = gauss_newton_gain(matvec, b, solve=self.precision.solve)
+        floor = (prior + self.jitter).double() if prior.dim() == 1 else None  # H >= P + jitter I (G is psd)
+        floor_solve = (lambda r: r / floor) if floor is not None and bool((floor > 0).all()) else None
+        gain = gauss_newton_gain(matvec, b, solve=self.precision.solve, floor_solve=floor_solve, threshold=threshold)
         consequence = (
             "The posterior mean is moved by that step (structure='full')."
             if self.recenter

@@ -16,6 +16,12 @@ iterations give a *lower bound* on :math:`g` — what the check reports and warn
 where the preconditioner is good: the Laplace structure's own :math:`H` (exact for ``"full"``, so one iteration),
 or sample-then-optimise's solved Newton step as the starting point (then no iteration at all).
 
+It also has an upper bound, free: :math:`g - q(s) = \tfrac12 r^\top H^{-1} r \le \tfrac12 r^\top P^{-1} r`, since
+:math:`H \succeq P` (the GGN is positive semi-definite). The check stops as soon as that bound is at most the
+threshold: no warning could follow, whatever further iterations found (at :math:`s = 0`, where
+:math:`\tfrac12 b^\top P^{-1} b` is at most the threshold, it takes no GGN product at all). The verdict is the one
+the full iterations would give; the returned lower bound is where the iterations stopped.
+
 The Laplace guide, whatever its structure, and sample-then-optimise thus give one verdict on one point.
 
 **Can σ be fitted?** With :math:`\gamma = \sum_j (1 - P_j (H^{-1})_{jj})` the number of parameters the data
@@ -60,6 +66,8 @@ def gauss_newton_gain(
     start: Tensor | None = None,
     start_product: Tensor | None = None,
     iterations: int = ITERATIONS,
+    floor_solve: Callable[[Tensor], Tensor] | None = None,
+    threshold: float | None = None,
 ) -> float:
     r"""A lower bound on :math:`\tfrac12 b^\top H^{-1} b` (nats): the best :math:`q(s)` over CG's iterates.
 
@@ -69,6 +77,9 @@ def gauss_newton_gain(
         solve: the preconditioner :math:`M^{-1} r` (an approximation of :math:`H^{-1}`); identity when ``None``.
         start: the first iterate (default 0); ``start_product`` its :math:`H s` where already computed.
         iterations: CG iterations at most; they stop early once the residual is below a millionth of :math:`b`'s.
+        floor_solve: :math:`v \mapsto F^{-1} v` (on float64) for an :math:`F \preceq H` (the prior precision); with
+            ``threshold`` the iterations stop once :math:`q(s) + \tfrac12 r^\top F^{-1} r`, an upper bound on the
+            gain, is at most ``threshold`` (the verdict "not above the threshold" is then certain).
 
     Example:
         >>> import torch
@@ -89,6 +100,14 @@ def gauss_newton_gain(
         s = start.detach().double()
         residual = b - (start_product.detach().double() if start_product is not None else apply(s))
     best = 0.5 * float((b + residual) @ s)
+
+    def decided(gain: float, residual: Tensor) -> bool:  # the upper bound shows the gain is not above threshold
+        if floor_solve is None or threshold is None:
+            return False
+        return gain + 0.5 * float(residual @ floor_solve(residual).detach().double()) <= threshold
+
+    if decided(best, residual):
+        return best
     z = precondition(residual)
     direction, rz = z, residual @ z
     floor = 1e-6 * float(b.norm())
@@ -102,7 +121,10 @@ def gauss_newton_gain(
         alpha = rz / curvature
         s = s + alpha * direction
         residual = residual - alpha * product
-        best = max(best, 0.5 * float((b + residual) @ s))
+        gain = 0.5 * float((b + residual) @ s)
+        best = max(best, gain)
+        if decided(gain, residual):
+            break
         z = precondition(residual)
         rz_next = residual @ z
         direction, rz = z + (rz_next / rz) * direction, rz_next

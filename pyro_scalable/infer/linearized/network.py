@@ -17,6 +17,7 @@ Laplace) is held at its MAP value. :class:`NetworkFunction` gives
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,7 @@ from typing import Any
 import pyro.distributions as dist
 import torch
 from torch import Tensor
+from torch.autograd import forward_ad
 from torch.func import vjp, vmap
 
 from pyro_scalable.bridge.checks import ModelError
@@ -71,6 +73,7 @@ class NetworkFunction:
         self.heteroscedastic = heteroscedastic
         self.chunk_size = chunk_size
         self.noise: Tensor | None = None  # a homoscedastic Normal's scale in place of the model's (EM sets it)
+        self.dual: bool | None = None  # whether the model runs on dual numbers (forward mode); None: not tried yet
 
     # ------------------------------------------------------------------ forward
     def latents(self, theta: Tensor) -> Latents:
@@ -153,7 +156,15 @@ class NetworkFunction:
         d = 10⁶, all of them at d ≤ 10⁴), so that the tangents of the network's activations and the pullback's
         per-site pieces exist for one group rather than for all ``k`` rows (at the price of one more forward pass
         of the network per group). With ``out``, the products are added to it (a full-data sum in place).
+        One vector (a CG iteration) goes through :meth:`_dual_ggn_vp` instead: one forward pass less.
         """
+        if vectors.shape[0] == 1 and self.dual is not False:
+            try:
+                product, self.dual = self._dual_ggn_vp(theta, vectors[0], batch, root).unsqueeze(0), True
+            except (RuntimeError, NotImplementedError):  # an operation without a forward-mode formula: as below
+                self.dual = False
+            else:
+                return product if out is None else out.add_(product)
 
         def forward(values):
             out = self.outputs_at(values, batch)
@@ -168,6 +179,18 @@ class NetworkFunction:
             del products
             self._pull(pullback, weighted, out[part], add=add)
         return out
+
+    def _dual_ggn_vp(self, theta: Tensor, vector: Tensor, batch: Batch, root: Tensor | None) -> Tensor:
+        """One vector's product: ``f`` and ``Jv`` from one forward pass at the dual ``theta + εv``, then a backward."""
+        leaf = theta.detach().requires_grad_(True)
+        with torch.enable_grad():  # the MAP check calls it under no_grad
+            with forward_ad.dual_level(), warnings.catch_warnings():  # the backward outside: no tangents of its own
+                warnings.simplefilter("ignore", DeprecationWarning)  # torch loads its forward-mode rules by jit once
+                out = self.outputs_at(self.layout.unflatten(forward_ad.make_dual(leaf, vector)), batch)
+                f, tangent = forward_ad.unpack_dual(out.f)
+            root = out.likelihood.hessian_sqrt(f.detach()).detach() if root is None else root
+            weighted = torch.einsum("pmr,pnr,pn->pm", root, root, tangent.detach())
+            return torch.autograd.grad((f * weighted).sum(), [leaf])[0]  # the inner product: no sympy import
 
     def _pull(self, pullback, cotangents: Tensor, out: Tensor, add: bool = False) -> Tensor:
         """The pullback of every row of ``cotangents``, written (``add``: added) into the flat ``(k, d)`` ``out``.

@@ -51,6 +51,23 @@ def test_matrix_free_ggn_vector_products(likelihood):
     assert torch.allclose(posterior.net.ggn_vp(posterior.theta_star, v), v @ ggn)
 
 
+@pytest.mark.parametrize("likelihood", list(LIKELIHOODS))
+def test_one_vector_ggn_product_by_forward_mode_equals_brute_force(likelihood):
+    """One vector (a CG iteration of the MAP check) takes one forward pass on dual numbers and its backward."""
+    model, latents, x, y, _, ggn = ggn_setup(likelihood)
+    posterior = AutoLinearizedLaplace(model).laplace_approximation(
+        x, y, structure="diag", map_latents=latents, check_map=False, chunk_size=16
+    )
+    net, v = posterior.net, torch.randn(1, ggn.shape[0], generator=torch.Generator().manual_seed(5), dtype=ggn.dtype)
+    assert net.dual is None
+    with torch.no_grad():  # as the MAP check calls it
+        product = net.ggn_vp(posterior.theta_star, v)
+    assert net.dual is True  # the forward-mode path ran
+    torch.testing.assert_close(product, v @ ggn, rtol=1e-10, atol=1e-12 * float(ggn.abs().max()))
+    net.dual = False  # the batched JVP and VJP give the same product
+    torch.testing.assert_close(net.ggn_vp(posterior.theta_star, v), product, rtol=1e-10, atol=0)
+
+
 def test_empirical_fisher_is_the_sum_of_score_outer_products():
     model, latents, x, y, jacobian, _ = ggn_setup("categorical")
     f, _ = brute_force_jacobian(model, latents, x)

@@ -39,6 +39,54 @@ def test_cg_bound_is_exact_after_d_iterations_and_a_nondecreasing_lower_bound_be
     assert gauss_newton_gain(lambda v: H @ v, b, start=solution, iterations=0) == pytest.approx(exact, rel=1e-10)
 
 
+def _bounded(H, prior, b, threshold: float, solve) -> tuple[float, float, int, int]:
+    """The gain with the prior's upper bound and without it, and the GGN products each took."""
+    calls = {"bounded": 0, "full": 0}
+
+    def counted(key):
+        def matvec(v):
+            calls[key] += 1
+            return H @ v
+
+        return matvec
+
+    full = gauss_newton_gain(counted("full"), b, solve=solve, iterations=3)
+    gain = gauss_newton_gain(
+        counted("bounded"), b, solve=solve, iterations=3, floor_solve=lambda r: r / prior, threshold=threshold
+    )
+    return gain, full, calls["bounded"], calls["full"]
+
+
+def test_cg_stops_when_the_prior_bound_shows_the_gain_is_below_the_threshold_and_never_changes_the_verdict():
+    # H = G + P, G psd: g = ½ bᵀH⁻¹b <= q(s) + ½ rᵀP⁻¹r at every iterate, so a stop below the threshold is certain
+    g = torch.Generator().manual_seed(1)
+    d, threshold, stops = 30, 1.0, {"at 0": 0, "later": 0, "none": 0}
+    for trial in range(60):
+        a = torch.randn(d, 1 + trial % 4, generator=g, dtype=F64) * (0.3 + trial % 5)
+        prior = torch.rand(d, generator=g, dtype=F64) + 0.2
+        H = a @ a.T + torch.diag(prior)
+        b = torch.randn(d, generator=g, dtype=F64) * (0.05 * 1.15**trial)
+        exact = 0.5 * float(b @ torch.linalg.solve(H, b))
+        diagonal = torch.diagonal(H) if trial % 2 else prior  # two preconditioners
+        gain, full, calls, full_calls = _bounded(H, prior, b, threshold, lambda r, m=diagonal: r / m)
+        assert gain <= exact * (1 + 1e-10)
+        assert (gain > threshold) == (full > threshold)  # the same verdict
+        if calls < full_calls:  # stopped early: only where the gain is certainly not above the threshold
+            assert exact <= threshold and gain <= full * (1 + 1e-12)
+        else:
+            assert gain == full
+        if 0.5 * float(b @ (b / prior)) <= threshold:
+            assert calls == 0  # decided at s = 0: no GGN product
+        stops["at 0" if calls == 0 else "later" if calls < full_calls else "none"] += 1
+        if trial % 3 == 0:  # a small G: ½ bᵀP⁻¹b just above the threshold, the gain below it (a stop after one step)
+            H = 0.01 * (a @ a.T) + torch.diag(prior)
+            b = b * (1.05 * threshold / (0.5 * float(b @ (b / prior)))) ** 0.5
+            gain, full, calls, full_calls = _bounded(H, prior, b, threshold, lambda r, m=prior: r / m)
+            assert gain == full or (calls < full_calls and full <= threshold)
+            stops["at 0" if calls == 0 else "later" if calls < full_calls else "none"] += 1
+    assert all(stops.values()), stops  # every case came up
+
+
 def _data(n=300):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(n, 2, generator=g, dtype=F64)
