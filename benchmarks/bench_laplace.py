@@ -19,6 +19,9 @@ backends; torch left alone).
      the precision; laplace-torch defers its K-FAC eigendecomposition until then). laplace-torch's default backend
      forms per-example Jacobians over all weights for ``diag`` (more than 13 GB at 1,000 points per batch); it runs
      in batches of 100 on the first 500 points only, and its time is extrapolated linearly to N;
+   * *fit as a user calls it*: ``diag`` and ``kron`` with ``check_map=True`` (the default: the gradient of the
+     log-likelihood taken in the pass, then the MAP check, a few full-data GGN-vector products), ours only, beside
+     laplace-torch's times for the same fit (it has no MAP check);
    * *evidence optimisation* of a scalar prior precision, after a fit (ours: L-BFGS; laplace-torch: its default,
      100 Adam steps);
    * *linearised (GLM) predictive* on 1,000 test points over all weights (``kron``, ``diag``), probit link, after a
@@ -179,7 +182,7 @@ class Ours:
 
         self.guide_class = AutoLinearizedLaplace
 
-    def fit(self, problem: dict, structure: str, last_layer: bool = False):
+    def fit(self, problem: dict, structure: str, last_layer: bool = False, check_map: bool = False):
         guide = self.guide_class(pyro_network(problem["sizes"]))
         return guide.laplace_approximation(
             problem["x"],
@@ -187,7 +190,7 @@ class Ours:
             structure=structure,
             sites="last_layer" if last_layer else None,
             map_latents=problem["latents"],
-            check_map=False,
+            check_map=check_map,
             chunk_size=CHUNK,
         )
 
@@ -232,7 +235,8 @@ class Theirs:
             "asdl": curvature.AsdlGGN,
         }[backend]
 
-    def fit(self, problem: dict, structure: str, last_layer: bool = False):
+    def fit(self, problem: dict, structure: str, last_layer: bool = False, check_map: bool = False):
+        # check_map: ours only (laplace-torch has no MAP check)
         from torch.utils.data import DataLoader, TensorDataset
 
         net = network(problem["sizes"])
@@ -274,8 +278,12 @@ DEFAULT, BACKPACK = "laplace-torch", "laplace-torch:backpack"
 TASKS = {
     # name: (problem file, structure, last layer, operation, implementations, repetitions key)
     "fit-diag": ("big", "diag", False, "fit", ("ours", BACKPACK), "reps"),
+    # as a user calls it (check_map=True, the default: the gradient in the pass, then the MAP check); ours only,
+    # set beside laplace-torch's times for the same fit without the check (CHECKED)
+    "fit-diag-checked": ("big", "diag", False, "fit-checked", ("ours",), "reps"),
     "fit-diag-subset": ("big-subset", "diag", False, "fit", (DEFAULT,), "reps_slow"),
     "fit-kron": ("big", "kron", False, "fit", ("ours", DEFAULT, BACKPACK), "reps"),
+    "fit-kron-checked": ("big", "kron", False, "fit-checked", ("ours",), "reps"),
     "fit-full-last-layer": ("big", "full", True, "fit", ("ours", DEFAULT, BACKPACK), "reps"),
     "fit-full-small": ("small", "full", False, "fit", ("ours", DEFAULT), "reps_slow"),
     "evidence-kron": ("big", "kron", False, "tune", ("ours", DEFAULT), "reps"),
@@ -283,6 +291,12 @@ TASKS = {
     "predict-kron": ("big", "kron", False, "predict", ("ours", DEFAULT, BACKPACK), "reps_slow"),
     "predict-diag": ("big", "diag", False, "predict", ("ours", BACKPACK), "reps_slow"),
 }
+CHECKED = {"fit-diag-checked": "fit-diag", "fit-kron-checked": "fit-kron"}  # laplace-torch's times from these
+
+
+def _source(task: str, impl: str) -> tuple[str, str]:
+    """Whose results a cell shows: laplace-torch's for a ``-checked`` fit are those of the same fit."""
+    return (CHECKED.get(task, task), impl) if impl != "ours" else (task, impl)
 
 
 def load_problem(path: Path) -> dict:
@@ -324,8 +338,8 @@ def worker(task: str, impl_name: str, data_dir: Path, threads: int) -> None:
             result["base_mb"] = rss_mb()
         load = ForeignLoad()
         start, cpu = time.perf_counter(), time.process_time()
-        if operation == "fit":
-            posterior = impl.fit(p, structure, last_layer)
+        if operation in ("fit", "fit-checked"):
+            posterior = impl.fit(p, structure, last_layer, check_map=operation == "fit-checked")
             result["evidence"] = impl.evidence(posterior)
         else:
             posterior = impl.fit(p, structure, last_layer)
@@ -456,7 +470,9 @@ def part_cost(cfg: dict, threads: int, max_wait: float, report: list[str], summa
     big, small = info["big"], info["small"]
     labels = {
         "fit-diag": f"fit `diag`, all {big['weights']:,} weights",
+        "fit-diag-checked": f"fit `diag`, all {big['weights']:,} weights, `check_map=True` (ours)",
         "fit-kron": f"fit `kron`, all {big['weights']:,} weights",
+        "fit-kron-checked": f"fit `kron`, all {big['weights']:,} weights, `check_map=True` (ours)",
         "fit-full-last-layer": "fit `full`, last layer (650 weights)",
         "fit-full-small": f"fit `full`, all {small['weights']:,} weights of {'-'.join(map(str, SMALL))}",
         "evidence-kron": "evidence optimisation, scalar prior, `kron`",
@@ -499,21 +515,27 @@ def part_cost(cfg: dict, threads: int, max_wait: float, report: list[str], summa
     summary["cost"] = {}
     labels = {task: label for task, label in labels.items() if task in cfg["tasks"]}
     for task, label in labels.items():
-        row = {impl: medians.get((task, impl)) for impl in impls}
+        row = {impl: medians.get(_source(task, impl)) for impl in impls}
         ours = row["ours"]
         times = {impl: v[0] for impl, v in row.items() if v is not None}
         mems = {impl: v[1] for impl, v in row.items() if v is not None}
         default_time = _fmt_s(times.get(DEFAULT))
-        if task == "fit-diag" and slow and "error" not in slow[0]:
+        if task in ("fit-diag", "fit-diag-checked") and slow and "error" not in slow[0]:
             seconds = statistics.median(r["seconds"] for r in slow if "error" not in r)
             subset = cfg["subset"]
             default_time = f"≈ {seconds * big['n'] / subset:,.0f} (extrapolated: {seconds:.0f} s on {subset:,} points)"
         theirs = {k: v for k, v in times.items() if k != "ours"}
         speed_default = times[DEFAULT] / ours[0] if ours and DEFAULT in times else None
         speed_best = min(theirs.values()) / ours[0] if ours and theirs else None
-        if task == "fit-diag" and speed_default is None and slow and "error" not in slow[0] and ours:
+        if (
+            task in ("fit-diag", "fit-diag-checked")
+            and speed_default is None
+            and slow
+            and "error" not in slow[0]
+            and ours
+        ):
             speed_default = slow[0]["seconds"] * big["n"] / cfg["subset"] / ours[0]
-        errors = [r["error"] for impl in impls for r in results.get((task, impl), []) if "error" in r]
+        errors = [r["error"] for impl in impls for r in results.get(_source(task, impl), []) if "error" in r]
         notes = " / ".join(row[impl][2] if row[impl] else "–" for impl in impls)
         if errors:
             notes += f"; {errors[0]}"
@@ -550,7 +572,9 @@ def part_cost(cfg: dict, threads: int, max_wait: float, report: list[str], summa
         if task == "fit-diag" and slow and "error" not in slow[0]:
             subset, extra = cfg["subset"], slow[0]["extra_mb"]
             notes.append(f"default backend: {extra:,.0f} MB on {subset:,} points in batches of {PREDICT_CHUNK}")
-        first = {impl: next((r for r in results.get((task, impl), []) if "error" not in r), None) for impl in impls}
+        first = {
+            impl: next((r for r in results.get(_source(task, impl), []) if "error" not in r), None) for impl in impls
+        }
         if task.startswith("fit") and first["ours"]:
             others = ", ".join(f"{k} {v['evidence']:.1f}" for k, v in first.items() if v and k != "ours")
             notes.append(f"log evidence: ours {first['ours']['evidence']:.1f}, {others}")
@@ -605,7 +629,7 @@ def _cpu_table(labels: dict[str, str], results: dict, impls) -> list[str]:
     for task, label in labels.items():
         cpu = {}
         for impl in impls:
-            kept, _ = _kept(results.get((task, impl), []))
+            kept, _ = _kept(results.get(_source(task, impl), []))
             values = [r["cpu_seconds"] for r in kept if "cpu_seconds" in r]
             if values:
                 cpu[impl] = statistics.median(values)
