@@ -19,8 +19,11 @@ or sample-then-optimise's solved Newton step as the starting point (then no iter
 It also has an upper bound, free: :math:`g - q(s) = \tfrac12 r^\top H^{-1} r \le \tfrac12 r^\top P^{-1} r`, since
 :math:`H \succeq P` (the GGN is positive semi-definite). The check stops as soon as that bound is at most the
 threshold: no warning could follow, whatever further iterations found (at :math:`s = 0`, where
-:math:`\tfrac12 b^\top P^{-1} b` is at most the threshold, it takes no GGN product at all). The verdict is the one
-the full iterations would give; the returned lower bound is where the iterations stopped.
+:math:`\tfrac12 b^\top P^{-1} b` is at most the threshold, it takes no GGN product at all); once the lower bound
+is above it, the warning is certain. With both bounds the iterations go on past the usual :data:`ITERATIONS` until
+one of them decides, up to :data:`DECIDING_ITERATIONS`: a fixed count of three would stay quiet at a point whose
+gain it had not yet reached (a network trained by Adam and L-BFGS: 0.84 nats after three iterations, 1.24 after
+four, at least 2.4 after eight). The returned lower bound is where the iterations stopped.
 
 The Laplace guide, whatever its structure, and sample-then-optimise thus give one verdict on one point.
 
@@ -51,10 +54,19 @@ from torch import Tensor
 
 from pyro_scalable.bridge.checks import user_stacklevel
 
-__all__ = ["GAIN_THRESHOLD", "ITERATIONS", "NOISE_POINTS", "check_noise_fit", "gauss_newton_gain", "warn_not_map"]
+__all__ = [
+    "DECIDING_ITERATIONS",
+    "GAIN_THRESHOLD",
+    "ITERATIONS",
+    "NOISE_POINTS",
+    "check_noise_fit",
+    "gauss_newton_gain",
+    "warn_not_map",
+]
 
 GAIN_THRESHOLD = 1.0  # nats: a Gauss-Newton step that would gain more than this means θ* is not a MAP
 ITERATIONS = 3  # CG iterations at most (each one full-data GGN-vector product)
+DECIDING_ITERATIONS = 12  # at most, where the upper bound is at hand: until a bound decides the verdict
 NOISE_POINTS = 0.1  # the share of the observations that must be left (N - γ) to fit σ
 
 
@@ -65,7 +77,7 @@ def gauss_newton_gain(
     solve: Callable[[Tensor], Tensor] | None = None,
     start: Tensor | None = None,
     start_product: Tensor | None = None,
-    iterations: int = ITERATIONS,
+    iterations: int | None = None,
     floor_solve: Callable[[Tensor], Tensor] | None = None,
     threshold: float | None = None,
 ) -> float:
@@ -76,10 +88,13 @@ def gauss_newton_gain(
         gradient: :math:`b`, flat.
         solve: the preconditioner :math:`M^{-1} r` (an approximation of :math:`H^{-1}`); identity when ``None``.
         start: the first iterate (default 0); ``start_product`` its :math:`H s` where already computed.
-        iterations: CG iterations at most; they stop early once the residual is below a millionth of :math:`b`'s.
+        iterations: CG iterations at most (default :data:`ITERATIONS`; :data:`DECIDING_ITERATIONS` where both
+            bounds are at hand); they stop early once the residual is below a millionth of :math:`b`'s.
         floor_solve: :math:`v \mapsto F^{-1} v` (on float64) for an :math:`F \preceq H` (the prior precision); with
             ``threshold`` the iterations stop once :math:`q(s) + \tfrac12 r^\top F^{-1} r`, an upper bound on the
             gain, is at most ``threshold`` (the verdict "not above the threshold" is then certain).
+        threshold: after :data:`ITERATIONS`, the iterations also stop once the lower bound is above it (the verdict
+            "above" is then certain; the first :data:`ITERATIONS` sharpen the bound the warning reports).
 
     Example:
         >>> import torch
@@ -91,6 +106,8 @@ def gauss_newton_gain(
         True
 
     """
+    if iterations is None:
+        iterations = DECIDING_ITERATIONS if floor_solve is not None and threshold is not None else ITERATIONS
     b = gradient.detach().double()
     apply = lambda v: matvec(v.to(gradient.dtype)).detach().double()  # noqa: E731
     precondition = (lambda r: solve(r.to(gradient.dtype)).detach().double()) if solve is not None else (lambda r: r)
@@ -111,7 +128,7 @@ def gauss_newton_gain(
     z = precondition(residual)
     direction, rz = z, residual @ z
     floor = 1e-6 * float(b.norm())
-    for _ in range(iterations):
+    for done in range(1, iterations + 1):
         if float(residual.norm()) <= floor or rz <= 0:
             break
         product = apply(direction)
@@ -123,8 +140,8 @@ def gauss_newton_gain(
         residual = residual - alpha * product
         gain = 0.5 * float((b + residual) @ s)
         best = max(best, gain)
-        if decided(gain, residual):
-            break
+        if decided(best, residual) or (threshold is not None and best > threshold and done >= ITERATIONS):
+            break  # settled: below by the upper bound, or above by the lower one after the usual iterations
         z = precondition(residual)
         rz_next = residual @ z
         direction, rz = z + (rz_next / rz) * direction, rz_next

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from pyro_scalable.infer import AutoLinearizedLaplace, SampleThenOptimize
-from pyro_scalable.infer.linearized.map_check import gauss_newton_gain
+from pyro_scalable.infer.linearized.map_check import DECIDING_ITERATIONS, ITERATIONS, gauss_newton_gain
 
 F64 = torch.float64
 
@@ -85,6 +85,22 @@ def test_cg_stops_when_the_prior_bound_shows_the_gain_is_below_the_threshold_and
             assert gain == full or (calls < full_calls and full <= threshold)
             stops["at 0" if calls == 0 else "later" if calls < full_calls else "none"] += 1
     assert all(stops.values()), stops  # every case came up
+
+
+def test_with_both_bounds_cg_goes_on_until_they_decide_a_gain_three_iterations_would_miss():
+    # slow CG (a spread spectrum, no preconditioner): three iterations stay far below the true gain
+    d, threshold = 40, 1.0
+    H = torch.diag(torch.logspace(-1, 2, d, dtype=F64))  # = G + P with P = 0.1 I, G = H - P psd
+    b = torch.full((d,), 0.25, dtype=F64)
+    exact = 0.5 * float(b @ torch.linalg.solve(H, b))
+    three = gauss_newton_gain(lambda v: H @ v, b, iterations=ITERATIONS)
+    assert three <= threshold < exact  # the fixed count's verdict would be wrong
+    products = []
+    gain = gauss_newton_gain(
+        lambda v: products.append(1) or H @ v, b, floor_solve=lambda r: r / 0.1, threshold=threshold
+    )
+    assert threshold < gain <= exact * (1 + 1e-10)  # decided: above, from the lower bound itself
+    assert ITERATIONS < len(products) <= DECIDING_ITERATIONS
 
 
 def _data(n=300):
