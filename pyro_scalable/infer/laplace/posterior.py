@@ -359,7 +359,7 @@ class LaplacePosterior(LaplacePredictives, GaussianDraws):
         The gain is a lower bound on :math:`\tfrac12 b^\top H^{-1} b` with the *exact* GGN over the full data,
         by conjugate gradients preconditioned with this structure's :math:`H`
         (:mod:`~pyro_scalable.infer.linearized.map_check`; sample-then-optimise checks with the same function).
-        Returns it, as far as the iterations went: they stop once an upper bound shows it is at most ``threshold``.
+        Returns it, as far as the iterations went: they stop once a bound decides whether it is above ``threshold``.
         """
         check_number("threshold", threshold, nonnegative=True)
         prior, noise = self._prior_precision, self._observation_noise
