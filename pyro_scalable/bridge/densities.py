@@ -84,8 +84,8 @@ def summed_log_prob(fn, value: Tensor, scale, mask, args: tuple = (), kwargs: di
     logits = _logits_bernoulli(fn) if plain else None
     if logits is not None and _covers(value.shape, logits.shape) and logits.dtype == value.dtype:
         return -binary_cross_entropy_with_logits(logits.expand(value.shape), value, reduction="sum") * scale
-    normal = _plain_normal(fn) if not args and not kwargs and (mask is None or mask is True) else None
-    sigma = _one_number(normal.scale) if normal is not None and _number_scale(scale) else None
+    normal = _plain_normal(fn) if plain else None
+    sigma = _one_number(normal.scale) if normal is not None else None
     if sigma is None or not _covers(value.shape, normal.batch_shape):
         log_prob = fn.log_prob(value, *args, **(kwargs or {}))
         return scale_and_mask(log_prob, scale, mask).sum()

@@ -289,6 +289,10 @@ def bind_python(graph: fx.GraphModule, inputs: list[Tensor]) -> int:
     values: dict[fx.Node, Any] = {}
     placeholders = iter(inputs)
     bound = 0
+
+    def load(arguments):
+        return fx.node.map_arg(arguments, values.__getitem__)
+
     with torch.no_grad():
         for node in list(graph.graph.nodes):
             if node.op == "placeholder":
@@ -296,7 +300,6 @@ def bind_python(graph: fx.GraphModule, inputs: list[Tensor]) -> int:
                 continue
             if node.op == "output":
                 continue
-            load = lambda a: fx.node.map_arg(a, values.__getitem__)  # noqa: E731
             if node.op == "get_attr":
                 values[node] = getattr(graph, node.target)
                 continue

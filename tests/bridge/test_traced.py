@@ -92,13 +92,18 @@ def recorded(bridge: ModelBridge, latents, batch) -> None:
     assert len(bridge.traced.graphs) == 1, bridge.traced.refused
 
 
-@pytest.mark.parametrize("kind", ["logistic", "hierarchy", "pyro_module"])
-def test_replay_equals_the_model_value_and_gradients(kind):
+def recorded_bridge(kind: str):
+    """The bridge of ``data(kind)``'s model with its first minibatch's signature recorded, and its plate."""
     model, args, _ = data(kind)
     bridge = ModelBridge(model, args)
     plate = next(iter(bridge.plates.values()))
-    batch = Batch({plate.name: torch.arange(plate.subsample_size)}, bridge.args, {})
-    recorded(bridge, point(bridge, 0), batch)
+    recorded(bridge, point(bridge, 0), Batch({plate.name: torch.arange(plate.subsample_size)}, bridge.args, {}))
+    return bridge, plate
+
+
+@pytest.mark.parametrize("kind", ["logistic", "hierarchy", "pyro_module"])
+def test_replay_equals_the_model_value_and_gradients(kind):
+    bridge, plate = recorded_bridge(kind)
     for seed in (1, 2, 3):  # other latents and other minibatches than the recording's
         latents = point(bridge, seed)
         batch = Batch({plate.name: torch.randperm(plate.size)[: plate.subsample_size]}, bridge.args, {})
@@ -113,11 +118,7 @@ def test_replay_equals_the_model_value_and_gradients(kind):
 @pytest.mark.parametrize("kind", ["logistic", "hierarchy", "pyro_module"])
 def test_the_replay_calls_torch_bindings_and_gives_the_aten_calls_results_bit_for_bit(kind):
     """Rebinding ATen calls to torch's Python bindings changes no bit of a value or gradient, at other points too."""
-    model, args, _ = data(kind)
-    bridge = ModelBridge(model, args)
-    plate = next(iter(bridge.plates.values()))
-    batch = Batch({plate.name: torch.arange(plate.subsample_size)}, bridge.args, {})
-    recorded(bridge, point(bridge, 0), batch)
+    bridge, plate = recorded_bridge(kind)
     graph = next(iter(bridge.traced.graphs.values())).__self__
     aten = copy.deepcopy(graph)  # the same graph with every call put back to its ATen overload
     nodes = {node.name: node for node in aten.graph.nodes}
