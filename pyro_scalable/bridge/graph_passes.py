@@ -18,7 +18,12 @@ square and logarithm; ``group[idx]`` is indexed once per use. A replay pays for 
    ``x[indices]`` reach the same kernel through torch's generated bindings, several microseconds sooner per
    operation, and sooner again for its backward. A node is rebound only where, on the recording's own inputs, the
    binding dispatches exactly that one overload and returns the same result bit for bit (dtype, shape, strides,
-   values); anything else keeps its ATen call.
+   values); anything else keeps its ATen call;
+5. **row lookups** (:func:`gather_rows`): ``x[idx]``, a data matrix's rows at a minibatch's indices, becomes
+   ``torch.embedding(x, idx)`` (a vector's: ``x.index_select(0, idx)``), the same copy of the same rows: ATen's
+   advanced indexing costs 2.5-3.5x as much on the CPU (54 against 16 us for 1,000 rows of 100 floats), and as much
+   again under ``vmap`` over chains. Only where ``idx`` is the plate's subsample (never negative, which a lookup
+   would refuse) and ``x`` is not a latent (no gradient flows back through it).
 
 Folding and common subexpressions are skipped in a graph that mutates a tensor in place, where two equal-looking
 operations need not give equal results; an operation that mutates or draws at random is never rebound.
@@ -34,7 +39,7 @@ import torch
 from torch import Tensor, fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["bind_python", "simplify", "value_shaped"]
+__all__ = ["bind_python", "gather_rows", "simplify", "value_shaped"]
 
 _aten = torch.ops.aten
 # operations whose output shape depends on their input's values
@@ -329,3 +334,47 @@ def bind_python(graph: fx.GraphModule, inputs: list[Tensor]) -> int:
                     break
     graph.recompile()
     return bound
+
+
+def gather_rows(graph: fx.GraphModule, inputs: list[Tensor], rows: set[int], data: set[int]) -> int:
+    """Look up a minibatch's rows of a data tensor instead of indexing it (module docstring, 5); how many nodes.
+
+    ``rows``: the positions of the placeholders that hold a plate's subsample indices; ``data``: those that hold no
+    latent. A node is rewritten only where the lookup gives ``inputs``' result bit for bit; it keeps its ATen call
+    as ``node.meta["aten_call"]``. Run before :func:`bind_python` (which rebinds the indexing otherwise).
+
+    Example:
+        >>> import torch
+        >>> from torch.fx.experimental.proxy_tensor import make_fx
+        >>> x, i = torch.randn(5, 2), torch.tensor([4, 0])
+        >>> graph = make_fx(lambda x, i: x[i].sum())(x, i)
+        >>> gather_rows(graph, [x, i], rows={1}, data={0})
+        1
+        >>> print(graph.code.strip().splitlines()[1].strip())
+        index = torch.embedding(x_1, i_1);  x_1 = i_1 = None
+
+    """
+    placeholders = [node for node in graph.graph.nodes if node.op == "placeholder"]
+    position = {node: k for k, node in enumerate(placeholders)}
+    rewritten = 0
+    for node in graph.graph.nodes:
+        if node.target is not _aten.index.Tensor or len(node.args) != 2 or len(node.args[1]) != 1:
+            continue
+        x, value = node.args[0], node.args[1][0]
+        if position.get(x) not in data or position.get(value) not in rows:
+            continue
+        tensor, index = inputs[position[x]], inputs[position[value]]
+        if tensor.dim() == 2:
+            target, args = torch.embedding, (x, value)
+        elif tensor.dim() == 1 and index.dim() == 1:
+            target, args = torch.index_select, (x, 0, value)
+        else:
+            continue
+        with torch.no_grad():
+            same = _identical(tensor[index], target(*[tensor if a is x else index if a is value else a for a in args]))
+        if same:
+            node.meta["aten_call"] = (node.target, node.args, node.kwargs)
+            node.target, node.args, node.kwargs = target, args, {}
+            rewritten += 1
+    graph.recompile()
+    return rewritten

@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from pyro_scalable.bridge.checks import first_line
-from pyro_scalable.bridge.graph_passes import bind_python, simplify, value_shaped
+from pyro_scalable.bridge.graph_passes import bind_python, gather_rows, simplify, value_shaped
 from pyro_scalable.bridge.records import Batch, Latents
 
 __all__ = [
@@ -297,9 +297,10 @@ class TracedLogDensity:
         if shaped:
             return None, f"operations whose shapes depend on values: {', '.join(shaped)}"
         simplify(graph, standins)
+        rows = {k for k, path in enumerate(call.paths) if path[0] == 1 and path[1] in self.sizes}
+        gather_rows(graph, standins, rows, data={k for k, path in enumerate(call.paths) if path[0] > 1})
         bind_python(graph, standins)
-        generator = torch.Generator().manual_seed(0)
-        check = self._standins(call, generator)
+        check = self._standins(call, torch.Generator().manual_seed(0))
         try:
             mismatch = _disagreement(flat, graph.forward, check, call)
         except Exception as error:  # noqa: BLE001 -- the model itself fails at the check point: stay on Pyro

@@ -11,7 +11,7 @@ from torch import nn
 from torch.func import grad_and_value, vmap
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from pyro_scalable.bridge.graph_passes import bind_python
+from pyro_scalable.bridge.graph_passes import bind_python, gather_rows
 from pyro_scalable.bridge.model import ModelBridge
 from pyro_scalable.bridge.records import Batch
 from pyro_scalable.bridge.traced import TRACE_AFTER, _Call, model_tracing
@@ -366,3 +366,20 @@ def test_compiled_replay_equals_the_model():
     with model_tracing(False):
         expected = [value_and_grads(bridge, point(bridge, 1), batch), vmap(per_chain)(chains, indices)]
     torch.testing.assert_close(replayed, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_minibatchs_data_rows_are_looked_up_and_nothing_else_is():
+    """``x[idx]`` for data at the plate's subsample becomes a row lookup; a latent's indexing and other indices stay."""
+    for kind, lookups in (("logistic", ["embedding", "index_select"]), ("hierarchy", ["index_select"] * 2)):
+        bridge, _ = recorded_bridge(kind)
+        names = op_names(next(iter(bridge.traced.graphs.values())).__self__)
+        assert [n for n in names if n in ("embedding", "index_select")] == lookups
+        assert ("getitem" in names) == (kind == "hierarchy")  # effect[group[idx]]: a latent's rows, with a gradient
+    x, i = torch.randn(5, 2), torch.tensor([-1, 0])  # an index that is not a subsample may be negative: kept
+    graph = make_fx(lambda x, i: x[i])(x, i)
+    assert gather_rows(graph, [x, i], rows=set(), data={0}) == 0
+    assert gather_rows(graph, [x, i], rows={1}, data=set()) == 0
+    x3 = torch.randn(5, 2, 2)  # neither a matrix nor a vector: kept
+    graph = make_fx(lambda x, i: x[i])(x3, i.abs())
+    assert gather_rows(graph, [x3, i.abs()], rows={1}, data={0}) == 0
+    assert torch.equal(graph(x3, i.abs()), x3[i.abs()])
