@@ -270,11 +270,11 @@ class CompiledStep:
         generator = stepper.generator
         first = None if key in self.steps else generator.get_state()  # a step that fails to compile draws nothing
         seed = int(torch.randint(2**62, (), generator=generator, device=generator.device))
-        saved = torch.default_generator.get_state()
+        saved = _global_generator(generator.device).get_state()  # torch's own generator, the user's: restored
         try:
             if first is not None:
                 return self._first(stepper, key, phase, arguments, seed)
-            _seed(seed, generator.device)
+            _global_generator(generator.device).manual_seed(seed)
             return self.steps[key](*arguments)
         except Exception as error:  # noqa: BLE001 -- any compiler failure: the eager step, which raises a model error
             if first is not None:
@@ -283,7 +283,7 @@ class CompiledStep:
             _log.warning("the sampling step runs eagerly: it failed to compile (%s)", self.refused)
             return None
         finally:
-            torch.default_generator.set_state(saved)
+            _global_generator(generator.device).set_state(saved)
 
     def _first(self, stepper: ChainStepper, key: tuple, phase: Phase, arguments: tuple, seed: int) -> tuple[Any, Any]:
         def step(state, indices, args, kwargs):
@@ -293,9 +293,9 @@ class CompiledStep:
             warnings.filterwarnings("ignore", r".*torch\.jit\.script.* is deprecated", DeprecationWarning)
             compiled = torch.compile(step, dynamic=False, options={"fallback_random": True})
             compiled(*arguments)  # compiling may draw from torch's generator (e.g. to time kernels): not the step's
-        _seed(seed, stepper.generator.device)
+        _global_generator(stepper.generator.device).manual_seed(seed)
         result = compiled(*arguments)
-        _seed(seed, stepper.generator.device)
+        _global_generator(stepper.generator.device).manual_seed(seed)
         generator, stepper.generator = stepper.generator, None  # the eager step draws as the compiled one does
         try:
             eager = step(*arguments)
@@ -310,12 +310,11 @@ class CompiledStep:
         return result
 
 
-def _seed(seed: int, device: torch.device) -> None:
-    """Seed torch's generator for ``device`` (``torch.manual_seed`` records a stack trace: milliseconds a step)."""
+def _global_generator(device: torch.device) -> torch.Generator:
+    """The default generator for ``device``: a compiled step draws from it (seeded directly, not by manual_seed)."""
     if device.type == "cuda":
-        torch.cuda.manual_seed(seed)
-    else:
-        torch.default_generator.manual_seed(seed)
+        return torch.cuda.default_generators[torch.cuda.current_device() if device.index is None else device.index]
+    return torch.default_generator
 
 
 def _disagreement(compiled: list, eager: list) -> float:

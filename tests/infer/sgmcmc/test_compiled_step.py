@@ -96,3 +96,19 @@ def test_a_step_that_fails_to_compile_runs_eagerly(monkeypatch, caplog, compiled
     assert compiled_steps[0].refused == "RuntimeError: no compiler here"
     assert "runs eagerly" in caplog.text
     torch.testing.assert_close(fallen_back, eager, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_a_compiled_run_leaves_torchs_generator_as_the_eager_run_does(device, compiled_steps):
+    """The compiled step seeds torch's own generator for the device on every step: the user's state is put back."""
+    problem = LinearRegression(num_data=200, dim=2, batch_size=50, device=device)
+    states = []
+    for compiled in (False, True):
+        torch.manual_seed(11)
+        with model_tracing(compile=compiled):
+            kernel = SGHMC(problem.model, step_size=1e-3, friction=50.0)
+            StochasticMCMC(kernel, num_samples=30, num_warmup=10, seed=3, progress_bar=False).run(problem.x, problem.y)
+        cuda = torch.cuda.get_rng_state(torch.device(device)) if device == "cuda" else torch.tensor([])
+        states.append((torch.get_rng_state(), cuda))
+    assert_compiled(compiled_steps)
+    assert torch.equal(states[0][0], states[1][0]) and torch.equal(states[0][1], states[1][1])
