@@ -370,9 +370,12 @@ def gather_rows(graph: fx.GraphModule, inputs: list[Tensor], rows: set[int], dat
             target, args = torch.index_select, (x, 0, value)
         else:
             continue
-        with torch.no_grad():
-            same = _identical(tensor[index], target(*[tensor if a is x else index if a is value else a for a in args]))
-        if same:
+        try:
+            with torch.no_grad():
+                lookup = target(*[tensor if a is x else index if a is value else a for a in args])
+        except (TypeError, RuntimeError, IndexError):  # an index the lookup does not take (dtype, device): kept
+            continue
+        if _identical(tensor[index], lookup):
             node.meta["aten_call"] = (node.target, node.args, node.kwargs)
             node.target, node.args, node.kwargs = target, args, {}
             rewritten += 1
