@@ -275,6 +275,12 @@ def _bindings(node: fx.Node) -> Iterator[tuple[str, Any, tuple, dict]]:
         yield "call_method", name, node.args, node.kwargs
 
 
+def _rebind(node: fx.Node, op: str, target: Any, args: tuple, kwargs: dict) -> None:
+    """Point ``node`` at another call of the same result, keeping its ATen call as ``node.meta["aten_call"]``."""
+    node.meta["aten_call"] = (node.target, node.args, node.kwargs)
+    node.op, node.target, node.args, node.kwargs = op, target, args, kwargs
+
+
 def bind_python(graph: fx.GraphModule, inputs: list[Tensor]) -> int:
     """Call each ATen operation of ``graph`` through torch's Python bindings where that is the same call.
 
@@ -328,8 +334,7 @@ def bind_python(graph: fx.GraphModule, inputs: list[Tensor]) -> int:
                 except (TypeError, RuntimeError, ValueError, IndexError):  # the binding takes other arguments
                     continue
                 if seen.ops == [node.target] and _identical(expected, got):
-                    node.meta["aten_call"] = (node.target, node.args, node.kwargs)
-                    node.op, node.target, node.args, node.kwargs = op, target, new_args, new_kwargs
+                    _rebind(node, op, target, new_args, new_kwargs)
                     bound += 1
                     break
     graph.recompile()
@@ -376,8 +381,7 @@ def gather_rows(graph: fx.GraphModule, inputs: list[Tensor], rows: set[int], dat
         except (TypeError, RuntimeError, IndexError):  # an index the lookup does not take (dtype, device): kept
             continue
         if _identical(tensor[index], lookup):
-            node.meta["aten_call"] = (node.target, node.args, node.kwargs)
-            node.target, node.args, node.kwargs = target, args, {}
+            _rebind(node, "call_function", target, args, {})
             rewritten += 1
     graph.recompile()
     return rewritten

@@ -270,11 +270,12 @@ class CompiledStep:
         generator = stepper.generator
         first = None if key in self.steps else generator.get_state()  # a step that fails to compile draws nothing
         seed = int(torch.randint(2**62, (), generator=generator, device=generator.device))
-        saved = _global_generator(generator.device).get_state()  # torch's own generator, the user's: restored
+        own = _global_generator(generator.device)  # torch's generator, the user's: its state is put back
+        saved = own.get_state()
         try:
             if first is not None:
                 return self._first(stepper, key, phase, arguments, seed)
-            _global_generator(generator.device).manual_seed(seed)
+            own.manual_seed(seed)
             return self.steps[key](*arguments)
         except Exception as error:  # noqa: BLE001 -- any compiler failure: the eager step, which raises a model error
             if first is not None:
@@ -283,7 +284,7 @@ class CompiledStep:
             _log.warning("the sampling step runs eagerly: it failed to compile (%s)", self.refused)
             return None
         finally:
-            _global_generator(generator.device).set_state(saved)
+            own.set_state(saved)
 
     def _first(self, stepper: ChainStepper, key: tuple, phase: Phase, arguments: tuple, seed: int) -> tuple[Any, Any]:
         def step(state, indices, args, kwargs):
@@ -293,9 +294,10 @@ class CompiledStep:
             warnings.filterwarnings("ignore", r".*torch\.jit\.script.* is deprecated", DeprecationWarning)
             compiled = torch.compile(step, dynamic=False, options={"fallback_random": True})
             compiled(*arguments)  # compiling may draw from torch's generator (e.g. to time kernels): not the step's
-        _global_generator(stepper.generator.device).manual_seed(seed)
+        own = _global_generator(stepper.generator.device)
+        own.manual_seed(seed)
         result = compiled(*arguments)
-        _global_generator(stepper.generator.device).manual_seed(seed)
+        own.manual_seed(seed)
         generator, stepper.generator = stepper.generator, None  # the eager step draws as the compiled one does
         try:
             eager = step(*arguments)

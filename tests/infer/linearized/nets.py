@@ -15,9 +15,11 @@ def _prior(shape, scale):
 
 
 class MLP(PyroModule):
-    """A PyroModule MLP with Normal priors; ``likelihood`` picks the observed family."""
+    """A PyroModule MLP with Normal priors; ``likelihood`` picks the observed family, ``activation`` the hidden one."""
 
-    def __init__(self, sizes=(3, 6, 2), likelihood="normal", noise=0.3, prior_scale=1.0, batch_size=None):
+    def __init__(
+        self, sizes=(3, 6, 2), likelihood="normal", noise=0.3, prior_scale=1.0, batch_size=None, activation=torch.tanh
+    ):
         super().__init__()
         layers = []
         for fan_in, fan_out in zip(sizes[:-1], sizes[1:]):
@@ -27,12 +29,13 @@ class MLP(PyroModule):
             layers.append(layer)
         self.layers = PyroModule[nn.ModuleList](layers)
         self.likelihood, self.noise, self.batch_size = likelihood, noise, batch_size
+        self.activation = activation
 
     def net(self, x):
         for k, layer in enumerate(self.layers):
             x = layer(x)
             if k < len(self.layers) - 1:
-                x = torch.tanh(x)
+                x = self.activation(x)
         return x
 
     def forward(self, x, y=None):

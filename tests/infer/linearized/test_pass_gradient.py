@@ -25,15 +25,6 @@ from tests.infer.laplace.test_conv import CNN
 from tests.infer.linearized.nets import LIKELIHOODS, MLP, ggn_data, random_latents
 
 
-class _ReLU(MLP):
-    def net(self, x):
-        for k, layer in enumerate(self.layers):
-            x = layer(x)
-            if k < len(self.layers) - 1:
-                x = torch.relu(x)
-        return x
-
-
 class _OnAllRows(MLP):
     """The net runs on all N inputs and the plate's indices pick its outputs: plate-indexed layers."""
 
@@ -68,7 +59,8 @@ class _Noise(MLP):
 def _mlp(kind):
     def build():
         likelihood = kind.partition("-")[2] or kind
-        model = (_ReLU if kind.startswith("relu") else MLP)(LIKELIHOODS[likelihood], likelihood, batch_size=16)
+        activation = torch.relu if kind.startswith("relu") else torch.tanh
+        model = MLP(LIKELIHOODS[likelihood], likelihood, batch_size=16, activation=activation)
         x, y = ggn_data(likelihood)
         return model, x, y, None
 
