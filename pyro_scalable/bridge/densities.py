@@ -1,6 +1,7 @@
-r"""The summed log density of one sample site, with fast paths for two common likelihoods and priors.
+r"""A site's summed log density (fast paths for two common likelihoods and priors), and a model's at given latents.
 
-Normals whose scale is one expanded number, and Bernoullis given by their logits.
+:class:`Evaluate` is the handler that substitutes the latents and sums the sites' terms (all, or the prior's or the
+data's only). The fast paths: Normals whose scale is one expanded number, and Bernoullis given by their logits.
 
 A prior written the usual way, ``dist.Normal(0., s).expand(shape).to_event(k)``, holds ``scale`` as a stride-0
 view of one number; ``torch.distributions.Normal.log_prob`` then builds ``scale ** 2`` and ``scale.log()`` at the
@@ -28,15 +29,21 @@ Every other site goes through the distribution's own ``log_prob``. The fast path
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from numbers import Number
 
 import torch
 from pyro.distributions.util import scale_and_mask
+from pyro.poutine.messenger import Messenger
+from pyro.poutine.util import site_is_subsample
 from torch import Tensor
 from torch.distributions import Bernoulli, Independent, Normal
 from torch.nn.functional import binary_cross_entropy_with_logits
 
-__all__ = ["summed_log_prob"]
+from pyro_scalable.bridge.checks import ModelError
+from pyro_scalable.bridge.records import Latents, LatentSite
+
+__all__ = ["Evaluate", "summed_log_prob"]
 
 _HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
 
@@ -92,3 +99,48 @@ def summed_log_prob(fn, value: Tensor, scale, mask, args: tuple = (), kwargs: di
     n = value.numel()
     total = (value - normal.loc).square().sum() * (-0.5 / sigma.square()) - n * (sigma.log() + _HALF_LOG_2PI)
     return total * scale
+
+
+class Evaluate(Messenger):
+    """Substitute unconstrained latents and accumulate the scaled log joint (and pointwise log-likelihoods).
+
+    ``part="prior"`` sums only the latent sites' terms (densities and Jacobians), ``"data"`` only the observed sites'.
+    """
+
+    def __init__(self, sites: Mapping[str, LatentSite], latents: Latents, pointwise: bool = False, part: str = ""):
+        super().__init__()
+        self.sites = sites
+        self.latents = latents
+        self.pointwise = pointwise
+        self.prior, self.data = part != "data", part != "prior"
+        self.log_joint: Tensor | float = 0.0
+        self.log_likelihood: dict[str, Tensor] = {}
+
+    def _pyro_sample(self, msg) -> None:
+        if site_is_subsample(msg) or msg["is_observed"]:
+            return
+        site = self.sites.get(msg["name"])
+        if site is None:
+            raise ModelError(
+                f"latent site '{msg['name']}' did not appear when the model was first traced; "
+                "the set of latent sites must not depend on the data or the minibatch."
+            )
+        unconstrained = self.latents[site.name]
+        value = site.transform(unconstrained)
+        if site.has_jacobian and self.prior:
+            self.log_joint = self.log_joint + site.transform.log_abs_det_jacobian(unconstrained, value).sum()
+        msg["value"] = value
+        msg["done"] = True
+
+    def _pyro_post_sample(self, msg) -> None:
+        if site_is_subsample(msg) or msg["infer"].get("_deterministic"):
+            return
+        if not (self.data if msg["is_observed"] else self.prior):
+            return
+        fn, value, args, kwargs = msg["fn"], msg["value"], msg["args"], msg["kwargs"]
+        if self.pointwise and msg["is_observed"]:
+            log_prob = fn.log_prob(value, *args, **kwargs)
+            self.log_likelihood[msg["name"]] = log_prob
+            self.log_joint = self.log_joint + scale_and_mask(log_prob, msg["scale"], msg["mask"]).sum()
+        else:
+            self.log_joint = self.log_joint + summed_log_prob(fn, value, msg["scale"], msg["mask"], args, kwargs)

@@ -16,6 +16,7 @@ size has no divisor between :data:`MIN_GROUPS` and :data:`MAX_GROUPS`, is split 
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import TYPE_CHECKING, NamedTuple
 
 from torch import Tensor
@@ -26,10 +27,11 @@ from pyro_scalable.bridge.records import Batch, Latents
 if TYPE_CHECKING:
     from pyro_scalable.bridge.model import ModelBridge
 
-__all__ = ["MAX_GROUPS", "MIN_GROUPS", "Examples", "LogPosterior", "group_size"]
+__all__ = ["MAX_GROUPS", "MIN_GROUPS", "PARTS", "Examples", "LogPosterior", "group_size"]
 
 MAX_GROUPS = 32  # groups per minibatch for the noise estimate (at most 31 degrees of freedom per step)
 MIN_GROUPS = 16  # fewer than this and the split is per example
+PARTS = ("prior", "data")  # the log posterior's terms, apart (ModelBridge.log_posterior_part)
 
 
 class Examples(NamedTuple):
@@ -63,12 +65,14 @@ class LogPosterior:
     ``examples(batch)`` splits the subsampled plate's ``B`` indices into ``G`` groups of ``m`` (:func:`group_size`;
     ``m = 1`` for small minibatches), stacked on a leading dimension, so that ``torch.func.vmap`` evaluates
     ``log p(θ) + (N/m) Σ_{i∈g} log p(y_i | θ)`` for every group at once: the group gradients whose spread estimates the
-    minibatch gradient's noise (module docstring).
+    minibatch gradient's noise (module docstring). ``terms`` are the prior's terms and the data's, which sum to it:
+    the prior's are the same for every group, so the noise estimate evaluates them once, not once per group.
     """
 
     def __init__(self, bridge: ModelBridge, *, replacement: bool = False):
         self.bridge = bridge
         self.replacement = replacement  # minibatches drawn with replacement: no finite-population correction
+        self.terms = tuple(partial(bridge.log_posterior_part, part) for part in PARTS)
 
     def __call__(self, latents: Latents, batch: Batch) -> Tensor:
         return self.bridge.log_posterior(latents, batch)

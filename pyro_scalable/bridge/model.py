@@ -19,13 +19,12 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Callable, Iterator, Mapping
+from functools import partial
 from typing import Any
 
 import pyro
 import torch
-from pyro.distributions.util import scale_and_mask
 from pyro.infer.autoguide.initialization import InitMessenger, init_to_uniform
-from pyro.poutine.messenger import Messenger
 from pyro.poutine.util import site_is_subsample
 from torch import Tensor
 from torch.distributions import biject_to
@@ -44,8 +43,8 @@ from pyro_scalable.bridge.checks import (
     same_support,
     user_stacklevel,
 )
-from pyro_scalable.bridge.densities import summed_log_prob
-from pyro_scalable.bridge.log_posterior import LogPosterior
+from pyro_scalable.bridge.densities import Evaluate
+from pyro_scalable.bridge.log_posterior import PARTS, LogPosterior
 from pyro_scalable.bridge.observed import check_observed_values
 from pyro_scalable.bridge.plates import FullDataModel, plate_indices
 from pyro_scalable.bridge.records import Batch, DataPlate, Latents, LatentSite
@@ -66,45 +65,6 @@ def _is_identity(transform: Transform) -> bool:
     while isinstance(transform, IndependentTransform):
         transform = transform.base_transform
     return isinstance(transform, ComposeTransform) and not transform.parts
-
-
-class _Evaluate(Messenger):
-    """Substitute unconstrained latents and accumulate the scaled log joint (and pointwise log-likelihoods)."""
-
-    def __init__(self, sites: Mapping[str, LatentSite], latents: Latents, pointwise: bool = False):
-        super().__init__()
-        self.sites = sites
-        self.latents = latents
-        self.pointwise = pointwise
-        self.log_joint: Tensor | float = 0.0
-        self.log_likelihood: dict[str, Tensor] = {}
-
-    def _pyro_sample(self, msg) -> None:
-        if site_is_subsample(msg) or msg["is_observed"]:
-            return
-        site = self.sites.get(msg["name"])
-        if site is None:
-            raise ModelError(
-                f"latent site '{msg['name']}' did not appear when the model was first traced; "
-                "the set of latent sites must not depend on the data or the minibatch."
-            )
-        unconstrained = self.latents[site.name]
-        value = site.transform(unconstrained)
-        if site.has_jacobian:
-            self.log_joint = self.log_joint + site.transform.log_abs_det_jacobian(unconstrained, value).sum()
-        msg["value"] = value
-        msg["done"] = True
-
-    def _pyro_post_sample(self, msg) -> None:
-        if site_is_subsample(msg) or msg["infer"].get("_deterministic"):
-            return
-        fn, value, args, kwargs = msg["fn"], msg["value"], msg["args"], msg["kwargs"]
-        if self.pointwise and msg["is_observed"]:
-            log_prob = fn.log_prob(value, *args, **kwargs)
-            self.log_likelihood[msg["name"]] = log_prob
-            self.log_joint = self.log_joint + scale_and_mask(log_prob, msg["scale"], msg["mask"]).sum()
-        else:
-            self.log_joint = self.log_joint + summed_log_prob(fn, value, msg["scale"], msg["mask"], args, kwargs)
 
 
 class ModelBridge:
@@ -139,6 +99,9 @@ class ModelBridge:
             self._check(self._trace(self.model, validate=True))
         sizes = {plate.name: plate.size for plate in self.plates.values()}
         self.traced = TracedLogDensity(self._run_log_posterior, sizes)  # bridge/traced.py
+        self.traced_parts = {
+            part: TracedLogDensity(partial(self._run_log_posterior, part=part), sizes) for part in PARTS
+        }
 
     def _check(self, trace) -> None:
         self.plates = self._find_plates(trace)
@@ -326,8 +289,21 @@ class ModelBridge:
         """
         return self.traced(latents, batch)
 
-    def _run_log_posterior(self, latents: Latents, batch: Batch) -> Tensor:
-        evaluate = _Evaluate(self.sites, latents)
+    def log_posterior_part(self, part: str, latents: Latents, batch: Batch) -> Tensor:
+        """The prior's terms of :meth:`log_posterior` (``"prior"``) or the data's (``"data"``); the two sum to it.
+
+        The prior's are the latent sites' densities and Jacobians, the same on every minibatch; the data's are the
+        observed sites', scaled by the plates.
+        """
+        return self.traced_parts[part](latents, batch)
+
+    @property
+    def tracers(self) -> list[TracedLogDensity]:
+        """The recorded densities: the log posterior's, then its parts' (a checkpoint keeps their histories)."""
+        return [self.traced, *self.traced_parts.values()]
+
+    def _run_log_posterior(self, latents: Latents, batch: Batch, part: str = "") -> Tensor:
+        evaluate = Evaluate(self.sites, latents, part=part)
         with _validation(False), plate_indices(batch.indices), evaluate:
             self.model(*batch.args, **batch.kwargs)
         return evaluate.log_joint
@@ -339,7 +315,7 @@ class ModelBridge:
 
     def pointwise_log_likelihood(self, latents: Latents, batch: Batch) -> dict[str, Tensor]:
         """Unscaled ``log p(y_i | latents)`` of every observed site, on the data points of ``batch``."""
-        evaluate = _Evaluate(self.sites, latents, pointwise=True)
+        evaluate = Evaluate(self.sites, latents, pointwise=True)
         with _validation(False), plate_indices(batch.indices, full_data=True), evaluate:
             self.model(*batch.args, **batch.kwargs)
         return evaluate.log_likelihood

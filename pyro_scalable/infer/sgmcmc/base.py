@@ -24,12 +24,15 @@ estimate :math:`\hat V = (1 - B/N)\, s^2 / B` (sample variance :math:`s^2` over 
 mean, which is the usual minibatch gradient. A log posterior may split a large minibatch into :math:`G` groups of
 :math:`m` examples instead (the bridge does above 32 examples): the groups' mean gradients :math:`h_g` give
 :math:`s^2 \approx m\,\mathrm{var}_G(h_g)`, unbiased over random partitions, at the cost of one batched
-gradient (:mod:`pyro_scalable.bridge.log_posterior`). Where a kernel corrects for (or reports) the noise, the
-program stepping it keeps a moving average of :math:`\hat V` over about 50 steps (:func:`average_noise`) and hands
-that to the update: steadier than one minibatch's estimate, whose clipping at 0 would bias the correction. A run's
-sampling steps (and burn-in's) measure it on every fourth step (:func:`noise_phase`; each measurement weighs as the
-four steps it stands for) and take the plain gradient in between: the per-example gradients cost several plain
-ones, and an average over 50 steps changes little in four.
+gradient (:mod:`pyro_scalable.bridge.log_posterior`, :mod:`.group_gradients`). Terms that are the same in every
+group (the prior's) add to the mean and not to the spread: where the log posterior offers its ``terms`` apart, they
+are evaluated once and only the data's per group (a 90,701-weight MLP's noise step: 7.5 ms, against 12.0 ms with
+the prior in every group). Where a kernel corrects for (or reports) the noise, the program stepping it keeps a
+moving average of :math:`\hat V` over about 50 steps (:func:`average_noise`) and hands that to the update: steadier
+than one minibatch's estimate, whose clipping at 0 would bias the correction. A run's sampling steps (and burn-in's)
+measure it on every fourth step (:func:`noise_phase`; each measurement weighs as the four steps it stands for) and
+take the plain gradient in between: the per-example gradients cost several plain ones, and an average over 50 steps
+changes little in four.
 """
 
 from __future__ import annotations
@@ -41,10 +44,11 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import Tensor
-from torch.func import grad_and_value, vmap
+from torch.func import grad_and_value
 
 from pyro_scalable.bridge.traced import under_transform
 from pyro_scalable.infer.schedules import constant
+from pyro_scalable.infer.sgmcmc.group_gradients import own_storage, per_group, spread
 
 __all__ = [
     "CURVATURE_EVERY",
@@ -84,7 +88,9 @@ class LogPosteriorFn(Protocol):
     group_size])``: the minibatch split into batches of ``group_size`` examples (default 1) along a leading
     dimension (``in_dims`` as for ``torch.func.vmap``), each an estimate of the log joint on its own, and the
     number of data points N they are drawn from (``inf`` for draws with replacement); or ``None`` where the batch
-    is the full data and the gradient exact.
+    is the full data and the gradient exact. With it, ``terms`` may be a pair ``(shared, grouped)`` of functions of
+    ``(latents, batch)`` that sum to the log posterior, ``shared`` reading none of the minibatch's examples (the
+    prior's terms): the noise estimate then evaluates ``shared`` once and only ``grouped`` per group.
     """
 
     def __call__(self, latents: Latents, batch: Any) -> Tensor: ...
@@ -169,17 +175,7 @@ def estimate(state: Any, batch: Any, log_posterior_fn: LogPosteriorFn, *, gradie
 
 def evaluate(log_posterior_fn: LogPosteriorFn, latents: Latents, batch: Any) -> tuple[Latents, Tensor, Tensor, Tensor]:
     """Gradient, value, gradient norm and a divergence flag of the log posterior at ``latents``."""
-    if any(under_transform(x) for x in latents.values()):
-        grads, value = grad_and_value(log_posterior_fn)(latents, batch)
-    else:
-        # Outside vmap, plain autograd gives the same numbers and saves torch.func's per-call overhead
-        # (about half a millisecond on a CPU, as much as a small model's whole backward pass).
-        leaves = {name: x.detach().requires_grad_() for name, x in latents.items()}
-        with torch.enable_grad():
-            value = log_posterior_fn(leaves, batch)
-            values = torch.autograd.grad(value, list(leaves.values()), allow_unused=True, materialize_grads=True)
-        grads = dict(zip(leaves, values, strict=True))
-        value = value.detach()
+    grads, value = _gradient_and_value(log_posterior_fn, latents, batch)
     grad_sq = functools.reduce(torch.add, (g.square().sum() for g in grads.values()))
     # one check for both: the sum is finite where both are (grad_sq >= 0; it overflows only past ~1e38, a divergence)
     total = value + grad_sq
@@ -215,17 +211,38 @@ def estimate_gradient(
         return GradientEstimate(grads, value, grad_norm, diverging, variance, zero, {})
     examples, in_dims, population_size, *group = parts
     group = group[0] if group else 1
-    per_grads, per_values = _per_group(log_posterior_fn, latents, examples, in_dims)
+    terms = getattr(log_posterior_fn, "terms", None)
+    grouped = log_posterior_fn if terms is None else terms[1]
+    per_grads, per_values = per_group(grouped, latents, examples, in_dims)
+    own = own_storage(per_grads)
     size = per_values.shape[0] * group
-    grads = {name: g.mean(0) for name, g in per_grads.items()}
+    means = {name: g.mean(0) for name, g in per_grads.items()}
     value = per_values.mean()
     shrink = group * (1.0 - size / population_size) / size  # m var_G(h_g) estimates s^2 (bridge.log_posterior)
-    variance = {name: _spread(g, grads[name]) * shrink for name, g in per_grads.items()}
+    variance = {name: spread(g, means[name], own=name in own) * shrink for name, g in per_grads.items()}
+    if terms is None:
+        grads = means
+    else:  # the terms every group shares (the prior's), once: the same mean, and no spread
+        shared_grads, shared_value = _gradient_and_value(terms[0], latents, batch)
+        grads = {name: shared_grads[name] + g for name, g in means.items()}
+        value = shared_value + value
     grad_sq = sum(g.square().sum() for g in grads.values())
     finite_noise = torch.stack([torch.isfinite(v).all() for v in variance.values()]).all()
     diverging = ~(torch.isfinite(value) & torch.isfinite(grad_sq) & finite_noise)
     count = torch.full((), float(size), dtype=value.dtype, device=value.device)
     return GradientEstimate(grads, value, grad_sq.sqrt(), diverging, variance, count, {})
+
+
+def _gradient_and_value(log_posterior_fn: Callable, latents: Latents, batch: Any) -> tuple[Latents, Tensor]:
+    if any(under_transform(x) for x in latents.values()):
+        return grad_and_value(log_posterior_fn)(latents, batch)
+    # Outside vmap, plain autograd gives the same numbers and saves torch.func's per-call overhead
+    # (about half a millisecond on a CPU, as much as a small model's whole backward pass).
+    leaves = {name: x.detach().requires_grad_() for name, x in latents.items()}
+    with torch.enable_grad():
+        value = log_posterior_fn(leaves, batch)
+        values = torch.autograd.grad(value, list(leaves.values()), allow_unused=True, materialize_grads=True)
+    return dict(zip(leaves, values, strict=True)), value.detach()
 
 
 @functools.lru_cache(maxsize=16)
@@ -244,40 +261,6 @@ def _no_examples(device: torch.device) -> Tensor:
 @functools.lru_cache(maxsize=16)
 def _zero(dtype: torch.dtype, device: torch.device) -> Tensor:
     return torch.zeros((), dtype=dtype, device=device)
-
-
-def _per_group(log_posterior_fn: LogPosteriorFn, latents: Latents, examples: Any, in_dims: Any) -> tuple:
-    """Each group's gradient and value: one vmapped density and one backward pass, outside a transform.
-
-    Each group evaluates the density at its own leaf of the latents, so the gradient of the sum with respect to
-    the leaves is the groups' gradients, the numbers ``vmap(grad_and_value(...))`` gives without its gradient
-    transform around every operation (a third of the noise-measuring step, logistic regression at B = 1,000). The
-    leaves are one expanded view of the latents, not copies: no copy per group, and a layer's batched product
-    reads one weight matrix (a sixth less time on a 90,701-weight MLP's noise step). A model that writes to its
-    latents in place cannot take them so and gets each group's own gradient below.
-    """
-    dims = getattr(in_dims, "indices", None)  # the bridge's split: the groups along the plate's indices
-    split = [i for i, d in zip(examples.indices.values(), dims.values(), strict=True) if d == 0] if dims else []
-    if not split or any(under_transform(x) for x in latents.values()):
-        return vmap(grad_and_value(log_posterior_fn), in_dims=(None, in_dims))(latents, examples)
-    size = split[0].shape[0]
-    leaves = {name: x.detach().expand(size, *x.shape).requires_grad_() for name, x in latents.items()}
-    try:
-        with torch.enable_grad():
-            values = vmap(log_posterior_fn, in_dims=(0, in_dims))(leaves, examples)
-            grads = torch.autograd.grad(values.sum(), list(leaves.values()), allow_unused=True, materialize_grads=True)
-    except RuntimeError:  # a model that branches on its latents cannot take them batched: each group's own gradient
-        return vmap(grad_and_value(log_posterior_fn), in_dims=(None, in_dims))(latents, examples)
-    return dict(zip(leaves, grads, strict=True)), values.detach()
-
-
-def _spread(per_grads: Tensor, mean: Tensor) -> Tensor:
-    """``per_grads.var(0, correction=1)`` as a centred sum of squares.
-
-    torch's ``var`` over a leading dimension is an order of magnitude slower (6.7 ms against 0.4 ms, 50 x 30,000).
-    """
-    centred = per_grads - mean
-    return centred.mul_(centred).sum(0) / (per_grads.shape[0] - 1)
 
 
 def noise_start(latents: Latents, gradient_noise: str) -> Latents:

@@ -51,8 +51,9 @@ __all__ = ["FORMAT", "Resumed", "RunCheckpoint", "run_fingerprint"]
 # and warm-up's metric; 5: warm-up's metric window per chain, its log-density window and restarted chains;
 # 6: the gradient noise's average in the program's state, not the kernel's; 7: the kernel's values, every setting,
 # the data bound to the model's parameters and what cannot be identified in the fingerprint; 8: the model tracing's
-# history, which calls replay the recorded graph; 9: the control variate's policy as the run went on with it)
-FORMAT = 9
+# history, which calls replay the recorded graph; 9: the control variate's policy as the run went on with it;
+# 10: the tracing history of the log posterior's prior and data terms too)
+FORMAT = 10
 KIND = "StochasticMCMC"
 _KEYS = (
     "fingerprint",
@@ -224,7 +225,7 @@ class RunCheckpoint:
         self.rebuild = rebuild  # a stepper for the metric's stage (its state then restored)
         record = progress.record  # the model tracing of the steps' bridge and of the full data's (where another)
         bridges = [record.bridge, *([record.full_bridge] if record.full_bridge not in (None, record.bridge) else [])]
-        self.tracers = [bridge.traced for bridge in bridges]
+        self.tracers = [tracer for bridge in bridges for tracer in bridge.tracers]
         self._last: dict[str, Any] = {}
 
     def close(self) -> None:

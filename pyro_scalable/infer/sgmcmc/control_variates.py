@@ -139,11 +139,35 @@ class ControlledLogPosterior:
     def __call__(self, latents: Latents, batch: Batch) -> Tensor:
         if self.control is None or not self.active:
             return self.inner(latents, batch)
-        centre, full_gradient, full_value = self.control
-        at_centre, value_at_centre = _gradient_and_value(self.inner, centre, batch)
-        value = self.inner(latents, batch) - value_at_centre + full_value
+        return self._controlled(self.inner, self.control.gradient, self.control.log_joint, latents, batch)
+
+    @property
+    def terms(self) -> tuple[Callable, Callable] | None:
+        """The wrapped log posterior's ``terms`` (prior's, data's), each controlled with its own share of the centre.
+
+        The prior's terms take the full-data value and gradient at the centre, the data's none; the two sum to the
+        controlled estimate. ``None`` where the wrapped one has no ``terms``.
+        """
+        inner = getattr(self.inner, "terms", None)
+        if inner is None or self.control is None or not self.active:
+            return inner
+        shared, grouped = inner
+        control = self.control
+        return (
+            lambda latents, batch: self._controlled(shared, control.gradient, control.log_joint, latents, batch),
+            lambda latents, batch: self._controlled(grouped, None, None, latents, batch),
+        )
+
+    def _controlled(self, fn: Callable, anchor: Latents | None, offset: Tensor | None, latents: Latents, batch: Batch):
+        """``fn(θ) - fn(θ̂) + offset + <anchor - ∇fn(θ̂), θ - θ̂>`` on ``batch`` (θ̂ the centre; ``None``: 0)."""
+        centre = self.control.centre
+        at_centre, value_at_centre = _gradient_and_value(fn, centre, batch)
+        value = fn(latents, batch) - value_at_centre
+        if offset is not None:
+            value = value + offset
         for name, x in latents.items():
-            value = value + ((full_gradient[name] - at_centre[name]) * (x - centre[name])).sum()
+            slope = at_centre[name] if anchor is None else at_centre[name] - anchor[name]
+            value = value - (slope * (x - centre[name])).sum()
         return value
 
     def batched_gradient(self, latents: Latents, batch: Batch) -> tuple[Latents, Tensor]:

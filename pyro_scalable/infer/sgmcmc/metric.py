@@ -52,6 +52,7 @@ regression the positions of a short window give a metric far from the posterior'
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -135,8 +136,17 @@ class AffineLogPosterior:
         return None if split is None else split(batch)
 
     def __call__(self, latents: Latents, batch: Batch) -> Tensor:
+        return self._mapped(self.inner, latents, batch)
+
+    @property
+    def terms(self) -> tuple[Callable, Callable] | None:
+        """The wrapped log posterior's ``terms`` (prior's, data's) in z; ``None`` where it has none."""
+        inner = getattr(self.inner, "terms", None)
+        return None if inner is None else tuple(functools.partial(self._mapped, fn) for fn in inner)
+
+    def _mapped(self, fn: Callable, latents: Latents, batch: Batch) -> Tensor:
         flat = self.affine.to_theta(self.layout.flatten(latents))
-        return self.inner(self.layout.unflatten(flat), batch)
+        return fn(self.layout.unflatten(flat), batch)
 
     def batched_gradient(self, latents: Latents, batch: Batch) -> tuple[Latents, Tensor] | None:
         """Every chain's gradient in z and value, from the wrapped log posterior's own batched gradient in θ.

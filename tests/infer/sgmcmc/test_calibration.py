@@ -238,3 +238,30 @@ def test_uncorrected_warning_does_not_ask_to_lower_a_step_warmup_chose(chosen):
     assert "subsample_size" in message
     assert ("Lower the step size" in message) is not chosen
     assert ("control_variate='map'" in message) is chosen
+
+
+class SharedGradient:
+    """log p = (N/B) Σ_i (a + b)·u_i: autograd hands ``a`` and ``b`` one gradient tensor, which must stay intact."""
+
+    def __init__(self, u: torch.Tensor):
+        self.u = u
+
+    def __call__(self, latents, batch):
+        idx = batch.indices["data"]
+        return self.u.shape[0] / idx.numel() * ((latents["a"] + latents["b"]) * self.u[idx].sum(0)).sum()
+
+    def examples(self, batch):
+        groups = batch.indices["data"].reshape(-1, 2)
+        return Batch({"data": groups}, (), {}), Batch({"data": 0}, None, None), math.inf, 2
+
+
+def test_the_noise_of_two_sites_sharing_one_gradient_tensor_is_each_sites_own():
+    """The spread is centred in place only in memory no other site's gradient reads (here: one tensor for both)."""
+    u = torch.randn(40, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    fn, idx = SharedGradient(u), torch.arange(8)
+    latents = {"a": torch.zeros(3, dtype=torch.float64), "b": torch.zeros(3, dtype=torch.float64)}
+    estimate = estimate_gradient(fn, latents, Batch({"data": idx}, (), {}), noise=True)
+    groups = 40 / 2 * u[idx].reshape(4, 2, 3).sum(1)  # each group's gradient, the same for a and b
+    expected = 2 * groups.var(0) / 8  # m var_G(h_g) / B, drawn with replacement
+    torch.testing.assert_close(estimate.noise_variance["a"], expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(estimate.noise_variance["b"], expected, rtol=1e-12, atol=1e-12)

@@ -118,6 +118,44 @@ def test_all_chains_controlled_gradients_in_one_pass_are_each_chains_own(shared,
     assert not bool(batched.diverging.any())
 
 
+class Whole:
+    """A log posterior with its examples but not its terms apart: the noise estimate evaluates the whole per group."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __call__(self, latents, batch):
+        return self.inner(latents, batch)
+
+    def examples(self, batch):
+        return self.inner.examples(batch)
+
+
+@pytest.mark.parametrize("size", [10, 64])  # single examples; groups of two
+@pytest.mark.parametrize("wrapper", ["plain", "controlled", "controlled, dense metric"])
+def test_the_noise_estimate_with_the_prior_terms_once_equals_it_per_group(wrapper, size):
+    """``terms`` evaluates the prior once, not per group: the same gradient, value and noise to rounding."""
+    bridge = ModelBridge(scaled_regression, small_data(200))
+    centre = point([0.6, -1.1], 0.6)
+    fn = bridge.log_posterior_fn
+    if wrapper != "plain":
+        fn = ControlledLogPosterior(fn, full_data_gradient(bridge, centre))
+    if wrapper.endswith("metric"):
+        scale = torch.linalg.cholesky(torch.eye(3, dtype=torch.float64) + 0.3)
+        affine = AffineMap(torch.tensor([0.4, -0.9, 0.1], dtype=torch.float64), scale)
+        fn = AffineLogPosterior(fn, ParameterLayout({k: v.shape for k, v in centre.items()}), affine)
+    latents = point([0.9, -0.4], 0.5)
+    batch = Batch({"data": torch.randperm(200, generator=torch.Generator().manual_seed(2))[:size]}, bridge.args, {})
+    shared, grouped = fn.terms
+    torch.testing.assert_close(shared(latents, batch) + grouped(latents, batch), fn(latents, batch), rtol=1e-12, atol=0)
+    apart, whole = (estimate_gradient(f, latents, batch, noise=True) for f in (fn, Whole(fn)))
+    torch.testing.assert_close(apart.log_posterior, whole.log_posterior, rtol=1e-12, atol=0)
+    for name in latents:
+        torch.testing.assert_close(apart.grads[name], whole.grads[name], rtol=1e-12, atol=1e-9)
+        torch.testing.assert_close(apart.noise_variance[name], whole.noise_variance[name], rtol=1e-9, atol=0)
+    assert float(apart.num_examples) == size
+
+
 def test_the_full_data_pass_is_the_full_data_log_joint():
     bridge = ModelBridge(scaled_regression, small_data(50))
     theta = point([0.2, 0.3], 1.1)
