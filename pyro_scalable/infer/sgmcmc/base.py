@@ -25,14 +25,14 @@ mean, which is the usual minibatch gradient. A log posterior may split a large m
 :math:`m` examples instead (the bridge does above 32 examples): the groups' mean gradients :math:`h_g` give
 :math:`s^2 \approx m\,\mathrm{var}_G(h_g)`, unbiased over random partitions, at the cost of one batched
 gradient (:mod:`pyro_scalable.bridge.log_posterior`, :mod:`.group_gradients`). Terms that are the same in every
-group (the prior's) add to the mean and not to the spread: where the log posterior offers its ``terms`` apart, they
-are evaluated once and only the data's per group (a 90,701-weight MLP's noise step: 7.5 ms, against 12.0 ms with
-the prior in every group). Where a kernel corrects for (or reports) the noise, the program stepping it keeps a
-moving average of :math:`\hat V` over about 50 steps (:func:`average_noise`) and hands that to the update: steadier
-than one minibatch's estimate, whose clipping at 0 would bias the correction. A run's sampling steps (and burn-in's)
-measure it on every fourth step (:func:`noise_phase`; each measurement weighs as the four steps it stands for) and
-take the plain gradient in between: the per-example gradients cost several plain ones, and an average over 50 steps
-changes little in four.
+group (the prior's) add to the mean and not to the spread: where the log posterior offers its ``terms`` apart and
+the latents have :data:`SHARED_FROM` coordinates or more, they are evaluated once and only the data's per group (a
+90,701-weight MLP's noise step: 7.5 ms, against 12.0 ms with the prior in every group). Where a kernel corrects for
+(or reports) the noise, the program stepping it keeps a moving average of :math:`\hat V` over about 50 steps
+(:func:`average_noise`) and hands that to the update: steadier than one minibatch's estimate, whose clipping at 0
+would bias the correction. A run's sampling steps (and burn-in's) measure it on every fourth step
+(:func:`noise_phase`; each measurement weighs as the four steps it stands for) and take the plain gradient in
+between: the per-example gradients cost several plain ones, and an average over 50 steps changes little in four.
 """
 
 from __future__ import annotations
@@ -79,6 +79,7 @@ NOISE_FRACTION = 0.5  # ρ: the largest share of the wanted noise that the gradi
 NOISE_WINDOW = 50  # steps: the moving average of the gradient noise forgets older steps at this rate
 CURVATURE_EVERY = 4  # warm-up measures the curvature on every 4th step after the first (.adaptation)
 NOISE_EVERY = 4  # burn-in and sampling measure the gradient noise on every 4th step (noise_phase)
+SHARED_FROM = 10_000  # latent coordinates from which the noise estimate takes the prior's terms once
 
 
 class LogPosteriorFn(Protocol):
@@ -211,7 +212,11 @@ def estimate_gradient(
         return GradientEstimate(grads, value, grad_norm, diverging, variance, zero, {})
     examples, in_dims, population_size, *group = parts
     group = group[0] if group else 1
-    terms = getattr(log_posterior_fn, "terms", None)
+    # the prior's terms apart cost a gradient of their own, which pays from about SHARED_FROM coordinates (a
+    # network's weights: 12.0 ms against 7.5 at 90,701); below, the overhead is the larger (1.2 ms against 1.1 on 4
+    # vectorised chains of a 10-weight regression)
+    many = sum(x.numel() for x in latents.values()) >= SHARED_FROM
+    terms = getattr(log_posterior_fn, "terms", None) if many else None
     grouped = log_posterior_fn if terms is None else terms[1]
     per_grads, per_values = per_group(grouped, latents, examples, in_dims)
     own = own_storage(per_grads)

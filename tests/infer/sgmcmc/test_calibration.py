@@ -17,6 +17,7 @@ from pyro.ops.stats import effective_sample_size
 
 from pyro_scalable.bridge.model import Batch, ModelBridge
 from pyro_scalable.infer import PSGLD, SGHMC, SGLD, SGNHT, StochasticMCMC, sgld
+from pyro_scalable.infer.sgmcmc import base
 from pyro_scalable.infer.sgmcmc.base import (
     NOISE_EVERY,
     NOISE_WINDOW,
@@ -28,8 +29,10 @@ from pyro_scalable.infer.sgmcmc.base import (
 from ...conftest import LinearRegression
 
 
+@pytest.mark.parametrize("shared_from", [0, base.SHARED_FROM])  # the prior's terms apart, and in every example
 @pytest.mark.parametrize("replacement", [False, True])
-def test_noise_estimate_is_the_per_example_formula(replacement):
+def test_noise_estimate_is_the_per_example_formula(replacement, shared_from, monkeypatch):
+    monkeypatch.setattr(base, "SHARED_FROM", shared_from)
     problem = LinearRegression(num_data=50, dim=3, batch_size=10)
     bridge = ModelBridge(problem.model, (problem.x, problem.y))
     fn = bridge.log_posterior_fn

@@ -24,7 +24,7 @@ from pyro_scalable.bridge.model import Batch, ModelBridge
 from pyro_scalable.infer import BAOAB, PSGLD, SGHMC, SGLD, SGNHT, StochasticMCMC
 from pyro_scalable.infer.checkpoint import load
 from pyro_scalable.infer.linearized.layout import ParameterLayout
-from pyro_scalable.infer.sgmcmc import mode_search
+from pyro_scalable.infer.sgmcmc import base, mode_search
 from pyro_scalable.infer.sgmcmc.base import estimate_gradient
 from pyro_scalable.infer.sgmcmc.chains import chains_gradient
 from pyro_scalable.infer.sgmcmc.control_choice import centred, choose
@@ -133,8 +133,10 @@ class Whole:
 
 @pytest.mark.parametrize("size", [10, 64])  # single examples; groups of two
 @pytest.mark.parametrize("wrapper", ["plain", "controlled", "controlled, dense metric"])
-def test_the_noise_estimate_with_the_prior_terms_once_equals_it_per_group(wrapper, size):
+def test_the_noise_estimate_with_the_prior_terms_once_equals_it_per_group(wrapper, size, monkeypatch):
     """``terms`` evaluates the prior once, not per group: the same gradient, value and noise to rounding."""
+    monkeypatch.setattr(base, "SHARED_FROM", 0)  # the split, here on 3 coordinates (the default: from 10,000)
+    spy = spy_on_terms(monkeypatch)
     bridge = ModelBridge(scaled_regression, small_data(200))
     centre = point([0.6, -1.1], 0.6)
     fn = bridge.log_posterior_fn
@@ -154,6 +156,20 @@ def test_the_noise_estimate_with_the_prior_terms_once_equals_it_per_group(wrappe
         torch.testing.assert_close(apart.grads[name], whole.grads[name], rtol=1e-12, atol=1e-9)
         torch.testing.assert_close(apart.noise_variance[name], whole.noise_variance[name], rtol=1e-9, atol=0)
     assert float(apart.num_examples) == size
+    assert spy == [True, False]  # the first estimate took the prior's terms apart, the second could not
+
+
+def spy_on_terms(monkeypatch) -> list[bool]:
+    """Whether each noise estimate from here on took the terms apart (its groups' function: the data's terms only)."""
+    seen = []
+    per_group = base.per_group
+
+    def spy(fn, *args):
+        seen.append(not hasattr(fn, "examples"))  # a whole log posterior offers its examples, its terms do not
+        return per_group(fn, *args)
+
+    monkeypatch.setattr(base, "per_group", spy)
+    return seen
 
 
 def test_the_full_data_pass_is_the_full_data_log_joint():
