@@ -324,14 +324,14 @@ def injected_variance(
     if not gradient_variance:
         nan = constant(math.nan, first)  # a scalar per site is enough where nothing is corrected
         return {name: wanted_for(name) for name in latents}, nan, nan
-    ratios = {}
+    ratios = []
     injected = {}
     for name, x in latents.items():
-        want = wanted_for(name) + torch.zeros_like(x)
-        ratio = torch.where(want > 0, gradient_variance[name] / torch.where(want > 0, want, 1.0), 0.0)
-        ratios[name] = ratio
-        injected[name] = torch.clamp(want - gradient_variance[name], min=0.0) if correct else want
-    flat = torch.cat([r.reshape(-1) for r in ratios.values()])
+        want, noise = wanted_for(name), gradient_variance[name]  # the noise has the site's shape; want may be 0-d
+        positive = want > 0
+        ratios.append(torch.where(positive, noise / torch.where(positive, want, 1.0), 0.0).reshape(-1))
+        injected[name] = torch.clamp(want - noise, min=0.0) if correct else want + torch.zeros_like(x)
+    flat = torch.cat(ratios)
     return injected, flat.max(), (flat > 1).to(first.dtype).mean()
 
 

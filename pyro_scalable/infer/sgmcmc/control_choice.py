@@ -168,6 +168,7 @@ def attach(
     resumed: ControlVariate | None = None,
     chosen: bool = False,
     windows: bool = True,
+    progress: bool = False,
 ) -> tuple[Callable, ControlVariate | None, Any, Any]:
     """The log posterior with the control variate ``option`` (from :func:`choose`) asks for, its centre and search.
 
@@ -178,7 +179,7 @@ def attach(
     chose, and a mode search that finds no finite mode does not fail the run: a centred hierarchy (its group scale
     runs to 0 where the groups' data are few) goes on with ``"warmup"`` where warm-up has metric stages
     (``windows``), any other model plain. The option returned is the one the run goes on with. The driver keeps
-    what this returns, and checkpoints a new centre at once.
+    what this returns, and checkpoints a new centre at once. ``progress``: a progress bar for the mode search.
 
     Example:
         >>> import pyro, pyro.distributions as dist, torch
@@ -200,7 +201,7 @@ def attach(
     control, search = resumed, None
     if control is None and option != "warmup":
         try:
-            control, search = prepare(option, bridge, full, start, seed, reducer=reducer)
+            control, search = prepare(option, bridge, full, start, seed, reducer=reducer, progress=progress)
         except CentreError:
             if not chosen:
                 raise

@@ -237,18 +237,27 @@ def prepare(
     *,
     chunk_size: int | None = None,
     reducer: Any = None,
+    progress: bool = False,
 ) -> tuple[ControlVariate, ModeSearch | None]:
     """The control variate a kernel's ``control_variate=`` option asks for, on the run's data.
 
     ``start`` is one chain's unconstrained initial point (where the mode search starts); the search draws its
     subsample from its own generator, seeded from ``seed`` (the run's generator is untouched), and its last pass is
     the control variate's. ``full`` is the full-data model (:func:`require_full_data` refuses a run without one
-    first); ``bridge``, the run's, gives the generator its device.
+    first); ``bridge``, the run's, gives the generator its device. ``progress``: the mode search's progress bar.
     """
     search = None
     if option == "map":
         generator = torch.Generator(device=bridge.device).manual_seed(seed + 2)
-        centre, search = find_mode(full, start, generator, chunk_size=chunk_size, reducer=reducer)
+        centre, search = find_mode(
+            full,
+            start,
+            generator,
+            chunk_size=chunk_size,
+            reducer=reducer,
+            progress=progress,
+            description="Mode search (control variate)",
+        )
     else:
         values = dict(option) if isinstance(option, Mapping) else option.median(*full.args, **full.kwargs)
         missing = [name for name in full.sites if name not in values]

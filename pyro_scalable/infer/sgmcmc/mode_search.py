@@ -54,6 +54,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 from torch.func import grad_and_value
+from tqdm.auto import tqdm
 
 from pyro_scalable.bridge.minibatches import CHUNK_SIZE, chunks, points_per_chunk
 from pyro_scalable.bridge.model import Batch, Latents, ModelBridge
@@ -200,13 +201,17 @@ def find_mode(
     tolerance: float = MODE_TOLERANCE,
     chunk_size: int | None = None,
     reducer: Any = None,
+    progress: bool = False,
+    description: str = "Mode search",
 ) -> tuple[Latents, ModeSearch]:
     """The posterior mode in unconstrained space, from ``start``: L-BFGS on a subsample, then on full-data passes.
 
     ``generator`` draws the subsamples (module docstring). Returns the mode (NaN where the search
     found no finite mode) and a :class:`ModeSearch` holding the full-data log joint and gradient there. The search
     stops where the next step is under ``tolerance``·√d posterior sds (a control variate's centre needs no closer;
-    a point estimate others start from, e.g. SWAG's, asks for a smaller one).
+    a point estimate others start from, e.g. SWAG's, asks for a smaller one). ``progress`` shows a progress bar of
+    the passes over the data (a subsample's pass counted as its share) and the next step's length in posterior sds,
+    headed ``description``.
     """
     began = time.perf_counter()
     plate = next(iter(full.plates.values()), None)
@@ -224,6 +229,7 @@ def find_mode(
 
     def evaluate(x: Tensor, indices: Tensor | None) -> tuple[float, Tensor, Any]:
         counts[indices is not None] += 1
+        bar.update(1.0 if indices is None else len(indices) / n)
         latents = unflatten(x)
         value, total = _sums(full, latents, size, reducer, indices)
         g = -torch.cat([total[k].reshape(-1) for k in names]) / n
@@ -237,6 +243,8 @@ def find_mode(
     stages.append(None)
     tolerance = tolerance * math.sqrt(len(x))
     memory, converged, control = _Memory(), False, None
+    layout = "{desc}: {n:.1f} passes over the data [{elapsed}{postfix}]"
+    bar = tqdm(desc=description, unit="pass", bar_format=layout, disable=not progress)
     try:
         for indices in stages:
             f, g, control = evaluate(x, indices)
@@ -245,7 +253,11 @@ def find_mode(
             converged = False
             for _ in range(iterations):
                 d = memory.direction(g)
-                if memory.pairs and -n * float(g @ d) < tolerance**2:  # λ², in posterior sds squared
+                decrement = -n * float(g @ d)  # λ², in posterior sds squared
+                if memory.pairs:
+                    step_sds = math.sqrt(max(decrement, 0.0))
+                    bar.set_postfix_str(f"next step {step_sds:.3g} sd, stops under {tolerance:.3g}", refresh=False)
+                if memory.pairs and decrement < tolerance**2:
                     converged = True
                     break
                 t = 1.0 if memory.pairs else min(1.0, 1.0 / float(g.abs().sum()))
@@ -259,6 +271,8 @@ def find_mode(
                 x, g = x_new, g_new
     except _NoFiniteMode:
         x, control, converged = torch.full_like(x, math.nan), None, False
+    finally:
+        bar.close()
     norm = (
         math.nan
         if control is None

@@ -193,6 +193,7 @@ def attach_control_variate(run: Any, state: RunState) -> None:
         resumed=resumed,
         chosen=wanted == "auto",
         windows=state.schedule is not None,
+        progress=run.progress_bar and (state.parallel is None or state.parallel.is_main),  # as sample()'s bar
     )
     if control is not None and control is not resumed:
         state.control_variate, state.mode_search = control, search

@@ -122,10 +122,10 @@ def _noise_held(frictions, gradient_variance, step_size, temperature, masses) ->
     grows away from its centre) the injected noise could not cancel it. Any positive friction keeps the law.
     """
     hot = temperature > 0
+    wanted = torch.where(hot, 2.0 * step_size * temperature * base.NOISE_FRACTION, 1.0)  # the same for every site
     held = {}
     for name, f in frictions.items():
-        need = gradient_variance[name] / torch.where(hot, 2.0 * step_size * temperature * base.NOISE_FRACTION, 1.0)
-        need = torch.minimum(torch.where(hot, need, 0.0), masses[name] / step_size)
+        need = torch.minimum(torch.where(hot, gradient_variance[name] / wanted, 0.0), masses[name] / step_size)
         held[name] = torch.maximum(f, need)
     return held, torch.stack([f.max() for f in held.values()]).max()
 

@@ -226,6 +226,24 @@ def test_the_mode_search_finds_the_conjugate_posterior_mean():
     torch.testing.assert_close(search.control.log_joint, exact.log_joint)
 
 
+def test_a_runs_mode_search_shows_its_passes_and_the_step_left_unless_the_run_is_quiet(capsys):
+    """Minutes of full-data passes on a network must not look like a hung run: the search has its own bar."""
+    problem = LinearRegression(num_data=3000, dim=3, batch_size=30)
+    for progress_bar in (True, False):
+        kernel = SGHMC(problem.model, control_variate="map")
+        mcmc = StochasticMCMC(kernel, num_samples=5, num_warmup=5, progress_bar=progress_bar, seed=0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a short run: unhealthy on purpose
+            mcmc.run(problem.x, problem.y)
+        shown = capsys.readouterr().err
+        passes = re.findall(r"Mode search \(control variate\): ([0-9.]+) passes over the data", shown)
+        if progress_bar:
+            assert passes and float(passes[-1]) == mcmc.mode_search.full_passes, shown
+            assert re.search(r"next step [0-9.e+-]+ sd, stops under 0.173", shown), shown  # 0.1 √3
+        else:
+            assert "Mode search" not in shown
+
+
 def _logistic(x, y):
     w = pyro.sample("w", dist.Normal(x.new_zeros(x.shape[1]), 1.0).to_event(1))
     with pyro.plate("data", x.shape[0], subsample_size=100) as idx:
