@@ -14,7 +14,7 @@ from pyro.infer.autoguide.initialization import init_to_sample
 
 from pyro_scalable import model_tracing
 from pyro_scalable.infer import SGHMC, SGLD, StochasticMCMC
-from pyro_scalable.infer.sgmcmc import chains
+from pyro_scalable.infer.sgmcmc import chains, compiled_step
 
 from ...conftest import LinearRegression
 from .test_statistical import PROBLEM, SIZES, assert_matches, gradient_noise, sample, stationary_cov
@@ -91,7 +91,7 @@ def test_a_step_that_fails_to_compile_runs_eagerly(monkeypatch, caplog, compiled
 
     eager = run()
     monkeypatch.setattr(torch, "compile", refuse)
-    with model_tracing(compile=True), caplog.at_level(logging.WARNING, logger=chains.__name__):
+    with model_tracing(compile=True), caplog.at_level(logging.WARNING, logger=compiled_step.__name__):
         fallen_back = run()
     assert compiled_steps[0].refused == "RuntimeError: no compiler here"
     assert "runs eagerly" in caplog.text
@@ -112,3 +112,18 @@ def test_a_compiled_run_leaves_torchs_generator_as_the_eager_run_does(device, co
         states.append((torch.get_rng_state(), cuda))
     assert_compiled(compiled_steps)
     assert torch.equal(states[0][0], states[1][0]) and torch.equal(states[0][1], states[1][1])
+
+
+def test_runs_in_one_process_each_compile_their_own_step_past_torchs_recompile_limit(monkeypatch, compiled_steps):
+    """torch.compile keeps at most ``recompile_limit`` graphs per code object (8 by default). Each phase's step has
+    a code object of its own, so neither a run's second phase nor a later run finds the limit reached (which ran the
+    step's outer frame eagerly, drew the noise in another order, and had the first-step check refuse it)."""
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)  # the ninth run's state, at once
+    problem = LinearRegression(num_data=200, dim=2, batch_size=50)
+    for seed in range(2):
+        kernel = SGHMC(problem.model, step_size=1e-3, friction=50.0, gradient_noise="correct")
+        mcmc = StochasticMCMC(kernel, num_samples=80, num_warmup=0, seed=seed, progress_bar=False)
+        with model_tracing(compile=True):
+            mcmc.run(problem.x, problem.y)
+    assert sum(len(m.steps) for m in compiled_steps) >= 3  # two phases in a run, and the next run's first
+    assert_compiled(compiled_steps)
