@@ -74,7 +74,7 @@ def model_tracing(enabled: bool = True, *, compile: bool = False) -> Iterator[No
     hands each recorded graph to ``torch.compile`` (an opt-in: seconds of compiling per signature, paid back over
     thousands of steps; a graph that fails to compile, or whose compiled value or gradients differ from the graph's
     at the check point, is replayed uncompiled). ``StochasticMCMC`` then also compiles its whole sampling step
-    (:class:`~pyro_scalable.infer.sgmcmc.chains.CompiledStep`: minibatch, gradient and the kernel's update in one
+    (:class:`~pyro_scalable.infer.sgmcmc.compiled_step.CompiledStep`: minibatch, gradient and the kernel's update in one
     graph; a step that fails to compile, or whose compiled result differs from the eager one, runs eagerly).
 
     >>> with model_tracing(False):
