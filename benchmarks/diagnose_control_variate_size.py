@@ -154,7 +154,8 @@ def run(args) -> str:
         total = sorted(r[0] for r in ratios)
         median = sorted(r[1] for r in ratios)
         rows.append(
-            f"| {label} | {n:,} | {d:,} | {d / n:.3g} | {total[0]:.3g}–{total[-1]:.3g} | {median[0]:.3g}–{median[-1]:.3g} "
+            f"| {label} | {n:,} | {d:,} | {d / n:.3g} | {total[0]:.3g}–{total[-1]:.3g} "
+            f"| {median[0]:.3g}–{median[-1]:.3g} "
             f"| {search.seconds:.1f} s ({search.full_passes} + {search.subsample_passes} sub) "
             f"| {timings[None]:.1f} s | {timings['map']:.1f} s | {warned_plain} |"
         )
@@ -184,7 +185,6 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     command = "python benchmarks/diagnose_control_variate_size.py " + " ".join(sys.argv[1:])
     began = time.perf_counter()
-    load = load_average()
     table = run(args)
     text = "\n".join(
         [
@@ -193,7 +193,7 @@ def main() -> None:
             f"Command: `{command.strip()}`",
             "",
             *machine(args.threads),
-            f"- load average at start {load}, at the end {load_average()}; wall time {time.perf_counter() - began:.0f} s",
+            f"- load average at the end {load_average()}; wall time {time.perf_counter() - began:.0f} s",
             f"- SGHMC at the defaults, {args.chains} chains × ({args.warmup} + {args.samples}) steps, B = {BATCH}; "
             f"noise over {args.batches} minibatches at each chain's last draw of the `None` run",
             "",

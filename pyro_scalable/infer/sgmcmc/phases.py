@@ -36,6 +36,7 @@ from pyro_scalable.infer.sgmcmc.adaptation import Adaptation, Tuned
 from pyro_scalable.infer.sgmcmc.chains import ChainStepper
 from pyro_scalable.infer.sgmcmc.checkpoint import RunCheckpoint
 from pyro_scalable.infer.sgmcmc.control_choice import attach, choose, recentre
+from pyro_scalable.infer.sgmcmc.control_probe import controlled_noise_share, warn_wasted_control_variate
 from pyro_scalable.infer.sgmcmc.distributed import setup as setup_parallel
 from pyro_scalable.infer.sgmcmc.metric import MetricSchedule
 from pyro_scalable.infer.sgmcmc.noise_probe import probe_gradient_noise, warn_ignored_noise, warn_uncorrected_noise
@@ -345,11 +346,14 @@ def finish(run: Any, state: RunState) -> None:
     warn_unhealthy(results.draws, results.stats, int(per_chain.sum()), data_passes=passes)
     warn_uncorrected_noise(results.stats, state.num_samples, run.kernel.adapts)
     if state.num_samples and state.parallel is None and state.start < state.total:  # not for a run read back
-        stepper = state.stepper
-        probe = probe_gradient_noise(
-            run.kernel, state.bridge, stepper.latents(), state.seed, state.total, stepper.log_posterior_fn
+        stepper, last = state.stepper, state.stepper.latents()
+        warn_ignored_noise(
+            probe_gradient_noise(run.kernel, state.bridge, last, state.seed, state.total, stepper.log_posterior_fn)
         )
-        warn_ignored_noise(probe)
+        if run.kernel.control_variate == "auto" and state.option == "map":  # what the chosen centre bought (at θ)
+            theta = state.schedule.to_theta(last) if state.schedule else last
+            share = controlled_noise_share(state.base, state.bridge, theta, state.seed)
+            warn_wasted_control_variate(share, state.mode_search)
 
 
 def truncate(run: Any, state: RunState) -> None:
