@@ -49,6 +49,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from pyro.infer.autoguide.initialization import init_to_sample
 from torch import Tensor
 
 from pyro_scalable.bridge.model import Batch, Latents, ModelBridge
@@ -241,7 +242,11 @@ def prepare(
 ) -> tuple[ControlVariate, ModeSearch | None]:
     """The control variate a kernel's ``control_variate=`` option asks for, on the run's data.
 
-    ``start`` is one chain's unconstrained initial point (where the mode search starts); the search draws its
+    ``start`` is one chain's unconstrained initial point; the mode search starts there or at a draw from the prior
+    (seeded from ``seed``), whichever has the higher log joint on one chunk of the data: on a tanh network with
+    fan-in-scaled priors, ``init_to_uniform``'s ±2 in every weight saturates the units and the search took 180
+    full-data passes where it took 4 from a prior draw (the 90,701-weight MLP of
+    ``benchmarks/diagnose_control_variate_size.py``; 81 against 9 with 3,651 weights). The search draws its
     subsample from its own generator, seeded from ``seed`` (the run's generator is untouched), and its last pass is
     the control variate's. ``full`` is the full-data model (:func:`require_full_data` refuses a run without one
     first); ``bridge``, the run's, gives the generator its device. ``progress``: the mode search's progress bar.
@@ -249,6 +254,7 @@ def prepare(
     search = None
     if option == "map":
         generator = torch.Generator(device=bridge.device).manual_seed(seed + 2)
+        prior_draw = {name: x[0] for name, x in full.init_latents(1, init_to_sample, seed=seed + 4).items()}
         centre, search = find_mode(
             full,
             start,
@@ -257,6 +263,7 @@ def prepare(
             reducer=reducer,
             progress=progress,
             description="Mode search (control variate)",
+            also=[prior_draw],  # a draw from the prior: its scales, where init_to_uniform's ±2 saturates a network
         )
     else:
         values = dict(option) if isinstance(option, Mapping) else option.median(*full.args, **full.kwargs)

@@ -22,6 +22,11 @@ L-BFGS (two-loop recursion, weak-Wolfe line search by bisection; Nocedal & Wrigh
    :math:`\ell_{\mathcal{S}}`'s Hessian is the full data's up to :math:`O(|\mathcal{S}|^{-1/2})`, so the first
    full-data steps are already close to Newton steps.
 
+**The start.** The search starts at the point it is given or at another (``also``: the control variate's search
+is also given a draw from the prior), whichever has the highest log joint on one chunk's random points: L-BFGS
+from a point where a network's tanh units are saturated (``init_to_uniform``'s ±2 in every weight) crawled for 180
+full-data passes on a 90,701-weight MLP, and took 4 from a draw of its fan-in-scaled prior.
+
 **Stopping rule.** At an iterate with gradient :math:`g` of :math:`f` and the L-BFGS inverse Hessian :math:`H^{-1}`
 (per point), :math:`\lambda^2 = N\,g^\top H^{-1} g` is twice the Newton decrement of :math:`\ell` in nats and the
 squared length of the next quasi-Newton step in the posterior's metric, i.e. in posterior standard deviations
@@ -48,7 +53,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -203,6 +208,7 @@ def find_mode(
     reducer: Any = None,
     progress: bool = False,
     description: str = "Mode search",
+    also: Sequence[Latents] = (),
 ) -> tuple[Latents, ModeSearch]:
     """The posterior mode in unconstrained space, from ``start``: L-BFGS on a subsample, then on full-data passes.
 
@@ -211,17 +217,23 @@ def find_mode(
     stops where the next step is under ``tolerance``·√d posterior sds (a control variate's centre needs no closer;
     a point estimate others start from, e.g. SWAG's, asks for a smaller one). ``progress`` shows a progress bar of
     the passes over the data (a subsample's pass counted as its share) and the next step's length in posterior sds,
-    headed ``description``.
+    headed ``description``. ``also``: other points to start from; the search starts at whichever of ``start`` and
+    these has the highest log joint on one chunk's random subsample (the whole data where it fits in one), the
+    first on ties and where none is finite.
     """
     began = time.perf_counter()
     plate = next(iter(full.plates.values()), None)
     n = float(plate.size) if plate is not None else 1.0
     size = points_per_chunk(full, chunk_size)
+    counts, compared_passes = [0, 0], 0.0  # full-data and subsample evaluations; choosing the start's passes
+    if also:
+        start, compared = _best_start(full, [start, *also], generator, size, reducer)
+        counts[compared is not None] += len(also) + 1
+        compared_passes = (len(also) + 1) * (1.0 if compared is None else len(compared) / n)
     names = list(start)
     shapes, dtypes = [start[k].shape for k in names], [start[k].dtype for k in names]
     x = torch.cat([start[k].detach().reshape(-1).double() for k in names])
     slack = 8 * max(torch.finfo(t).eps for t in dtypes)  # the values' relative rounding (module docstring)
-    counts = [0, 0]  # full-data and subsample evaluations
 
     def unflatten(x: Tensor) -> Latents:
         parts = x.split([math.prod(s) for s in shapes])
@@ -245,6 +257,7 @@ def find_mode(
     memory, converged, control = _Memory(), False, None
     layout = "{desc}: {n:.1f} passes over the data [{elapsed}{postfix}]"
     bar = tqdm(desc=description, unit="pass", bar_format=layout, disable=not progress)
+    bar.update(compared_passes)
     try:
         for indices in stages:
             f, g, control = evaluate(x, indices)
@@ -280,6 +293,25 @@ def find_mode(
     )
     search = ModeSearch(counts[0], counts[1], norm, time.perf_counter() - began, converged, control)
     return unflatten(x), search
+
+
+def _best_start(
+    full: ModelBridge, candidates: list[Latents], generator: torch.Generator, size: int, reducer: Any
+) -> tuple[Latents, Tensor | None]:
+    """The candidate with the highest log joint on one chunk's random points (``None``: the whole data) and them.
+
+    Where the log joints tie or none is finite, the first candidate.
+    """
+    plate = next(iter(full.plates.values()), None)
+    indices = None
+    if plate is not None and plate.size > size:
+        indices = torch.randint(0, plate.size, (size,), generator=generator, device=full.device)
+    best, best_value = candidates[0], -math.inf
+    for candidate in candidates:
+        value = float(_sums(full, candidate, size, reducer, indices)[0])
+        if math.isfinite(value) and value > best_value:
+            best, best_value = candidate, value
+    return best, indices
 
 
 class _NoFiniteMode(Exception):
