@@ -25,7 +25,7 @@ L-BFGS (two-loop recursion, weak-Wolfe line search by bisection; Nocedal & Wrigh
 **The start.** The search starts at the point it is given or at another (``also``: the control variate's search
 is also given a draw from the prior), whichever has the highest log joint on one chunk's random points: L-BFGS
 from a point where a network's tanh units are saturated (``init_to_uniform``'s ±2 in every weight) crawled for 180
-full-data passes on a 90,701-weight MLP, and took 4 from a draw of its fan-in-scaled prior.
+full-data passes on a 90,701-weight MLP, and took 17 from a draw of its fan-in-scaled prior.
 
 **Stopping rule.** At an iterate with gradient :math:`g` of :math:`f` and the L-BFGS inverse Hessian :math:`H^{-1}`
 (per point), :math:`\lambda^2 = N\,g^\top H^{-1} g` is twice the Newton decrement of :math:`\ell` in nats and the
