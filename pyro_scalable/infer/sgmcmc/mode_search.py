@@ -39,11 +39,13 @@ within :math:`0.1\sqrt d` adds at most 1% to it. On a Gaussian posterior the qua
 left up to its Hessian's error; L-BFGS converges superlinearly, and from the subsamples' curvature two or three
 full-data passes reach the rule on logistic regression at N = 10⁶ and 10⁷ (at most four:
 ``tests/infer/sgmcmc/test_control_variates.py``). Before the first curvature pair :math:`\lambda` means nothing (no
-Hessian is known), and with a few it measures the step in a metric learned along a few directions only: the rule
-waits for :data:`_TRUSTED` pairs (d, where fewer). On a 90,701-weight MLP started from a prior draw, a search
-trusting its third pair stopped after 3 full-data passes at a point the chains then left (the controlled noise
-0.60–0.67 of the plain noise at their final draws); waiting for ten, it took 17 passes and left 0.013–0.015
-(``benchmarks/diagnose_control_variate_size.py``). Logistic regression at N = 10⁴ took one pass more (19).
+Hessian is known), and with a few it measures the step in a metric learned along a few directions only: on the full
+data the rule waits for :data:`_TRUSTED` pairs (d, where fewer; the subsamples' pairs count, and a subsample's
+stage, which only hands its point and pairs on, trusts its first). On a 90,701-weight MLP started from a prior
+draw, a search trusting its third pair stopped after 3 full-data passes at a point the chains then left (the
+controlled noise 0.60–0.67 of the plain noise at their final draws); waiting for ten, it took 17 passes and left
+0.013–0.015 (``benchmarks/diagnose_control_variate_size.py``). Logistic regression took one pass more at N = 10⁴
+(19), two more at N = 10⁶ (4, after its subsamples: ``benchmarks/diagnose_fixed_cost.py``).
 
 The values are sums of float32 chunks whose rounding (about :math:`10^{-7}` of :math:`\lvert\ell\rvert`) can exceed
 the decrease a step near the mode achieves; the line search's sufficient-decrease test allows for it, and its
@@ -275,7 +277,8 @@ def find_mode(
                 if memory.pairs:
                     step_sds = math.sqrt(max(decrement, 0.0))
                     bar.set_postfix_str(f"next step {step_sds:.3g} sd, stops under {tolerance:.3g}", refresh=False)
-                if len(memory.pairs) >= min(_TRUSTED, len(x)) and decrement < tolerance**2:
+                trusted = len(memory.pairs) >= (min(_TRUSTED, len(x)) if indices is None else 1)  # the last stage
+                if trusted and decrement < tolerance**2:
                     converged = True
                     break
                 t = 1.0 if memory.pairs else min(1.0, 1.0 / float(g.abs().sum()))
