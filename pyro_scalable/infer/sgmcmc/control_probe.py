@@ -100,7 +100,7 @@ def warn_wasted_control_variate(share: float | None, search: Any) -> None:
         ...     warn_wasted_control_variate(0.02, None)  # a regression's share: worth its cost, nothing said
         ...     warn_wasted_control_variate(0.93, None)
         >>> [str(w.message)[:60] for w in caught]
-        ["control_variate='auto' centred a control variate at the pos"]
+        ["control_variate='auto' centred a control variate at the post"]
 
     """
     if share is None or share <= WORTH:
