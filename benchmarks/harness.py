@@ -247,6 +247,9 @@ def load_average() -> str:
     return ", ".join(f"{v:.2f}" for v in os.getloadavg())
 
 
+START_LOAD = load_average()  # when the benchmark's process imported this module: its start
+
+
 def _cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -295,7 +298,7 @@ def machine(threads: int, peers: str = "") -> list[str]:
     return [
         f"- code: {_code_version()}; {time.strftime('%Y-%m-%d %H:%M %Z')}",
         f"- machine: {_cpu_name()}, {os.cpu_count()} CPU cores, torch threads {threads}; load average at start "
-        f"{load_average()}",
+        f"{START_LOAD}, at this report {load_average()}",
         f"- {versions}" + (f", {peers}" if peers else ""),
     ]
 
