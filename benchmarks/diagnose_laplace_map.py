@@ -35,30 +35,37 @@ RESULTS = Path(__file__).resolve().parent / "results" / "laplace_map_check.md"
 NOT_A_MAP = "is not a MAP"
 
 
-def negative_log_joint(net: nn.Module, x, y) -> tuple[float, float]:
-    """The negative log joint (sum cross-entropy + ½λ|θ|²) and its gradient's norm, both in float64."""
+def _float64(net: nn.Module) -> nn.Module:
+    """A float64 copy of the benchmark's network ``net``."""
     net64 = network(BIG).double()
     net64.load_state_dict({k: v.double() for k, v in net.state_dict().items()})
-    params = list(net64.parameters())
-    loss = nn.functional.cross_entropy(net64(x.double()), y, reduction="sum")
-    loss = loss + 0.5 * PRIOR * sum(p.square().sum() for p in params)
-    grads = torch.autograd.grad(loss, params)
+    return net64
+
+
+def _loss(net64: nn.Module, x64, y):
+    """The negative log joint of ``bench_laplace.train_map``, unscaled: sum cross-entropy + ½λ|θ|²."""
+    penalty = 0.5 * PRIOR * sum(p.square().sum() for p in net64.parameters())
+    return nn.functional.cross_entropy(net64(x64), y, reduction="sum") + penalty
+
+
+def negative_log_joint(net: nn.Module, x, y) -> tuple[float, float]:
+    """The negative log joint and its gradient's norm, both in float64."""
+    net64 = _float64(net)
+    loss = _loss(net64, x.double(), y)
+    grads = torch.autograd.grad(loss, list(net64.parameters()))
     return float(loss.detach()), float(torch.sqrt(sum(g.square().sum() for g in grads)))
 
 
 def finish_float64(net: nn.Module, x, y, steps: int) -> None:
     """``steps`` full-batch L-BFGS steps on the float64 negative log joint, written back into ``net``."""
-    net64 = network(BIG).double()
-    net64.load_state_dict({k: v.double() for k, v in net.state_dict().items()})
-    params, x64 = list(net64.parameters()), x.double()
+    net64, x64 = _float64(net), x.double()
     optimizer = torch.optim.LBFGS(
-        params, max_iter=steps, line_search_fn="strong_wolfe", tolerance_grad=1e-12, tolerance_change=1e-15
+        net64.parameters(), max_iter=steps, line_search_fn="strong_wolfe", tolerance_grad=1e-12, tolerance_change=1e-15
     )
 
     def closure():
         optimizer.zero_grad()
-        loss = nn.functional.cross_entropy(net64(x64), y, reduction="sum")
-        loss = loss + 0.5 * PRIOR * sum(p.square().sum() for p in params)
+        loss = _loss(net64, x64, y)
         loss.backward()
         return loss
 
