@@ -16,6 +16,14 @@ Pyro's ``MCMC``, a trained guide, a dict of draws — and writes, each with dime
 * on request, ``posterior_predictive`` (one draw of every observed site per posterior draw, on the full data),
   ``prior`` and ``prior_predictive``.
 
+The groups with one value per draw and data point (``log_likelihood``, ``posterior_predictive``, ``prior_predictive``)
+are checked against the memory available before they are allocated (:mod:`pyro_scalable.memory`): above
+:data:`~pyro_scalable.memory.MEMORY_FRACTION` of it the conversion is refused with a
+:class:`~pyro_scalable.memory.MemoryLimitError` naming the figures and what works instead (``thin=``, fewer points,
+``log_likelihood_dtype=torch.float32``, ``log_likelihood=False``, :func:`pyro_scalable.loo.streaming_loo`); the
+run's draws stay as they were. A ``log_likelihood`` group that fits, but on which ``az.loo`` would need more than is
+left (it works on :data:`LOO_COPIES` copies of it), is a :class:`~pyro_scalable.memory.MemoryLimitWarning`.
+
 Dimensions that belong to a plate are named after it (``"data"``), so ``az.loo`` finds its pointwise dimension.
 ArviZ 0.x returns ``arviz.InferenceData``, ArviZ 1.x an ``xarray.DataTree`` (via ``arviz_base.from_dict``); the
 groups, variables and dimensions are the same on both.
@@ -23,6 +31,7 @@ groups, variables and dimensions are the same on both.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -32,22 +41,27 @@ import pyro
 import torch
 from torch import Tensor
 
-from pyro_scalable.arguments import check_count, check_flag, fork_rng
+from pyro_scalable import memory
+from pyro_scalable.arguments import check_choice, check_count, check_flag, fork_rng
 from pyro_scalable.bridge import FullDataModel
 from pyro_scalable.bridge.likelihood import full_data_log_likelihood, observed_masks
 from pyro_scalable.bridge.model import ModelBridge
 from pyro_scalable.infer.predictive import sample_posterior_predictive
 from pyro_scalable.infer.record import RunRecord
+from pyro_scalable.memory import MemoryLimitWarning, available_memory, check_memory, format_bytes
 from pyro_scalable.sources import run_record
 
 with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message=r"\s*ArviZ is undergoing a major refactor", category=FutureWarning)
     import arviz as az
 
-__all__ = ["ARVIZ_MAJOR", "draws_to_inference_data", "to_inference_data"]
+__all__ = ["ARVIZ_MAJOR", "LOO_COPIES", "draws_to_inference_data", "to_inference_data"]
 
 #: The installed ArviZ's major version: 0 (``InferenceData``) or 1 (``xarray.DataTree``).
 ARVIZ_MAJOR = int(az.__version__.split(".")[0])
+#: The memory ``az.loo`` takes beyond a ``log_likelihood`` group, in copies of it (measured with tracemalloc: 3.0 on
+#: ArviZ 0.23; 1.0 on 1.3, whose result keeps the smoothed weights, a copy).
+LOO_COPIES = 3 if ARVIZ_MAJOR == 0 else 1
 
 
 def to_inference_data(
@@ -57,8 +71,10 @@ def to_inference_data(
     args: tuple = (),
     kwargs: Mapping[str, Any] | None = None,
     num_samples: int = 1000,
+    thin: int = 1,
     seed: int | None = None,
     log_likelihood: bool = True,
+    log_likelihood_dtype: torch.dtype = torch.float64,
     posterior_predictive: bool | Mapping[str, Any] = False,
     prior: int | None = None,
     data_chunk_size: int | None = None,
@@ -93,9 +109,12 @@ def to_inference_data(
             given for a DataLoader run, they supply the full data the run was not given.
         kwargs: the model's keyword arguments on the full data.
         num_samples: draws to take from a Gaussian posterior (Laplace, SWAG, the EKF) or a guide.
+        thin: keep every ``thin``-th draw of each chain (and its statistics); the run keeps all of them.
         seed: seeds those draws and the predictive ones (``None``: the global RNG).
         log_likelihood: compute the full-data ``log_likelihood`` group (one pass over the data per
             ``draws_chunk_size`` draws).
+        log_likelihood_dtype: that group's dtype: ``torch.float64`` (ArviZ's PSIS exponentiates the values), or
+            ``torch.float32`` for half the memory.
         posterior_predictive: ``True`` to draw every observed site once per posterior draw on the full data, or
             a dict ``{site: (chains, draws, ...)}`` of draws you made.
         prior: the number of draws from the prior (``prior`` and ``prior_predictive`` groups); ``None`` for none.
@@ -110,16 +129,17 @@ def to_inference_data(
 
     """
     _check_options(log_likelihood, data_chunk_size, draws_chunk_size, coords, dims)
+    check_choice("log_likelihood_dtype", log_likelihood_dtype, (torch.float64, torch.float32))
     check_count("prior", prior, optional=True)
     if not isinstance(posterior_predictive, (bool, Mapping)):
         raise TypeError(
             f"posterior_predictive must be True/False or a dict of draws, got {type(posterior_predictive).__name__}."
         )
     with fork_rng(seed):  # a seeded conversion leaves the global RNG as it found it
-        record, extra = run_record(source, model, args, kwargs, num_samples=num_samples, seed=seed)
+        record, extra = thinned_record(source, model, args, kwargs, num_samples=num_samples, thin=thin, seed=seed)
         bridge = record.full_bridge
         observed_extra = {k: v for k, v in extra.items() if bridge is not None and k in bridge.observed}
-        groups, all_dims, own = _groups(record, log_likelihood, data_chunk_size, draws_chunk_size)
+        groups, all_dims, own = _groups(record, log_likelihood, data_chunk_size, draws_chunk_size, log_likelihood_dtype)
         groups["posterior"].update(_numpy({k: v for k, v in extra.items() if k not in observed_extra}))
         if observed_extra and posterior_predictive is False:
             groups["posterior_predictive"] = _numpy(observed_extra)
@@ -134,6 +154,26 @@ def to_inference_data(
                 groups["prior"], groups["prior_predictive"] = _prior(bridge, prior, seed)
         all_dims.update(dims or {})
         return _from_dict(groups, coords, all_dims, own)
+
+
+def thinned_record(
+    source: Any,
+    model: Callable | None,
+    args: tuple,
+    kwargs: Mapping[str, Any] | None,
+    *,
+    num_samples: int,
+    thin: int,
+    seed: int | None,
+) -> tuple[RunRecord, dict[str, Tensor]]:
+    """:func:`~pyro_scalable.sources.run_record` with every ``thin``-th draw of each chain (a new record)."""
+    check_count("thin", thin)
+    record, extra = run_record(source, model, args, kwargs, num_samples=num_samples, seed=seed)
+    if thin == 1:
+        return record, extra
+    draws = {k: v[:, ::thin] for k, v in record.draws.items()}
+    stats = {k: v[:, ::thin] for k, v in record.stats.items()}
+    return dataclasses.replace(record, draws=draws, stats=stats), {k: v[:, ::thin] for k, v in extra.items()}
 
 
 def draws_to_inference_data(
@@ -160,17 +200,16 @@ def draws_to_inference_data(
     return _from_dict(groups, coords, all_dims, own)
 
 
-def _groups(record: RunRecord, log_likelihood: bool, data_chunk_size, draws_chunk_size) -> tuple[dict, dict, dict]:
+def _groups(
+    record: RunRecord, log_likelihood: bool, data_chunk_size, draws_chunk_size, dtype: torch.dtype = torch.float64
+) -> tuple[dict, dict, dict]:
     """``posterior``, ``sample_stats``, ``observed_data`` and ``log_likelihood`` of a record, and their dims.
 
     The third value is ``{group: (dims, coords)}`` for a group whose variables need dims of their own: the
     ``log_likelihood`` of a site with masked points, which holds its observed points only (:func:`_observed_only`).
     """
     shape = next(iter(record.draws.values())).shape[:2]
-    constrained = record.bridge.constrain({k: v.reshape((-1,) + v.shape[2:]) for k, v in record.draws.items()})
-    groups: dict[str, dict[str, np.ndarray]] = {
-        "posterior": {k: v.reshape(shape + v.shape[1:]).detach().cpu().numpy() for k, v in constrained.items()}
-    }
+    groups: dict[str, dict[str, np.ndarray]] = {"posterior": posterior_group(record)}
     if record.stats:
         groups["sample_stats"] = _numpy(record.stats)
     all_dims = {name: _latent_dims(site) for name, site in record.bridge.sites.items() if any(site.plates)}
@@ -186,17 +225,68 @@ def _groups(record: RunRecord, log_likelihood: bool, data_chunk_size, draws_chun
     groups["observed_data"] = _numpy(observed)
     all_dims.update({name: _observed_dims(bridge, name, value.dim()) for name, value in observed.items()})
     if log_likelihood:
+        _check_log_likelihood(bridge, shape, dtype)
         draws = {k: v.reshape((-1,) + v.shape[2:]) for k, v in record.draws.items()}
-        # the model runs in the data's dtype, chunk by chunk, each chunk written into one float64 output: ArviZ's PSIS
-        # (az.loo) exponentiates these and returns NaN on float32 values at thousands of draws
+        # the model runs in the data's dtype, chunk by chunk, each chunk written into one output of ``dtype`` (float64
+        # by default: ArviZ's PSIS, az.loo, exponentiates these)
         values = full_data_log_likelihood(
-            bridge, draws, data_chunk_size=data_chunk_size, draws_chunk_size=draws_chunk_size, out_dtype=torch.float64
+            bridge, draws, data_chunk_size=data_chunk_size, draws_chunk_size=draws_chunk_size, out_dtype=dtype
         )
         groups["log_likelihood"] = {k: v.reshape(shape + v.shape[1:]).numpy() for k, v in values.items()}
         masks = observed_masks(bridge)
         if masks:
             return groups, all_dims, {"log_likelihood": _observed_only(groups["log_likelihood"], masks, all_dims)}
     return groups, all_dims, {}
+
+
+def posterior_group(record: RunRecord) -> dict[str, np.ndarray]:
+    """The constrained draws of every latent site, ``(chain, draw, *shape)``."""
+    shape = next(iter(record.draws.values())).shape[:2]
+    constrained = record.bridge.constrain({k: v.reshape((-1,) + v.shape[2:]) for k, v in record.draws.items()})
+    return {k: v.reshape(shape + v.shape[1:]).detach().cpu().numpy() for k, v in constrained.items()}
+
+
+def pointwise_shapes(bridge: ModelBridge) -> dict[str, torch.Size]:
+    """The shape of each observed site's pointwise log-likelihood: its observed value less the event dims."""
+    observed = bridge.observed_data()
+    return {name: value.shape[: value.dim() - bridge.observed_event_dims[name]] for name, value in observed.items()}
+
+
+def _check_log_likelihood(bridge: ModelBridge, shape: tuple, dtype: torch.dtype) -> None:
+    """Refuse a ``log_likelihood`` group larger than the memory allows; warn where ``az.loo`` on it would not fit."""
+    points = sum(s.numel() for s in pointwise_shapes(bridge).values())
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    size = shape[0] * shape[1] * points * itemsize
+    what = (
+        f"the log_likelihood group ({shape[0]} chains × {shape[1]} draws × {points:,} points, "
+        f"{str(dtype).removeprefix('torch.')})"
+    )
+
+    def remedies(factor: int) -> list[str]:
+        ways = [
+            f"fewer draws: thin={factor} keeps every {factor}th draw of each chain ({format_bytes(size / factor)}; "
+            f"num_samples={max(1, shape[0] * shape[1] // factor)} for a Laplace, SWAG or EKF posterior or a guide)",
+            f"fewer points: the model's arguments on a subset of the data as args=(...) (1/{factor} of them fits)",
+        ]
+        if dtype == torch.float64:
+            ways.append("log_likelihood_dtype=torch.float32 halves it")
+        return ways + [
+            "log_likelihood=False leaves the group out (the other groups are the size of the draws and the data)",
+            "for PSIS-LOO: pyro_scalable.loo.streaming_loo(source, ...) with this call's arguments gives az.loo's "
+            "elpd, its SE and the Pareto k's, computed chunk by chunk of the points without the whole group",
+        ]
+
+    check_memory(size, "cpu", what, remedies)
+    available = available_memory("cpu")
+    if available is not None and (1 + LOO_COPIES) * size > memory.MEMORY_FRACTION * available:
+        warnings.warn(
+            f"{what} takes {format_bytes(size)}; az.loo on it needs about {LOO_COPIES} times that again (ArviZ "
+            f"{ARVIZ_MAJOR}.x), more than {100 * memory.MEMORY_FRACTION:g}% of the {format_bytes(available)} "
+            "available. For PSIS-LOO use pyro_scalable.loo.streaming_loo(source, ...), which holds one chunk of the "
+            "points at a time, or pass thin= here.",
+            MemoryLimitWarning,
+            stacklevel=4,
+        )
 
 
 def _observed_only(values: dict[str, np.ndarray], masks: dict, all_dims: dict) -> tuple[dict, dict]:
@@ -233,6 +323,18 @@ def _posterior_predictive(record: RunRecord, seed: int | None) -> dict[str, np.n
     """One draw of every observed site per posterior draw, on the full data (the model, not a linearisation)."""
     bridge = record.full_bridge
     shape = next(iter(record.draws.values())).shape[:2]
+    observed = bridge.observed_data()
+    size = shape[0] * shape[1] * sum(v.numel() * v.element_size() for v in observed.values())
+    check_memory(
+        size,
+        bridge.device,
+        f"the posterior_predictive group ({shape[0]} chains × {shape[1]} draws of {', '.join(observed)})",
+        lambda factor: [
+            f"fewer draws: thin={factor} keeps every {factor}th draw of each chain",
+            f"fewer points: the model's arguments on a subset of the data as args=(...) (1/{factor} of them fits)",
+            "posterior_predictive=False leaves the group out",
+        ],
+    )
     draws = bridge.constrain({k: v.reshape((-1,) + v.shape[2:]).to(bridge.device) for k, v in record.draws.items()})
     values = sample_posterior_predictive(
         bridge.model, draws, *bridge.args, seed=seed, return_sites=list(bridge.observed), **bridge.kwargs
@@ -244,6 +346,15 @@ def _prior(bridge: ModelBridge, num_draws: int, seed: int | None) -> tuple[dict,
     """``num_draws`` draws of the latents from their prior, and of the observed sites given them (full data)."""
     model = pyro.poutine.uncondition(FullDataModel(bridge.model))
     sites = list(bridge.sites) + list(bridge.observed)
+    observed = bridge.observed_data()
+    per_draw = sum(s.shape.numel() * torch.empty((), dtype=s.dtype).element_size() for s in bridge.sites.values())
+    per_draw += sum(v.numel() * v.element_size() for v in observed.values())
+    check_memory(
+        num_draws * per_draw,
+        bridge.device,
+        f"the prior and prior_predictive groups ({num_draws} draws of {', '.join(sites)})",
+        lambda factor: [f"fewer draws: prior={max(1, num_draws // factor)}", "prior=None leaves the groups out"],
+    )
     with fork_rng(seed):
         values = pyro.infer.Predictive(model, num_samples=num_draws, return_sites=sites)(*bridge.args, **bridge.kwargs)
     shapes = {name: site.shape for name, site in bridge.sites.items()}

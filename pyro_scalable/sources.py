@@ -31,6 +31,7 @@ from pyro_scalable.arguments import check_count, check_seed
 from pyro_scalable.bridge import FullDataModel, ModelBridge
 from pyro_scalable.bridge.guides import guide_draws
 from pyro_scalable.infer.record import GaussianSource, RecordSource, RunRecord
+from pyro_scalable.memory import check_memory
 
 __all__ = ["run_record"]
 
@@ -67,6 +68,7 @@ def run_record(
     if isinstance(source, GaussianSource):  # num_samples spread over its chains: MultiSWAG's runs stay apart
         _no_model(source, model)
         per_chain = -(-num_samples // source.num_chains)
+        _check_draws_memory(source.bridge, per_chain * source.num_chains, num_samples)
         return _record(source.bridge, source.get_samples(per_chain, group_by_chain=True, seed=seed)), {}
     if isinstance(source, pyro.infer.MCMC):
         _no_model(source, model)
@@ -79,6 +81,20 @@ def run_record(
         bridge = _bridge(model, args, kwargs, "a guide")
         return _from_guide(bridge, source, num_samples, seed), {}
     raise TypeError(f"cannot convert {type(source).__name__}: pass {_KINDS}.")
+
+
+def _check_draws_memory(bridge: ModelBridge, num_draws: int, num_samples: int) -> None:
+    """Refuse ``num_draws`` draws of every latent site that do not fit: constrained, and the record's unconstrained."""
+    per_draw = sum(
+        (site.shape.numel() + site.unconstrained_shape.numel()) * torch.empty((), dtype=site.dtype).element_size()
+        for site in bridge.sites.values()
+    )
+    check_memory(
+        num_draws * per_draw,
+        bridge.device,
+        f"{num_draws} draws of the posterior's {sum(s.shape.numel() for s in bridge.sites.values()):,} latent values",
+        lambda factor: [f"fewer draws: num_samples={max(1, num_samples // factor)}"],
+    )
 
 
 def _no_model(source: Any, model: Any) -> None:

@@ -18,6 +18,8 @@ on the data only, as masks of missing values do).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from pyro.distributions.torch_distribution import MaskedDistribution
 from torch import Tensor
@@ -27,7 +29,15 @@ from tqdm.auto import tqdm
 from pyro_scalable.bridge.minibatches import chunks
 from pyro_scalable.bridge.model import Batch, Latents, ModelBridge
 
-__all__ = ["CHUNK_VALUES", "PROGRESS_VALUES", "full_data_log_likelihood", "observed_masks"]
+__all__ = [
+    "CHUNK_VALUES",
+    "PROGRESS_VALUES",
+    "chunk_dim",
+    "data_batches",
+    "full_data_log_likelihood",
+    "log_likelihood_pieces",
+    "observed_masks",
+]
 
 CHUNK_VALUES = 2**20  # draws x data points per chunk by default: a few MB per intermediate, few calls of the model
 PROGRESS_VALUES = 10**8  # an output this large (0.4-0.8 GB) takes long enough to show a progress bar
@@ -49,32 +59,19 @@ def full_data_log_likelihood(
     """
     num_draws = next(iter(latents.values())).shape[0]
     plate = next(iter(bridge.plates.values()), None)
-    full = bridge.full_batch()
-    if plate is None:
-        data_batches = [full]
-    else:
-        size = data_chunk_size or max(plate.subsample_size, 1024, CHUNK_VALUES // draws_chunk_size)
-        data_batches = [
-            Batch({**full.indices, plate.name: idx}, full.args, full.kwargs)
-            for idx in chunks(plate.size, size, bridge.device)
-        ]
     values_out = num_draws * (plate.size if plate is not None else 1)
     itemsize = torch.empty((), dtype=out_dtype or torch.get_default_dtype()).element_size()
+    batches = data_batches(bridge, data_chunk_size, draws_chunk_size)
     bar = tqdm(
-        total=len(data_batches),
+        total=len(batches),
         desc=f"log-likelihood ({values_out * itemsize / 2**30:.1f} GB per site)",
         disable=values_out < PROGRESS_VALUES,
     )
     out: dict[str, Tensor] = {}
-    for batch in data_batches:
-        offset = int(batch.indices[plate.name][0]) if plate is not None else 0
-        for start in range(0, num_draws, draws_chunk_size):
-            group = {name: x[start : start + draws_chunk_size].to(bridge.device) for name, x in latents.items()}
-            values = _pointwise(bridge, group, batch)
+    for batch in batches:
+        for offset, start, values in log_likelihood_pieces(bridge, latents, batch, draws_chunk_size):
             for name, value in values.items():
-                dim = _plate_dim(bridge, name, plate)
-                if dim is None and offset > 0:
-                    continue  # a site outside the chunked plate: computed with the first chunk
+                dim = chunk_dim(bridge, name)
                 if name not in out:
                     shape = list(value.shape)
                     if dim is not None:
@@ -84,10 +81,52 @@ def full_data_log_likelihood(
                 target = out[name][start : start + value.shape[0]]
                 if dim is not None:
                     target = target.narrow(dim, offset, value.shape[dim])
-                target.copy_(value.detach())
+                target.copy_(value)
         bar.update()
     bar.close()
     return out
+
+
+def data_batches(bridge: ModelBridge, data_chunk_size: int | None = None, draws_chunk_size: int = 64) -> list[Batch]:
+    """The full data as batches of ``data_chunk_size`` points of the first subsampled plate (one batch without one).
+
+    ``data_chunk_size`` defaults to ``max(B, 1024, CHUNK_VALUES / draws_chunk_size)``.
+    """
+    plate = next(iter(bridge.plates.values()), None)
+    full = bridge.full_batch()
+    if plate is None:
+        return [full]
+    size = data_chunk_size or max(plate.subsample_size, 1024, CHUNK_VALUES // draws_chunk_size)
+    return [
+        Batch({**full.indices, plate.name: idx}, full.args, full.kwargs)
+        for idx in chunks(plate.size, size, bridge.device)
+    ]
+
+
+def log_likelihood_pieces(
+    bridge: ModelBridge, latents: Latents, batch: Batch, draws_chunk_size: int = 64
+) -> Iterator[tuple[int, int, dict[str, Tensor]]]:
+    """``(offset, start, {site: (draws, *batch)})`` for each group of ``draws_chunk_size`` draws on ``batch``.
+
+    ``offset`` is the batch's first point along the chunked plate (a site's dimension :func:`chunk_dim`), ``start``
+    the group's first draw. A site outside that plate comes with the first batch only (offset 0).
+    """
+    plate = next(iter(bridge.plates.values()), None)
+    offset = int(batch.indices[plate.name][0]) if plate is not None else 0
+    num_draws = next(iter(latents.values())).shape[0]
+    for start in range(0, num_draws, draws_chunk_size):
+        group = {name: x[start : start + draws_chunk_size].to(bridge.device) for name, x in latents.items()}
+        values = _pointwise(bridge, group, batch)
+        yield (
+            offset,
+            start,
+            {k: v.detach() for k, v in values.items() if offset == 0 or chunk_dim(bridge, k) is not None},
+        )
+
+
+def chunk_dim(bridge: ModelBridge, site: str) -> int | None:
+    """The (negative) dimension of ``site``'s pointwise values along which the data is chunked, or ``None``."""
+    return _plate_dim(bridge, site, next(iter(bridge.plates.values()), None))
 
 
 def _plate_dim(bridge: ModelBridge, site: str, plate) -> int | None:

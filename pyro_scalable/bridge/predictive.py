@@ -24,6 +24,7 @@ from torch import Tensor
 from pyro_scalable.arguments import fork_rng
 from pyro_scalable.bridge.checks import ModelError, named_tensors
 from pyro_scalable.bridge.plates import FullDataModel
+from pyro_scalable.memory import check_memory
 
 __all__ = ["predictive_draws"]
 
@@ -70,6 +71,7 @@ def predictive_draws(
         probe = _probe(model, full, {k: v[0].to(device) for k, v in samples.items()}, args, kwargs)
         sites = _return_sites(probe, samples, return_sites)
         shapes = {name: probe.nodes[name]["value"].shape for name in sites}
+        _check_memory(probe, sites, num_draws, device)
         outputs = {
             name: torch.empty((num_draws, *shapes[name]), dtype=probe.nodes[name]["value"].dtype, device=device)
             for name in sites
@@ -86,6 +88,21 @@ def predictive_draws(
             for name in sites:
                 outputs[name][start : start + step].copy_(values[name])
     return outputs
+
+
+def _check_memory(probe, sites: list[str], num_draws: int, device: torch.device | None) -> None:
+    """Refuse draws that would not fit in the memory of ``device`` (one per posterior draw of every site)."""
+    values = [probe.nodes[name]["value"] for name in sites]
+    check_memory(
+        num_draws * sum(v.numel() * v.element_size() for v in values),
+        device or "cpu",
+        f"{num_draws} predictive draws of {', '.join(sites)} ({sum(v.numel() for v in values):,} values each)",
+        lambda factor: [
+            f"fewer posterior draws: get_samples(num_samples={max(1, num_draws // factor)}), or thin={factor} in "
+            "to_inference_data",
+            f"fewer points: predict at a subset of the inputs (1/{factor} of them fits)",
+        ],
+    )
 
 
 def _probe(model: Callable, full: Callable, draw: Mapping[str, Tensor], args: tuple, kwargs: Mapping[str, Any]):

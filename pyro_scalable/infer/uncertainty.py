@@ -54,6 +54,7 @@ from torch import Tensor
 
 from pyro_scalable.arguments import check_count, check_seed, fork_rng
 from pyro_scalable.bridge.plates import FullDataModel
+from pyro_scalable.memory import check_memory
 
 if TYPE_CHECKING:
     from pyro_scalable.infer.linearized.glm import GLMPredictive
@@ -172,10 +173,28 @@ def draws_uncertainty(
             if index == 0:
                 site = _observed_site(trace, samples, site)
             laws.append(_law(trace.nodes[site]["fn"]))
+            if index == 0:
+                _check_memory(laws[0], count)
     if laws[0][0] == "probs":
         return decompose_probabilities(torch.stack([law[1] for law in laws]))
     means = torch.stack([law[1] for law in laws])
     return decompose_moments(means, torch.stack([torch.broadcast_to(law[2], law[1].shape) for law in laws]))
+
+
+def _check_memory(law: tuple, count: int) -> None:
+    """Refuse the laws of ``count`` draws (kept, then stacked: twice) where they would not fit."""
+    values = law[1]
+    per_draw = sum(torch.broadcast_to(t, values.shape).numel() * t.element_size() for t in law[1:] if t is not None)
+    check_memory(
+        2 * count * per_draw,
+        values.device,
+        f"the predictive laws of {count} draws ({values.numel():,} values each)",
+        lambda factor: [
+            f"fewer draws: draws_uncertainty(model, result.get_samples(num_samples={max(1, count // factor)}), "
+            f"*inputs), or num_samples={max(1, count // factor)} for a Gaussian posterior",
+            f"fewer points: the inputs of a subset (1/{factor} of them fits)",
+        ],
+    )
 
 
 def linearized_uncertainty(prediction: GLMPredictive, num_samples: int = 1000, seed: int | None = None) -> Uncertainty:
