@@ -63,6 +63,7 @@ class ModelOutputs:
     priors: dict[str, Any] = field(default_factory=dict)  # latent site -> its distribution, before the site
     plate_sizes: dict[str, int] = field(default_factory=dict)  # subsampling plate -> its full size N
     raw_logits: Tensor | None = None  # a Categorical's logits before Pyro normalises them
+    scale: Tensor | float | None = None  # the site's poutine.scale weight, the plates' N/B taken out (None: 1)
 
 
 class _Stop(Exception):
@@ -87,7 +88,7 @@ class _Outputs(Messenger):
         name = msg["name"]
         if name == self.site:
             value = msg["value"] if msg["is_observed"] else None
-            self.result = ModelOutputs(name, msg["fn"], value, msg["mask"])
+            self.result = ModelOutputs(name, msg["fn"], value, msg["mask"], scale=_user_scale(msg))
             raise _Stop
         if msg["is_observed"]:
             return
@@ -102,6 +103,17 @@ class _Outputs(Messenger):
         self.priors[name] = msg["fn"]
         msg["value"] = value
         msg["done"] = True
+
+
+def _user_scale(msg) -> Tensor | float | None:
+    """The site's scale without the subsampling plates' N/B: what ``poutine.scale`` (a weight) put there."""
+    scale = msg["scale"]
+    for frame in msg["cond_indep_stack"]:
+        if frame.full_size is not None and frame.size:
+            scale = scale / (frame.full_size / frame.size)  # each plate multiplied by size / subsample_size
+    if not isinstance(scale, Tensor) and scale == 1.0:
+        return None
+    return scale
 
 
 class _RecordLayers(TorchFunctionMode):

@@ -1,4 +1,4 @@
-r"""Full-data passes and the posterior mode search behind ``control_variate="map"`` (and SWAG's ``start="map"``).
+r"""Full-data passes and the posterior mode search (SG-MCMC's control variate, SWAG's and sample-then-optimise's MAP).
 
 **A full-data pass** (:func:`full_data_gradient`) sums the log joint :math:`\ell(\theta)` and its gradient over
 chunks of the subsampled plate: chunk :math:`c` of :math:`C_c` points is the bridge's minibatch estimate weighted by
@@ -30,28 +30,29 @@ full-data passes on a 90,701-weight MLP, and took 17 from a draw of its fan-in-s
 **Stopping rule.** At an iterate with gradient :math:`g` of :math:`f` and the L-BFGS inverse Hessian :math:`H^{-1}`
 (per point), :math:`\lambda^2 = N\,g^\top H^{-1} g` is twice the Newton decrement of :math:`\ell` in nats and the
 squared length of the next quasi-Newton step in the posterior's metric, i.e. in posterior standard deviations
-(:math:`N H` is the posterior precision at the mode). The search stops at the first iterate with
-:math:`\lambda <` :data:`MODE_TOLERANCE` :math:`\sqrt d` and returns the full-data log joint and gradient of that
-iterate, already computed: the control variate's, so no pass follows the search. The controlled noise grows with
-:math:`\lVert\theta-\hat\theta\rVert^2` (:mod:`.control_variates`), whose mean over the posterior, in its metric,
-is :math:`d` at the mode and :math:`d + \delta^2` at a centre :math:`\delta` standard deviations from it: a centre
-within :math:`0.1\sqrt d` adds at most 1% to it. On a Gaussian posterior the quasi-Newton step is the distance
-left up to its Hessian's error; L-BFGS converges superlinearly, and from the subsamples' curvature two or three
-full-data passes reach the rule on logistic regression at N = 10⁶ and 10⁷ (at most four:
+(:math:`N H` is the posterior precision at the mode). The search stops at the first iterate with :math:`\lambda <`
+:data:`MODE_TOLERANCE` :math:`\sqrt d` and returns the full-data log joint and gradient of that iterate, already
+computed: the control variate's, so no pass follows the search. The controlled noise grows with
+:math:`\lVert\theta-\hat\theta\rVert^2` (:mod:`~pyro_scalable.infer.sgmcmc.control_variates`), whose mean over the
+posterior, in its metric, is :math:`d` at the mode and :math:`d + \delta^2` at a centre :math:`\delta` standard
+deviations from it: a centre within :math:`0.1\sqrt d` adds at most 1% to it. On a Gaussian posterior the quasi-Newton
+step is the distance left up to its Hessian's error; L-BFGS converges superlinearly, and from the subsamples'
+curvature two or three full-data passes reach the rule on logistic regression at N = 10⁶ and 10⁷ (at most four:
 ``tests/infer/sgmcmc/test_control_variates.py``). Before the first curvature pair :math:`\lambda` means nothing (no
 Hessian is known), and with a few it measures the step in a metric learned along a few directions only: on the full
-data the rule waits for :data:`_TRUSTED` pairs (d, where fewer; the subsamples' pairs count, and a subsample's
-stage, which only hands its point and pairs on, trusts its first). On a 90,701-weight MLP started from a prior
-draw, a search trusting its third pair stopped after 3 full-data passes at a point the chains then left (the
-controlled noise 0.60–0.67 of the plain noise at their final draws); waiting for ten, it took 17 passes and left
-0.013–0.015 (``benchmarks/diagnose_control_variate_size.py``). Logistic regression took one pass more at N = 10⁴
-(19), two more at N = 10⁶ (4, after its subsamples: ``benchmarks/diagnose_fixed_cost.py``).
+data the rule waits for :data:`_TRUSTED` pairs (d, where fewer; the subsamples' pairs count, and a subsample's stage,
+which only hands its point and pairs on, trusts its first). On a 90,701-weight MLP started from a prior draw, a search
+trusting its third pair stopped after 3 full-data passes at a point the chains then left (the controlled noise
+0.60–0.67 of the plain noise at their final draws); waiting for ten, it took 17 passes and left 0.013–0.015
+(``benchmarks/diagnose_control_variate_size.py``). Logistic regression took one pass more at N = 10⁴ (19), two more at
+N = 10⁶ (4, after its subsamples: ``benchmarks/diagnose_fixed_cost.py``).
 
 The values are sums of float32 chunks whose rounding (about :math:`10^{-7}` of :math:`\lvert\ell\rvert`) can exceed
 the decrease a step near the mode achieves; the line search's sufficient-decrease test allows for it, and its
 curvature test, on gradients, does not need to. A log joint of :math:`+\infty` or NaN at a trial point (an overflow
 past the mode, or a density without a finite mode such as a hierarchy whose scale runs to 0) ends the search with
-NaN latents, which :func:`~.control_variates.prepare` reports as no finite mode; :math:`-\infty` (zero density)
+NaN latents, which :func:`~pyro_scalable.infer.sgmcmc.control_variates.prepare` reports as no finite mode;
+:math:`-\infty` (zero density)
 only shortens the step.
 """
 

@@ -107,6 +107,17 @@ class Chunk:
         return self.out.f
 
     @cached_property
+    def point_weights(self) -> Tensor | None:
+        """Each point's weight ``(points,)`` (``poutine.scale``; 0 where masked), ``None`` where every point's is 1.
+
+        A point whose outputs have different weights (a mask per output) counts with the largest.
+        """
+        likelihood = self.out.likelihood
+        if likelihood.weight is None and likelihood.mask is None:
+            return None
+        return likelihood.weight_outputs(self.f.detach()).amax(-1)
+
+    @cached_property
     def inputs(self) -> list[Tensor]:
         """Each recorded layer's inputs ã for the chunk's points (bias column appended)."""
         layers = self.out.raw.layers
@@ -200,7 +211,8 @@ def fit_chunk(
     elif curvature == "ef":
         (grad_f,) = torch.autograd.grad(log_prob, [f], retain_graph=True)
     # detached: a Normal's scale among the Laplace sites would otherwise carry the leaf into the pulled-back columns
-    roots = likelihood.hessian_sqrt(f.detach()).detach() if curvature == "ggn" else grad_f.detach().unsqueeze(-1)
+    roots = likelihood.hessian_sqrt(f.detach()) if curvature == "ggn" else likelihood.score_root(grad_f.detach())
+    roots = roots.detach()
     return Chunk(net, leaf, batch, out, roots, plans, rest, batched), log_prob, grad_theta
 
 
@@ -277,7 +289,7 @@ def ggn_pass(
         if total is not None:
             total += grad_theta
         if likelihood.name == "Normal" and not likelihood.heteroscedastic:
-            keep = likelihood.mask_outputs(f) if likelihood.mask is not None else torch.ones_like(f)
+            keep = likelihood.weight_outputs(f.detach())
             residual = likelihood.flatten(chunk.out.value) - f.detach()
             sum_squares = sum_squares + (keep * residual**2).sum()
             num_observations = num_observations + keep.sum()

@@ -18,6 +18,13 @@ distribution                  output :math:`f` (linearised)             :math:`\
 (The heteroscedastic Normal's :math:`\Lambda` is its Fisher information in ``(loc, log scale)``; the GGN with
 the Fisher is the usual choice where the Hessian is not positive semi-definite.)
 
+**Weights.** Pyro's ``poutine.scale(w)`` (a constant, or one weight per point: ``poutine.scale(w[idx])``) multiplies a
+point's log-likelihood by :math:`w_i`, and ``poutine.mask`` by 0 or 1: the log joint is
+:math:`\sum_i w_i \log p(y_i \mid f_i)`. Its gradient, its curvature :math:`w_i\Lambda_i` (so
+:math:`L_i \leftarrow \sqrt{w_i} L_i`), the empirical Fisher's root :math:`\sqrt{w_i}\,\nabla_f\log p(y_i\mid f_i)`
+and a Normal's weighted residual sum of squares and observation count :math:`\sum_i w_i` follow from that one
+weight per output (:meth:`Likelihood.weight_outputs`); an integer weight is the point repeated that many times.
+
 Each family returns :math:`f` flattened to ``(points, outputs)`` — points along the leading dimension of the
 site's value, the data plate in every usual model — and a square root :math:`L_i` with
 :math:`\Lambda_i = L_i L_i^\top`, shape ``(points, outputs, outputs)``. For a Categorical the closed form is
@@ -48,6 +55,7 @@ class Likelihood:
 
     name: str = ""
     classification = False
+    weight: Tensor | None = None  # poutine.scale's per-point weight, the site's batch shape (None: 1)
 
     def __init__(self, site: str, fn, mask: Tensor | None, raw_logits: Tensor | None = None):
         self.site = site
@@ -78,7 +86,7 @@ class Likelihood:
         joined.__dict__.update(first.__dict__)
         joined.shape = torch.Size((sum(p.num_points for p in parts),)) + first.shape[1:]
         joined.raw_logits = None
-        for name in ("scale", "total_count", "mask"):
+        for name in ("scale", "total_count", "mask", "weight"):
             values = [getattr(p, name, None) for p in parts]
             if all(isinstance(v, Tensor) for v in values):
                 setattr(
@@ -123,18 +131,42 @@ class Likelihood:
         return fn.to_event(self.reinterpreted) if self.reinterpreted else fn
 
     def hessian_sqrt(self, f: Tensor) -> Tensor:
-        r""":math:`L` with :math:`\Lambda = L L^\top`, ``(points, outputs, outputs)``, zero rows where masked."""
+        r""":math:`L` with :math:`w\Lambda = L L^\top`, ``(points, outputs, outputs)``: zero rows where masked."""
         root = self._sqrt_lambda(f)
-        if self.mask is not None:
-            root = root * self.mask_outputs(f).unsqueeze(-1)
+        if self.mask is not None or self.weight is not None:
+            root = root * self.weight_outputs(f).sqrt().unsqueeze(-1)
         return root
 
-    def mask_outputs(self, f: Tensor) -> Tensor:
-        """The site's ``mask`` as ``f``'s ``(points, outputs)``: 1 where an output is observed, 0 where masked.
+    def score_root(self, score: Tensor) -> Tensor:
+        r"""The empirical Fisher's root ``(points, outputs, 1)`` from ``score``, the gradient of :meth:`log_prob` in f.
 
-        Sums over the data (a residual sum of squares, the observation count) weight each output by it, so that a
-        masked output counts as not observed.
+        That gradient is :math:`w_i \nabla_f \log p(y_i \mid f_i)`; the root is :math:`\sqrt{w_i}` times the
+        unweighted score, so that the squared root counts a point :math:`w_i` times (module docstring).
         """
+        if self.weight is not None:
+            weight = self.weight_outputs(score)
+            score = torch.where(weight > 0, score / weight.sqrt().clamp_min(torch.finfo(score.dtype).tiny), 0.0)
+        return score.unsqueeze(-1)
+
+    def weight_outputs(self, f: Tensor) -> Tensor:
+        """Each output's weight as ``f``'s ``(points, outputs)``: the point's ``poutine.scale`` weight, 0 if masked.
+
+        Sums over the data (a residual sum of squares, the observation count, the curvature) weight each output by
+        it, so that a masked output counts as not observed and a weight of 2 as observed twice.
+        """
+        keep = self._mask_outputs(f) if self.mask is not None else torch.ones_like(f)
+        if self.weight is None:
+            return keep
+        return keep * self.flatten(torch.broadcast_to(self._site_weight(), self.shape).to(f.dtype))
+
+    def _site_weight(self) -> Tensor:
+        """The weight broadcast to the base distribution's batch shape (unit dimensions for the event's)."""
+        batch = self.base.batch_shape
+        outer = len(batch) - self.reinterpreted
+        weight = torch.broadcast_to(self.weight, batch[:outer])
+        return weight.reshape(batch[:outer] + (1,) * (len(self.shape) - outer))
+
+    def _mask_outputs(self, f: Tensor) -> Tensor:
         batch = self.base.batch_shape
         mask = torch.broadcast_to(self.mask, batch).reshape(batch + (1,) * (len(self.shape) - len(batch)))
         return self.flatten(torch.broadcast_to(mask, self.shape).to(f.dtype))
@@ -148,10 +180,13 @@ class Likelihood:
         return fn.to_event(self.reinterpreted) if self.reinterpreted else fn
 
     def log_prob(self, f: Tensor, value: Tensor) -> Tensor:
-        """Sum over the site of ``log p(value | f)``, masked points left out."""
+        """Sum over the site of ``w log p(value | f)`` (``poutine.scale``'s weights), masked points left out."""
         log_prob = self._base(f).log_prob(value)
         if self.mask is not None:
             log_prob = torch.where(torch.broadcast_to(self.mask, log_prob.shape), log_prob, 0.0)
+        if self.weight is not None:
+            weight = self._site_weight()
+            log_prob = log_prob * weight.reshape(weight.shape[: log_prob.dim()])
         return log_prob.sum()
 
 
@@ -187,9 +222,9 @@ class _Normal(Likelihood):
             diagonal = self.flatten(self.scale).reciprocal().expand_as(f)
         return torch.diag_embed(diagonal)
 
-    def mask_outputs(self, f: Tensor) -> Tensor:
-        """The mask of the mean outputs, repeated for the log-scale outputs when the scale is heteroscedastic."""
-        keep = super().mask_outputs(f[..., : self.width])
+    def weight_outputs(self, f: Tensor) -> Tensor:
+        """The weights of the mean outputs, repeated for the log-scale outputs when the scale is heteroscedastic."""
+        keep = super().weight_outputs(f[..., : self.width])
         return torch.cat([keep, keep], -1) if self.heteroscedastic else keep
 
     def _split(self, f: Tensor) -> tuple[Tensor, Tensor]:
@@ -334,13 +369,36 @@ _FAMILIES = {
 
 
 def likelihood_of(
-    site: str, fn, mask: Tensor | None = None, *, heteroscedastic: bool = False, raw_logits: Tensor | None = None
+    site: str,
+    fn,
+    mask: Tensor | None = None,
+    *,
+    heteroscedastic: bool = False,
+    raw_logits: Tensor | None = None,
+    weight: Tensor | float | None = None,
 ) -> Likelihood:
     """The family of observed ``site`` whose distribution is ``fn`` (raises a :class:`ModelError` if unknown).
 
     ``raw_logits`` are a Categorical's logits before normalisation, when known: the GGN does not depend on the
     choice, but the probit approximation does, and the usual convention linearises the network's own logits.
+    ``weight``: the site's ``poutine.scale`` weight (a constant or one per point of its batch shape; ``None``: 1).
     """
+    likelihood = _family(site, fn, mask, heteroscedastic, raw_logits)
+    if weight is not None:
+        outer = likelihood.base.batch_shape[: len(likelihood.base.batch_shape) - likelihood.reinterpreted]
+        like = likelihood.base.mean  # a tensor of the outputs' dtype and device (a Categorical's is NaN)
+        weight = torch.as_tensor(weight, dtype=like.dtype, device=like.device)
+        bad = ~torch.isfinite(weight) | (weight < 0)
+        if bool(bad.any()):
+            raise ModelError(
+                f"observed site '{site}' has a poutine.scale weight that is negative or not finite "
+                f"({weight[bad].flatten()[0].item() if weight.dim() else weight.item():.3g}); weights must be >= 0."
+            )
+        likelihood.weight = torch.broadcast_to(weight, outer).detach()
+    return likelihood
+
+
+def _family(site: str, fn, mask: Tensor | None, heteroscedastic: bool, raw_logits: Tensor | None) -> Likelihood:
     base = fn
     while isinstance(base, (dist.Independent, dist.MaskedDistribution, dist.ExpandedDistribution)):
         base = base.base_dist

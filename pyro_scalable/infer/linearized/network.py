@@ -86,7 +86,12 @@ class NetworkFunction:
         """:meth:`outputs` at the Laplace sites' values ``{site: value}`` rather than the flat ``theta``."""
         raw = model_outputs(self.bridge, {**self.fixed, **values}, batch, site=self.site, layers=layers)
         likelihood = likelihood_of(
-            self.site, raw.fn, raw.mask, heteroscedastic=self.heteroscedastic, raw_logits=raw.raw_logits
+            self.site,
+            raw.fn,
+            raw.mask,
+            heteroscedastic=self.heteroscedastic,
+            raw_logits=raw.raw_logits,
+            weight=raw.scale,
         )
         if self.noise is not None:
             likelihood = likelihood.with_noise(self.noise)

@@ -49,6 +49,7 @@ from pyro_scalable.infer.linearized.sampling import (
     Solution,
     SolveSettings,
     check_settings,
+    homoscedastic_normal,
     is_linear,
     sample_linearized,
 )
@@ -59,7 +60,7 @@ from pyro_scalable.infer.results import Draws
 from pyro_scalable.infer.sample_then_optimize.checkpoint import SolveCheckpoint, run_seed
 from pyro_scalable.infer.sample_then_optimize.distributed import DistributedMode
 from pyro_scalable.infer.sample_then_optimize.distributed import setup as setup_parallel
-from pyro_scalable.infer.sample_then_optimize.linearization import linearization_point
+from pyro_scalable.infer.sample_then_optimize.linearization import check_draws_finite, linearization_point
 from pyro_scalable.infer.sample_then_optimize.predictive import SampleThenOptimizePredictives
 
 __all__ = ["SampleThenOptimize"]
@@ -84,8 +85,9 @@ class SampleThenOptimize(SampleThenOptimizePredictives, Draws):
         momentum: Nesterov momentum.
         max_grad_norm: clip each row's gradient to this norm (``None``: no clipping).
         linearize_at: the linearisation point: constrained values by site name, or a trained autoguide (its
-            ``median``). Default: none needed when the output is linear in the latents and there is no other
-            latent; otherwise the MAP found by ``map_steps`` Adam steps.
+            ``median``). Default: none needed for a linear-Gaussian model (an output linear in the latents, no other
+            latent, a Normal likelihood with a fixed scale); every other model (a GLM included) is linearised at
+            its MAP, found by the full-data mode search (:mod:`.linearization`).
         sites: the latent sites to sample (default: all that the output depends on; a scalar Normal noise scale is
             held at its value at ``linearize_at``).
         prior_precision: overrides the precision read from the model's priors (a scalar or a flat vector over the
@@ -108,7 +110,8 @@ class SampleThenOptimize(SampleThenOptimizePredictives, Draws):
             sds of its exact solution in every direction, by CG's energy-error estimate (:mod:`.krylov`); a run
             whose budget ends first warns with the estimate. ``0``: the epochs only.
         tolerance: the error allowed, in posterior sds along any direction (the energy norm ``‖z − z*‖_H``).
-        map_steps: Adam steps to find the MAP when ``linearize_at`` is needed and not given.
+        map_steps: L-BFGS iterations (per stage) of the MAP search when ``linearize_at`` is needed and not given;
+            ``0``: no search (an error where a MAP is needed).
         chunk_size: points per chunk in the full-data passes (default: max(B, 1024)).
         seed: seeds the prior draws, the perturbations, the minibatches; ``None`` draws one from torch.
         draws_device: where draws are kept (default CPU).
@@ -128,7 +131,8 @@ class SampleThenOptimize(SampleThenOptimizePredictives, Draws):
 
     Attributes:
         net: the model as a network function of the flat sampled latents, linearised at ``net.theta_star``.
-        linear: whether the model's output is linear in the sampled latents (then no MAP is needed or checked).
+        linear: whether the model's output is linear in the sampled latents (with a Normal likelihood of a fixed
+            scale no MAP is needed; a GLM is linearised at its MAP).
         state: the solver's last :class:`~pyro_scalable.infer.linearized.sampling.core.SampleState`: one row per
             sample, then the mean row (after a divergence: the state before the step that diverged).
         mean_unconstrained: the flat posterior mean the draws are centred at.
@@ -179,7 +183,7 @@ class SampleThenOptimize(SampleThenOptimizePredictives, Draws):
         preconditioner: Literal["diagonal"] | None = "diagonal",
         refine_passes: int = 200,
         tolerance: float = 0.1,
-        map_steps: int = 2000,
+        map_steps: int = 200,
         chunk_size: int | None = None,
         seed: int | None = None,
         draws_device: torch.device | str = "cpu",
@@ -300,6 +304,7 @@ class SampleThenOptimize(SampleThenOptimizePredictives, Draws):
         layout = ParameterLayout({name: bridge.sites[name].unconstrained_shape for name in chosen})
         theta = layout.flatten(latents).detach()
         self.linear = is_linear(bridge, site, chosen, latents, generator)
+        linear_gaussian = self.linear and homoscedastic_normal(bridge, site, chosen, latents)
         self.net = NetworkFunction(
             bridge, site, layout, theta, latents, heteroscedastic=heteroscedastic, chunk_size=self.chunk_size
         )
@@ -312,7 +317,7 @@ class SampleThenOptimize(SampleThenOptimizePredictives, Draws):
                 generator,
                 parallel=parallel,
                 noise=noise,
-                linear=self.linear,
+                linear_gaussian=linear_gaussian,
                 noise_site=noise_site,
                 checkpoint=checkpoint,
             )
@@ -352,6 +357,7 @@ class SampleThenOptimize(SampleThenOptimizePredictives, Draws):
             **{k: v.expand((draws.shape[0],) + v.shape) for k, v in net.fixed.items()},
             **net.layout.unflatten(draws),
         }
+        check_draws_finite(self.bridge, latents)
         self.results.draws = {k: v.detach().unsqueeze(0).to(self.draws_device) for k, v in latents.items()}
         self.results.stats = {k: v.unsqueeze(0).to(self.draws_device) for k, v in solution.stats.items()}
 

@@ -91,7 +91,8 @@ def _flat(grads: Latents) -> torch.Tensor:
 def warn_wasted_control_variate(share: float | None, search: Any) -> None:
     """Warn where the control variate ``"auto"`` chose left over :data:`WORTH` of the plain noise (module docstring).
 
-    ``search``: the run's :class:`~.mode_search.ModeSearch` (``None``: the centre was read back from a checkpoint).
+    ``search``: the run's :class:`~pyro_scalable.infer.mode_search.ModeSearch` (``None``: the centre was read back
+    from a checkpoint).
 
     Example:
         >>> import warnings

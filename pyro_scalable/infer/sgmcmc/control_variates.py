@@ -33,14 +33,14 @@ curvature is that of :math:`\ell_{\mathcal{B}}`, the linear term having none) an
 it unchanged, so the noise correction and warm-up's step size see the reduced noise. A step evaluates the model
 twice (at :math:`\theta` and :math:`\hat\theta`, on the same minibatch).
 
-**The centre.** ``control_variate="map"`` finds :math:`\hat\theta` by :func:`~.mode_search.find_mode`: L-BFGS on a
-subsample, then on full-data passes until the next step would be under 0.01 posterior standard deviations, whose
-last pass gives :math:`\ell(\hat\theta)` and :math:`\nabla\ell(\hat\theta)`; ``"warmup"`` centres it at
-the mean of each of warm-up's metric windows in turn (the posterior's bulk, where a hierarchy's joint mode is not;
-:mod:`.control_choice`); a dict of constrained values, or a trained guide (its ``median()``), is used as given.
-Far from :math:`\hat\theta` (another mode of a multimodal posterior) the estimate stays unbiased but its noise
-grows with :math:`\lVert\theta-\hat\theta\rVert^2`; the noise estimate sees that, so the draws stay calibrated,
-only the steps get smaller.
+**The centre.** ``control_variate="map"`` finds :math:`\hat\theta` by
+:func:`~pyro_scalable.infer.mode_search.find_mode`: L-BFGS on a subsample, then on full-data passes until the next
+step would be under 0.01 posterior standard deviations, whose last pass gives :math:`\ell(\hat\theta)` and
+:math:`\nabla\ell(\hat\theta)`; ``"warmup"`` centres it at the mean of each of warm-up's metric windows in turn (the
+posterior's bulk, where a hierarchy's joint mode is not; :mod:`.control_choice`); a dict of constrained values, or a
+trained guide (its ``median()``), is used as given. Far from :math:`\hat\theta` (another mode of a multimodal
+posterior) the estimate stays unbiased but its noise grows with :math:`\lVert\theta-\hat\theta\rVert^2`; the noise
+estimate sees that, so the draws stay calibrated, only the steps get smaller.
 """
 
 from __future__ import annotations
@@ -54,14 +54,14 @@ from torch import Tensor
 
 from pyro_scalable.bridge.model import Batch, Latents, ModelBridge
 from pyro_scalable.bridge.observed import no_mode_reason
-from pyro_scalable.infer.sgmcmc.chains import gradient_and_value, index_dims
-from pyro_scalable.infer.sgmcmc.mode_search import (
+from pyro_scalable.infer.mode_search import (
     ControlVariate,
     ModeSearch,
     find_mode,
     full_data_gradient,
 )
-from pyro_scalable.infer.sgmcmc.mode_search import point_gradient_and_value as _gradient_and_value
+from pyro_scalable.infer.mode_search import point_gradient_and_value as _gradient_and_value
+from pyro_scalable.infer.sgmcmc.chains import gradient_and_value, index_dims
 
 __all__ = [
     "CentreError",

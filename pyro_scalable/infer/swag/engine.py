@@ -47,10 +47,10 @@ from pyro_scalable.bridge.model import Batch, Latents, ModelBridge
 from pyro_scalable.bridge.plates import FullDataModel
 from pyro_scalable.infer.autodiff import hvp
 from pyro_scalable.infer.linearized.layout import ParameterLayout
+from pyro_scalable.infer.mode_search import find_mode
 from pyro_scalable.infer.schedules import Cyclical
 from pyro_scalable.infer.sgmcmc.adaptation import Tuned
 from pyro_scalable.infer.sgmcmc.chains import ChainStepper
-from pyro_scalable.infer.sgmcmc.control_variates import find_mode
 from pyro_scalable.infer.sgmcmc.sghmc import SGHMC, sgd_hyperparameters
 from pyro_scalable.infer.swag.moments import MomentAccumulator
 from pyro_scalable.infer.swag.posterior import SWAGPosterior

@@ -21,10 +21,11 @@ from torch.func import grad_and_value, vmap
 from torch.utils.data import DataLoader, TensorDataset
 
 from pyro_scalable.bridge.model import Batch, ModelBridge
-from pyro_scalable.infer import BAOAB, PSGLD, SGHMC, SGLD, SGNHT, StochasticMCMC
+from pyro_scalable.infer import BAOAB, PSGLD, SGHMC, SGLD, SGNHT, StochasticMCMC, mode_search
 from pyro_scalable.infer.checkpoint import load
 from pyro_scalable.infer.linearized.layout import ParameterLayout
-from pyro_scalable.infer.sgmcmc import base, control_variates, mode_search
+from pyro_scalable.infer.mode_search import MODE_TOLERANCE
+from pyro_scalable.infer.sgmcmc import base, control_variates
 from pyro_scalable.infer.sgmcmc.base import estimate_gradient
 from pyro_scalable.infer.sgmcmc.chains import chains_gradient
 from pyro_scalable.infer.sgmcmc.control_choice import centred, choose
@@ -36,7 +37,6 @@ from pyro_scalable.infer.sgmcmc.control_variates import (
     prepare,
 )
 from pyro_scalable.infer.sgmcmc.metric import AffineLogPosterior, AffineMap
-from pyro_scalable.infer.sgmcmc.mode_search import MODE_TOLERANCE
 
 from ...conftest import LinearRegression
 from .test_calibration import sd_ratio

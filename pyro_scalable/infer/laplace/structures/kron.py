@@ -4,6 +4,9 @@ In the GGN pass, :math:`B = \frac1N\sum_{i,c} g_{ic} g_{ic}^\top` and :math:`A =
 a_i^\top` (Martens & Grosse 2015, with the bias folded into :math:`A`; exact when :math:`\sum_c
 g_{ic}g_{ic}^\top` is the same for every example, e.g. a one-layer net with a Gaussian likelihood). A convolution's
 factors sum over its :math:`L` locations too, with :math:`B` divided by :math:`NL` (KFC, Grosse & Martens 2016).
+With per-point weights :math:`w_i` (``poutine.scale``, ``poutine.mask``; the roots already carry
+:math:`\sqrt{w_i}`) the factors are those of the data with point :math:`i` repeated :math:`w_i` times:
+:math:`A = \sum_i w_i \tilde a_i \tilde a_i^\top` and :math:`N = \sum_i w_i`.
 
 A layer's prior must be :math:`I \otimes D` (equal across the layer's outputs; a scalar, or one value for the
 weight and one for the bias). With :math:`\tilde A = D^{-1/2} A D^{-1/2} = Q_A \mathrm{diag}(\lambda) Q_A^\top`
@@ -114,22 +117,26 @@ class _KronAccumulator:
         self.input_factors = [theta.new_zeros(p.index.shape[1], p.index.shape[1]) for p in plans]
         self.output_factors = [theta.new_zeros(p.index.shape[0], p.index.shape[0]) for p in plans]
         self.locations = [1] * len(plans)
+        self.count = theta.new_zeros(())  # N, or the sum of the points' weights
 
     def accumulate(self, chunk: Chunk) -> None:
+        weights = chunk.point_weights  # None: every point once
+        self.count += chunk.f.shape[0] if weights is None else weights.sum()
         for k, (plan, a) in enumerate(zip(self.plans, chunk.raw_inputs)):
             if plan.conv:
                 a = chunk.inputs[k]
-                self.input_factors[k] += torch.einsum("nil,njl->ij", a, a)
+                weighted = a if weights is None else a * weights[:, None, None]
+                self.input_factors[k] += torch.einsum("nil,njl->ij", weighted, a)
                 self.locations[k] = a.shape[-1]
                 continue
             # A = ã^T ã with ã = (a, 1), in place and by blocks: no (points, in + 1) copy with a column of ones
             factor, m = self.input_factors[k], a.shape[1]
-            _add_lower_gram(factor[:m, :m], a)
+            _add_lower_gram(factor[:m, :m], a if weights is None else a * weights.sqrt()[:, None])
             if plan.bias is not None:
-                sums = a.sum(0)
+                sums = a.sum(0) if weights is None else weights @ a
                 factor[:m, m] += sums
                 factor[m, :m] += sums
-                factor[m, m] += a.shape[0]
+                factor[m, m] += a.shape[0] if weights is None else weights.sum()
         for grads, rest_rows in chunk.column_groups():
             # B summed over a group of columns (stacked by the pullback) in one product per layer
             for factor, g in zip(self.output_factors, grads):
@@ -147,7 +154,7 @@ class _KronAccumulator:
                 m = factor.shape[0] - (plan.bias is not None)
                 _mirror_lower(factor[:m, :m])
         blocks = [
-            KronBlock(p.index, b / (num_points * size), a)
+            KronBlock(p.index, b / (self.count * size), a)
             for p, b, a, size in zip(self.plans, self.output_factors, self.input_factors, self.locations)
         ]
         return KronCurvature(blocks, self.rest, self.rest_diagonal, self.num_params)

@@ -33,7 +33,7 @@ from pyro_scalable.infer.linearized.sampling import (
     Solution,
     SolveSettings,
     check_settings,
-    is_linear,
+    is_linear_gaussian,
     sample_linearized,
 )
 
@@ -71,12 +71,12 @@ class SampledRun:
         chosen = fit.layout.names
         _, heteroscedastic, noise_site, noise = choose_sites(bridge, site, latents, chosen)
         generator = torch.Generator(device=bridge.device).manual_seed(request.seed)
-        linear = is_linear(bridge, site, chosen, latents, generator)
+        linear_gaussian = is_linear_gaussian(bridge, site, chosen, latents, generator)
         theta = request.theta
         net = NetworkFunction(
             bridge, site, fit.layout, theta, latents, heteroscedastic=heteroscedastic, chunk_size=chunk_size
         )
-        options = dict(parallel=None, noise=noise, linear=linear, noise_site=noise_site)
+        options = dict(parallel=None, noise=noise, linear_gaussian=linear_gaussian, noise_site=noise_site)
         solution = sample_linearized(net, theta, settings, generator, **options)
         return cls(request, settings, chunk_size, net, solution)
 

@@ -10,6 +10,21 @@ regulariser centres take one pass over the data (:mod:`.centres`), conjugate gra
 """
 
 from pyro_scalable.infer.linearized.sampling.plan import OneProcess, SolveSettings, check_settings
-from pyro_scalable.infer.linearized.sampling.solve import Solution, is_linear, sample_linearized
+from pyro_scalable.infer.linearized.sampling.solve import (
+    Solution,
+    homoscedastic_normal,
+    is_linear,
+    is_linear_gaussian,
+    sample_linearized,
+)
 
-__all__ = ["OneProcess", "Solution", "SolveSettings", "check_settings", "is_linear", "sample_linearized"]
+__all__ = [
+    "OneProcess",
+    "Solution",
+    "SolveSettings",
+    "check_settings",
+    "homoscedastic_normal",
+    "is_linear",
+    "is_linear_gaussian",
+    "sample_linearized",
+]

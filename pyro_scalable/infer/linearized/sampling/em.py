@@ -79,13 +79,13 @@ def mackay_noise_update(gamma: Tensor, sum_squares: Tensor, num_observations: Te
 
 
 def linearized_sum_squares(net: Any, theta: Tensor, step: Tensor, batches: list[Any]) -> Tensor:
-    """``[‖y − f(θ*) − J step‖², n]`` over ``batches`` (observed outputs only): one JVP per batch."""
+    """``[Σ w ‖y − f(θ*) − J step‖², Σ w]`` over ``batches`` (observed outputs, weighted): one JVP per batch."""
     total = theta.new_zeros(2)
     for batch in batches:
         out = net.outputs(theta, batch)
         f, tangent = net.jvp(theta, step.unsqueeze(0), batch)
         likelihood = out.likelihood
-        keep = likelihood.mask_outputs(f) if likelihood.mask is not None else torch.ones_like(f)
+        keep = likelihood.weight_outputs(f)
         residual = likelihood.flatten(out.value) - (f + tangent[0]).detach()
         total = total + torch.stack([(keep * residual**2).sum(), keep.sum()])
     return total

@@ -65,11 +65,12 @@ class Problem:
         parallel: OneProcess | None = None,
         noise: Tensor | None = None,
         *,
-        linear: bool = False,
+        linear_gaussian: bool = False,
         noise_site: str | None = None,
     ):
         self.settings, self.net, self.theta = settings, net, theta
-        self.linear, self.noise_site = linear, noise_site  # f linear in θ (no MAP to check); σ's latent site
+        self.linear_gaussian = linear_gaussian  # the model is its own linearisation, at any θ* (solve.check_map)
+        self.noise_site = noise_site  # σ's latent site
         bridge = net.bridge
         self.num_samples = settings.num_samples
         self.parallel = parallel = OneProcess(settings.num_samples) if parallel is None else parallel

@@ -24,8 +24,8 @@ from tqdm.auto import tqdm
 from pyro_scalable.bridge.checks import ModelError
 from pyro_scalable.bridge.model import Latents, ModelBridge
 from pyro_scalable.infer.linearized.layout import ParameterLayout
-from pyro_scalable.infer.linearized.map_check import check_noise_fit, gauss_newton_gain, warn_not_map
-from pyro_scalable.infer.linearized.network import NetworkFunction, first_batch
+from pyro_scalable.infer.linearized.map_check import GAIN_THRESHOLD, check_noise_fit, gauss_newton_gain, warn_not_map
+from pyro_scalable.infer.linearized.network import NetworkFunction, choose_sites, first_batch
 from pyro_scalable.infer.linearized.sampling import core, krylov
 from pyro_scalable.infer.linearized.sampling.em import (
     damp_oscillation,
@@ -36,7 +36,16 @@ from pyro_scalable.infer.linearized.sampling.em import (
 from pyro_scalable.infer.linearized.sampling.plan import OneProcess, SolveSettings
 from pyro_scalable.infer.linearized.sampling.problem import Finished, Problem
 
-__all__ = ["Checkpoint", "Solution", "Solved", "is_linear", "sample_linearized", "solve_with_em"]
+__all__ = [
+    "Checkpoint",
+    "Solution",
+    "Solved",
+    "homoscedastic_normal",
+    "is_linear",
+    "is_linear_gaussian",
+    "sample_linearized",
+    "solve_with_em",
+]
 
 
 class Checkpoint(Protocol):
@@ -91,18 +100,21 @@ def sample_linearized(
     *,
     parallel: OneProcess | None = None,
     noise: Tensor | None = None,
-    linear: bool = False,
+    linear_gaussian: bool = False,
     noise_site: str | None = None,
     checkpoint: Checkpoint | None = None,
 ) -> Solution:
     """``settings.num_samples`` draws of the posterior of ``net`` linearised at ``theta``, and its mean.
 
     ``noise`` is a homoscedastic Normal's scale at ``theta`` (``noise_site`` its latent site, if any), which
-    ``settings.em_noise`` fits and the noise check reads; ``linear``: the output is linear in θ, so there is no MAP
-    to check. Warns where the draws have not converged, the linearisation point is not a MAP, or too few
-    observations are left to measure σ.
+    ``settings.em_noise`` fits and the noise check reads; ``linear_gaussian``: the model is linear-Gaussian in θ
+    (:func:`is_linear_gaussian`), so ``theta`` need not be a MAP and the MAP check measures the draws' centre.
+    Warns where the draws have not converged, the linearisation point is not a MAP, or too few observations are left
+    to measure σ.
     """
-    problem = Problem(settings, net, theta, generator, parallel, noise, linear=linear, noise_site=noise_site)
+    problem = Problem(
+        settings, net, theta, generator, parallel, noise, linear_gaussian=linear_gaussian, noise_site=noise_site
+    )
     solved = solve_with_em(problem, settings, generator, checkpoint)
     parallel = problem.parallel
     state, stats, trace = parallel.gather(solved.state, solved.finished.stats, problem.trace)
@@ -219,19 +231,33 @@ def check_noise(problem: Problem, gamma: Tensor, step: Tensor) -> bool:
 
 
 def check_map(problem: Problem, state: core.SampleState, product: Tensor) -> None:
-    """Warn, as the Laplace guide does, when a nonlinear model's linearisation point is not a MAP.
+    r"""Warn, as the Laplace guide does, when the point the draws are centred at is not the linearised model's MAP.
 
-    The gain of a Gauss-Newton step on the exact GGN (:mod:`~pyro_scalable.infer.linearized.map_check`), from
-    the solved mean row (``product``: ``M`` times it) and a few preconditioned CG iterations on.
+    The gain of a Gauss-Newton step on the exact GGN (:mod:`~pyro_scalable.infer.linearized.map_check`). Every model
+    is checked: a nonlinear one (a network, a GLM) from its linearisation point, where its draws are centred, starting
+    CG at the solved mean row (``product``: ``M`` times it); a linear-Gaussian one, whose draws are centred at the
+    solved mean :math:`\theta_* + \bar\delta` wherever :math:`\theta_*` is, from that centre (its residual
+    :math:`b - H\bar\delta`: nothing to gain once the solve has converged, found without a product by the check's
+    upper bound).
     """
-    if problem.linear:
-        return
     precision, inverse, step = problem.precision, problem.inverse_preconditioner(), state.samples[-1].detach()
     b = problem.gradient - precision * (problem.theta - problem.prior_mean)
     matvec = lambda v: problem.full_ggn_vp(v.unsqueeze(0)).squeeze(0) + precision * v  # noqa: E731
     solve = None if inverse is None else (lambda r: inverse * r)
+    if problem.linear_gaussian:
+        residual = b - (product + precision * step)
+        floor = precision.double()
+        gain = gauss_newton_gain(
+            matvec, residual, solve=solve, floor_solve=lambda r: r / floor, threshold=GAIN_THRESHOLD
+        )
+        consequence = (
+            "The draws are centred at the solved mean of the linear-Gaussian model, which has not converged: raise "
+            "num_epochs or refine_passes."
+        )
+        warn_not_map(gain, float(residual.norm()), consequence)
+        return
     gain = gauss_newton_gain(matvec, b, solve=solve, start=step, start_product=product + precision * step)
-    found = " (The MAP was found by map_steps Adam steps: raise map_steps.)" if problem.settings.map_found else ""
+    found = " (The MAP was found by the engine's mode search: raise map_steps.)" if problem.settings.map_found else ""
     consequence = "The samples are those of the model linearised there, not the linearised-Laplace posterior."
     warn_not_map(gain, float(b.norm()), consequence + found)
 
@@ -239,8 +265,8 @@ def check_map(problem: Problem, state: core.SampleState, product: Tensor) -> Non
 def is_linear(bridge: ModelBridge, site: str, chosen: list[str], latents: Latents, generator) -> bool:
     """Whether the output is linear in the chosen latents (one random direction, to rounding).
 
-    A linear output is its own linearisation, at any point: it needs no MAP, and no check that it is one. The
-    direction is drawn from ``generator``, so the draws after it depend on this call being made.
+    The direction is drawn from ``generator``, so the draws after it depend on this call being made. A linear output
+    is not enough for the linearised model to be the model: see :func:`is_linear_gaussian`.
     """
     layout = ParameterLayout({name: bridge.sites[name].unconstrained_shape for name in chosen})
     theta = layout.flatten(latents).detach()
@@ -252,3 +278,21 @@ def is_linear(bridge: ModelBridge, site: str, chosen: list[str], latents: Latent
     error = (f1 - f0 - products[0]).abs().max()
     scale = f0.abs().max() + f1.abs().max() + products.abs().max()
     return bool(error <= 100 * torch.finfo(theta.dtype).eps * scale)
+
+
+def is_linear_gaussian(bridge: ModelBridge, site: str, chosen: list[str], latents: Latents, generator) -> bool:
+    """Whether the model is linear-Gaussian in the chosen latents: its own linearisation, at any point.
+
+    The output (a Normal's loc) linear in them (:func:`is_linear`, which draws from ``generator``), and the
+    likelihood a Normal whose scale none of them sets (:func:`homoscedastic_normal`). A GLM's predictor is linear
+    too, but its likelihood is not Gaussian: its linearisation is a Gaussian only at its mode.
+    """
+    return is_linear(bridge, site, chosen, latents, generator) and homoscedastic_normal(bridge, site, chosen, latents)
+
+
+def homoscedastic_normal(bridge: ModelBridge, site: str, chosen: list[str], latents: Latents) -> bool:
+    """Whether observed ``site`` is a Normal whose scale does not depend on the ``chosen`` latents."""
+    _, heteroscedastic, _, _ = choose_sites(bridge, site, latents, chosen)
+    layout = ParameterLayout({name: bridge.sites[name].unconstrained_shape for name in chosen})
+    net = NetworkFunction(bridge, site, layout, layout.flatten(latents).detach(), latents)
+    return net.outputs(net.theta_star, first_batch(bridge)).likelihood.name == "Normal" and not heteroscedastic
