@@ -160,10 +160,17 @@ def one_subsampled_plate(bridge: Any, purpose: str) -> Any:
 
     """
     plates = list(bridge.plates.values())
+    rows = getattr(bridge, "data_rows", None)  # the rows of a model that subsamples none (bridge/subsampling.py)
     if len(plates) != 1:
+        fix = (
+            f": observed site '{rows.site}' runs on all {rows.rows} rows at every step. Write "
+            f"`{rows.plate_line()}` around it and index the data with idx"
+            if not plates and rows is not None
+            else ""
+        )
         raise ModelError(
             f"{purpose} needs the likelihood in exactly one subsampled plate (pyro.plate('data', N, "
-            f"subsample_size=B)); the model has {len(plates)}."
+            f"subsample_size=B)); the model has {len(plates)}{fix}."
         )
     return plates[0]
 

@@ -48,6 +48,7 @@ from pyro_scalable.bridge.log_posterior import PARTS, LogPosterior
 from pyro_scalable.bridge.observed import check_observed_values
 from pyro_scalable.bridge.plates import FullDataModel, plate_indices
 from pyro_scalable.bridge.records import Batch, DataPlate, Latents, LatentSite
+from pyro_scalable.bridge.subsampling import data_rows
 from pyro_scalable.bridge.traced import TracedLogDensity
 
 __all__ = ["Batch", "DataPlate", "FullDataModel", "LatentSite", "Latents", "LogPosterior", "ModelBridge"]
@@ -116,6 +117,8 @@ class ModelBridge:
         self.observed = self._find_observed(trace)
         # the plate dims in ``observed`` count from the right of the batch shape, left of these event dims
         self.observed_event_dims = {name: trace.nodes[name]["fn"].event_dim for name in self.observed}
+        # the rows every step evaluates where no plate subsamples (bridge/subsampling.py names them once)
+        self.data_rows = data_rows(trace, {**{p.name: p.size for p in self.plates.values()}, **self.given_plates})
         if self.device is None:
             self.device = next((v["value"].device for _, v in self._latent_nodes(trace)), torch.device("cpu"))
         self._check_plate_sizes(trace)

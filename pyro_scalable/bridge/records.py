@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -9,7 +10,7 @@ import torch
 from torch import Tensor
 from torch.distributions.transforms import Transform
 
-__all__ = ["Batch", "DataPlate", "LatentSite", "Latents"]
+__all__ = ["Batch", "DataPlate", "DataRows", "LatentSite", "Latents"]
 
 Latents = dict[str, Tensor]
 
@@ -43,3 +44,33 @@ class DataPlate:
     size: int
     subsample_size: int
     dim: int
+
+
+class DataRows(NamedTuple):
+    """The rows an observed site's likelihood runs on at every step where no plate subsamples them.
+
+    Example:
+        >>> rows = DataRows(56_789, "obs", None)
+        >>> rows.subsample_size, rows.plate_line()
+        (560, "with pyro.plate('data', 56789, subsample_size=560) as idx:")
+
+    """
+
+    rows: int
+    site: str  # the observed site
+    plate: str | None  # the plate around it of ``rows`` rows; None where it is in no plate
+
+    @property
+    def subsample_size(self) -> int:
+        """A minibatch size to start from: about 1% of the rows, between 100 and 1,000, to two significant digits.
+
+        A step then costs about a hundredth of a data pass, and N/B >= 10 lets ``control_variate="auto"`` centre a
+        control variate at the mode.
+        """
+        size = min(1000, max(100, self.rows // 100))
+        digits = 10 ** max(int(math.log10(size)) - 1, 0)
+        return min(size // digits * digits, self.rows)
+
+    def plate_line(self) -> str:
+        """The plate that would subsample these rows, as the model would write it."""
+        return f"with pyro.plate('{self.plate or 'data'}', {self.rows}, subsample_size={self.subsample_size}) as idx:"

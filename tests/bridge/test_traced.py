@@ -250,6 +250,9 @@ def masked(x, y):
     ],
 )
 def test_what_cannot_be_replayed_stays_on_the_pyro_path(model, reason, caplog):
+    # `noisy` draws its jitter from the global generator: two draws close enough to pass the check (about one
+    # state in a thousand) would let the graph through, so the state the earlier tests leave must not decide
+    torch.manual_seed(0)
     gen = torch.Generator().manual_seed(0)
     x, y = torch.randn(40, 3, generator=gen), torch.randn(40, generator=gen)
     bridge = ModelBridge(model, (x, y))

@@ -42,6 +42,7 @@ from torch import Tensor
 from pyro_scalable.arguments import check_choice, check_count, check_device, check_flag, check_seed, check_tensor
 from pyro_scalable.bridge.checks import ModelError
 from pyro_scalable.bridge.model import FullDataModel, ModelBridge
+from pyro_scalable.bridge.subsampling import warn_full_batch
 from pyro_scalable.infer.linearized.layout import ParameterLayout
 from pyro_scalable.infer.linearized.network import NetworkFunction, choose_sites, observed_site
 from pyro_scalable.infer.linearized.sampling import (
@@ -126,6 +127,8 @@ class SampleThenOptimize(SampleThenOptimizePredictives, Draws):
             see :mod:`.distributed`). ``"samples"`` splits the K samples across the ranks and gathers the draws
             on rank 0 (other ranks keep their own block); ``"data"`` splits every minibatch and data pass across
             the ranks, and every rank ends with every draw.
+        full_batch: a full-batch run is meant: a model whose likelihood runs on all of 10⁴ or more rows at every
+            step (no ``subsample_size``, or no plate) is otherwise named with a warning and the plate to write.
 
     After ``run``, besides the draws (``get_samples``, ``to_inference_data``, :meth:`predict`):
 
@@ -192,6 +195,7 @@ class SampleThenOptimize(SampleThenOptimizePredictives, Draws):
         checkpoint_every: int = 1,
         resume: bool = True,
         distributed: DistributedMode | None = None,
+        full_batch: bool = False,
     ):
         if not callable(model):
             raise TypeError(f"model must be a Pyro model (a callable), got {type(model).__name__}.")
@@ -253,6 +257,7 @@ class SampleThenOptimize(SampleThenOptimizePredictives, Draws):
         self.checkpoint_every = operator.index(checkpoint_every)
         self.resume = check_flag("resume", resume)
         self.distributed = distributed
+        self.full_batch = check_flag("full_batch", full_batch)
         self._requested_samples = self.num_samples
         self._reset()
 
@@ -277,6 +282,7 @@ class SampleThenOptimize(SampleThenOptimizePredictives, Draws):
         self._reset()
         model = self.kernel.model.model
         bridge = ModelBridge(model, args, kwargs)
+        warn_full_batch(bridge, "SampleThenOptimize", full_batch=self.full_batch)  # a step on all of N >= 10⁴ rows
         self.results = RunRecord(bridge, bridge, args, kwargs)
         site = observed_site(bridge, "sample-then-optimise")
         if not bridge.sites:

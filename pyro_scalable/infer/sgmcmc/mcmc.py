@@ -75,6 +75,9 @@ class StochasticMCMC(Draws):
             gather of ``num_chains × B`` rows (about twice the throughput on a linear model on a CPU).
             The chains' gradient noise is then one draw, so they are not independent given
             the data: between-chain r_hat and the pooled ESS can look better than the chains are. Default off.
+        full_batch: a full-batch run is meant. A model whose likelihood runs on all of 10⁴ or more rows at every step
+            (its data plate without ``subsample_size``, or no plate) is otherwise named with a warning, once per
+            run, with the plate that would subsample it (:mod:`pyro_scalable.bridge.subsampling`).
 
     After ``run``, ``control_variate`` holds the kernel's control variate (its centre, unconstrained, and the
     full-data log joint and gradient there; ``None`` without one) and ``mode_search`` how its mode was found
@@ -118,6 +121,7 @@ class StochasticMCMC(Draws):
         minibatches: Literal["epoch", "independent"] | None = None,
         metric: Literal["auto", "unit", "diagonal", "dense"] = "auto",
         shared_minibatches: bool = False,
+        full_batch: bool = False,
         **unknown: Any,
     ):
         refuse_pyro_spellings(unknown)
@@ -137,6 +141,7 @@ class StochasticMCMC(Draws):
                 raise ValueError(f"{name} must be an int >= {least}, got {value!r}.")
         self.minibatches = check_choices(kernel, chain_method, on_divergence, minibatches)
         self.shared_minibatches = check_flag("shared_minibatches", shared_minibatches)
+        self.full_batch = check_flag("full_batch", full_batch)
         self.metric = check_metric(metric)
         if distributed not in ("data", "chains", None):
             raise ValueError(f"distributed must be 'data', 'chains' or None, got {distributed!r}.")

@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 from pyro_scalable.bridge.checks import user_stacklevel
 from pyro_scalable.bridge.minibatches import EpochSampler, data_passes
 from pyro_scalable.bridge.model import Batch, Latents, ModelBridge
+from pyro_scalable.bridge.subsampling import warn_full_batch
 from pyro_scalable.infer.checkpoint import terminate_as_interrupt
 from pyro_scalable.infer.distributed import broadcast_seed
 from pyro_scalable.infer.health import repeated_draws, warn_unhealthy
@@ -88,6 +89,7 @@ def prepare(run: Any, args: tuple, kwargs: dict, batches: Iterable | None) -> Ru
     seed = int(torch.randint(0, 2**62, ())) if run.seed is None else run.seed
     record, batch_iter = bind(run.kernel.model, args, kwargs, batches, seed)
     bridge = record.bridge
+    warn_full_batch(bridge, "StochasticMCMC", full_batch=run.full_batch)
     parallel = setup_parallel(run.distributed, bridge.plates, run.num_chains, sharded=batch_iter is None)
     if parallel is not None:
         seed = broadcast_seed(seed, bridge.device)
