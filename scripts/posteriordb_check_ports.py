@@ -102,9 +102,11 @@ def render(record: dict) -> str:
     lines = [
         "# posteriordb ports: Pyro's NUTS against posteriordb's reference draws",
         "",
-        f"`{COMMAND}` at {record['commit']} on {record['machine']}; pass: every Stan parameter's mean within "
-        f"{MEAN_TOLERANCE} reference sd and sd ratio in {SD_RATIO[0]}-{SD_RATIO[1]}. Full data, float64, dense mass "
-        "matrix, JIT; chains one after another on one thread of a shared machine (seconds include its load).",
+        f"`{COMMAND}` on {record['machine']} (each port's commit is in `tests/posteriordb/ports_checked.json`). "
+        f"Pass: every Stan parameter's mean within {MEAN_TOLERANCE} reference sd of posteriordb's reference mean and "
+        f"its sd {SD_RATIO[0]}-{SD_RATIO[1]} times the reference sd. Pyro's NUTS on the full data, float64, a dense "
+        "mass matrix, the potential JIT-compiled, the chains one after another on one thread of a shared machine "
+        "under `nice` (the seconds include its load: the load average at each port's start is in the record).",
         "",
         "| posterior | kind | data plate (B) | passed | worst mean error (sd) | worst sd ratio | r_hat | least ESS "
         "| divergences | NUTS chains x (warm-up + draws) | seconds |",
@@ -141,11 +143,10 @@ def main() -> None:
     torch.set_num_threads(1)
     record = json.loads(options.record.read_text()) if options.record.exists() else {"ports": {}}
     if not options.render:
-        record |= {"command": COMMAND, "commit": _commit(), "machine": f"{platform.machine()}, {os.cpu_count()} cores"}
+        record |= {"command": COMMAND, "machine": f"{platform.machine()}, {os.cpu_count()} cores"}
         for name in options.posteriors:
-            load = os.getloadavg()[0]
-            record["ports"][name] = check(name, options.chains, options.warmup, options.samples, options.seed)
-            record["ports"][name]["load_average_at_start"] = round(load, 2)
+            start = {"commit": _commit(), "load_average_at_start": round(os.getloadavg()[0], 2)}
+            record["ports"][name] = check(name, options.chains, options.warmup, options.samples, options.seed) | start
             options.record.write_text(json.dumps(record, indent=1) + "\n")
             port = record["ports"][name]
             print(

@@ -13,10 +13,10 @@ NUTS and the full-batch engines can be judged on. The observed site is ``obs`` i
   :math:`\alpha_1 + \beta_1 < 1`. A support that moves with another site is one Pyro's HMC cannot follow, so the port
   samples ``alpha1 ~ Beta(1, 2)`` (the triangle's marginal) and ``beta1_share ~ Uniform(0, 1)``, and
   ``beta1 = (1 - alpha1) * beta1_share``: exactly the same uniform law, and ``beta1`` a derived Stan parameter.
-* three HMMs (``hmm_example``, the basketball drives): Stan's forward algorithm with the first state's weights all 1
-  is Pyro's ``DiscreteHMM`` whose first transition is uniform from every state (its log-likelihood is Stan's minus
-  log K, a constant). Ordered emission parameters (``positive_ordered``, ``ordered``) with Stan's independent Normal
-  priors are :class:`OrderedNormal`. A transition row without a prior is ``Dirichlet(1, 1)`` (flat on the simplex).
+* three HMMs (``hmm_example``, the basketball drives): the observations' law is Stan's forward algorithm
+  (:class:`~tests.posteriordb.distributions.StanHMM`), ordered emission parameters (``positive_ordered``,
+  ``ordered``) with Stan's Normal priors are :class:`~tests.posteriordb.distributions.OrderedNormal`, and a
+  transition row without a prior is ``Dirichlet(1, 1)`` (flat on the simplex).
 * ``gp_pois_regr-gp_regr``: a squared-exponential GP, :math:`y \sim \mathcal N(0, K)`, :math:`K_{ij} = \alpha^2
   \exp(-(x_i - x_j)^2 / 2\rho^2) + \sigma \delta_{ij}` (Stan adds ``sigma``, not its square, to the diagonal).
 """
@@ -29,47 +29,12 @@ from typing import Any
 import pyro
 import pyro.distributions as dist
 import torch
-from pyro.distributions import constraints
 from torch import Tensor
 
+from tests.posteriordb.distributions import OrderedNormal, StanHMM
 from tests.posteriordb.entry import Posterior, vector
 
-__all__ = ["PORTS", "OrderedNormal", "arma11", "garch11", "gp_regr", "hmm_drive_exponential", "hmm_drive_normal"]
-
-_MAX_REJECTIONS = 1000
-
-
-class OrderedNormal(dist.TorchDistribution):
-    """Independent ``Normal(loc[k], scale[k])`` restricted to increasing (and, if ``positive``, positive) vectors.
-
-    As in a Stan model's target, ``log_prob`` leaves out the log-probability of the restriction (a constant).
-    ``sample`` draws by rejection (for initial values and prior draws).
-    """
-
-    arg_constraints = {"loc": constraints.real_vector, "scale": constraints.independent(constraints.positive, 1)}
-
-    def __init__(self, loc: Tensor, scale: Tensor, positive: bool = False, validate_args: bool | None = None):
-        self.loc, self.scale = torch.broadcast_tensors(loc, scale)
-        self.positive = positive
-        super().__init__(self.loc.shape[:-1], self.loc.shape[-1:], validate_args=validate_args)
-
-    @constraints.dependent_property(is_discrete=False, event_dim=1)
-    def support(self):
-        return constraints.positive_ordered_vector if self.positive else constraints.ordered_vector
-
-    def log_prob(self, value: Tensor) -> Tensor:
-        return dist.Normal(self.loc, self.scale).log_prob(value).sum(-1)
-
-    def sample(self, sample_shape: tuple[int, ...] = ()) -> Tensor:
-        with torch.no_grad():
-            draws = dist.Normal(self.loc, self.scale).sample(torch.Size(sample_shape))
-            for _ in range(_MAX_REJECTIONS):
-                rejected = ~self.support.check(draws)
-                if not rejected.any():
-                    return draws
-                fresh = dist.Normal(self.loc, self.scale).sample(torch.Size(sample_shape))
-                draws = torch.where(rejected[..., None], fresh, draws)
-        raise RuntimeError(f"OrderedNormal: no ordered draw in {_MAX_REJECTIONS} tries")
+__all__ = ["PORTS", "arma11", "garch11", "gp_regr", "hmm_drive_exponential", "hmm_drive_normal", "hmm_example"]
 
 
 def _powers(base: Tensor, size: int) -> Tensor:
@@ -108,13 +73,7 @@ def garch11(y: Tensor, sigma1: Tensor) -> None:
 
 
 def _hmm(emission: dist.Distribution, transition: Tensor, values: Tensor) -> None:
-    """Stan's forward algorithm: the first state uniform, then ``transition[j, k] = p(k | j)``."""
-    num_states = transition.shape[-1]
-    log_transition = torch.cat(
-        [transition.new_zeros(1, num_states, num_states), transition.log().expand(len(values) - 1, -1, -1)]
-    )
-    initial = transition.new_zeros(num_states)
-    pyro.sample("obs", dist.DiscreteHMM(initial, log_transition, emission), obs=values)
+    pyro.sample("obs", StanHMM(transition, emission, len(values)), obs=values)
 
 
 def _transitions(prior: Tensor) -> Tensor:
