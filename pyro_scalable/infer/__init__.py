@@ -1,6 +1,6 @@
 """Inference engines for Pyro models, and the driver that runs them."""
 
-from pyro_scalable.infer.ekf import DiagonalEKF, EKFPosterior
+from pyro_scalable.infer.ekf import EKF, DiagonalEKF, EKFPosterior
 from pyro_scalable.infer.laplace import AutoLinearizedLaplace, CurvatureError, GLMPredictive, LaplacePosterior
 from pyro_scalable.infer.predictive import sample_posterior_predictive
 from pyro_scalable.infer.sample_then_optimize import SampleThenOptimize
@@ -30,6 +30,7 @@ __all__ = [
     "CurvatureError",
     "Cyclical",
     "DiagonalEKF",
+    "EKF",
     "EKFPosterior",
     "GLMPredictive",
     "LaplacePosterior",

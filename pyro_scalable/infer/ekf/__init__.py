@@ -1,5 +1,6 @@
-"""The online diagonal extended Kalman filter: one pass over the model's minibatches, a diagonal Gaussian."""
+"""The extended Kalman filter: one pass over the model's minibatches, iterated, a dense or diagonal Gaussian."""
 
-from pyro_scalable.infer.ekf.engine import DiagonalEKF, EKFPosterior
+from pyro_scalable.infer.ekf.engine import EKF, DiagonalEKF
+from pyro_scalable.infer.ekf.posterior import EKFPosterior
 
-__all__ = ["DiagonalEKF", "EKFPosterior"]
+__all__ = ["EKF", "DiagonalEKF", "EKFPosterior"]
