@@ -24,7 +24,10 @@ multi-chain autocorrelation of the Stan reference manual) in O(chains × draws) 
 (draws/2)² matrix per coordinate for the monotone sequence, 20 GB for 10 coordinates at 16,000 draws per chain.
 Both are computed on the unconstrained draws in chunks of coordinates, so that a network's worth of weights never
 needs more than a bounded FFT buffer.
-Convergence is not judged at temperature 0 (optimisation) or with fewer than 4 draws per chain.
+Convergence is not judged at temperature 0 (optimisation) or with fewer than 4 draws per chain. What to do about a
+problem depends on its cause (a run too short, a collapsed warm-up, chains in different modes, a hierarchy):
+:mod:`~pyro_scalable.infer.remedies` chooses the advice from the run's own figures, among them
+:func:`chain_agreement`, the chain means against their Monte-Carlo standard errors.
 
 The limits for fewer chains: for mixed chains cut into :math:`m = 2C` halves of :math:`n_e` effective draws each,
 the between-halves variance over the within is :math:`\chi^2_{m-1}/(m-1)` over :math:`n_e`, so
@@ -44,10 +47,12 @@ from pyro.ops.stats import autocovariance, gelman_rubin
 from torch import Tensor
 
 from pyro_scalable.bridge.checks import user_stacklevel
+from pyro_scalable.infer.remedies import RunSetup, convergence_remedy, degenerate
 
 __all__ = [
     "HealthWarning",
     "bulk_ess",
+    "chain_agreement",
     "effective_sample_size",
     "r_hat_limit",
     "rank_r_hat",
@@ -179,6 +184,36 @@ def bulk_ess(draws: Tensor, chain_dim: int = 0, sample_dim: int = 1) -> Tensor:
     return effective_sample_size(rank_normalised(x))
 
 
+def chain_agreement(draws: Tensor) -> tuple[float, float, list[float]]:
+    """Whether the chains ``(chains, draws, ...)`` sample one distribution: their means against their own errors.
+
+    Returns the largest spread of the chain means over the root-mean-square of their Monte-Carlo standard errors
+    (about 1 for chains of one distribution, whatever their length), the largest split R̂ of any chain alone (its
+    two halves compared), and the chain means of the coordinate whose spread is the largest.
+
+    Example:
+        >>> x = torch.randn(4, 400, 1, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+        >>> apart, within, _ = chain_agreement(x)
+        >>> x[:2] += 3.0  # two chains around another mode, 3 sds away: their means 60 standard errors apart
+        >>> round(apart, 1), round(chain_agreement(x)[0]), within < 1.1
+        (1.0, 33, True)
+
+    """
+    flat = draws.reshape(draws.shape[0], draws.shape[1], -1).double()
+    chains, means = range(flat.shape[0]), flat.mean(1)
+    apart, within = [], []
+    for i in range(0, flat.shape[-1], _CHUNK):  # a bounded FFT buffer, as _worst's
+        part = flat[..., i : i + _CHUNK]
+        error = torch.stack(
+            [part[c].std(0) / effective_sample_size(part[c : c + 1]).clamp(min=1.0).sqrt() for c in chains]
+        )
+        apart.append(means[:, i : i + _CHUNK].std(0) / error.square().mean(0).sqrt())
+        within.append(torch.stack([rank_r_hat(part[c : c + 1]) for c in chains]).amax(0))
+    spread = torch.cat(apart)
+    worst = int(torch.nan_to_num(spread, nan=-1.0).argmax())
+    return float(spread[worst]), float(torch.cat(within).max()), means[:, worst].tolist()
+
+
 def _worst(value: Tensor, statistic, reduce) -> float:
     """``statistic`` over every coordinate of a ``(chains, draws, *shape)`` site, reduced (max or min)."""
     flat = value.reshape(value.shape[0], value.shape[1], -1).double()
@@ -195,12 +230,14 @@ def warn_unhealthy(
     warmup_divergences: int = 0,
     *,
     data_passes: float | None = None,
+    setup: RunSetup | None = None,
 ) -> None:
     """One :class:`HealthWarning` saying what is wrong with the chains ``{site: (chains, draws, ...)}``, if anything.
 
     ``data_passes``: the full-data passes the run made (all chains, warm-up included; ``None``: not known). Where
     they come to more per effective draw than full-batch NUTS spends (:data:`NUTS_PASSES_PER_ESS`), the warning
-    says so.
+    says so. ``setup``: how the run was set up, where the remedy depends on it (:mod:`.remedies`: whether warm-up
+    chose the step size, a control variate, the priors' latent parameters).
 
     Example:
         >>> import warnings
@@ -213,7 +250,7 @@ def warn_unhealthy(
         True
 
     """
-    problems, remedies = [], []
+    problems, remedies, setup = [], [], setup or RunSetup()
     num_chains, num_draws = next(iter(draws.values())).shape[:2]
     sampling = "temperature" not in stats or bool((stats["temperature"] > 0).any())
     if sampling and num_draws >= 4:
@@ -237,17 +274,13 @@ def warn_unhealthy(
             # once the chains have mixed, the ESS grows in proportion to the draws and split r_hat - 1 shrinks as one
             # over them: the factor this run's own figures ask for
             factor = max(ESS_ADVISED * num_chains / least, (worst - 1.0) / (limit - 1.0), 1.0)
-            if worst >= R_HAT_MIXED:
-                remedies.append(
-                    f"the chains disagree (r_hat {worst:.3g}): a longer run of the same chains is unlikely to mend it; "
-                    "reparametrise the model (e.g. a non-centred hierarchy) or use a full-batch sampler"
-                )
-            else:
-                remedies.append(
-                    f"this run gave {least / (num_chains * num_draws):.2g} effective draws per draw: about "
-                    f"num_samples={_round_up(num_draws * factor)} per chain would give {ESS_ADVISED} per chain, "
-                    "from which r_hat <= 1.01 held on the models we test"
-                )
+            length = (
+                f"this run gave {least / (num_chains * num_draws):.2g} effective draws per draw: about "
+                f"num_samples={_round_up(num_draws * factor)} per chain would give {ESS_ADVISED} per chain, "
+                "from which r_hat <= 1.01 held on the models we test"
+            )
+            agreement = None if num_chains < 2 else (lambda site: chain_agreement(draws[site]))
+            remedies.append(convergence_remedy(r_hat, limit, length, setup, agreement, R_HAT_MIXED))
             if data_passes is not None and data_passes / least > NUTS_PASSES_PER_ESS:
                 remedies.append(
                     f"this run made {data_passes / least:.3g} full-data passes per effective draw, more than "
@@ -270,6 +303,10 @@ def warn_unhealthy(
         )
     if diverging:
         remedies.append("a step that diverges in sampling is too large: a smaller step_size or a longer num_warmup")
+    collapsed = degenerate(stats, setup) if problems else None  # a step that moves nothing: no other remedy helps
+    if collapsed is not None:
+        problems.insert(0, collapsed.problem)
+        remedies = [collapsed.remedy]
     if problems:
         advice = "; ".join(remedies or ["run longer (num_warmup, num_samples), or reparametrise the model"])
         if sampling and num_chains == 1:

@@ -15,11 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import pyro
-import torch
-
+from pyro_scalable.bridge.hierarchy import prior_parents
 from pyro_scalable.bridge.model import Latents, ModelBridge
-from pyro_scalable.bridge.plates import plate_indices
 from pyro_scalable.infer.sgmcmc.control_variates import (
     CentreError,
     ControlledLogPosterior,
@@ -126,8 +123,7 @@ def centred(bridge: ModelBridge) -> bool:
     """Whether every latent site in a plate has a prior that depends on other latents (a centred hierarchy).
 
     ``b_j ~ Normal(mu, tau)`` is centred; ``z_j ~ Normal(0, 1)`` with ``mu + tau * z_j`` in the likelihood is not.
-    Found by tracing the model once (on one data point of each subsampled plate, no random draw) with every latent
-    a leaf that requires grad (at unconstrained 0): a centred site's prior log density then has a graph to them.
+    Read from the latents each prior depends on (:func:`~pyro_scalable.bridge.hierarchy.prior_parents`).
 
     Example:
         >>> import pyro, pyro.distributions as dist, torch
@@ -145,15 +141,8 @@ def centred(bridge: ModelBridge) -> bool:
 
     """
     grouped = _group_sizes(bridge)
-    one = {name: torch.zeros(1, dtype=torch.long, device=bridge.device) for name in bridge.plates}
-    zeros = {name: torch.zeros(site.unconstrained_shape, device=bridge.device) for name, site in bridge.sites.items()}
-    values = {k: v.to(bridge.sites[k].dtype).requires_grad_() for k, v in bridge.constrain(zeros).items()}
-    with torch.enable_grad(), pyro.validation_enabled(False), plate_indices(one, full_data=True):
-        conditioned = pyro.poutine.condition(bridge.model, data=values)
-        trace = pyro.poutine.trace(conditioned).get_trace(*bridge.args, **bridge.kwargs)
-        return bool(grouped) and all(
-            trace.nodes[name]["fn"].log_prob(values[name].detach()).requires_grad for name in grouped
-        )
+    parents = prior_parents(bridge) if grouped else {}
+    return bool(grouped) and all(parents[name] for name in grouped)
 
 
 def attach(

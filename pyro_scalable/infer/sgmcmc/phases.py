@@ -26,6 +26,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from pyro_scalable.bridge.checks import user_stacklevel
+from pyro_scalable.bridge.hierarchy import prior_parents
 from pyro_scalable.bridge.minibatches import EpochSampler, data_passes
 from pyro_scalable.bridge.model import Batch, Latents, ModelBridge
 from pyro_scalable.bridge.subsampling import warn_full_batch
@@ -33,6 +34,7 @@ from pyro_scalable.infer.checkpoint import terminate_as_interrupt
 from pyro_scalable.infer.distributed import broadcast_seed
 from pyro_scalable.infer.health import repeated_draws, warn_unhealthy
 from pyro_scalable.infer.record import RunRecord
+from pyro_scalable.infer.remedies import RunSetup
 from pyro_scalable.infer.sgmcmc.adaptation import Adaptation, Tuned
 from pyro_scalable.infer.sgmcmc.chains import ChainStepper
 from pyro_scalable.infer.sgmcmc.checkpoint import RunCheckpoint
@@ -345,7 +347,8 @@ def finish(run: Any, state: RunState) -> None:
             for name, value in (("warmup_divergences", per_chain), ("restarted", state.restarted)):
                 results.stats[name] = value[:, None].expand(shape).to(results.stats["repeated"].device)
     passes = data_passes(state.bridge.plates, state.total * state.num_chains)
-    warn_unhealthy(results.draws, results.stats, int(per_chain.sum()), data_passes=passes)
+    setup = RunSetup(run.kernel.adapts, state.option is not None, prior_parents(state.bridge))  # for the advice
+    warn_unhealthy(results.draws, results.stats, int(per_chain.sum()), data_passes=passes, setup=setup)
     warn_uncorrected_noise(results.stats, state.num_samples, run.kernel.adapts)
     if state.num_samples and state.parallel is None and state.start < state.total:  # not for a run read back
         stepper, last = state.stepper, state.stepper.latents()
