@@ -21,12 +21,15 @@ __all__ = [
     "ModelError",
     "check_inputs",
     "check_model",
+    "checked_init",
     "checking_draws",
     "explain_latent_in_plate",
     "explain_invalid_parameters",
     "explain_mixed_tensors",
     "explain_sequence_data",
     "first_line",
+    "named_arguments",
+    "named_arrays",
     "named_tensors",
     "one_subsampled_plate",
     "same_support",
@@ -54,6 +57,17 @@ def named_tensors(model: Callable, args: tuple, kwargs: Mapping[str, Any]) -> It
     """Yield ``(name, tensor)`` for every tensor in the model's arguments, nested containers included."""
     for label, value in _labelled(model, args, kwargs):
         yield from _walk(label, value)
+
+
+def named_arrays(model: Callable, args: tuple, kwargs: Mapping[str, Any]) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield ``(name, array)`` for every numpy array in the model's arguments, nested containers included."""
+    for label, value in _labelled(model, args, kwargs):
+        yield from _walk(label, value, np.ndarray)
+
+
+def named_arguments(model: Callable, args: tuple, kwargs: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
+    """Yield ``(name, value)`` for every top-level argument, positional ones first (labels as :func:`named_tensors`)."""
+    yield from _labelled(model, args, kwargs)
 
 
 def _walk(label: str, value: Any, kind: type | tuple[type, ...] = Tensor) -> Iterator[tuple[str, Any]]:
@@ -99,18 +113,8 @@ def check_model(model: Any, args: Any = (), kwargs: Any = None) -> None:
 def check_inputs(model: Callable, args: tuple, kwargs: Mapping[str, Any]) -> torch.device | None:
     """Check the model's tensor arguments are finite, float32/float64, on one device; return that device (or None).
 
-    Numerical numpy arrays are refused rather than converted: the engines index, move, digest and differentiate
-    the data as tensors, and a conversion would have to guess the dtype the model's priors expect.
+    Numerical numpy arrays are refused before (:func:`~.dtypes.refuse_numpy`), with the conversion to make.
     """
-    for label, array in (
-        item for name, value in _labelled(model, args, kwargs) for item in _walk(name, value, np.ndarray)
-    ):
-        if array.dtype.kind in "biuf":
-            raise ModelError(
-                f"{label} is a numpy array ({array.dtype}); the data must be torch tensors: pass "
-                f"torch.as_tensor(..., dtype={'torch.float32' if array.dtype.kind == 'f' else 'torch.long'}) instead "
-                "(the dtype of the model's priors: float32 by default)."
-            )
     device = None
     first = None
     for label, tensor in named_tensors(model, args, kwargs):
@@ -138,6 +142,50 @@ def check_inputs(model: Callable, args: tuple, kwargs: Mapping[str, Any]) -> tor
                     "drop or impute them before sampling, or mask them with `poutine.mask` in the model."
                 )
     return device
+
+
+def checked_init(strategy: Callable, shapes: Mapping[str, torch.Size], supports: Mapping[str, Any]) -> Callable:
+    """``strategy`` (a Pyro init strategy) with each latent's value checked before the model uses it.
+
+    A value of another shape than the site's, not finite, or outside the site's support is a ``ModelError`` naming the
+    site and the value: a chain started there would diverge at every step (a NaN) or fail with a size mismatch.
+
+    Example:
+        >>> import torch
+        >>> from pyro.infer.autoguide import init_to_value
+        >>> from torch.distributions import constraints
+        >>> init = checked_init(init_to_value(values={"s": torch.tensor(-1.0)}), {"s": torch.Size()},
+        ...                     {"s": constraints.positive})
+        >>> init({"name": "s", "fn": None, "value": None, "infer": {}, "is_observed": False})
+        Traceback (most recent call last):
+        ...
+        pyro_scalable.bridge.checks.ModelError: init_strategy gave latent site 's' the value -1, outside its support ...
+
+    """
+
+    def init(site: dict) -> Tensor:
+        value, name = strategy(site), site["name"]
+        if name not in shapes or not isinstance(value, Tensor):
+            return value
+        if value.shape != shapes[name]:
+            raise ModelError(
+                f"init_strategy gave latent site '{name}' a value of shape {tuple(value.shape)}, but the site's shape "
+                f"is {tuple(shapes[name])}: give init_to_value a tensor of shape {tuple(shapes[name])} for '{name}'."
+            )
+        finite = torch.isfinite(value) if value.is_floating_point() else torch.ones_like(value, dtype=torch.bool)
+        outside = f"outside its support {supports[name]}"
+        for good, what in ((finite, "which is not finite"), (supports[name].check(value), outside)):
+            if not bool(good.all()):
+                shown = _short(value[~good][:1] if good.shape == value.shape else value)
+                of = f" (at {int((~good).sum())} of {good.numel()} entries)" if good.numel() > 1 else ""
+                raise ModelError(
+                    f"init_strategy gave latent site '{name}' the value {shown}{of}, {what}: give "
+                    f"init_to_value a finite value inside the support for '{name}', or leave '{name}' out of its "
+                    "values (then drawn as init_to_uniform does)."
+                )
+        return value
+
+    return init
 
 
 def one_subsampled_plate(bridge: Any, purpose: str) -> Any:

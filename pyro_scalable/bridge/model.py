@@ -34,16 +34,19 @@ from pyro_scalable.bridge.checks import (
     ModelError,
     check_inputs,
     check_model,
+    checked_init,
     checking_draws,
     explain_invalid_parameters,
     explain_latent_in_plate,
     explain_mixed_tensors,
     explain_sequence_data,
+    first_line,
     named_tensors,
     same_support,
     user_stacklevel,
 )
 from pyro_scalable.bridge.densities import Evaluate
+from pyro_scalable.bridge.dtypes import explain_integer_data, refuse_numpy
 from pyro_scalable.bridge.log_posterior import PARTS, LogPosterior
 from pyro_scalable.bridge.observed import check_observed_values
 from pyro_scalable.bridge.plates import FullDataModel, plate_indices
@@ -94,6 +97,7 @@ class ModelBridge:
         check_model(self.model, args, kwargs)
         self.args = tuple(args)
         self.kwargs = dict(kwargs or {})
+        refuse_numpy(self.model, self.args, self.kwargs)  # with the conversion the priors' dtype asks for
         self.device = check_inputs(self.model, self.args, self.kwargs)
         self.values_checked = check_values  # the observed values' support, over the full data (bridge/observed.py)
         with checking_draws(seed, self.device):
@@ -152,6 +156,7 @@ class ModelBridge:
             if validate:
                 explain_invalid_parameters(model, self.args, self.kwargs, tracer.msngr.trace, error)
             explain_latent_in_plate(tracer.msngr.trace, error)
+            explain_integer_data(self.model, self.args, self.kwargs, tracer.msngr.trace, error)
             explain_mixed_tensors(tracer.msngr.trace, named_tensors(self.model, self.args, self.kwargs), error)
             raise
 
@@ -341,13 +346,17 @@ class ModelBridge:
         """Initial unconstrained latents for each chain, shape ``(num_chains, *site_shape)``, by a Pyro strategy."""
         devices = [self.device.index] if self.device is not None and self.device.type == "cuda" else []
         chains: list[Latents] = []
+        shapes = {name: site.shape for name, site in self.sites.items()}
         with torch.random.fork_rng(devices=devices):
             if seed is not None:
                 torch.manual_seed(seed)
             for _ in range(num_chains):
-                model = InitMessenger(init_strategy)(self.model)
-                with torch.no_grad():
-                    trace = self._trace(pyro.poutine.block(model, hide_types=["param"]), validate=False)
+                model = InitMessenger(checked_init(init_strategy, shapes, self._supports))(self.model)
+                try:
+                    with torch.no_grad():
+                        trace = self._trace(pyro.poutine.block(model, hide_types=["param"]), validate=False)
+                except ModelError as error:  # checked_init's, without the trace's shapes Pyro appends to it
+                    raise ModelError(first_line(error)) from None
                 chains.append(
                     {name: site.transform.inv(trace.nodes[name]["value"]) for name, site in self.sites.items()}
                 )

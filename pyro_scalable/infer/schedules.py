@@ -21,7 +21,7 @@ from typing import Union
 import torch
 from torch import Tensor
 
-__all__ = ["Cyclical", "PolynomialDecay", "ScalarOrSchedule", "constant", "resolve"]
+__all__ = ["Cyclical", "PolynomialDecay", "ScalarOrSchedule", "check_schedule", "constant", "resolve"]
 
 ScalarOrSchedule = Union[float, Tensor, Callable[[Tensor], Tensor]]
 
@@ -116,3 +116,40 @@ def check_positive(name: str, value: ScalarOrSchedule, *, allow_zero: bool = Fal
         raise TypeError(f"{name} must be a number {bound} or a schedule, got {type(value).__name__}.") from None
     if not math.isfinite(number) or number < 0 or (number == 0 and not allow_zero):
         raise ValueError(f"{name} must be finite and {bound}, got {number}.")
+
+
+def check_schedule(name: str, value: ScalarOrSchedule, steps: int, *, allow_zero: bool = False) -> None:
+    """Raise a one-line ``ValueError`` at the first of ``steps`` steps where a schedule is not finite and positive.
+
+    A schedule is a pure function of the step count, so its values over a run are known before the run: they are
+    computed here once, on the host, as one call on ``torch.arange(steps)`` where the schedule takes a vector (the
+    classes here do), one call per step otherwise. The kernels then never check a value inside a step (a device
+    sync each on a GPU). ``allow_zero``: zero is valid (a temperature). Constants are checked where they are given
+    (:func:`check_positive`).
+
+    Example:
+        >>> check_schedule("step_size", lambda t: 1e-3 * (1 - t / 100), 200)
+        Traceback (most recent call last):
+        ...
+        ValueError: step_size is a schedule whose value at step 100 is 0 (of the run's 200 steps); ...
+
+    """
+    if not callable(value):
+        return
+    values = None
+    try:
+        values = torch.as_tensor(value(torch.arange(steps)), dtype=torch.float64).cpu()
+    except (RuntimeError, TypeError, ValueError):  # a schedule written for one step count at a time
+        pass
+    if values is None or values.shape not in ((), (steps,)):
+        values = torch.tensor([float(value(torch.tensor(t))) for t in range(steps)], dtype=torch.float64)
+    values = values.expand(steps)
+    bad = ~torch.isfinite(values) | ((values < 0) if allow_zero else (values <= 0))
+    if bool(bad.any()):
+        step = int(bad.nonzero()[0])
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(
+            f"{name} is a schedule whose value at step {step} is {float(values[step]):.3g} (of the run's {steps} "
+            f"steps); {name} must be finite and {bound} at every step: fix the schedule (e.g. clamp it, or let it "
+            "end after the run's last step)."
+        )

@@ -13,7 +13,7 @@ from pyro.infer.autoguide import AutoDelta, AutoNormal
 
 from pyro_scalable import ModelError
 from pyro_scalable.bridge import ModelBridge
-from pyro_scalable.infer import SGHMC, StochasticMCMC
+from pyro_scalable.infer import SGHMC, SWAG, AutoLinearizedLaplace, DiagonalEKF, SampleThenOptimize, StochasticMCMC
 
 N, B = 100, 10
 
@@ -49,14 +49,91 @@ def test_numpy_data_is_refused_before_the_model_runs(data, as_keyword):
     arrays = (x.numpy().astype(np.float64), y.numpy())
     args, kwargs = ((), {"x": arrays[0], "y": arrays[1]}) if as_keyword else (arrays, {})
     mcmc = StochasticMCMC(SGHMC(regression), num_samples=2, num_warmup=2, progress_bar=False)
-    with pytest.raises(ModelError, match=r"argument 'x' is a numpy array \(float64\).*torch\.as_tensor"):
+    # the conversion follows the priors' dtype (float32 here): from_numpy alone would keep float64
+    with pytest.raises(
+        ModelError,
+        match=r"argument 'x' is a numpy array \(float64\).*pass torch\.from_numpy\(x\)\.float\(\) \(torch\.float32",
+    ):
         mcmc.run(*args, **kwargs)
 
 
-def test_integer_numpy_data_is_told_to_become_long(data):
+def regression64(x, y):
+    w = pyro.sample("w", dist.Normal(torch.tensor(0.0, dtype=torch.float64), 1.0))
+    with pyro.plate("data", N, subsample_size=B) as idx:
+        pyro.sample("obs", dist.Normal(w * x[idx], 1.0), obs=y[idx])
+
+
+def test_numpy_advice_follows_the_priors_dtype(data):
+    # float64 priors: torch.from_numpy keeps float64 (before: "torch.as_tensor(..., dtype=torch.float32)", which then
+    # fails against the priors); float32 data with float64 priors: .double()
+    x, y = (t.double() for t in data)
+    with pytest.raises(
+        ModelError, match=r"pass torch\.from_numpy\(x\) \(it keeps torch\.float64, the dtype of the mod"
+    ):
+        ModelBridge(regression64, (x.numpy(), y))
+    with pytest.raises(ModelError, match=r"\(float32\).*pass torch\.from_numpy\(y\)\.double\(\) \(torch\.float64"):
+        ModelBridge(regression64, (x, y.float().numpy()))
+
+
+def test_integer_numpy_data_is_told_to_stay_integer_or_become_the_priors_dtype(data):
     x, y = data
-    with pytest.raises(ModelError, match=r"argument 'y' is a numpy array \(int64\).*dtype=torch\.long"):
+    with pytest.raises(
+        ModelError,
+        match=r"argument 'y' is a numpy array \(int64\).*torch\.from_numpy\(y\) \(integers stay integers.*"
+        r"torch\.from_numpy\(y\)\.float\(\): the priors are torch\.float32",
+    ):
         ModelBridge(regression, (x, np.arange(N)))
+
+
+def linear(x, y):
+    w = pyro.sample("w", dist.Normal(torch.zeros(2), 1.0).to_event(1))
+    with pyro.plate("data", N, subsample_size=B) as idx:
+        pyro.sample("obs", dist.Normal(x[idx] @ w, 1.0), obs=y[idx])
+
+
+_ENGINES = {
+    "StochasticMCMC": lambda model, x, y: StochasticMCMC(SGHMC(model, step_size=1e-3), 2, progress_bar=False).run(x, y),
+    "SampleThenOptimize": lambda model, x, y: SampleThenOptimize(model, num_samples=2, progress_bar=False).run(x, y),
+    "SWAG": lambda model, x, y: SWAG(model, num_epochs=1, progress_bar=False).run(x, y),
+    "DiagonalEKF": lambda model, x, y: DiagonalEKF(model, progress_bar=False).run(x, y),
+    "Laplace": lambda model, x, y: AutoLinearizedLaplace(model).laplace_approximation(x, y),
+}
+
+
+@pytest.mark.parametrize("engine", list(_ENGINES))
+def test_integer_data_that_breaks_the_model_is_named_with_its_cast_in_every_engine(data, engine):
+    # Before, every engine failed with torch's "addmv input tensors must have the same dtype, but got Float, Long,
+    # and Float", naming neither the argument nor the fix.
+    x = torch.randint(0, 5, (N, 2), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(
+        ModelError,
+        match=r"^argument 'x' is torch\.int64 but the model's priors are torch\.float32, and the model failed mixing "
+        r"them \(.*\)\. Pass x\.float\(\)",
+    ):
+        _ENGINES[engine](linear, x, data[1])
+
+
+def grouped(x, group, y):
+    b = pyro.sample("b", dist.Normal(torch.zeros(3), 1.0).to_event(1))
+    w = pyro.sample("w", dist.Normal(torch.zeros(2), 1.0).to_event(1))
+    with pyro.plate("data", N, subsample_size=B) as idx:
+        pyro.sample("obs", dist.Normal(x[idx] @ w + b[group[idx]], 1.0), obs=y[idx])
+
+
+def test_the_integer_argument_named_is_the_one_whose_cast_mends_the_model_not_an_index(data):
+    x = torch.randint(0, 5, (N, 2), generator=torch.Generator().manual_seed(0))
+    group = torch.arange(N) % 3  # indices: must stay integers, and are fine as they are
+    with pytest.raises(ModelError, match=r"^argument 'x' is torch\.int64.*Pass x\.float\(\)"):
+        ModelBridge(grouped, (x, group, data[1]))
+    with pytest.raises(ModelError, match=r"^argument 'x' is torch\.int64.*Pass x\.double\(\)"):
+        ModelBridge(linear64, (x, data[1].double()))
+    ModelBridge(grouped, (x.float(), group, data[1]))  # the cast named mends it; the index stays int64
+
+
+def linear64(x, y):
+    w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=torch.float64), 1.0).to_event(1))
+    with pyro.plate("data", N, subsample_size=B) as idx:
+        pyro.sample("obs", dist.Normal(x[idx] @ w, 1.0), obs=y[idx])
 
 
 def test_list_data_that_fails_the_model_is_named(data):

@@ -6,11 +6,12 @@ import pyro
 import pyro.distributions as dist
 import pytest
 import torch
-from pyro.infer.autoguide import init_to_median
+from pyro.infer.autoguide import init_to_median, init_to_value
 from torch.distributions import biject_to, constraints
 
-from pyro_scalable import FullDataModel
+from pyro_scalable import FullDataModel, ModelError
 from pyro_scalable.bridge import Batch, ModelBridge, full_data, plate_indices
+from pyro_scalable.infer import SGLD, StochasticMCMC
 
 N, B, K = 12, 4, 3
 F64 = torch.float64
@@ -335,3 +336,40 @@ def test_init_latents_uses_the_init_strategy(data):
     latents = bridge.init_latents(3, init_strategy=init_to_median(num_samples=15), seed=0)
     # the median strategy is deterministic up to its own Monte Carlo: every chain starts near the same point
     assert latents["w"].abs().max() < 1.0
+
+
+_VALUES = {  # init_to_value's values that no chain can start from: site, value, what the error says of it
+    "nan": ("sigma", _t(float("nan")), r"the value nan, which is not finite"),
+    "inf": ("w", _t([0.0, float("inf"), 0.0]), r"the value inf \(at 1 of 3 entries\), which is not finite"),
+    "outside": ("sigma", _t(-1.0), r"the value -1, outside its support GreaterThanEq\(lower_bound=0\.0\)"),
+    "simplex": ("p", _t([0.5, 0.5, 0.5]), r"the value tensor of shape \(3,\), outside its support Simplex\(\)"),
+    "shape": ("w", _t([0.0, 1.0]), r"a value of shape \(2,\), but the site's shape is \(3,\)"),
+}
+
+
+@pytest.mark.parametrize("case", list(_VALUES))
+def test_an_initial_value_no_chain_can_start_from_is_named_with_the_site(data, case):
+    # Before, a NaN or out-of-support value ran to the end with every step divergent (and advice to reparametrise);
+    # a wrong shape failed with the model's raw size mismatch.
+    site, value, said = _VALUES[case]
+    bridge = ModelBridge(constrained_model, data)
+    with pytest.raises(ModelError, match=rf"^init_strategy gave latent site '{site}' {said}: give init_to_value") as e:
+        bridge.init_latents(2, init_strategy=init_to_value(values={site: value}), seed=0)
+    assert "\n" not in str(e.value)  # one line: without the trace's shapes
+
+
+def test_a_bad_initial_value_stops_a_run_before_its_first_step(data):
+    init = init_to_value(values={"sigma": _t(float("nan"))})
+    mcmc = StochasticMCMC(
+        SGLD(constrained_model, step_size=1e-3, init_strategy=init), num_samples=5, progress_bar=False
+    )
+    with pytest.raises(ModelError, match=r"latent site 'sigma' the value nan"):
+        mcmc.run(*data)
+    assert mcmc.results is None  # no draw, no step
+
+
+def test_valid_initial_values_pass_and_are_used(data):
+    bridge = ModelBridge(constrained_model, data)
+    latents = bridge.init_latents(2, init_strategy=init_to_value(values={"sigma": _t(0.5), "w": _t([1.0, 2.0, 3.0])}))
+    torch.testing.assert_close(latents["sigma"], torch.log(_t([0.5, 0.5])))
+    torch.testing.assert_close(latents["w"][1], _t([1.0, 2.0, 3.0]))

@@ -22,6 +22,7 @@ from torch import Tensor
 from pyro_scalable.arguments import check_device, check_flag, check_seed
 from pyro_scalable.infer.record import RunRecord
 from pyro_scalable.infer.results import Draws
+from pyro_scalable.infer.schedules import check_schedule
 from pyro_scalable.infer.sgmcmc import phases
 from pyro_scalable.infer.sgmcmc.distributed import DistributedMode
 from pyro_scalable.infer.sgmcmc.metric import check_metric
@@ -155,6 +156,9 @@ class StochasticMCMC(Draws):
             )
         self.num_chains = operator.index(num_chains)
         self.thin = operator.index(thin)
+        steps = self.num_warmup + self.num_samples * self.thin  # a schedule's values over the run, known before it
+        check_schedule("step_size", kernel.step_size, steps)
+        check_schedule("temperature", getattr(kernel, "temperature", 1.0), steps, allow_zero=True)
         self.seed = check_seed("seed", seed)
         self.chain_method = chain_method
         self.on_divergence = on_divergence
