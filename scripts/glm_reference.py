@@ -1,12 +1,12 @@
 """Write the GLMs' reference posteriors: ``python scripts/glm_reference.py`` (1-2 hours on 2 busy cores).
 
 For the GLMs of ``tests/glm_models.py`` but the linear-Gaussian one (whose posterior is a closed form), under the
-variants asked for (plain, ``poutine.scale(2.0)``, per-row weights, ``poutine.mask``), the summary statistics of its posterior,
-per element of each latent site: mean, sd, the 5%, 50% and 95% quantiles. Pyro's NUTS on the full data (no
+variants asked for (plain, ``poutine.scale(2.0)``, per-row weights, ``poutine.mask``), the summary statistics of its
+posterior, per element of each latent site: mean, sd, the 5%, 50% and 95% quantiles. Pyro's NUTS on the full data (no
 subsampling), float64, ``--chains`` chains of ``--warmup`` + ``--samples`` steps, with their split r_hat and ESS
-written beside them so that the reference's own Monte-Carlo error is known. Writes ``tests/glm_reference.json``;
-the file holds every variant of the logistic and Poisson regressions and the categorical one's plain posterior
-(``--models logistic poisson``, then ``--models categorical --variants plain``).
+written beside them so that the reference's own Monte-Carlo error is known. Writes ``tests/glm_reference.json``; the
+file holds every variant of the logistic and Poisson regressions and the categorical one's plain posterior (``--models
+logistic poisson``, then ``--models categorical --variants plain``).
 """
 
 from __future__ import annotations
