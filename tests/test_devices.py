@@ -24,6 +24,7 @@ from pyro_scalable.bridge.records import Batch
 from pyro_scalable.bridge.traced import TRACE_AFTER, model_tracing
 from pyro_scalable.infer import (
     BAOAB,
+    EKF,
     SGHMC,
     SWAG,
     AutoLinearizedLaplace,
@@ -150,8 +151,10 @@ def test_default_device_and_float_priors_run_every_engine(device):
         draws = swag.sample(4)
         assert draws.shape == (4, 4) and draws.device.type == device.type and torch.isfinite(draws).all()
 
-        ekf = DiagonalEKF(known_noise_model, curvature="ggn", seed=0, progress_bar=False).run(x, y)
-        assert torch.isfinite(ekf.mean[0]).all()
+        ekf = EKF(known_noise_model, seed=0, progress_bar=False).run(x, y)  # dense: the Woodbury update there
+        assert torch.isfinite(ekf.mean[0]).all() and ekf.sample(4).device.type == device.type
+        diagonal = DiagonalEKF(known_noise_model, seed=0, progress_bar=False).run(x, y)
+        assert torch.isfinite(diagonal.mean[0]).all()
 
 
 def test_sample_then_optimize_matches_the_conjugate_posterior_on_the_device(device):

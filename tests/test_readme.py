@@ -112,7 +112,7 @@ def test_engine_table_names_existing_engines():
     section = _text().split("## Which engine when", 1)[1].split("\n## ", 1)[0]
     rows = [line for line in section.splitlines() if line.startswith("| `")]
     names = {name for row in rows for name in re.findall(r"`([A-Z][A-Za-z]+)`", row.split("|")[1])}
-    assert {"SGHMC", "StochasticMCMC", "AutoLinearizedLaplace", "SampleThenOptimize", "SWAG", "DiagonalEKF"} <= names
+    assert {"SGHMC", "StochasticMCMC", "AutoLinearizedLaplace", "SampleThenOptimize", "SWAG", "EKF"} <= names
     missing = sorted(name for name in names if not hasattr(infer, name))
     assert not missing, f"the README's engine table names {missing}, which pyro_scalable.infer does not export"
     assert any("NUTS" in row for row in section.splitlines()), "the table says when full-batch NUTS is the choice"

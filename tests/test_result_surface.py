@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from pyro_scalable.infer import (
+    EKF,
     SGLD,
     SWAG,
     AutoLinearizedLaplace,
@@ -53,11 +54,13 @@ def _run(name):
             return SampleThenOptimize(model, num_samples=8, num_epochs=2, seed=0, progress_bar=False).run(x, y)
         if name == "SWAG":
             return SWAG(model, num_epochs=4, rank=2, num_runs=2, seed=0, progress_bar=False).run(x, y)
-        return DiagonalEKF(model, seed=0, progress_bar=False).run(x, y)
+        if name == "DiagonalEKF":
+            return DiagonalEKF(model, seed=0, progress_bar=False).run(x, y)
+        return EKF(model, seed=0, progress_bar=False).run(x, y)
 
 
-ENGINES = ["StochasticMCMC", "Laplace", "SampleThenOptimize", "SWAG", "EKF"]
-LINEARISED = {"Laplace", "SampleThenOptimize", "SWAG", "EKF"}  # predict(...) and as_prior()
+ENGINES = ["StochasticMCMC", "Laplace", "SampleThenOptimize", "SWAG", "EKF", "DiagonalEKF"]
+LINEARISED = {"Laplace", "SampleThenOptimize", "SWAG", "EKF", "DiagonalEKF"}  # predict(...) and as_prior()
 
 
 @pytest.fixture(scope="module", params=ENGINES)

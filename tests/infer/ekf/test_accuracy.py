@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from pyro_scalable.infer import EKF
+from tests.glm_models import glm, linear_gaussian_posterior
 from tests.infer.ekf import glms
 
 MEAN_TOLERANCE, SD_TOLERANCE = 0.2, 0.1
@@ -58,3 +59,14 @@ def test_right_or_warned(family, batch, covariance):
     mean_error, sd_error, caught = errors(family, batch, covariance=covariance)
     right = mean_error < MEAN_TOLERANCE and sd_error < SD_TOLERANCE
     assert right or caught, (mean_error, sd_error)
+
+
+@pytest.mark.parametrize("variant", ["scaled", "weighted", "mask"])
+def test_a_weighted_likelihood_is_filtered_with_its_weights(variant):
+    """``poutine.scale`` (constant or per row) and ``poutine.mask`` on the likelihood: the Kalman filter of the
+    weighted data, exact (the closed form weights each row's precision)."""
+    model, args = glm("linear-gaussian", variant)
+    posterior = EKF(model, seed=0, progress_bar=False).run(*args)
+    mean, covariance = linear_gaussian_posterior(variant)
+    assert torch.allclose(posterior.mean[0], mean, rtol=1e-9, atol=1e-12)
+    assert torch.allclose(posterior.covariance_matrix(), covariance, rtol=1e-9, atol=1e-15)
