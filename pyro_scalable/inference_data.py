@@ -14,7 +14,12 @@ Pyro's ``MCMC``, a trained guide, a dict of draws — and writes, each with dime
   points, its coordinates their flat positions;
 * ``observed_data``: the full observed values;
 * on request, ``posterior_predictive`` (one draw of every observed site per posterior draw, on the full data),
-  ``prior`` and ``prior_predictive``.
+  ``prior`` and ``prior_predictive``;
+* on request (``ksd=True``), the kernel Stein discrepancy of the converted draws
+  (:mod:`pyro_scalable.infer.stein`): ``sample_stats["ksd"]``, one value per chain (dimension ``chain`` only), and
+  the pooled figures in ``sample_stats``' attributes ``ksd_pooled``, ``ksd_floor``, ``ksd_squared_unbiased``,
+  ``ksd_scale`` and ``ksd_kernel``. ``az.summary`` reads the posterior and never sees it; a netCDF file keeps it on
+  both majors.
 
 The groups with one value per draw and data point (``log_likelihood``, ``posterior_predictive``, ``prior_predictive``)
 are checked against the memory available before they are allocated (:mod:`pyro_scalable.memory`): above
@@ -48,6 +53,7 @@ from pyro_scalable.bridge.likelihood import full_data_log_likelihood, observed_m
 from pyro_scalable.bridge.model import ModelBridge
 from pyro_scalable.infer.predictive import sample_posterior_predictive
 from pyro_scalable.infer.record import RunRecord
+from pyro_scalable.infer.stein import SteinDiscrepancy, stein_discrepancy
 from pyro_scalable.memory import MemoryLimitWarning, available_memory, check_memory, format_bytes
 from pyro_scalable.sources import run_record
 
@@ -77,6 +83,7 @@ def to_inference_data(
     log_likelihood_dtype: torch.dtype = torch.float64,
     posterior_predictive: bool | Mapping[str, Any] = False,
     prior: int | None = None,
+    ksd: bool | Mapping[str, Any] = False,
     data_chunk_size: int | None = None,
     draws_chunk_size: int = 64,
     coords: dict | None = None,
@@ -118,6 +125,10 @@ def to_inference_data(
         posterior_predictive: ``True`` to draw every observed site once per posterior draw on the full data, or
             a dict ``{site: (chains, draws, ...)}`` of draws you made.
         prior: the number of draws from the prior (``prior`` and ``prior_predictive`` groups); ``None`` for none.
+        ksd: ``True`` to store the kernel Stein discrepancy of the converted draws beside ``sample_stats`` (one
+            full-data gradient pass per ``draws_chunk_size`` draws, and O(draws²) kernel terms), or a dict of
+            :func:`~pyro_scalable.ksd.kernel_stein_discrepancy`'s kernel options (``scale``, ``c``, ``beta``,
+            ``block_size``).
         data_chunk_size: data points per chunk for the log-likelihood (default: max(B, 1024, 2^20 /
             ``draws_chunk_size``)); the memory it takes is the float64 output plus one chunk's work.
         draws_chunk_size: draws vectorised together for the log-likelihood.
@@ -135,6 +146,7 @@ def to_inference_data(
         raise TypeError(
             f"posterior_predictive must be True/False or a dict of draws, got {type(posterior_predictive).__name__}."
         )
+    ksd_options = _ksd_options(ksd)
     with fork_rng(seed):  # a seeded conversion leaves the global RNG as it found it
         record, extra = thinned_record(source, model, args, kwargs, num_samples=num_samples, thin=thin, seed=seed)
         bridge = record.full_bridge
@@ -153,7 +165,66 @@ def to_inference_data(
             if prior is not None:
                 groups["prior"], groups["prior_predictive"] = _prior(bridge, prior, seed)
         all_dims.update(dims or {})
-        return _from_dict(groups, coords, all_dims, own)
+        data = _from_dict(groups, coords, all_dims, own)
+        if ksd_options is not None:
+            if bridge is None:
+                raise ValueError("ksd needs the full data (the full-data score): pass args=(...) to this call.")
+            with torch.no_grad():
+                stein = stein_discrepancy(
+                    bridge,
+                    record.draws,
+                    data_chunk_size=data_chunk_size,
+                    draws_chunk_size=draws_chunk_size,
+                    **ksd_options,
+                )
+            data = _with_ksd(data, stein, ksd_options)
+        return data
+
+
+def _ksd_options(ksd: Any) -> dict[str, Any] | None:
+    """The kernel options of ``ksd=`` (``None``: no KSD), checked before anything is computed."""
+    if ksd is False:
+        return None
+    if ksd is True:
+        return {}
+    if not isinstance(ksd, Mapping):
+        raise TypeError(f"ksd must be True/False or a dict of kernel options, got {type(ksd).__name__}.")
+    unknown = sorted(set(ksd) - {"scale", "c", "beta", "block_size"})
+    if unknown:
+        raise ValueError(f"ksd takes the kernel options scale, c, beta and block_size; got {unknown}.")
+    return dict(ksd)
+
+
+def _with_ksd(data, stein: SteinDiscrepancy, options: Mapping[str, Any]):
+    """``data`` with ``sample_stats["ksd"]`` (per chain) and the pooled figures as ``sample_stats``' attributes."""
+    import xarray as xr
+
+    per_chain = stein.per_chain.numpy()
+    scale = options.get("scale", "sd")
+    attrs = {
+        "ksd_pooled": float(stein.ksd),
+        "ksd_floor": float(stein.floor),
+        "ksd_squared_unbiased": float(stein.ksd_squared_unbiased),
+        "ksd_scale": stein.scale.numpy(),
+        "ksd_kernel": (
+            f"IMQ (c^2 + |z - z'|^2)^beta, c = {options.get('c', 1.0)}, beta = {options.get('beta', -0.5)}, on the "
+            f"unconstrained draws over {'their sd' if isinstance(scale, str) else 'ksd_scale'} per coordinate; "
+            "Langevin Stein kernel of the full-data score; V-statistic (pyro_scalable.infer.stein)"
+        ),
+    }
+    variable = xr.DataArray(per_chain, dims=["chain"], coords={"chain": np.arange(len(per_chain))})
+    if ARVIZ_MAJOR >= 1:
+        stats = data["sample_stats"].to_dataset() if "sample_stats" in data.children else xr.Dataset()
+        stats = stats.assign(ksd=variable)
+        stats.attrs.update(attrs)
+        data["sample_stats"] = stats
+        return data
+    if "sample_stats" in data.groups():
+        data.sample_stats["ksd"] = variable
+        data.sample_stats.attrs.update(attrs)
+    else:
+        data.add_groups({"sample_stats": xr.Dataset({"ksd": variable}, attrs=attrs)})
+    return data
 
 
 def thinned_record(
