@@ -140,14 +140,37 @@ class EKF:
         bridge = ModelBridge(FullDataModel(self.model), args, kwargs)
         site = observed_site(bridge, "the EKF")
         plate = one_subsampled_plate(bridge, "the EKF (it walks the data in the plate's minibatches)")
-        chosen, layout, start, mode = self._start(bridge, site, seed)
+        layout, start, mode, heteroscedastic = self._start(bridge, site, seed)
         dense = self.covariance == "dense" or (self.covariance == "auto" and layout.num_params <= DENSE_UP_TO)
         mean = layout.flatten(start).detach()
         covariance, prior_precision = _prior(bridge, site, layout, mode, dense, mean.dtype)
-        net = NetworkFunction(bridge, site, layout, mean, start, heteroscedastic=self._heteroscedastic)
-        plans, rest = layer_plan(net, mean)
+        net = NetworkFunction(bridge, site, layout, mean, start, heteroscedastic=heteroscedastic)
         generator = torch.Generator(device=bridge.device).manual_seed(seed)
-        state = ekf_filter.init(mean, covariance)
+        self.stats = {"covariance": "dense" if dense else "diagonal", "curvature": self.curvature}
+        state = self._pass(net, plate, ekf_filter.init(mean, covariance), dense, generator, began)
+        self.stats["filter_seconds"] = time.perf_counter() - began
+        if self.check_posterior and self.transition_sd == 0:
+            checked = time.perf_counter()
+            check = check_posterior(
+                net, state.mean, state.covariance, mean, prior_precision, epochs=self.num_epochs, generator=generator
+            )
+            self.stats.update(check._asdict(), check_seconds=time.perf_counter() - checked)
+            warn_check(
+                check,
+                dense=dense,
+                curvature=self.curvature,
+                iterations=self.iterations,
+                batch_size=plate.subsample_size,
+            )
+        self.stats["seconds"] = time.perf_counter() - began
+        return EKFPosterior(bridge, layout, state.mean, state.covariance, dict(self.stats))
+
+    def _pass(
+        self, net: NetworkFunction, plate: Any, state: ekf_filter.EKFState, dense: bool, generator, began: float
+    ) -> ekf_filter.EKFState:
+        """The filter over every minibatch of ``num_epochs`` passes; its counts go to ``stats``."""
+        plans, rest = layer_plan(net, state.mean)
+        bridge = net.bridge
         evaluations, unsettled, steps = 0, 0, 0
         total = self.num_epochs * -(-plate.size // plate.subsample_size)
         bar = tqdm(total=total, desc="EKF", disable=not self.progress_bar)
@@ -168,7 +191,7 @@ class EKF:
                         tolerance=self.tolerance,
                     )
                     if not bool(torch.isfinite(moved.mean).all() and torch.isfinite(moved.covariance).all()):
-                        self.stats = {"steps": steps, "failed_step": steps + 1, "seconds": time.perf_counter() - began}
+                        self.stats.update(steps=steps, failed_step=steps + 1, seconds=time.perf_counter() - began)
                         self.state = state
                         raise FloatingPointError(
                             f"the EKF's update at step {steps + 1} is not finite (the gradient or curvature of the "
@@ -181,37 +204,20 @@ class EKF:
         finally:
             bar.close()
         self.state = state
-        self.stats = {
-            "steps": steps,
-            "num_epochs": self.num_epochs,
-            "covariance": "dense" if dense else "diagonal",
-            "curvature": self.curvature,
-            "iterations": self.iterations,
-            "evaluations": evaluations,
-            "unsettled": unsettled,  # minibatches whose last Gauss-Newton step was above tolerance
-            "transition_sd": self.transition_sd,
-            "filter_seconds": time.perf_counter() - began,
-        }
-        if self.check_posterior and self.transition_sd == 0:
-            checked = time.perf_counter()
-            check = check_posterior(
-                net, state.mean, state.covariance, mean, prior_precision, epochs=self.num_epochs, generator=generator
-            )
-            self.stats.update(check._asdict(), check_seconds=time.perf_counter() - checked)
-            warn_check(
-                check,
-                dense=dense,
-                curvature=self.curvature,
-                iterations=self.iterations,
-                batch_size=plate.subsample_size,
-            )
-        self.stats["seconds"] = time.perf_counter() - began
-        return EKFPosterior(bridge, layout, state.mean, state.covariance, dict(self.stats))
+        self.stats.update(
+            steps=steps,
+            num_epochs=self.num_epochs,
+            iterations=self.iterations,
+            evaluations=evaluations,
+            unsettled=unsettled,  # minibatches whose last Gauss-Newton step was above tolerance
+            transition_sd=self.transition_sd,
+        )
+        return state
 
-    def _start(self, bridge: ModelBridge, site: str, seed: int) -> tuple[list[str], ParameterLayout, dict, dict]:
-        """The filtered sites, their layout, every latent's starting value and the prior's mode (unconstrained)."""
+    def _start(self, bridge: ModelBridge, site: str, seed: int) -> tuple[ParameterLayout, dict, dict, bool]:
+        """The filtered sites' layout, the latents' starting values and prior mode, and if the Normal's scale varies."""
         start = {k: v[0].detach() for k, v in bridge.init_latents(1, init_to_median, seed=seed).items()}
-        chosen, self._heteroscedastic, _, _ = choose_sites(bridge, site, start, None)
+        chosen, heteroscedastic, _, _ = choose_sites(bridge, site, start, None)
         held = [name for name in bridge.sites if name not in chosen]
         if held:
             raise ModelError(
@@ -231,7 +237,7 @@ class EKF:
             }
             start = {**start, **{k: v.detach() for k, v in bridge.unconstrain(values).items()}}
         layout = ParameterLayout({name: bridge.sites[name].unconstrained_shape for name in chosen})
-        return chosen, layout, (mode if self.start == "prior" else start), mode
+        return layout, (mode if self.start == "prior" else start), mode, heteroscedastic
 
 
 class DiagonalEKF(EKF):
