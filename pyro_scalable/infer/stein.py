@@ -148,28 +148,31 @@ def stein_kernel_sums(
     n, d = z.shape
     chain = chain.to(z.device)
     squares, products = (z * z).sum(1), (z * scores).sum(1)
+    members = torch.nn.functional.one_hot(chain, num_chains).to(z.dtype)  # (n, chains)
     total = z.new_zeros(())
     per_chain = z.new_zeros(num_chains)
     for a in range(0, n, block_size):
         for b in range(a, n, block_size):
             i, j = slice(a, a + block_size), slice(b, b + block_size)
             za, sa, zb, sb = z[i], scores[i], z[j], scores[j]
-            r2 = (squares[i, None] + squares[None, j] - 2 * za @ zb.T).clamp_min(0)
-            q = c * c + r2
+            r2 = torch.addmm(squares[i, None] + squares[None, j], za, zb.T, alpha=-2).clamp_min_(0)
             # (z_i - z_j) . (s_j - s_i), expanded into products of the blocks
-            cross = za @ sb.T + sa @ zb.T - products[i, None] - products[None, j]
-            values = (
-                -2 * beta * d * q ** (beta - 1)
-                - 4 * beta * (beta - 1) * q ** (beta - 2) * r2
-                + 2 * beta * q ** (beta - 1) * cross
-                + q**beta * (sa @ sb.T)
-            )
+            cross = torch.addmm(torch.addmm(-products[i, None] - products[None, j], za, sb.T), sa, zb.T)
+            inverse = (r2 + c * c).reciprocal_()
+            kernel = inverse.pow(-beta)  # q^beta: one pow per block, the other powers by products
+            first = kernel * inverse  # q^(beta - 1)
+            values = first * (2 * beta * cross - 2 * beta * d)
+            values -= 4 * beta * (beta - 1) * first * inverse * r2
+            values += kernel * (sa @ sb.T)
             if a == b:  # the exact diagonal: r = 0 and the cross term vanish (the expansion leaves rounding there)
                 values.diagonal().copy_(-2 * beta * d * c ** (2 * beta - 2) + c ** (2 * beta) * (sa * sa).sum(1))
             twice = 1 if a == b else 2
             total = total + twice * values.sum()
-            same = chain[i, None] == chain[None, j]
-            per_chain.index_add_(0, chain[i], twice * (values * same).sum(1))
+            if num_chains > 1:  # each row's sum over the column draws of its own chain
+                by_chain = values @ members[j]
+                per_chain.index_add_(0, chain[i], twice * by_chain.gather(1, chain[i, None]).squeeze(1))
+    if num_chains == 1:
+        per_chain = total.reshape(1)
     diagonal = (-2 * beta * d * c ** (2 * beta - 2) + c ** (2 * beta) * (scores * scores).sum(1)).sum()
     return total, per_chain, diagonal
 
