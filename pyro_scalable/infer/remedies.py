@@ -120,7 +120,7 @@ def convergence_remedy(
     agreement: Callable[[str], tuple[float, float, list[float]]] | None,
     mixed: float,
 ) -> str:
-    """What to do about chains with a high r_hat or a low ESS: run longer, reparametrise a hierarchy, or not mix modes.
+    """What to do about a high r_hat or a low ESS: run longer, reparametrise a hierarchy, or know the modes apart.
 
     ``length``: the sentence with the num_samples to run (the remedy of a run too short); ``agreement(site)``: the
     chain means' spread in Monte-Carlo standard errors, the largest split r_hat of one chain alone, and the chain
