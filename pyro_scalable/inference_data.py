@@ -125,8 +125,8 @@ def to_inference_data(
         posterior_predictive: ``True`` to draw every observed site once per posterior draw on the full data, or
             a dict ``{site: (chains, draws, ...)}`` of draws you made.
         prior: the number of draws from the prior (``prior`` and ``prior_predictive`` groups); ``None`` for none.
-        ksd: ``True`` to store the kernel Stein discrepancy of the converted draws beside ``sample_stats`` (one
-            full-data gradient pass per ``draws_chunk_size`` draws, and O(draws²) kernel terms), or a dict of
+        ksd: ``True`` to store the kernel Stein discrepancy of the converted draws beside ``sample_stats`` (the
+            full-data gradient at every draw, and O(draws²) kernel terms), or a dict of
             :func:`~pyro_scalable.ksd.kernel_stein_discrepancy`'s kernel options (``scale``, ``c``, ``beta``,
             ``block_size``).
         data_chunk_size: data points per chunk for the log-likelihood (default: max(B, 1024, 2^20 /

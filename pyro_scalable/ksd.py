@@ -39,8 +39,9 @@ def kernel_stein_discrepancy(
 ) -> SteinDiscrepancy:
     """The IMQ kernel Stein discrepancy of ``source``'s draws against the model's posterior on all its data.
 
-    Lower is better; compare draws of one model on one kernel (the same ``scale``), never values across models.
-    Costs one full-data gradient pass per ``draws_chunk_size`` draws and :math:`O(n^2 d)` for n draws of d
+    Lower is better, down to ``floor`` (what as many independent exact draws give); compare draws of one model on
+    one kernel (the same ``scale``) and in equal numbers, never values across models. Costs the full-data gradient
+    at every draw (``draws_chunk_size`` of them per pass over the data) and :math:`O(n^2 d)` for n draws of d
     unconstrained coordinates (``thin=`` or ``num_samples=`` for fewer).
 
     Example:

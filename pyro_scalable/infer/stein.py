@@ -42,12 +42,12 @@ s(x)\rVert^2`). The U-statistic, the mean over :math:`i \ne j` only, estimates :
 can be negative (:attr:`SteinDiscrepancy.ksd_squared_unbiased`). Correlated draws (a chain) raise the V-statistic
 above the floor as fewer independent draws would.
 
-**Cost.** The scores take one full-data pass per group of ``draws_chunk_size`` draws, the data in chunks of the
-subsampled plate (chunk :math:`C` of :math:`N` points weighted by :math:`C/N`, as
-:func:`~pyro_scalable.infer.mode_search.full_data_gradient` sums them; :func:`torch.func.vmap` over the draws, a loop
-for a model it cannot batch), the gradients summed in float64. The pairwise sum is :math:`O(n^2 d)` in blocks of
-``block_size`` × ``block_size`` draws (matrix products, float64, on the model's device), so 10⁴ draws take a few
-blocks' memory, not :math:`n^2` values.
+**Cost.** The scores take one full-data pass per group of ``draws_chunk_size`` draws (the gradient at each of
+them), the data in chunks of the subsampled plate (chunk :math:`C` of :math:`N` points weighted by :math:`C/N`, as
+:func:`~pyro_scalable.infer.mode_search.full_data_gradient` sums them; :func:`torch.func.vmap` over the draws, a
+loop for a model it cannot batch), the gradients summed in float64. The pairwise sum is :math:`O(n^2 d)` in blocks of
+``block_size`` × ``block_size`` draws (matrix products, float64, on the device of the model's data, where the draws
+are moved in groups), so 10⁴ draws take a few blocks' memory, not :math:`n^2` values.
 """
 
 from __future__ import annotations
@@ -85,6 +85,20 @@ class SteinDiscrepancy(NamedTuple):
     independent exact draws, :math:`\sqrt{\overline{k_p(x_i, x_i)}/n}`; ``scale``: the length scale of each flat
     unconstrained coordinate (sites in the model's order), to pass as ``scale=`` when scoring other draws on the
     same kernel. All float64, on the CPU.
+
+    Example:
+        >>> import pyro, pyro.distributions as dist, torch
+        >>> from pyro_scalable.bridge import ModelBridge
+        >>> def model(y):
+        ...     mu = pyro.sample("mu", dist.Normal(0.0, 10.0))
+        ...     with pyro.plate("data", len(y)):
+        ...         pyro.sample("obs", dist.Normal(mu, 1.0), obs=y)
+        >>> bridge = ModelBridge(model, (torch.zeros(100),))  # the posterior of mu: about N(0, 0.1²)
+        >>> draws = {"mu": 0.1 * torch.randn(2, 500, generator=torch.Generator().manual_seed(0))}  # 2 chains
+        >>> result = stein_discrepancy(bridge, draws)
+        >>> result.per_chain.shape, bool(result.ksd < 2 * result.floor)
+        (torch.Size([2]), True)
+
     """
 
     ksd: Tensor
