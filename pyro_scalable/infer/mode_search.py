@@ -89,6 +89,8 @@ __all__ = [
     "ModeSearch",
     "find_mode",
     "full_data_gradient",
+    "full_data_hessian",
+    "full_data_hvps",
     "point_gradient_and_value",
 ]
 
@@ -273,7 +275,7 @@ def find_mode(
     def hessian(x: Tensor) -> Tensor:
         counts[2] += 1  # one pass over the data, of d Hessian-vector products per chunk
         bar.update(1.0)
-        return -_hessian(full, unflatten, x, size, reducer) / n
+        return -full_data_hessian(full, unflatten, x, size, reducer) / n
 
     stages: list[Tensor | None] = []  # subsamples of S, 8 S, ... points while the data hold 8 times as many
     points = size
@@ -327,7 +329,7 @@ def find_mode(
     return unflatten(x), search
 
 
-def _hessian(bridge: ModelBridge, unflatten: Callable, x: Tensor, size: int, reducer: Any) -> Tensor:
+def full_data_hessian(bridge: ModelBridge, unflatten: Callable, x: Tensor, size: int, reducer: Any = None) -> Tensor:
     """The full-data log joint's Hessian at the flat ``x`` (float64, ``d x d``), one pass over the chunks."""
     total = torch.zeros(len(x), len(x), dtype=torch.float64, device=x.device)
     rank, world = (reducer.rank, reducer.world_size) if reducer is not None else (0, 1)
@@ -347,6 +349,25 @@ def _hessian(bridge: ModelBridge, unflatten: Callable, x: Tensor, size: int, red
     if reducer is not None:
         (total,) = all_reduce_sum([total])
     return 0.5 * (total + total.T)
+
+
+def full_data_hvps(bridge: ModelBridge, unflatten: Callable, x: Tensor, vectors: Tensor, size: int) -> Tensor:
+    """The full-data log joint's Hessian at the flat ``x`` times each row of ``vectors`` ``(k, d)``: float64 ``(k, d)``.
+
+    One pass over the chunks, the k products of a chunk vectorised (one after another where the model cannot be).
+    """
+    total = torch.zeros(vectors.shape, dtype=torch.float64, device=x.device)
+    point = x.to(next(iter(unflatten(x).values())).dtype)
+    tangents = vectors.to(point.dtype)
+    for batch, weight in _batches(bridge, size, None):
+        fn = lambda flat, batch=batch: bridge.log_posterior(unflatten(flat), batch)  # noqa: E731
+        _, pullback = torch.func.vjp(torch.func.grad(fn), point)
+        try:
+            (chunk,) = torch.func.vmap(pullback)(tangents)
+        except (RuntimeError, NotImplementedError):  # an operation without a batching rule
+            chunk = torch.stack([pullback(v)[0] for v in tangents])
+        total = total + weight * chunk.double()
+    return total
 
 
 def _newton(evaluate: Callable, hessian: Callable, x, f, g, control, n: float, tolerance: float, slack: float):

@@ -52,7 +52,8 @@ from pyro_scalable.infer.schedules import Cyclical
 from pyro_scalable.infer.sgmcmc.adaptation import Tuned
 from pyro_scalable.infer.sgmcmc.chains import ChainStepper
 from pyro_scalable.infer.sgmcmc.sghmc import SGHMC, sgd_hyperparameters
-from pyro_scalable.infer.swag.moments import MomentAccumulator
+from pyro_scalable.infer.swag.check import SPREAD_TOLERANCE, ApproximationWarning, GaussianCheck, check_gaussian
+from pyro_scalable.infer.swag.moments import MomentAccumulator, covariance_factors
 from pyro_scalable.infer.swag.posterior import SWAGPosterior
 
 __all__ = ["SWAG"]
@@ -130,6 +131,7 @@ class SWAG:
         minibatches: Literal["epoch", "independent"] = "independent",
         chain_method: Literal["vectorized", "sequential"] = "vectorized",
         seed: int | None = None,
+        check: bool = True,
         progress_bar: bool = True,
     ):
         if not callable(model):
@@ -155,13 +157,14 @@ class SWAG:
         check_choice("minibatches", minibatches, ("epoch", "independent"))
         check_choice("chain_method", chain_method, ("vectorized", "sequential"))
         check_seed("seed", seed)
+        check_flag("check", check)
         check_flag("progress_bar", progress_bar)
         self.model = model.model if isinstance(model, FullDataModel) else model
         self.lr, self.momentum, self.cycle_length = lr, float(momentum), cycle_length
         self.num_epochs, self.burn_in_epochs, self.snapshot_every = num_epochs, burn_in_epochs, snapshot_every
         self.rank, self.covariance, self.num_runs = rank, covariance, num_runs
         self.start, self.minibatches, self.chain_method = start, minibatches, chain_method
-        self.seed, self.progress_bar = seed, progress_bar
+        self.seed, self.check, self.progress_bar = seed, check, progress_bar
         self.stats: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ the run
@@ -247,9 +250,38 @@ class SWAG:
             "num_snapshots": moments.num_snapshots,
             "burn_in_divergences": divergences[0],
             "mode_searches": searches,
-            "seconds": time.perf_counter() - began,
         }
+        if self.check:
+            self.stats["check"] = self._check(bridge, layout, moments, lr, generator)
+        self.stats["seconds"] = time.perf_counter() - began
         return SWAGPosterior(bridge, layout, moments, self.covariance, dict(self.stats))
+
+    def _check(self, bridge, layout, moments, lr: float, generator: torch.Generator) -> list[GaussianCheck]:
+        """Each run's :func:`check_gaussian`; a warning with the worst run's figures and the remedies."""
+        checks = []
+        for run in range(moments.mean.shape[0]):
+            diagonal, factor = covariance_factors(moments, self.covariance, run)
+            checks.append(check_gaussian(bridge, layout, moments.mean[run], diagonal, factor, generator=generator))
+        failed = [(r, c) for r, c in enumerate(checks) if not c.passed]
+        if failed:
+            run, worst = min(failed, key=lambda rc: (rc[1].positive_definite, rc[1].spread_low))
+            which = f"run {run} of {len(checks)}: " if len(checks) > 1 else ""
+            narrow = worst.positive_definite and worst.spread_low < SPREAD_TOLERANCE[0]
+            remedy = (
+                f"SGD at one learning rate ({lr:.3g}) spreads every direction alike, so where the curvature differs "
+                "by orders of magnitude across directions (unscaled predictors, a network's flat directions) its "
+                "snapshots barely move in the flat ones: standardise the predictors, or pass lr= to choose the step. "
+                if narrow
+                else ""
+            )
+            warnings.warn(
+                f"SWAG's Gaussian is not the posterior here: {which}{worst.describe()}. {remedy}For the posterior "
+                "of this model use StochasticMCMC (SG-MCMC) or the Laplace approximation (AutoLinearizedLaplace) "
+                "at its MAP; SWAG(check=False) skips this check.",
+                ApproximationWarning,
+                stacklevel=3,
+            )
+        return checks
 
     def _starts(self, bridge: ModelBridge, seed: int) -> tuple[Latents, list]:
         """Each run's unconstrained start ``(R, ...)``: its own MAP, or the given point for every run."""

@@ -1,0 +1,309 @@
+"""The external accuracy suite: every engine at its defaults on posteriordb's posteriors (``tests/posteriordb``).
+
+A cell is (posterior, engine, priors, seed). Each cell runs the engine as a new user would — the README's lengths
+(1,000 warm-up steps and 3,000 draws x 4 chains for SG-MCMC), every default kept — records every warning the run
+gave, and compares its draws with posteriordb's reference summaries (long Stan NUTS runs):
+
+* **PASS**: every Stan parameter's mean within 0.2 reference sd, its sd within 0.8-1.25 of the reference's, and (for
+  chains) the rank-normalised r_hat at most 1.01;
+* **WARNED**: outside that, and the run said so (a ``HealthWarning``, a MAP check, ...: a ``UserWarning`` of ours);
+* **SILENT**: outside that, and no warning — the cell a user must never meet;
+* **REFUSED**: the engine refused the model with an error naming the site (a linearised engine on a model it cannot
+  linearise); **ERROR**: anything else.
+
+Engines: ``sghmc`` (the model's own minibatches), ``sghmc-full`` (the same on the full data), ``sgld``, ``psgld``,
+``laplace`` (``AutoLinearizedLaplace``, ``"full"``, at a MAP from 3,000 steps of SVI with ``AutoDelta``, as its guide
+shows), ``sto`` (``SampleThenOptimize``, 512 draws), ``swag`` (``SWAG``). Priors: ``stated`` (the ports' own: Stan's
+priors, a flat one replaced by Normal(0, 1000) / HalfNormal(1000)) and ``weak`` (coefficients Normal(0, 10) and the
+noise scale HalfNormal(10) — the same posterior to a few hundredths of an sd: the suite's check that warm-up gives the
+same verdicts whatever the prior's width). A linearised engine is judged on the sites it covers (a regression's noise
+scale is held at its MAP).
+
+Usage::
+
+    python benchmarks/bench_posteriordb.py run [--engines sghmc,...] [--posteriors name,...] [--priors stated,weak]
+        [--seeds 0,1] [--kinds regression] [--out benchmarks/results/posteriordb/cells.jsonl]
+    python benchmarks/bench_posteriordb.py report [--cells ...] [--out benchmarks/results/posteriordb_suite.md]
+
+``run`` appends one JSON record per cell (posterior, engine, priors, seed, verdict, the worst mean error and sd ratio
+and where, r_hat, the warnings' first 300 characters, seconds, commit, machine, threads, load at start and end) and
+skips cells already in the file; ``report`` renders the latest record of each cell as tables and totals.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import harness  # noqa: E402
+
+from pyro_scalable.bridge.checks import ModelError  # noqa: E402
+from tests.posteriordb import POSTERIORS  # noqa: E402
+from tests.posteriordb.regressions import LinearRegression  # noqa: E402
+
+CELLS = ROOT / "benchmarks" / "results" / "posteriordb" / "cells.jsonl"
+REPORT = ROOT / "benchmarks" / "results" / "posteriordb_suite.md"
+MEAN_TOLERANCE, SD_RATIO, R_HAT = 0.2, (0.8, 1.25), 1.01
+NUM_WARMUP, NUM_SAMPLES, NUM_CHAINS = 1000, 3000, 4  # the README's lengths
+ENGINES = ("sghmc", "sghmc-full", "sgld", "psgld", "laplace", "sto", "swag")
+PRIORS = ("stated", "weak")
+
+
+# ------------------------------------------------------------------------------------------------ the models
+def model_of(posterior, priors: str):
+    """The port's model, or with ``priors="weak"`` the same with Normal(0, 10) coefficients, HalfNormal(10) noise."""
+    if priors == "stated":
+        return posterior.model
+    if not isinstance(posterior.model, LinearRegression):
+        return None  # only the regressions have a flat prior to replace
+    return dataclasses.replace(posterior.model, coefficient_scale=10.0, sigma_prior="half-normal", sigma_scale=10.0)
+
+
+def full_batch(model, num_data: int):
+    """The regression with its data plate's minibatch all of the data: the user's full-batch run."""
+    return dataclasses.replace(model, batch_size=num_data)
+
+
+# ------------------------------------------------------------------------------------------------ the engines
+def run_engine(engine: str, model, args, seed: int) -> tuple[dict[str, torch.Tensor], bool]:
+    """The engine's draws of the sites it covers (``(chains, draws, ...)`` for chains, ``(1, draws, ...)`` otherwise)
+    and whether they are chains (r_hat applies)."""
+    from pyro_scalable.infer import PSGLD, SGHMC, SGLD, SWAG, SampleThenOptimize, StochasticMCMC
+
+    if engine in ("sghmc", "sghmc-full", "sgld", "psgld"):
+        kernel = {"sghmc": SGHMC, "sghmc-full": SGHMC, "sgld": SGLD, "psgld": PSGLD}[engine]
+        if engine == "sghmc-full":
+            model = full_batch(model, len(args[-1]))
+        mcmc = StochasticMCMC(
+            kernel(model),
+            num_samples=NUM_SAMPLES,
+            num_warmup=NUM_WARMUP,
+            num_chains=NUM_CHAINS,
+            seed=seed,
+            progress_bar=False,
+        )
+        mcmc.run(*args)
+        return mcmc.get_samples(group_by_chain=True), True
+    if engine == "laplace":
+        return _laplace(model, args, seed), False
+    if engine == "sto":
+        result = SampleThenOptimize(model, num_samples=512, seed=seed, progress_bar=False).run(*args)
+        sampled = result.net.layout.names  # a noise scale is held at its MAP
+        return {k: v.unsqueeze(0) for k, v in result.get_samples().items() if k in sampled}, False
+    if engine == "swag":
+        posterior = SWAG(model, seed=seed, progress_bar=False).run(*args)
+        return {k: v.unsqueeze(0) for k, v in posterior.get_samples(4000, seed=seed).items()}, False
+    raise ValueError(f"unknown engine {engine!r}")
+
+
+def _laplace(model, args, seed: int) -> dict[str, torch.Tensor]:
+    import pyro
+    from pyro.infer import SVI, Trace_ELBO
+
+    from pyro_scalable.infer import AutoLinearizedLaplace
+
+    pyro.clear_param_store()
+    pyro.set_rng_seed(seed)
+    guide = AutoLinearizedLaplace(model)
+    svi = SVI(model, guide, pyro.optim.Adam({"lr": 0.01}), Trace_ELBO())
+    for _ in range(3000):
+        svi.step(*args)
+    posterior = guide.laplace_approximation(*args, structure="full")
+    sampled = posterior.sites  # a noise scale is held at its MAP
+    return {k: v.unsqueeze(0) for k, v in posterior.get_samples(4000, seed=seed).items() if k in sampled}
+
+
+# ------------------------------------------------------------------------------------------------ one cell
+def judge(posterior, samples: dict[str, torch.Tensor], chains: bool) -> dict:
+    """The worst mean error and sd ratio over the Stan parameters the draws cover, and the worst r_hat."""
+    from pyro_scalable.infer.health import rank_r_hat
+
+    reference = posterior.reference()
+    covered = {site: value for site, value in samples.items() if site in posterior.stan_names}
+    stan = posterior.stan_draws(covered) if len(covered) == len(posterior.stan_names) else _partial(posterior, covered)
+    worst = {"mean_error": 0.0, "mean_error_at": "", "sd_ratio": 1.0, "sd_ratio_at": "", "r_hat": None}
+    for name, draws in stan.items():
+        flat = draws.detach().double().reshape(draws.shape[0], -1) if chains else draws.detach().double().reshape(1, -1)
+        error = abs(float(flat.mean()) - reference[name]["mean"]) / reference[name]["sd"]
+        ratio = float(flat.reshape(-1).std()) / reference[name]["sd"]
+        if error > worst["mean_error"]:
+            worst |= {"mean_error": error, "mean_error_at": name}
+        if abs(math.log(max(ratio, 1e-300))) > abs(math.log(worst["sd_ratio"])):
+            worst |= {"sd_ratio": ratio, "sd_ratio_at": name}
+        if chains:
+            r_hat = float(rank_r_hat(flat.unsqueeze(-1)).max())
+            worst["r_hat"] = r_hat if worst["r_hat"] is None else max(worst["r_hat"], r_hat)
+    worst["covered"] = len(stan)
+    worst["passed"] = (
+        worst["mean_error"] <= MEAN_TOLERANCE
+        and SD_RATIO[0] <= worst["sd_ratio"] <= SD_RATIO[1]
+        and (worst["r_hat"] is None or worst["r_hat"] <= R_HAT)
+    )
+    return worst
+
+
+def _partial(posterior, covered):
+    draws = {}
+    for site, names in posterior.stan_names.items():
+        if site not in covered:
+            continue
+        value = covered[site]
+        if len(names) == 1 and "[" not in names[0]:
+            draws[names[0]] = value
+        else:
+            for i, name in enumerate(names):
+                draws[name] = value[..., i]
+    return draws
+
+
+def run_cell(name: str, engine: str, priors: str, seed: int) -> dict | None:
+    posterior = POSTERIORS[name]
+    model = model_of(posterior, priors)
+    if model is None:
+        return None
+    if engine == "sghmc-full" and not isinstance(model, LinearRegression):
+        return None  # a full-batch model already: "sghmc" is its full-batch run
+    record = {"posterior": name, "kind": posterior.kind, "engine": engine, "priors": priors, "seed": seed}
+    record |= {"load_start": harness.load_average(), "threads": torch.get_num_threads()}
+    began = time.perf_counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        try:
+            samples, chains = run_engine(engine, model, posterior.args(), seed)
+            record |= judge(posterior, samples, chains)
+            outcome = None
+        except ModelError as error:
+            outcome, record["error"] = "REFUSED", str(error)[:500]
+        except Exception as error:  # recorded, not hidden: the report counts it as ERROR with its message
+            outcome = "ERROR"
+            record["error"] = f"{type(error).__name__}: {str(error)[:400]}"
+            record["traceback"] = traceback.format_exc()[-1500:]
+    record["seconds"] = time.perf_counter() - began
+    ours = [w for w in caught if issubclass(w.category, UserWarning)]  # HealthWarning and the MAP check are ones
+    record["warnings"] = [f"{w.category.__name__}: {str(w.message)[:300]}" for w in ours]
+    if outcome is None:
+        outcome = "PASS" if record["passed"] else ("WARNED" if ours else "SILENT")
+    record["verdict"] = outcome
+    record["load_end"] = harness.load_average()
+    record["code"] = harness._code_version()
+    return record
+
+
+# ------------------------------------------------------------------------------------------------ commands
+def latest(path: Path) -> dict[tuple, dict]:
+    cells = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                record = json.loads(line)
+                cells[(record["posterior"], record["engine"], record["priors"], record["seed"])] = record
+    return cells
+
+
+def run(options) -> None:
+    names = options.posteriors.split(",") if options.posteriors else list(POSTERIORS)
+    if options.kinds:
+        names = [n for n in names if POSTERIORS[n].kind in options.kinds.split(",")]
+    out = Path(options.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    done = latest(out)
+    torch.set_num_threads(options.threads)
+    for seed in map(int, options.seeds.split(",")):
+        for priors in options.priors.split(","):
+            for engine in options.engines.split(","):
+                for name in names:
+                    if (name, engine, priors, seed) in done and not options.again:
+                        continue
+                    record = run_cell(name, engine, priors, seed)
+                    if record is None:
+                        continue
+                    with out.open("a") as f:
+                        f.write(json.dumps(record) + "\n")
+                    harness.log(
+                        f"{name} {engine} {priors} {seed}: {record['verdict']} "
+                        f"mean {record.get('mean_error', math.nan):.3g} sd {record.get('sd_ratio', math.nan):.3g} "
+                        f"r_hat {record.get('r_hat')} {record['seconds']:.0f} s"
+                    )
+
+
+def report(options) -> None:
+    cells = latest(Path(options.cells))
+    engines = [e for e in ENGINES if any(key[1] == e for key in cells)]
+    lines = [
+        "# posteriordb suite: every engine at its defaults against posteriordb's reference posteriors",
+        "",
+        f"`python benchmarks/bench_posteriordb.py run` then `report`; {len(cells)} cells. PASS: every mean within "
+        f"{MEAN_TOLERANCE} reference sd, sd ratio {SD_RATIO[0]}-{SD_RATIO[1]}, r_hat <= {R_HAT} (chains); WARNED: "
+        "outside, and the run warned; SILENT: outside, no warning; REFUSED: an error naming the site.",
+        "",
+        "## Totals",
+        "",
+        "| engine | priors | PASS | WARNED | SILENT | REFUSED | ERROR |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for engine in engines:
+        for priors in PRIORS:
+            verdicts = [r["verdict"] for k, r in cells.items() if k[1] == engine and k[2] == priors]
+            if verdicts:
+                counts = [verdicts.count(v) for v in ("PASS", "WARNED", "SILENT", "REFUSED", "ERROR")]
+                lines.append(f"| {engine} | {priors} | " + " | ".join(map(str, counts)) + " |")
+    lines += [
+        "",
+        "## Cells",
+        "",
+        "| posterior | engine | priors | seed | verdict | mean error (sd) | sd ratio | r_hat | s | warning |",
+        "|---|---|---|---:|---|---:|---:|---:|---:|---|",
+    ]
+    for key in sorted(cells):
+        r = cells[key]
+        warning = (r.get("error") or (r["warnings"][0] if r["warnings"] else ""))[:120].replace("|", "/")
+        lines.append(
+            f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | {r['verdict']} | "
+            f"{_number(r.get('mean_error'))} {r.get('mean_error_at', '')} | {_number(r.get('sd_ratio'))} | "
+            f"{_number(r.get('r_hat'))} | {r['seconds']:.0f} | {warning} |"
+        )
+    Path(options.out).write_text("\n".join(lines) + "\n")
+
+
+def _number(value) -> str:
+    return "" if value is None else f"{value:.3g}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    runner = commands.add_parser("run")
+    runner.add_argument("--engines", default=",".join(ENGINES))
+    runner.add_argument("--posteriors", default="")
+    runner.add_argument("--kinds", default="")
+    runner.add_argument("--priors", default="stated")
+    runner.add_argument("--seeds", default="0")
+    runner.add_argument("--threads", type=int, default=1)
+    runner.add_argument("--again", action="store_true", help="run cells already in the file again")
+    runner.add_argument("--out", default=str(CELLS))
+    reporter = commands.add_parser("report")
+    reporter.add_argument("--cells", default=str(CELLS))
+    reporter.add_argument("--out", default=str(REPORT))
+    options = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    run(options) if options.command == "run" else report(options)
+
+
+if __name__ == "__main__":
+    main()
