@@ -61,6 +61,7 @@ MEAN_TOLERANCE, SD_RATIO, R_HAT = 0.2, (0.8, 1.25), 1.01
 NUM_WARMUP, NUM_SAMPLES, NUM_CHAINS = 1000, 3000, 4  # the README's lengths
 ENGINES = ("sghmc", "sghmc-full", "sgld", "psgld", "laplace", "sto", "swag")
 PRIORS = ("stated", "weak")
+LINEARISED, LINEARISED_KINDS = ("laplace", "sto"), ("regression",)
 
 
 # ------------------------------------------------------------------------------------------------ the models
@@ -177,6 +178,8 @@ def run_cell(name: str, engine: str, priors: str, seed: int) -> dict | None:
         return None
     if engine == "sghmc-full" and not isinstance(model, LinearRegression):
         return None  # a full-batch model already: "sghmc" is its full-batch run
+    if engine in LINEARISED and posterior.kind not in LINEARISED_KINDS:
+        return None  # the linearised engines serve GLMs and networks (a time series' or an HMM's posterior is neither)
     record = {"posterior": name, "kind": posterior.kind, "engine": engine, "priors": priors, "seed": seed}
     record |= {"load_start": harness.load_average(), "threads": torch.get_num_threads()}
     began = time.perf_counter()

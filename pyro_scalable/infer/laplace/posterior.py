@@ -101,6 +101,7 @@ class LaplacePosterior(LaplacePredictives, GaussianDraws):
         self.prior_mean = prior_mean
         self._map_noise, self._noise_site = noise_scale, noise_site
         self.jitter = jitter
+        self.map_search = None  # the mode search that finished the trained point (laplace_approximation's finish_map)
         # the b-term of the evidence and the Newton-moved mean are only sound with the exact GGN (see above)
         self.recenter = structure.exact and curvature == "ggn" and fit.sum_squares is not None
         self._prior_precision = prior_precision
@@ -353,7 +354,7 @@ class LaplacePosterior(LaplacePredictives, GaussianDraws):
             b = self._log_joint_gradient(prior, noise)
             return 0.5 * float((b * self._precision(prior, noise).solve(b)).sum())
 
-    def check_map(self, threshold: float = 1.0) -> float:
+    def check_map(self, threshold: float = 1.0, *, warn: bool = True) -> float:
         r"""Warn when :math:`\theta_*` is not a MAP: a Gauss-Newton step would gain more than ``threshold`` nats.
 
         The gain is a lower bound on :math:`\tfrac12 b^\top H^{-1} b` with the *exact* GGN over the full data,
@@ -379,7 +380,8 @@ class LaplacePosterior(LaplacePredictives, GaussianDraws):
             if self.recenter
             else "The curvature is taken there, as if it were one."
         )
-        warn_not_map(gain, float(b.norm()), consequence, threshold=threshold)
+        if warn:
+            warn_not_map(gain, float(b.norm()), consequence, threshold=threshold)
         return gain
 
 
