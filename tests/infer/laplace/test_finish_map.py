@@ -3,8 +3,8 @@
 Gold: a conjugate linear regression (known noise) on predictors of scales 1 and 100, whose posterior is exactly
 N(m, Σ): after 20 SVI steps the guide's point is far from m (SVI stops short where one direction is a hundred times
 narrower than another); the full Laplace posterior from it must be N(m, Σ) (its mean within 0.001 sd, its
-covariance to float64 precision), with no warning, and ``map_search`` records the search. With ``finish_map=False`` (or ``map_latents`` given) the fit is where the
-point is, and the MAP check warns.
+covariance to float64 precision), with no warning, and ``map_search`` records the search. With
+``finish_map=False`` (or ``map_latents`` given) the fit is where the point is, and the MAP check warns.
 """
 
 from __future__ import annotations
