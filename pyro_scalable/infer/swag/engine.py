@@ -262,7 +262,8 @@ class SWAG:
         for run in range(moments.mean.shape[0]):
             diagonal, factor = covariance_factors(moments, self.covariance, run)
             checks.append(check_gaussian(bridge, layout, moments.mean[run], diagonal, factor, generator=generator))
-        failed = [(r, c) for r, c in enumerate(checks) if not c.passed]
+        # a network's Hessian is rarely definite at SWAG's mean: above 64 latents that is recorded, not warned
+        failed = [(r, c) for r, c in enumerate(checks) if not c.passed and (c.exact or c.positive_definite)]
         if failed:
             run, worst = min(failed, key=lambda rc: (rc[1].positive_definite, rc[1].spread_low))
             which = f"run {run} of {len(checks)}: " if len(checks) > 1 else ""
