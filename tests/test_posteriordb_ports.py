@@ -1,9 +1,9 @@
 """The posteriordb ports (``tests/posteriordb``): each builds, runs on its data, maps onto Stan's names, was checked.
 
 The check itself (Pyro's NUTS against the reference draws) is ``scripts/posteriordb_check_ports.py``; here every
-port its record holds must have passed it or say why not. The closed forms the time-series ports use for Stan's loops, the HMMs' pairwise
-contraction for Stan's forward algorithm and the GP's covariance are compared with a line-by-line transcription of
-the Stan model.
+port its record holds must have passed it or say why not. The closed forms the time-series ports use for Stan's
+loops, the HMMs' pairwise contraction for Stan's forward algorithm and the GP's covariance are compared with a
+line-by-line transcription of the Stan model.
 """
 
 from __future__ import annotations
