@@ -20,7 +20,7 @@ def test_default_sghmc_samples_the_weighted_posterior(variant):
     model, args = glm("linear-gaussian", variant)
     mean, covariance = linear_gaussian_posterior(variant)
     entry = {"sites": {"w": {"mean": mean.tolist(), "sd": covariance.diagonal().sqrt().tolist()}}}
-    mcmc = StochasticMCMC(SGHMC(model), num_samples=1000, num_warmup=1000, num_chains=4, seed=0, progress_bar=False)
+    mcmc = StochasticMCMC(SGHMC(model), num_samples=3000, num_warmup=1000, num_chains=4, seed=0, progress_bar=False)
     mcmc.run(*args)
     result = accuracy(mcmc.get_samples(group_by_chain=True), entry)
     assert result["passed"], result
