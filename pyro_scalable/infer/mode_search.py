@@ -309,6 +309,13 @@ def find_mode(
                     break
                 t = 1.0 if memory.pairs else min(1.0, 1.0 / float(g.abs().sum()))
                 step = _line_search(lambda x_t, i=indices: evaluate(x_t, i), x, f, g, d, t, slack * abs(f))
+                if step is None and indices is None and len(x) <= EXACT_NEWTON:
+                    # L-BFGS's direction found no way up (a metric learnt far from the mode, across directions
+                    # whose curvatures differ by orders of magnitude): exact Newton steps from here decide
+                    x, f, g, control, converged = _newton(evaluate, hessian, x, f, g, control, n, tolerance, slack)
+                    if converged:
+                        break
+                    step = None
                 if step is None and indices is None:  # stalled on the full data short of the mode: a log joint
                     raise _NoFiniteMode  # that rounding leaves no way up (a funnel's neck), not a mode
                 if step is None:
@@ -419,10 +426,11 @@ class _NoFiniteMode(Exception):
 def _line_search(evaluate: Callable, x: Tensor, f: float, g: Tensor, d: Tensor, t: float, slack: float):
     """A step ``x + t d`` meeting the weak Wolfe conditions, as ``(x, f, g, control)``.
 
-    ``None`` where none was found within :data:`_LINE_SEARCH` trials; :class:`_NoFiniteMode` at a log joint of NaN or
-    +∞, or a gradient not finite at a point no worse than ``x`` (running downhill to where the gradient overflows:
-    a mode on a support's edge); a trial point uphill whose gradient overflows (e.g. a scale near 0 at large N, in
-    float32) only shortens the step.
+    ``None`` where none was found within :data:`_LINE_SEARCH` trials; :class:`_NoFiniteMode` at a log joint of +∞,
+    or a gradient not finite at a point no worse than ``x`` (running downhill to where the gradient overflows: a mode
+    on a support's edge); a trial point uphill whose gradient overflows (e.g. a scale near 0 at large N, in float32)
+    or whose log joint is NaN (the model overflowed there: a long step from a poor start took a scale's log to 800)
+    only shortens the step.
     """
     slope = float(g @ d)
     lo, hi = 0.0, math.inf
@@ -430,9 +438,10 @@ def _line_search(evaluate: Callable, x: Tensor, f: float, g: Tensor, d: Tensor, 
         x_t = x + t * d
         f_t, g_t, control = evaluate(x_t)
         finite = bool(torch.isfinite(g_t).all())
-        if math.isnan(f_t) or f_t == -math.inf or (not finite and f_t <= f):  # downhill to where ∇ overflows
+        if f_t == -math.inf or (not finite and f_t <= f):  # downhill to where ∇ overflows
             raise _NoFiniteMode
-        if f_t > f + _C1 * t * slope + slack or not finite:  # too far (+∞ included, or uphill where ∇ overflows)
+        # too far: +∞ or NaN (a trial point where the model overflows, e.g. a scale's exp), or uphill where ∇ does
+        if math.isnan(f_t) or f_t > f + _C1 * t * slope + slack or not finite:
             hi = t
         elif float(g_t @ d) < _C2 * slope:  # too short: the slope is still steep
             lo = t

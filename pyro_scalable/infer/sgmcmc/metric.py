@@ -43,12 +43,9 @@ the inverse Hessian (exact for a Gaussian posterior, whatever the chains explore
 is bounded by the positions instead of made arbitrarily wide. ``metric="dense"`` does this at every stage;
 ``"diagonal"`` uses the diagonal of :math:`S` (Stan's regularisation towards a small multiple of the identity);
 ``"auto"`` is dense up to :data:`DENSE_LIMIT` unconstrained dimensions, diagonal otherwise, and is on only where
-warm-up chooses the step size and has at least :data:`LEAST_WARMUP` steps. The diagonal metric is taken only
-where the first one's spread ratio reaches :data:`WORTHWHILE`: on a well-conditioned posterior warm-up then goes on
-exactly as without a metric (the first stage is the whole warm-up's first part; nothing random is drawn for it).
-The dense one is taken whatever its condition number: skipped below 10, it left the sds of posteriordb's
-mesquite-logmesquite_logvolume regression 0.84 of the reference's with r_hat 1.01 (WARNED), taken 0.95 and 1.004
-(``benchmarks/bench_posteriordb.py``). The
+warm-up chooses the step size and has at least :data:`LEAST_WARMUP` steps, and only where the first metric's
+condition number reaches :data:`WORTHWHILE`: on a well-conditioned posterior warm-up then goes on exactly as
+without a metric (the first stage is the whole warm-up's first part; nothing random is drawn for the metric). The
 Hessian is the metric at every stage, rather than the pooled positions after the first: on a partial-pooling
 regression the positions of a short window give a metric far from the posterior's scale.
 """
@@ -71,7 +68,7 @@ CHOICES = ("auto", "unit", "diagonal", "dense")
 STAGES = (0.15, 0.3, 0.55)  # warm-up's metric changes after these shares of num_warmup
 DENSE_LIMIT = 100
 LEAST_WARMUP = 200
-WORTHWHILE = 10.0  # "auto" keeps the unit metric where the first diagonal one's spread ratio is below this
+WORTHWHILE = 10.0  # "auto" keeps the unit metric where the first one's condition number is below this
 SPREAD_LIMIT = 100.0  # a dense metric's variance along a Hessian eigenvector is at most this × the window's spread
 _SHRINK = 5.0  # Stan's regularisation: (n / (n + 5)) S + (5 / (n + 5)) 1e-3 (here relative to the mean variance)
 
@@ -264,6 +261,8 @@ class MetricSchedule:
             values, vectors = torch.linalg.eigh(hessian(self.window_mean).double())
             spread = ((covariance @ vectors) * vectors).sum(0)  # the window's variance along each eigenvector
             values = torch.maximum(values.abs(), 1.0 / (SPREAD_LIMIT * spread))
+            if self.stage == 0 and self.kind == "auto" and float(values.max() / values.min()) < WORTHWHILE:
+                return self._stop()
             inverse = (vectors / values) @ vectors.T
             return self._advance(torch.linalg.cholesky(0.5 * (inverse + inverse.T)).to(like))
         use_dense = covariance.dim() == 2 and (self.kind == "dense" or n >= 10 * self.layout.num_params)
@@ -285,7 +284,7 @@ class MetricSchedule:
         return self.affine
 
     def _stop(self) -> None:
-        """No metric after all (``"auto"``'s diagonal on a well-spread posterior): warm-up goes on as if it had none."""
+        """No metric after all (``"auto"`` on a well-conditioned posterior): warm-up goes on as if it had none."""
         self.ends = []
         self._reset()
         return None
