@@ -14,9 +14,9 @@ gave, and compares its draws with posteriordb's reference summaries (long Stan N
 Engines: ``sghmc`` (the model's own minibatches), ``sghmc-full`` (the same on the full data), ``sgld``, ``psgld``,
 ``laplace`` (``AutoLinearizedLaplace``, ``"full"``, at a MAP from 3,000 steps of SVI with ``AutoDelta``, as its guide
 shows), ``sto`` (``SampleThenOptimize``, 512 draws), ``swag`` (``SWAG``). Priors: ``stated`` (the ports' own: Stan's
-priors, a flat one replaced by Normal(0, 1000) / HalfNormal(1000)) and ``weak`` (coefficients Normal(0, 10) and the
-noise scale HalfNormal(10) — the same posterior to a few hundredths of an sd: the suite's check that warm-up gives the
-same verdicts whatever the prior's width). A linearised engine is judged on the sites it covers (a regression's noise
+priors, a flat one replaced by Normal(0, 1000) / HalfNormal(1000)) and ``weak`` (weakly informative priors scaled to the data, :func:`model_of` — the same
+posterior to a few hundredths of an sd: the suite's check that warm-up gives the same verdicts whatever the prior's
+width). A linearised engine is judged on the sites it covers (a regression's noise
 scale is held at its MAP).
 
 Usage::
@@ -66,12 +66,24 @@ LINEARISED, LINEARISED_KINDS = ("laplace", "sto"), ("regression",)
 
 # ------------------------------------------------------------------------------------------------ the models
 def model_of(posterior, priors: str):
-    """The port's model, or with ``priors="weak"`` the same with Normal(0, 10) coefficients, HalfNormal(10) noise."""
+    """The port's model, or with ``priors="weak"`` the same with weakly informative priors scaled to its data.
+
+    Weak: a slope ``beta_j ~ Normal(0, 10 sd(y) / sd(x_j))``, the intercept (a constant column)
+    ``Normal(0, 10 (|mean(y)| + sd(y)))``, ``sigma ~ HalfNormal(10 sd(y))``: ten times the scales rstanarm's
+    autoscaled priors use, so that the posterior is the stated one to a few hundredths of an sd (a fixed
+    Normal(0, 10) moved kidiq's intercept, 26 on a score's scale, by 2 posterior sds).
+    """
     if priors == "stated":
         return posterior.model
     if not isinstance(posterior.model, LinearRegression):
         return None  # only the regressions have a flat prior to replace
-    return dataclasses.replace(posterior.model, coefficient_scale=10.0, sigma_prior="half-normal", sigma_scale=10.0)
+    x, y = posterior.args()
+    spread = x.std(0)
+    constant = spread == 0
+    scale = torch.where(constant, 10.0 * (y.mean().abs() + y.std()), 10.0 * y.std() / spread.where(~constant, 1.0))
+    return dataclasses.replace(
+        posterior.model, coefficient_scale=scale, sigma_prior="half-normal", sigma_scale=float(10.0 * y.std())
+    )
 
 
 def full_batch(model, num_data: int):

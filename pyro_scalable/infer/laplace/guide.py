@@ -19,7 +19,7 @@ from pyro.infer.autoguide import AutoLaplaceApproximation
 from pyro.infer.autoguide.initialization import InitMessenger, init_to_sample, init_to_uniform
 
 from pyro_scalable.arguments import check_choice, check_count, check_flag, check_number, check_seed, check_tensor
-from pyro_scalable.bridge.checks import ModelError
+from pyro_scalable.bridge.checks import ModelError, user_stacklevel
 from pyro_scalable.bridge.model import Latents, ModelBridge
 from pyro_scalable.bridge.plates import FullDataModel
 from pyro_scalable.infer.laplace.curvature import FitRequest, PassStructure
@@ -275,6 +275,14 @@ def _finish(model, args: tuple, kwargs: dict, latents: Latents, seed: int) -> tu
             "the trained point is not a MAP, and the mode search from it found no finite mode of the log joint (a "
             "density that grows without bound, e.g. a scale that runs to zero): pass map_latents= at a point you "
             "trust, or finish_map=False to fit where the guide is."
+        )
+    if not search.converged:
+        warnings.warn(
+            f"the trained point is not a MAP, and the mode search from it stopped short of the mode after "
+            f"{search.full_passes} passes over the data (the full-data gradient's norm there is "
+            f"{search.grad_norm:.3g}): the Laplace posterior is fitted there. Train the guide to its MAP, or pass "
+            "map_latents= a MAP you found.",
+            stacklevel=user_stacklevel(),
         )
     return {name: mode[name].detach().reshape(latents[name].shape) for name in latents}, search
 

@@ -13,13 +13,14 @@ search (:func:`~pyro_scalable.infer.mode_search.find_mode`: L-BFGS on subsamples
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
 from pyro.infer.autoguide.initialization import init_to_median, init_to_sample, init_to_uniform
 from torch import Tensor
 
-from pyro_scalable.bridge.checks import ModelError
+from pyro_scalable.bridge.checks import ModelError, user_stacklevel
 from pyro_scalable.bridge.model import Latents, ModelBridge
 from pyro_scalable.infer.linearized.network import choose_sites
 from pyro_scalable.infer.linearized.sampling import is_linear_gaussian
@@ -94,6 +95,13 @@ def find_map(bridge: ModelBridge, generator: torch.Generator, *, map_steps: int,
         raise ModelError(
             "the MAP search found no finite mode of the log joint (a density that grows without bound, e.g. a "
             "scale that runs to zero, or non-finite values in the data); pass linearize_at={site: value}."
+        )
+    if not search.converged:
+        warnings.warn(
+            f"the MAP search stopped short of the mode after {search.full_passes} passes over the data (the full-data "
+            f"gradient's norm there is {search.grad_norm:.3g}): the model is linearised, and its draws centred, at a "
+            f"point that is not a MAP. Pass map_steps= above {map_steps}, or linearize_at= a MAP you found.",
+            stacklevel=user_stacklevel(),
         )
     constrained = bridge.constrain(mode)
     edge = [name for name, value in constrained.items() if not bool(torch.isfinite(value).all())]
