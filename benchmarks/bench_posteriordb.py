@@ -147,7 +147,8 @@ def judge(posterior, samples: dict[str, torch.Tensor], chains: bool) -> dict:
 
     reference = posterior.reference()
     covered = {site: value for site, value in samples.items() if site in posterior.stan_names}
-    stan = posterior.stan_draws(covered) if len(covered) == len(posterior.stan_names) else _partial(posterior, covered)
+    whole = len(covered) == len(posterior.stan_names)  # then every site, a derived parameter's inputs too
+    stan = posterior.stan_draws(samples) if whole else _partial(posterior, covered)
     worst = {"mean_error": 0.0, "mean_error_at": "", "sd_ratio": 1.0, "sd_ratio_at": "", "r_hat": None}
     for name, draws in stan.items():
         flat = draws.detach().double().reshape(draws.shape[0], -1) if chains else draws.detach().double().reshape(1, -1)
