@@ -68,7 +68,7 @@ CHOICES = ("auto", "unit", "diagonal", "dense")
 STAGES = (0.15, 0.3, 0.55)  # warm-up's metric changes after these shares of num_warmup
 DENSE_LIMIT = 100
 LEAST_WARMUP = 200
-WORTHWHILE = 10.0  # "auto" keeps the unit metric where the first one's condition number is below this
+WORTHWHILE = 3.0  # "auto" keeps the unit metric where the first one's condition number is below this
 SPREAD_LIMIT = 100.0  # a dense metric's variance along a Hessian eigenvector is at most this × the window's spread
 _SHRINK = 5.0  # Stan's regularisation: (n / (n + 5)) S + (5 / (n + 5)) 1e-3 (here relative to the mean variance)
 
