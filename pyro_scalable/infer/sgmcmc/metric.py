@@ -45,7 +45,11 @@ is bounded by the positions instead of made arbitrarily wide. ``metric="dense"``
 ``"auto"`` is dense up to :data:`DENSE_LIMIT` unconstrained dimensions, diagonal otherwise, and is on only where
 warm-up chooses the step size and has at least :data:`LEAST_WARMUP` steps, and only where the first metric's
 condition number reaches :data:`WORTHWHILE`: on a well-conditioned posterior warm-up then goes on exactly as
-without a metric (the first stage is the whole warm-up's first part; nothing random is drawn for the metric). The
+without a metric (the first stage is the whole warm-up's first part; nothing random is drawn for the metric). At 10
+the metric was skipped on posteriordb's mesquite log-volume regression (N = 46, B = 10), whose sds then came out 0.84
+of the reference's at any length (6,000 draws: 0.85); from 3 it is taken there (0.95, r_hat 1.004). Taken at every
+condition number, a control variate centred at warm-up's means took a step 1.9 times the plain run's where it takes
+more than 3 times on a well-conditioned regression (``tests/infer/sgmcmc/test_control_variates.py``). The
 Hessian is the metric at every stage, rather than the pooled positions after the first: on a partial-pooling
 regression the positions of a short window give a metric far from the posterior's scale.
 """
