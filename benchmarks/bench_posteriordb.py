@@ -194,6 +194,7 @@ def run_cell(name: str, engine: str, priors: str, seed: int) -> dict | None:
     if engine in LINEARISED and posterior.kind not in LINEARISED_KINDS:
         return None  # the linearised engines serve GLMs and networks (a time series' or an HMM's posterior is neither)
     record = {"posterior": name, "kind": posterior.kind, "engine": engine, "priors": priors, "seed": seed}
+    record["num_samples"] = NUM_SAMPLES
     record |= {"load_start": harness.load_average(), "threads": torch.get_num_threads()}
     began = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:
@@ -240,6 +241,8 @@ def run(options) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     done = latest(out)
     torch.set_num_threads(options.threads)
+    global NUM_SAMPLES
+    NUM_SAMPLES = options.num_samples
     for seed in map(int, options.seeds.split(",")):
         for priors in options.priors.split(","):
             for engine in options.engines.split(","):
@@ -316,6 +319,12 @@ def main() -> None:
     runner.add_argument("--seeds", default="0")
     runner.add_argument("--threads", type=int, default=1)
     runner.add_argument("--again", action="store_true", help="run cells already in the file again")
+    runner.add_argument(
+        "--num-samples",
+        type=int,
+        default=NUM_SAMPLES,
+        help="SG-MCMC draws per chain (a warning's advised length; write such cells to their own --out)",
+    )
     runner.add_argument("--out", default=str(CELLS))
     reporter = commands.add_parser("report")
     reporter.add_argument("--cells", default=str(CELLS))
