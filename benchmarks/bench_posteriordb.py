@@ -146,9 +146,7 @@ def judge(posterior, samples: dict[str, torch.Tensor], chains: bool) -> dict:
     from pyro_scalable.infer.health import rank_r_hat
 
     reference = posterior.reference()
-    covered = {site: value for site, value in samples.items() if site in posterior.stan_names}
-    whole = len(covered) == len(posterior.stan_names)  # then every site, a derived parameter's inputs too
-    stan = posterior.stan_draws(samples) if whole else _partial(posterior, covered)
+    stan = posterior.stan_draws(samples)  # the Stan parameters the draws cover
     worst = {"mean_error": 0.0, "mean_error_at": "", "sd_ratio": 1.0, "sd_ratio_at": "", "r_hat": None}
     for name, draws in stan.items():
         flat = draws.detach().double().reshape(draws.shape[0], -1) if chains else draws.detach().double().reshape(1, -1)
@@ -168,20 +166,6 @@ def judge(posterior, samples: dict[str, torch.Tensor], chains: bool) -> dict:
         and (worst["r_hat"] is None or worst["r_hat"] <= R_HAT)
     )
     return worst
-
-
-def _partial(posterior, covered):
-    draws = {}
-    for site, names in posterior.stan_names.items():
-        if site not in covered:
-            continue
-        value = covered[site]
-        if len(names) == 1 and "[" not in names[0]:
-            draws[names[0]] = value
-        else:
-            for i, name in enumerate(names):
-                draws[name] = value[..., i]
-    return draws
 
 
 def run_cell(name: str, engine: str, priors: str, seed: int) -> dict | None:

@@ -71,6 +71,9 @@ def errors(posterior: Posterior, samples: Mapping[str, Tensor]) -> dict[str, flo
     Returns ``mean_error`` (the largest ``|mean - reference mean| / reference sd``), ``sd_ratio`` (the ratio
     ``sd / reference sd`` farthest from 1 on a log scale), the parameters they came from, and ``passed``.
     """
+    missing = [site for site in posterior.stan_names if site not in samples]
+    if missing:
+        raise KeyError(f"no draws of the site(s) {missing}: errors() judges every Stan parameter")
     reference = posterior.reference()
     worst = {"mean_error": 0.0, "mean_error_at": "", "sd_ratio": 1.0, "sd_ratio_at": ""}
     for stan_name, draws in posterior.stan_draws(samples).items():

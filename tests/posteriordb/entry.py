@@ -84,9 +84,15 @@ class Posterior:
         return load_reference()["posteriors"][self.name]["parameters"]
 
     def stan_draws(self, samples: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        """Latent draws by site (any leading draw dimensions) -> draws by Stan parameter name, in Stan's order."""
+        """Latent draws by site (any leading draw dimensions) -> draws by Stan parameter name, in Stan's order.
+
+        Sites absent from ``samples`` are left out (a linearised engine holds a noise scale at its MAP), and so is a
+        derived parameter whose inputs are.
+        """
         draws = {}
         for site, names in self.stan_names.items():
+            if site not in samples:
+                continue
             value = samples[site]
             if len(names) == 1 and "[" not in names[0]:
                 draws[names[0]] = value
@@ -94,5 +100,6 @@ class Posterior:
                 for i, stan_name in enumerate(names):
                     draws[stan_name] = value[..., i]
         for stan_name, (sites, function) in self.derived.items():
-            draws[stan_name] = function(*(samples[site] for site in sites))
+            if all(site in samples for site in sites):
+                draws[stan_name] = function(*(samples[site] for site in sites))
         return draws
