@@ -28,8 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from pyro_scalable.bridge import ModelBridge  # noqa: E402
 from pyro_scalable.infer import SGHMC, StochasticMCMC  # noqa: E402
+from pyro_scalable.infer.gradients import ControlledDensity  # noqa: E402
 from pyro_scalable.infer.sgmcmc.control_probe import WORTH, controlled_noise_share  # noqa: E402
-from pyro_scalable.infer.sgmcmc.control_variates import ControlledLogPosterior  # noqa: E402
 from tests.infer.sgmcmc.test_control_probe import _network, _network_data  # noqa: E402
 from tests.model_zoo import ZOO, zoo_model  # noqa: E402
 
@@ -60,7 +60,7 @@ def share_of(name: str, build, seed: int) -> tuple[str, bool]:
     chosen = "map" if mcmc.mode_search is not None else "warmup"  # "warmup" centres at the window means, no search
     bridge = ModelBridge(model, args)
     final = bridge.unconstrain({k: v[:, -1] for k, v in mcmc.get_samples(group_by_chain=True).items()})
-    controlled = ControlledLogPosterior(bridge.log_posterior_fn, mcmc.control_variate)
+    controlled = ControlledDensity(bridge.log_posterior_fn, mcmc.control_variate)
     return f"{controlled_noise_share(controlled, bridge, final, seed):.3g}", warned, chosen
 
 

@@ -66,7 +66,9 @@ class LogPosterior:
     ``m = 1`` for small minibatches), stacked on a leading dimension, so that ``torch.func.vmap`` evaluates
     ``log p(θ) + (N/m) Σ_{i∈g} log p(y_i | θ)`` for every group at once: the group gradients whose spread estimates the
     minibatch gradient's noise (module docstring). ``terms`` are the prior's terms and the data's, which sum to it:
-    the prior's are the same for every group, so the noise estimate evaluates them once, not once per group.
+    the prior's are the same for every group, so the noise estimate evaluates them once, not once per group. It is
+    the engines' :class:`~pyro_scalable.infer.gradients.MinibatchDensity` of a Pyro model; ``replacement`` (minibatches
+    drawn with replacement: no finite-population correction) is fixed when it is made.
     """
 
     def __init__(self, bridge: ModelBridge, *, replacement: bool = False):
@@ -76,6 +78,11 @@ class LogPosterior:
 
     def __call__(self, latents: Latents, batch: Batch) -> Tensor:
         return self.bridge.log_posterior(latents, batch)
+
+    @staticmethod
+    def batched_gradient(latents: Latents, batch: Batch) -> None:
+        """None: every chain's gradient is one vmapped density and one backward pass (the engines' own)."""
+        return None
 
     def examples(self, batch: Batch) -> Examples | None:
         """The subsampled plate's minibatch split into groups of :func:`group_size` examples, for ``torch.func.vmap``.

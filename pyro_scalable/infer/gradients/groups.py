@@ -1,8 +1,9 @@
 r"""The per-group half of the gradient-noise estimate: each group's gradient of a minibatch, and their spread.
 
-:func:`~.base.estimate_gradient` splits a minibatch into :math:`G` groups (:mod:`pyro_scalable.bridge.log_posterior`)
-and needs each group's gradient :math:`h_g` of the terms that differ between groups (the data's, where the log
-posterior offers its ``terms`` apart) and the sample variance :math:`\mathrm{var}_G(h_g)` per coordinate.
+:func:`~.estimate.estimate_gradient` splits a minibatch into :math:`G` groups
+(:mod:`pyro_scalable.bridge.log_posterior`) and needs each group's gradient :math:`h_g` of the terms that differ
+between groups (the data's, where the density offers its ``terms`` apart) and the sample variance
+:math:`\mathrm{var}_G(h_g)` per coordinate.
 :func:`per_group` computes the :math:`h_g` with one vmapped density and one backward pass; :func:`spread` their
 variance, in place where the gradients' memory is the estimate's own (:func:`own_storage`).
 """
@@ -16,6 +17,7 @@ import torch
 from torch import Tensor
 from torch.func import grad_and_value, vmap
 
+from pyro_scalable.bridge.records import Batch
 from pyro_scalable.bridge.traced import under_transform
 
 __all__ = ["own_storage", "per_group", "spread"]
@@ -33,7 +35,7 @@ def per_group(log_posterior_fn: Any, latents: Latents, examples: Any, in_dims: A
     reads one weight matrix (a sixth less time on a 90,701-weight MLP's noise step). A model that writes to its
     latents in place cannot take them so and gets each group's own gradient below.
     """
-    dims = getattr(in_dims, "indices", None)  # the bridge's split: the groups along the plate's indices
+    dims = in_dims.indices if isinstance(in_dims, Batch) else None  # the bridge's: the groups along a plate's indices
     split = [i for i, d in zip(examples.indices.values(), dims.values(), strict=True) if d == 0] if dims else []
     if not split or any(under_transform(x) for x in latents.values()):
         return vmap(grad_and_value(log_posterior_fn), in_dims=(None, in_dims))(latents, examples)

@@ -40,21 +40,17 @@ import torch
 from torch import Tensor
 
 from pyro_scalable.infer.autodiff import hvp
-from pyro_scalable.infer.schedules import resolve
-from pyro_scalable.infer.sgmcmc import tuning
-from pyro_scalable.infer.sgmcmc.base import (
-    CURVATURE_EVERY,
+from pyro_scalable.infer.gradients import (
     NOISE_WINDOW,
-    SAMPLING,
     GradientEstimate,
-    Latents,
-    LogPosteriorFn,
-    Phase,
+    MinibatchDensity,
     average_noise,
     estimate_gradient,
-    noise_phase,
     noise_start,
 )
+from pyro_scalable.infer.schedules import resolve
+from pyro_scalable.infer.sgmcmc import tuning
+from pyro_scalable.infer.sgmcmc.base import CURVATURE_EVERY, SAMPLING, Latents, Phase, noise_phase
 
 __all__ = [
     "Adaptation",
@@ -167,7 +163,7 @@ class Adaptation:
         self,
         state: AdaptationState,
         batch: Any,
-        log_posterior_fn: LogPosteriorFn,
+        log_posterior_fn: MinibatchDensity,
         phase: Phase = SAMPLING,
         direction: Latents | None = None,
     ) -> GradientEstimate:
@@ -208,7 +204,7 @@ class Adaptation:
         return None if phase.noise_every or phase.power_iterations else state.kernel.latents
 
     def step(
-        self, state: AdaptationState, batch: Any, log_posterior_fn: LogPosteriorFn, generator=None, phase=SAMPLING
+        self, state: AdaptationState, batch: Any, log_posterior_fn: MinibatchDensity, generator=None, phase=SAMPLING
     ):
         """One warm-up step: :meth:`update` after :meth:`estimate`."""
         return self.update(state, self.estimate(state, batch, log_posterior_fn, phase), generator, phase)
@@ -242,7 +238,7 @@ class Tuned:
         return SAMPLING if self.kernel.gradient_noise == "ignore" else noise_phase(step_index)
 
     def estimate(
-        self, state: TunedState, batch: Any, log_posterior_fn: LogPosteriorFn, phase: Phase = SAMPLING, direction=None
+        self, state: TunedState, batch: Any, log_posterior_fn: MinibatchDensity, phase: Phase = SAMPLING, direction=None
     ) -> GradientEstimate:
         """The minibatch gradient at the chain's latents, with its noise where ``phase`` measures it."""
         noise = self.kernel.gradient_noise != "ignore" and bool(phase.noise_every)
@@ -263,7 +259,7 @@ class Tuned:
         )
         return TunedState(kernel_state, state.hyperparameters, noise), info
 
-    def step(self, state: TunedState, batch: Any, log_posterior_fn: LogPosteriorFn, generator=None, phase=SAMPLING):
+    def step(self, state: TunedState, batch: Any, log_posterior_fn: MinibatchDensity, generator=None, phase=SAMPLING):
         """One sampling step: :meth:`update` after :meth:`estimate`."""
         return self.update(state, self.estimate(state, batch, log_posterior_fn, phase), generator, phase)
 
@@ -281,7 +277,7 @@ class Tuned:
 
 
 def hessian_product(
-    log_posterior_fn: LogPosteriorFn,
+    log_posterior_fn: MinibatchDensity,
     latents: Latents,
     batch: Any,
     direction: Latents,
@@ -343,7 +339,7 @@ def _spread(x: Tensor) -> Tensor:
 
 
 def _metric_hvp(
-    log_posterior_fn: LogPosteriorFn, latents: Latents, batch: Any, direction: Latents, metric: Latents | None
+    log_posterior_fn: MinibatchDensity, latents: Latents, batch: Any, direction: Latents, metric: Latents | None
 ) -> Latents:
     root = {name: torch.sqrt(m) for name, m in metric.items()} if metric is not None else None
     tangent = {name: v * root[name] for name, v in direction.items()} if root is not None else direction

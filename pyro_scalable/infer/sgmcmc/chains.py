@@ -1,12 +1,14 @@
 """Stepping many chains at once: one ``torch.func.vmap``-ed computation, or one chain after another.
 
-The driver (:mod:`.mcmc`) hands each step's minibatch and index to a :class:`ChainStepper`, which runs a *program*
+The driver (:mod:`.mcmc`) hands each step's minibatch, index and density (the
+:class:`~pyro_scalable.infer.gradients.MinibatchDensity` whose gradient the step takes) to a :class:`ChainStepper`,
+which runs a *program*
 on every chain: vectorised where the model allows it, sequentially (with a one-line warning) where vmap cannot
 batch it. A program (:class:`~.program.Program`) is warm-up around a kernel (:class:`~.adaptation.Adaptation`) or
 the kernel sampling with its hyperparameters (:class:`~.adaptation.Tuned`): ``init(latents)``,
-``phase(step_index)``, ``step(state, batch, log_posterior_fn, generator, phase)``, ``latents(state)``, and the
+``phase(step_index)``, ``step(state, batch, density, generator, phase)``, ``latents(state)``, and the
 halves of a step. With a ``reducer`` (data-parallel, :mod:`.distributed`) a step is
-``estimate(state, batch, log_posterior_fn, phase, direction)`` on this rank's share, an all-reduce, then
+``estimate(state, batch, density, phase, direction)`` on this rank's share, an all-reduce, then
 ``update(state, gradient, generator, phase)``.
 """
 
@@ -23,12 +25,14 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from pyro_scalable.bridge.checks import ModelError, first_line, user_stacklevel
 from pyro_scalable.bridge.model import Batch, Latents, ModelBridge
 from pyro_scalable.bridge.traced import compiling
-from pyro_scalable.infer.sgmcmc.base import GradientEstimate, Phase
+from pyro_scalable.infer.gradients import MinibatchDensity, chains_gradient
+from pyro_scalable.infer.gradients.estimate import chain_indices, index_dims
+from pyro_scalable.infer.sgmcmc.base import Phase
 from pyro_scalable.infer.sgmcmc.compiled_step import CompiledStep
 from pyro_scalable.infer.sgmcmc.distributed import normalised_per_chain
 from pyro_scalable.infer.sgmcmc.stragglers import copy_chains
 
-__all__ = ["ChainStepper", "CompiledStep", "chains_gradient", "first_line"]
+__all__ = ["ChainStepper", "CompiledStep", "first_line"]
 
 
 class ChainStepper:
@@ -49,7 +53,7 @@ class ChainStepper:
         self.program = program
         self.reducer = reducer
         self.bridge = bridge
-        self.log_posterior_fn = bridge.log_posterior_fn
+        self.density: MinibatchDensity = bridge.log_posterior_fn  # the step's (step() is handed it)
         self.generator = generator
         self.num_chains = next(iter(latents.values())).shape[0]
         self.mode = "vectorized" if method == "vectorized" and self.num_chains > 1 else "sequential"
@@ -78,7 +82,7 @@ class ChainStepper:
 
     def _one(self, state: Any, indices: dict, args: tuple, kwargs: dict, phase: Phase):
         generator = None if torch.compiler.is_compiling() else self.generator  # compiled: torch's RNG, seeded per step
-        return self.program.step(state, Batch(indices, args, kwargs), self.log_posterior_fn, generator, phase)
+        return self.program.step(state, Batch(indices, args, kwargs), self.density, generator, phase)
 
     def _vstep(self, phase: Phase, indices: dict):
         dims = index_dims(indices)
@@ -102,8 +106,12 @@ class ChainStepper:
             self._vsteps[key] = vmap(update, randomness="different")
         return self._vsteps[key]
 
-    def step(self, batch: Batch, step_index: int):
-        """Step every chain on ``batch``, the run's step ``step_index``; returns the stacked Info (one chain's: 0-d)."""
+    def step(self, batch: Batch, step_index: int, density: MinibatchDensity):
+        """Step every chain on ``batch``, the run's step ``step_index``, by the gradient of ``density``.
+
+        Returns the stacked Info (one chain's: 0-d).
+        """
+        self.density = density
         phase = self.program.phase(step_index)
         if self.reducer is not None:
             return self._reduced_step(batch, phase)
@@ -137,7 +145,7 @@ class ChainStepper:
             latents = self.program.plain_gradient_at(state, phase)
             if latents is None or torch.compiler.is_compiling():  # compiled: one vmapped gradient transform, traced
                 return self._vstep(phase, indices)(state, indices, args, kwargs)
-            gradient = chains_gradient(self.log_posterior_fn, latents, Batch(indices, args, kwargs))
+            gradient = chains_gradient(self.density, latents, Batch(indices, args, kwargs))
             return self._vupdate(phase)(state, gradient)
         chains, infos = [], []
         for c, chain_state in enumerate(state):
@@ -160,7 +168,7 @@ class ChainStepper:
         for _ in range(max(iterations, 1)):
             gradient = self._estimate(local, single, direction)
             # the N behind the per-example noise estimate (inf for minibatches drawn with replacement)
-            population = self.log_posterior_fn.examples(local)[2] if gradient.noise_variance else None
+            population = self.density.examples(local)[2] if gradient.noise_variance else None
             gradient = self.reducer.reduce(gradient, population)
             direction = normalised_per_chain(gradient.hessian_product) if gradient.hessian_product else None
 
@@ -180,7 +188,7 @@ class ChainStepper:
         """Every chain's :class:`GradientEstimate` on ``batch``, stacked (``direction``: the power-iteration vector)."""
 
         def one(state, indices, args, kwargs, direction):
-            return self.program.estimate(state, Batch(indices, args, kwargs), self.log_posterior_fn, phase, direction)
+            return self.program.estimate(state, Batch(indices, args, kwargs), self.density, phase, direction)
 
         if self.mode == "vectorized":
             try:
@@ -234,57 +242,6 @@ class ChainStepper:
             self.state = state
         else:
             self._chains = state
-
-
-def chains_gradient(log_posterior_fn: Any, latents: Latents, batch: Batch) -> GradientEstimate:
-    """:func:`~.base.evaluate` for all chains at once: one vmapped log density, one backward pass outside vmap.
-
-    The chains share no parameter, so the gradient of the sum of their log densities with respect to chain c's
-    latents is chain c's own gradient. Plain autograd over the vmapped density spares every operation the gradient
-    transform that ``vmap(grad_and_value(...))`` wraps it in (a quarter of a small model's vectorised step, on a CPU).
-
-    Example:
-        >>> import torch
-        >>> from pyro_scalable.bridge import Batch
-        >>> def log_density(latents, batch):
-        ...     return -latents["w"].square().sum()
-        >>> two_chains = {"w": torch.tensor([[1.0, 2.0], [3.0, 4.0]])}
-        >>> chains_gradient(log_density, two_chains, Batch({}, (), {})).grads["w"]
-        tensor([[-2., -4.],
-                [-6., -8.]])
-
-    """
-    own = getattr(log_posterior_fn, "batched_gradient", None)
-    result = own(latents, batch) if own is not None else None
-    grads, values = result if result is not None else gradient_and_value(log_posterior_fn, latents, batch)
-    grad_sq = sum(g.square().reshape(g.shape[0], -1).sum(1) for g in grads.values())
-    diverging = ~torch.isfinite(values + grad_sq)  # as evaluate's: finite where both are
-    count = torch.zeros(values.shape, device=values.device)  # no noise estimated (as estimate_gradient's)
-    return GradientEstimate(grads, values, grad_sq.sqrt(), diverging, {}, count, {})
-
-
-def gradient_and_value(log_posterior_fn: Any, latents: Latents, batch: Batch) -> tuple[Latents, Tensor]:
-    """Every chain's gradient and value of ``log_posterior_fn``: one vmapped density, one backward pass."""
-    leaves = {name: x.detach().requires_grad_() for name, x in latents.items()}
-
-    def one(chain_latents, indices, args, kwargs):
-        return log_posterior_fn(chain_latents, Batch(indices, args, kwargs))
-
-    in_dims = (0, index_dims(batch.indices), None, None)
-    with torch.enable_grad():
-        values = vmap(one, in_dims=in_dims)(leaves, batch.indices, batch.args, batch.kwargs)
-        grads = torch.autograd.grad(values.sum(), list(leaves.values()), allow_unused=True, materialize_grads=True)
-    return dict(zip(leaves, grads, strict=True)), values.detach()
-
-
-def index_dims(indices: dict) -> dict:
-    """The ``in_dims`` for a step's indices: 0 for per-chain ``(C, B)``, None for a shared ``(B,)``."""
-    return {name: 0 if idx.dim() == 2 else None for name, idx in indices.items()}
-
-
-def chain_indices(indices: dict, chain: int) -> dict:
-    """Chain ``chain``'s minibatch indices (a shared minibatch is every chain's)."""
-    return {name: idx[chain] if idx.dim() == 2 else idx for name, idx in indices.items()}
 
 
 def _stack(records: list) -> Any:

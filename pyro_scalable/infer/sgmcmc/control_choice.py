@@ -1,10 +1,11 @@
 r"""Which control variate a run uses, and where its centre is: ``control_variate="auto"``, ``"map"``, ``"warmup"``.
 
-The estimator is in :mod:`.control_variates`; this module is the driver's policy. ``"auto"`` chooses from the model
+The controlled density is :class:`~pyro_scalable.infer.gradients.ControlledDensity`, its centre
+:mod:`.control_variates`; this module is the driver's policy. ``"auto"`` chooses from the model
 and the run (:func:`choose`, with the measurements behind each threshold); :func:`attach` wraps the run's log
 posterior in the chosen estimate, finding a ``"map"`` centre once (a resumed run reads it back); with ``"warmup"``
 the driver calls :func:`recentre` at the end of each of warm-up's metric windows (one full-data pass each) and
-switches the estimate off in burn-in (``ControlledLogPosterior.active``): a chain far from the centre sees noise
+steps burn-in on the plain density (:func:`~.phases.step_density`): a chain far from the centre sees noise
 growing with :math:`\lVert\theta-\hat\theta\rVert^2`, and burn-in, which does not bound the gradient noise, would
 amplify it (seen on the non-centred hierarchical logistic regression, centred at its exact posterior mean: the
 burn-in chains ran away).
@@ -12,14 +13,13 @@ burn-in chains ran away).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from pyro_scalable.bridge.hierarchy import prior_parents
 from pyro_scalable.bridge.model import Latents, ModelBridge
+from pyro_scalable.infer.gradients import ControlledDensity, MinibatchDensity
 from pyro_scalable.infer.sgmcmc.control_variates import (
     CentreError,
-    ControlledLogPosterior,
     ControlVariate,
     full_data_gradient,
     prepare,
@@ -86,7 +86,7 @@ def choose(option: Any, kernel: Any, bridge: ModelBridge, *, windows: bool = Tru
         True
 
     """
-    plates = list(getattr(bridge, "plates", {}).values())
+    plates = list(bridge.plates.values())
     groups = _group_sizes(bridge)
     if option == "warmup" and not windows:
         raise ValueError(
@@ -111,7 +111,7 @@ def choose(option: Any, kernel: Any, bridge: ModelBridge, *, windows: bool = Tru
 
 def _group_sizes(bridge: ModelBridge) -> dict[str, int]:
     """The latent sites inside a plate (group-level latents: a hierarchy), each with its largest plate's size."""
-    sites = getattr(bridge, "sites", {}).items()
+    sites = bridge.sites.items()
     return {
         name: max(size for size, plate in zip(site.shape, site.plates) if plate is not None)
         for name, site in sites
@@ -147,7 +147,7 @@ def centred(bridge: ModelBridge) -> bool:
 
 def attach(
     option: Any,
-    base: Callable,
+    base: MinibatchDensity,
     start: Latents,
     seed: int,
     reducer: Any,
@@ -158,10 +158,10 @@ def attach(
     chosen: bool = False,
     windows: bool = True,
     progress: bool = False,
-) -> tuple[Callable, ControlVariate | None, Any, Any]:
-    """The log posterior with the control variate ``option`` (from :func:`choose`) asks for, its centre and search.
+) -> tuple[MinibatchDensity, ControlVariate | None, Any, Any]:
+    """The density with the control variate ``option`` (from :func:`choose`) asks for, its centre and search.
 
-    Returns ``(log posterior, control variate, mode search, option)``: ``base`` and ``None`` where ``option`` is
+    Returns ``(density, control variate, mode search, option)``: ``base`` and ``None`` where ``option`` is
     ``None``. A centre ``resumed`` from a checkpoint is used as it is; otherwise one is found (one chain's initial
     point ``start`` begins a mode search on ``bridge``, the full-data gradient on ``full``); ``"warmup"`` starts with
     none (the plain estimate until warm-up's first calibrated half). ``chosen``: ``option`` is what ``"auto"``
@@ -180,7 +180,7 @@ def attach(
         >>> bridge = ModelBridge(model, (torch.arange(20.0),))
         >>> fn, control, _, _ = attach({"mu": torch.tensor(9.5)}, bridge.log_posterior_fn, {}, 0, None,
         ...                         bridge=bridge, full=bridge)
-        >>> float(control.centre["mu"]), fn.active
+        >>> float(control.centre["mu"]), fn.inner is not None
         (9.5, True)
 
     """
@@ -195,9 +195,9 @@ def attach(
             if not chosen:
                 raise
             if windows and _group_sizes(bridge):  # a centred hierarchy's funnel: its group scale runs to 0
-                return ControlledLogPosterior(base, None), None, None, "warmup"
+                return ControlledDensity(base, None), None, None, "warmup"
             return base, None, None, None
-    return ControlledLogPosterior(base, control), control, search, option
+    return ControlledDensity(base, control), control, search, option
 
 
 def recentre(full: ModelBridge, schedule: Any, reducer: Any = None) -> ControlVariate:

@@ -30,6 +30,7 @@ from torch.func import grad
 from pyro_scalable.bridge.checks import user_stacklevel
 from pyro_scalable.bridge.minibatches import EpochSampler
 from pyro_scalable.bridge.model import Batch, Latents, ModelBridge
+from pyro_scalable.infer.gradients import ControlledDensity, MinibatchDensity
 
 __all__ = ["PROBE_BATCHES", "WORTH", "controlled_noise_share", "warn_wasted_control_variate"]
 
@@ -37,33 +38,41 @@ PROBE_BATCHES = 32  # minibatches, the same for the plain and the controlled gra
 WORTH = 0.5  # the controlled noise's largest share of the plain noise for which twice the work per step pays
 
 
-def controlled_noise_share(controlled: Any, bridge: ModelBridge, latents: Latents, seed: int) -> float | None:
+def controlled_noise_share(
+    controlled: MinibatchDensity, bridge: ModelBridge, latents: Latents, seed: int
+) -> float | None:
     """The controlled minibatch gradient's noise as a share of the plain one's, at each chain of ``latents``.
 
-    ``controlled`` is the run's :class:`~.control_variates.ControlledLogPosterior` (its ``inner`` the plain log
-    posterior); ``latents`` the chains' final draws (unconstrained, a leading chain dimension). Returns the share
-    pooled over the chains (the variances summed over coordinates and chains); ``None`` where there is nothing to
-    measure (no centre, no subsampled plate, several of them, or a minibatch of one point) or where the plain
+    ``controlled`` is the run's density, a :class:`~pyro_scalable.infer.gradients.ControlledDensity` (its ``inner``
+    the plain log posterior); ``latents`` the chains' final draws (unconstrained, a leading chain dimension). Returns
+    the share pooled over the chains (the variances summed over coordinates and chains); ``None`` where there is
+    nothing to measure (no centre, no subsampled plate, several of them, or a minibatch of one point) or where the plain
     gradient does not vary or a gradient is not finite.
 
     Example:
         >>> import pyro, pyro.distributions as dist, torch
         >>> from pyro_scalable.bridge import ModelBridge
-        >>> from pyro_scalable.infer.sgmcmc.control_variates import ControlledLogPosterior, full_data_gradient
+        >>> from pyro_scalable.infer.gradients import ControlledDensity
+        >>> from pyro_scalable.infer.sgmcmc.control_variates import full_data_gradient
         >>> def model(y):
         ...     mu = pyro.sample("mu", dist.Normal(0.0, 10.0))
         ...     with pyro.plate("data", len(y), subsample_size=10) as idx:
         ...         pyro.sample("obs", dist.Normal(mu, 1.0), obs=y[idx])
         >>> bridge = ModelBridge(model, (torch.randn(1000),))
         >>> centre = full_data_gradient(bridge, {"mu": torch.tensor(0.0)})
-        >>> controlled = ControlledLogPosterior(bridge.log_posterior_fn, centre)
+        >>> controlled = ControlledDensity(bridge.log_posterior_fn, centre)
         >>> share = controlled_noise_share(controlled, bridge, {"mu": torch.tensor([0.5, -0.3])}, seed=0)
         >>> share < 1e-9  # the gradient is linear in mu: the centre's minibatch gradient cancels all its noise
         True
 
     """
     plates = list(bridge.plates.values())
-    if getattr(controlled, "control", None) is None or len(plates) != 1 or plates[0].subsample_size < 2:
+    if (
+        not isinstance(controlled, ControlledDensity)
+        or controlled.control is None
+        or len(plates) != 1
+        or plates[0].subsample_size < 2
+    ):
         return None
     plain_fn, chains = controlled.inner, next(iter(latents.values())).shape[0]
     generator = torch.Generator(device=bridge.device).manual_seed(seed + 3)  # never the run's generator

@@ -52,7 +52,7 @@ from torch import Tensor
 
 from pyro_scalable.bridge.model import Batch, DataPlate, Latents
 from pyro_scalable.infer.distributed import all_reduce_sum
-from pyro_scalable.infer.sgmcmc.base import GradientEstimate
+from pyro_scalable.infer.gradients import GradientEstimate
 
 __all__ = ["ChainParallel", "DataParallel", "DistributedMode", "Gathered", "normalised_per_chain", "setup"]
 

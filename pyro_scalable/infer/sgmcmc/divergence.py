@@ -14,7 +14,8 @@ import torch
 from torch import Tensor
 
 from pyro_scalable.bridge.traced import under_transform
-from pyro_scalable.infer.sgmcmc.base import Latents, flag
+from pyro_scalable.infer.gradients.estimate import flag
+from pyro_scalable.infer.sgmcmc.base import Latents
 
 __all__ = ["keep_where_finite", "zero_where_diverging"]
 

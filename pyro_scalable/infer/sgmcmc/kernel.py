@@ -17,8 +17,9 @@ from torch import Tensor
 
 from pyro_scalable.bridge.model import FullDataModel, Latents
 from pyro_scalable.bridge.traced import under_transform
+from pyro_scalable.infer.gradients import GradientEstimate
 from pyro_scalable.infer.schedules import ScalarOrSchedule, check_positive
-from pyro_scalable.infer.sgmcmc.base import GradientEstimate, check_gradient_noise
+from pyro_scalable.infer.sgmcmc.base import check_gradient_noise
 from pyro_scalable.infer.sgmcmc.control_variates import check_control_variate
 
 __all__ = ["Kernel", "MomentumKernel", "RunConstants"]

@@ -56,17 +56,17 @@ regression the positions of a short window give a metric far from the posterior'
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from pyro_scalable.bridge.model import Batch, Latents
+from pyro_scalable.infer.gradients.whitened import AffineMap, WhitenedDensity
 from pyro_scalable.infer.linearized.layout import ParameterLayout
 
-__all__ = ["AffineLogPosterior", "AffineMap", "MetricSchedule", "check_metric"]
+__all__ = ["MetricSchedule", "check_metric"]
 
 CHOICES = ("auto", "unit", "diagonal", "dense")
 STAGES = (0.15, 0.3, 0.55)  # warm-up's metric changes after these shares of num_warmup
@@ -82,87 +82,6 @@ def check_metric(metric: str) -> str:
     if metric not in CHOICES:
         raise ValueError(f"metric must be one of {CHOICES}, got {metric!r}.")
     return metric
-
-
-class AffineMap(NamedTuple):
-    """θ = mean + L z over the flattened unconstrained latents; ``scale`` is L (D × D, lower) or its diagonal (D,)."""
-
-    mean: Tensor
-    scale: Tensor
-
-    def to_theta(self, flat: Tensor) -> Tensor:
-        """θ from z (leading dims allowed)."""
-        if self.scale.dim() == 1:
-            return self.mean + flat * self.scale
-        return self.mean + flat @ self.scale.T
-
-    def gradient_to_z(self, flat_gradient: Tensor) -> Tensor:
-        """The gradient in z of a function whose gradient in θ is ``flat_gradient`` (Lᵀ g; leading dims allowed).
-
-        Example:
-            >>> import torch
-            >>> affine = AffineMap(torch.zeros(2), torch.tensor([[2.0, 0.0], [1.0, 3.0]]))
-            >>> affine.gradient_to_z(torch.tensor([1.0, 1.0]))  # Lᵀ (1, 1)
-            tensor([3., 3.])
-
-        """
-        if self.scale.dim() == 1:
-            return flat_gradient * self.scale
-        return flat_gradient @ self.scale
-
-    def to_z(self, flat: Tensor) -> Tensor:
-        """The z of θ (leading dims allowed)."""
-        centred = flat - self.mean
-        if self.scale.dim() == 1:
-            return centred / self.scale
-        shape = centred.shape
-        solved = torch.linalg.solve_triangular(self.scale, centred.reshape(-1, shape[-1]).T, upper=False)
-        return solved.T.reshape(shape)
-
-
-class AffineLogPosterior:
-    """``log_posterior_fn(z, batch) = inner(mean + L z, batch)`` (log|det L| is a constant and left out)."""
-
-    def __init__(self, inner: Callable, layout: ParameterLayout, affine: AffineMap):
-        self.inner, self.layout, self.affine = inner, layout, affine
-
-    @property
-    def replacement(self) -> bool:
-        return getattr(self.inner, "replacement", False)
-
-    @replacement.setter
-    def replacement(self, value: bool) -> None:
-        self.inner.replacement = value
-
-    def examples(self, batch: Batch):
-        """The wrapped log posterior's per-example split of ``batch``."""
-        split = getattr(self.inner, "examples", None)
-        return None if split is None else split(batch)
-
-    def __call__(self, latents: Latents, batch: Batch) -> Tensor:
-        return self._mapped(self.inner, latents, batch)
-
-    @property
-    def terms(self) -> tuple[Callable, Callable] | None:
-        """The wrapped log posterior's ``terms`` (prior's, data's) in z; ``None`` where it has none."""
-        inner = getattr(self.inner, "terms", None)
-        return None if inner is None else tuple(functools.partial(self._mapped, fn) for fn in inner)
-
-    def _mapped(self, fn: Callable, latents: Latents, batch: Batch) -> Tensor:
-        flat = self.affine.to_theta(self.layout.flatten(latents))
-        return fn(self.layout.unflatten(flat), batch)
-
-    def batched_gradient(self, latents: Latents, batch: Batch) -> tuple[Latents, Tensor] | None:
-        """Every chain's gradient in z and value, from the wrapped log posterior's own batched gradient in θ.
-
-        ``latents`` have a leading chain dimension. ``None`` where the wrapped one has no ``batched_gradient``.
-        """
-        inner = getattr(self.inner, "batched_gradient", None)
-        if inner is None:
-            return None
-        theta = self.layout.unflatten(self.affine.to_theta(self.layout.flatten(latents, batch_dims=1)))
-        grads, values = inner(theta, batch)
-        return self.layout.unflatten(self.affine.gradient_to_z(self.layout.flatten(grads, batch_dims=1))), values
 
 
 class MetricSchedule:
@@ -309,7 +228,7 @@ class MetricSchedule:
         """``log_posterior_fn`` in the running stage's z."""
         if self.affine is None:
             return log_posterior_fn
-        return AffineLogPosterior(log_posterior_fn, self.layout, self.affine)
+        return WhitenedDensity(log_posterior_fn, self.layout, self.affine)
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps: the stage, its map and the window's moments so far (references: cheap)."""

@@ -24,6 +24,7 @@ import torch
 from pyro_scalable.bridge.checks import user_stacklevel
 from pyro_scalable.bridge.minibatches import EpochSampler
 from pyro_scalable.bridge.model import Batch, Latents, ModelBridge
+from pyro_scalable.infer.gradients import MinibatchDensity
 from pyro_scalable.infer.health import HealthWarning
 from pyro_scalable.infer.sgmcmc.adaptation import Tuned
 from pyro_scalable.infer.sgmcmc.chains import ChainStepper
@@ -35,11 +36,11 @@ TOLERATED = 0.1
 
 
 def probe_gradient_noise(
-    kernel: Any, bridge: ModelBridge, latents: Latents, seed: int, step: int, log_posterior_fn: Any = None
+    kernel: Any, bridge: ModelBridge, latents: Latents, seed: int, step: int, density: MinibatchDensity | None = None
 ) -> float | None:
     """The ``noise_ratio`` of ``kernel`` with the noise estimated, from the first chain of ``latents``.
 
-    ``log_posterior_fn`` is the run's (a control variate's, where it had one); default: the bridge's.
+    ``density`` is the run's (a control variate's, where it had one); default: the bridge's log posterior.
 
     ``None`` where it does not apply: the noise was estimated (or corrected) already, the kernel has no
     ``gradient_noise`` option, warm-up chose the step, no plate is subsampled (the gradient is exact, or a loader's
@@ -57,11 +58,11 @@ def probe_gradient_noise(
     generator = torch.Generator(device=bridge.device).manual_seed(seed + 1)  # never the run's generator
     first = {name: value[:1].detach() for name, value in latents.items()}
     stepper = ChainStepper(Tuned(probe), bridge, first, generator, "sequential")
-    stepper.log_posterior_fn = log_posterior_fn or stepper.log_posterior_fn
+    density = bridge.log_posterior_fn if density is None else density
     sampler = EpochSampler(bridge.plates, 1, generator, bridge.device)
     with torch.no_grad():
         for t in range(step, step + PROBE_STEPS):
-            info = stepper.step(Batch(next(sampler), bridge.args, bridge.kwargs), t)
+            info = stepper.step(Batch(next(sampler), bridge.args, bridge.kwargs), t, density)
     if not bool((info.temperature > 0).all()):
         return None
     ratio = float(info.noise_ratio.max())

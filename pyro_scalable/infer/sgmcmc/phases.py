@@ -3,7 +3,8 @@
 1. :func:`prepare`: bind the model to its data (or a ``DataLoader``), set up the distributed mode, draw each chain's
    initial point, the minibatch sampler and warm-up's stepper (its metric's schedule where one is needed).
 2. :func:`resume`: a checkpoint's run goes on from its last completed step.
-3. :func:`attach_control_variate`: the gradient the control-variate policy (:mod:`.control_choice`) chose.
+3. :func:`attach_control_variate`: the density the control-variate policy (:mod:`.control_choice`) chose, and the
+   densities the steps take their gradient of (:func:`step_densities`: in warm-up's metric's variables).
 4. :func:`sample`: warm-up and sampling, one :func:`step` at a time; a warm-up window's end (:func:`window_end`:
    the chains left behind, the metric's next stage) and warm-up's end (:func:`warmup_end`) happen inside it. An
    interruption keeps every draw taken.
@@ -27,11 +28,13 @@ from tqdm.auto import tqdm
 
 from pyro_scalable.bridge.checks import user_stacklevel
 from pyro_scalable.bridge.hierarchy import prior_parents
+from pyro_scalable.bridge.log_posterior import LogPosterior
 from pyro_scalable.bridge.minibatches import EpochSampler, data_passes
 from pyro_scalable.bridge.model import Batch, Latents, ModelBridge
 from pyro_scalable.bridge.subsampling import warn_full_batch
 from pyro_scalable.infer.checkpoint import terminate_as_interrupt
 from pyro_scalable.infer.distributed import broadcast_seed
+from pyro_scalable.infer.gradients import ControlledDensity, MinibatchDensity
 from pyro_scalable.infer.health import repeated_draws, warn_unhealthy
 from pyro_scalable.infer.record import RunRecord
 from pyro_scalable.infer.remedies import RunSetup
@@ -46,9 +49,40 @@ from pyro_scalable.infer.sgmcmc.noise_probe import probe_gradient_noise, warn_ig
 from pyro_scalable.infer.sgmcmc.run_arguments import bind
 from pyro_scalable.infer.sgmcmc.stragglers import WindowLog
 
-__all__ = ["Outcome", "RunState", "attach_control_variate", "finish", "outcome", "prepare", "resume", "sample", "step"]
+__all__ = [
+    "Outcome",
+    "RunState",
+    "StepDensities",
+    "attach_control_variate",
+    "finish",
+    "outcome",
+    "prepare",
+    "resume",
+    "sample",
+    "step",
+    "step_densities",
+]
 
 _NOISE_STATS = ("noise_ratio", "uncorrected")
+
+
+class StepDensities(NamedTuple):
+    """What a step takes its gradient of: burn-in's density and every other step's, in the metric's variables."""
+
+    burn_in: MinibatchDensity
+    calibrated: MinibatchDensity
+
+
+def step_densities(state: RunState) -> StepDensities:
+    """The densities of the run's steps from its density in θ (``state.base``) and warm-up's metric (if any).
+
+    With ``control_variate="warmup"`` burn-in steps on the plain density: the controlled one's noise grows with the
+    distance to the centre, and burn-in does not bound the gradient noise.
+    """
+    wrap = state.schedule.wrap if state.schedule is not None else (lambda density: density)
+    calibrated = wrap(state.base)
+    plain_burn_in = state.option == "warmup" and isinstance(state.base, ControlledDensity)
+    return StepDensities(wrap(state.base.inner) if plain_burn_in else calibrated, calibrated)
 
 
 @dataclass
@@ -68,7 +102,7 @@ class RunState:
     sampler: EpochSampler
     schedule: MetricSchedule | None  # warm-up's metric stages, where a metric is needed
     stepper: ChainStepper
-    base: Any  # the log posterior the kernels step on (plain, or controlled after attach_control_variate)
+    base: MinibatchDensity  # the density in θ (the bridge's log posterior, or controlled after attach_control_variate)
     window: WindowLog
     batch_iter: Iterator | None  # a DataLoader's elements, cycled
     batches: Iterable | None
@@ -77,6 +111,7 @@ class RunState:
     num_chains: int  # as asked, or as gathered (chain-parallel)
     warmup_divergences: Tensor  # per chain, on the model's device until the run ends
     restarted: Tensor  # per chain: how often warm-up restarted it from a healthy chain
+    densities: StepDensities | None = None  # what the steps take their gradient of (step_densities)
     control_variate: Any = None  # the control variate's centre and full-data gradient (:mod:`.control_variates`)
     mode_search: Any = None  # how its mode was found
     option: Any = None  # the control-variate policy's choice
@@ -113,8 +148,7 @@ def prepare(run: Any, args: tuple, kwargs: dict, batches: Iterable | None) -> Ru
     # the first stage is warm-up as without a metric: the metric's stages replace its rest only if they are needed
     program = Adaptation(run.kernel, run.num_warmup) if run.kernel.adapts else Tuned(run.kernel)
     stepper = ChainStepper(program, bridge, latents, generator, run.chain_method, reducer)
-    base = stepper.log_posterior_fn
-    base.replacement = sampler.replacement  # no finite-population correction then
+    base = LogPosterior(bridge, replacement=sampler.replacement)  # with replacement: no finite-population correction
     record.allocate(latents, run.num_samples, run.draws_device)
     num_chains = next(iter(latents.values())).shape[0]
     total = run.num_warmup + run.num_samples * run.thin
@@ -210,7 +244,7 @@ def attach_control_variate(run: Any, state: RunState) -> None:
             state.checkpoint.stepper = state.stepper
             state.checkpoint.remember(state.start, state.kept, stopped=state.diverged)  # (the model tracing's calls)
             state.checkpoint.write()
-    state.stepper.log_posterior_fn = state.schedule.wrap(state.base) if state.schedule else state.base
+    state.densities = step_densities(state)
 
 
 def sample(run: Any, state: RunState) -> None:
@@ -265,9 +299,10 @@ def step(run: Any, state: RunState, t: int) -> Any:
         batch = Batch({}, step_args, step_kwargs)
     else:
         batch = Batch(next(state.sampler), state.bridge.args, state.bridge.kwargs)
-    if state.option == "warmup":  # plain in burn-in: the controlled noise grows with the distance to the centre
-        state.base.active = t >= run.num_warmup or not state.stepper.program.phase(t - schedule.stage_start()).burn_in
-    info = state.stepper.step(batch, t - (schedule.stage_start() if schedule else 0))
+    index, densities = t - (schedule.stage_start() if schedule else 0), state.densities
+    burn_in = densities.burn_in is not densities.calibrated and t < run.num_warmup
+    density = densities.burn_in if burn_in and state.stepper.program.phase(index).burn_in else densities.calibrated
+    info = state.stepper.step(batch, index, density)
     if t < run.num_warmup and (schedule.in_window(t) if schedule else t >= run.num_warmup // 2):
         state.window.observe(info.log_posterior, info.diverging)
     if schedule is not None and t < run.num_warmup:
@@ -304,10 +339,11 @@ def window_end(run: Any, state: RunState, batch: Batch) -> None:
     keep = None if restart is None else ~behind
     moved = schedule.next_map(next(iter(theta.values())), curvature, keep=keep)
     if state.option == "warmup":  # recentred at each window's mean: one full-data pass
-        state.control_variate = state.base.control = recentre(state.record.full_bridge, schedule, state.reducer)
+        state.control_variate = recentre(state.record.full_bridge, schedule, state.reducer)
+        state.base = ControlledDensity(state.base.inner, state.control_variate)
+    state.densities = step_densities(state)  # in the next stage's metric, around the new centre
     if moved is not None:
         state.stepper = stage_stepper(run, state, schedule.to_z(theta), state.stepper.mode)
-        state.stepper.log_posterior_fn = schedule.wrap(state.base)
         if state.checkpoint is not None:
             state.checkpoint.stepper = state.stepper
     elif restart is not None:
@@ -351,10 +387,9 @@ def finish(run: Any, state: RunState) -> None:
     warn_unhealthy(results.draws, results.stats, int(per_chain.sum()), data_passes=passes, setup=setup)
     warn_uncorrected_noise(results.stats, state.num_samples, run.kernel.adapts)
     if state.num_samples and state.parallel is None and state.start < state.total:  # not for a run read back
-        stepper, last = state.stepper, state.stepper.latents()
-        warn_ignored_noise(
-            probe_gradient_noise(run.kernel, state.bridge, last, state.seed, state.total, stepper.log_posterior_fn)
-        )
+        last = state.stepper.latents()
+        density = state.densities.calibrated
+        warn_ignored_noise(probe_gradient_noise(run.kernel, state.bridge, last, state.seed, state.total, density))
         if run.kernel.control_variate == "auto" and state.option == "map":  # what the chosen centre bought (at θ)
             theta = state.schedule.to_theta(last) if state.schedule else last
             share = controlled_noise_share(state.base, state.bridge, theta, state.seed)

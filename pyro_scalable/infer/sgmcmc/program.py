@@ -12,7 +12,8 @@ from __future__ import annotations
 from typing import Any, Protocol, runtime_checkable
 
 from pyro_scalable.bridge.model import Latents
-from pyro_scalable.infer.sgmcmc.base import SAMPLING, GradientEstimate, LogPosteriorFn, Phase
+from pyro_scalable.infer.gradients import GradientEstimate, MinibatchDensity
+from pyro_scalable.infer.sgmcmc.base import SAMPLING, Phase
 
 __all__ = ["KernelContract", "Program"]
 
@@ -28,7 +29,7 @@ class Program(Protocol):
         """What step ``step_index`` does besides the update (noise measured, power iterations, burn-in)."""
 
     def estimate(
-        self, state: Any, batch: Any, log_posterior_fn: LogPosteriorFn, phase: Phase = SAMPLING, direction=None
+        self, state: Any, batch: Any, log_posterior_fn: MinibatchDensity, phase: Phase = SAMPLING, direction=None
     ) -> GradientEstimate:
         """The gradient (and what the update needs with it) on ``batch``."""
 
@@ -38,7 +39,7 @@ class Program(Protocol):
     def update(self, state: Any, gradient: GradientEstimate, generator=None, phase: Phase = SAMPLING):
         """The new state and the step's Info, given the gradient."""
 
-    def step(self, state: Any, batch: Any, log_posterior_fn: LogPosteriorFn, generator=None, phase=SAMPLING):
+    def step(self, state: Any, batch: Any, log_posterior_fn: MinibatchDensity, generator=None, phase=SAMPLING):
         """:meth:`update` after :meth:`estimate`."""
 
     def latents(self, state: Any) -> Latents:

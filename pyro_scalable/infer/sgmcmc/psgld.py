@@ -35,10 +35,10 @@ import torch
 from pyro.infer.autoguide.initialization import init_to_uniform
 from torch import Tensor
 
+from pyro_scalable.infer.gradients import GradientEstimate
 from pyro_scalable.infer.schedules import ScalarOrSchedule, check_positive, resolve
 from pyro_scalable.infer.sgmcmc import integrators
 from pyro_scalable.infer.sgmcmc.base import (
-    GradientEstimate,
     Latents,
     SGMCMCInfo,
     functional_step,

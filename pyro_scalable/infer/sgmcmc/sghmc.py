@@ -35,9 +35,10 @@ import torch
 from pyro.infer.autoguide.initialization import init_to_uniform
 from torch import Tensor
 
+from pyro_scalable.infer.gradients import GradientEstimate
 from pyro_scalable.infer.schedules import ScalarOrSchedule, resolve
 from pyro_scalable.infer.sgmcmc import base, integrators
-from pyro_scalable.infer.sgmcmc.base import GradientEstimate, Latents
+from pyro_scalable.infer.sgmcmc.base import Latents
 from pyro_scalable.infer.sgmcmc.divergence import keep_where_finite, zero_where_diverging
 from pyro_scalable.infer.sgmcmc.kernel import MomentumKernel, RunConstants
 from pyro_scalable.infer.sgmcmc.mass import Mass, check_mass, mass_like

@@ -25,7 +25,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from pyro_scalable.infer.sgmcmc.base import CURVATURE_EVERY, NOISE_FRACTION, GradientEstimate, Latents
+from pyro_scalable.infer.gradients import GradientEstimate
+from pyro_scalable.infer.sgmcmc.base import CURVATURE_EVERY, NOISE_FRACTION, Latents
 from pyro_scalable.infer.sgmcmc.mass import mass_like
 
 __all__ = [

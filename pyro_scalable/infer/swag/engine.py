@@ -42,6 +42,7 @@ from tqdm.auto import tqdm
 
 from pyro_scalable.arguments import check_choice, check_count, check_flag, check_seed
 from pyro_scalable.bridge.checks import ModelError, one_subsampled_plate
+from pyro_scalable.bridge.log_posterior import LogPosterior
 from pyro_scalable.bridge.minibatches import EpochSampler
 from pyro_scalable.bridge.model import Batch, Latents, ModelBridge
 from pyro_scalable.bridge.plates import FullDataModel
@@ -208,14 +209,14 @@ class SWAG:
             init_strategy=init_to_uniform,
         )
         stepper = ChainStepper(Tuned(kernel), bridge, starts, generator, self.chain_method)
-        stepper.log_posterior_fn.replacement = sampler.replacement
+        density = LogPosterior(bridge, replacement=sampler.replacement)
         accumulator = MomentAccumulator(layout.flatten(starts, 1), min(self.rank, num_snapshots))
         total = burn_in + num_snapshots * every
         divergences = [0, 0]  # in burn-in, while snapshotting
         bar = tqdm(total=total, disable=not self.progress_bar, desc="SWAG")
         try:
             for t in range(total):
-                info = stepper.step(Batch(next(sampler), bridge.args, bridge.kwargs), t)
+                info = stepper.step(Batch(next(sampler), bridge.args, bridge.kwargs), t, density)
                 divergences[t >= burn_in] += int(info.diverging.sum())
                 if t >= burn_in and (t - burn_in + 1) % every == 0:
                     accumulator.add(layout.flatten(stepper.latents(), 1).detach())

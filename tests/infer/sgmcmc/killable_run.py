@@ -67,9 +67,9 @@ def slow_down(pause: float) -> None:
     """Sleep ``pause`` seconds before each step."""
     step = ChainStepper.step
 
-    def slow_step(self, batch, step_index):
+    def slow_step(self, batch, step_index, density):
         time.sleep(pause)
-        return step(self, batch, step_index)
+        return step(self, batch, step_index, density)
 
     ChainStepper.step = slow_step
 
@@ -79,10 +79,10 @@ def announce() -> None:
     step = ChainStepper.step
     done = []
 
-    def announcing_step(self, batch, step_index):
+    def announcing_step(self, batch, step_index, density):
         if len(done) >= ANNOUNCED:
             time.sleep(LONG_PAUSE)
-        info = step(self, batch, step_index)
+        info = step(self, batch, step_index, density)
         done.append(None)
         print(f"step {len(done)}", flush=True)
         return info
@@ -109,9 +109,9 @@ def paced(checkpoint: str, pause: float) -> int:
     step = ChainStepper.step
     done = []
 
-    def paced_step(self, batch, step_index):
+    def paced_step(self, batch, step_index, density):
         time.sleep(pause / 2)
-        info = step(self, batch, step_index)
+        info = step(self, batch, step_index, density)
         # half the pause after the step: the chains have moved and drawn their noise, the driver has not yet kept the
         # draw nor noted the step, so a signal here tests what the checkpoint written at the interrupt holds
         time.sleep(pause / 2)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pyro_scalable.infer import BAOAB, SGHMC, SGLD
+from pyro_scalable.infer.gradients import Density
 from pyro_scalable.infer.sgmcmc import tuning
 from pyro_scalable.infer.sgmcmc.adaptation import (
     Adaptation,
@@ -21,7 +22,7 @@ from pyro_scalable.infer.sgmcmc.base import Phase
 from .test_sgld import quadratic
 
 
-class NoisyQuadratic:
+class NoisyQuadratic(Density):
     """log p(x) = -½ λ |x|² + (N/B) Σ_batch u_i·x: curvature λ exactly, per-example gradients -λx + N u_i."""
 
     def __init__(self, curvature: float, u: torch.Tensor):
@@ -131,7 +132,7 @@ def test_settle_moves_the_chain_to_the_burn_in_average_and_zeroes_its_momenta():
     fn = quadratic(torch.eye(2, dtype=torch.float64), torch.tensor([1.0, -1.0], dtype=torch.float64))
     kernel = SGHMC(lambda: None, step_size=0.1, friction=1.0, mass="fisher")  # adapts: the Fisher mass
 
-    class Examples:  # exact gradients, offered as one example: noise 0
+    class Examples(Density):  # exact gradients, offered as one example: noise 0
         def __call__(self, latents, batch):
             return fn(latents, batch)
 

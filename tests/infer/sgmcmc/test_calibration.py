@@ -17,22 +17,19 @@ from pyro.ops.stats import effective_sample_size
 
 from pyro_scalable.bridge.model import Batch, ModelBridge
 from pyro_scalable.infer import PSGLD, SGHMC, SGLD, SGNHT, StochasticMCMC, sgld
-from pyro_scalable.infer.sgmcmc import base
-from pyro_scalable.infer.sgmcmc.base import (
-    NOISE_EVERY,
-    NOISE_WINDOW,
-    GradientEstimate,
-    average_noise,
-    estimate_gradient,
-)
+from pyro_scalable.infer.gradients import NOISE_WINDOW, Density, GradientEstimate, average_noise, estimate_gradient
+from pyro_scalable.infer.gradients import estimate as estimate_module
+from pyro_scalable.infer.sgmcmc.base import NOISE_EVERY
 
 from ...conftest import LinearRegression
 
 
-@pytest.mark.parametrize("shared_from", [0, base.SHARED_FROM])  # the prior's terms apart, and in every example
+@pytest.mark.parametrize(
+    "shared_from", [0, estimate_module.SHARED_FROM]
+)  # the prior's terms apart, and in every example
 @pytest.mark.parametrize("replacement", [False, True])
 def test_noise_estimate_is_the_per_example_formula(replacement, shared_from, monkeypatch):
-    monkeypatch.setattr(base, "SHARED_FROM", shared_from)
+    monkeypatch.setattr(estimate_module, "SHARED_FROM", shared_from)
     problem = LinearRegression(num_data=50, dim=3, batch_size=10)
     bridge = ModelBridge(problem.model, (problem.x, problem.y))
     fn = bridge.log_posterior_fn
@@ -49,7 +46,7 @@ def test_noise_estimate_is_the_per_example_formula(replacement, shared_from, mon
     assert plain.noise_variance == {}
 
 
-class Examples:
+class Examples(Density):
     """A log density with per-example terms, no Pyro: log p = Σ_i (-x² / (2n) + u_i x), examples of one point."""
 
     def __init__(self, u: torch.Tensor):
@@ -243,7 +240,7 @@ def test_uncorrected_warning_does_not_ask_to_lower_a_step_warmup_chose(chosen):
     assert ("control_variate='map'" in message) is chosen
 
 
-class SharedGradient:
+class SharedGradient(Density):
     """log p = (N/B) Σ_i (a + b)·u_i: autograd hands ``a`` and ``b`` one gradient tensor, which must stay intact."""
 
     def __init__(self, u: torch.Tensor):

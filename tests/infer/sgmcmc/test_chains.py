@@ -13,8 +13,8 @@ from torch.func import grad_and_value
 from pyro_scalable.bridge import Batch, ModelBridge
 from pyro_scalable.bridge.minibatches import EpochSampler
 from pyro_scalable.infer import SGHMC, SGLD, StochasticMCMC
+from pyro_scalable.infer.gradients import evaluate
 from pyro_scalable.infer.sgmcmc import chains
-from pyro_scalable.infer.sgmcmc.base import evaluate
 
 
 def scaled_regression(x, y):

@@ -51,11 +51,11 @@ def stop_at(monkeypatch, call, error=Killed, after=False):
     original = ChainStepper.step
     calls = []
 
-    def step(self, batch, step_index):
+    def step(self, batch, step_index, density):
         calls.append(None)
         if len(calls) == call and not after:
             raise error
-        info = original(self, batch, step_index)
+        info = original(self, batch, step_index, density)
         if len(calls) == call:
             raise error
         return info
@@ -255,8 +255,8 @@ def test_sigterm_writes_the_checkpoint_keeps_the_draws_and_releases_the_lock(tmp
     original = ChainStepper.step
     calls = []
 
-    def step(self, batch, step_index):
-        info = original(self, batch, step_index)
+    def step(self, batch, step_index, density):
+        info = original(self, batch, step_index, density)
         calls.append(None)
         if len(calls) == 14:
             os.kill(os.getpid(), signal.SIGTERM)  # delivered to the main thread at the next bytecode
@@ -694,8 +694,8 @@ def test_the_model_tracing_goes_on_where_it_was(tmp_path, monkeypatch):
         seen = []
         original = ChainStepper.step
 
-        def step(self, batch, step_index):
-            info = original(self, batch, step_index)
+        def step(self, batch, step_index, density):
+            info = original(self, batch, step_index, density)
             seen.append(len(self.bridge.traced.graphs))
             if len(seen) == stop:
                 raise KeyboardInterrupt

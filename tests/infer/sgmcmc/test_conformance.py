@@ -20,6 +20,7 @@ from pyro_scalable.infer import (
     sgld,
     sgnht,
 )
+from pyro_scalable.infer.gradients import Density
 from pyro_scalable.infer.schedules import Cyclical, PolynomialDecay
 from pyro_scalable.infer.sgmcmc.adaptation import TunedState
 from pyro_scalable.infer.sgmcmc.base import SGMCMCInfo
@@ -238,7 +239,7 @@ def test_kernel_and_its_warmup_honour_the_written_contract(module, cls, hyper):
         StochasticMCMC(object(), num_samples=2)
 
 
-class NoisyTarget:
+class NoisyTarget(Density):
     """``target`` on a minibatch of two examples, so that warm-up measures a gradient noise."""
 
     def __call__(self, latents, batch):

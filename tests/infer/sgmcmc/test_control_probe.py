@@ -12,9 +12,10 @@ import torch
 
 from pyro_scalable.bridge.model import ModelBridge
 from pyro_scalable.infer import SGHMC, StochasticMCMC
+from pyro_scalable.infer.gradients import ControlledDensity
 from pyro_scalable.infer.sgmcmc import control_probe, phases
 from pyro_scalable.infer.sgmcmc.control_probe import controlled_noise_share, warn_wasted_control_variate
-from pyro_scalable.infer.sgmcmc.control_variates import ControlledLogPosterior, full_data_gradient
+from pyro_scalable.infer.sgmcmc.control_variates import full_data_gradient
 
 WASTED = "control_variate='auto' centred a control variate"
 
@@ -37,7 +38,7 @@ def test_at_the_centre_the_controlled_gradient_is_the_full_data_gradient_on_ever
     x, y = _logistic_data()
     bridge = ModelBridge(_logistic, (x, y))
     centre = {"w": torch.tensor([0.3, -0.2, 0.9], dtype=torch.float64)}
-    controlled = ControlledLogPosterior(bridge.log_posterior_fn, full_data_gradient(bridge, centre))
+    controlled = ControlledDensity(bridge.log_posterior_fn, full_data_gradient(bridge, centre))
     at_centre = {"w": centre["w"].expand(2, 3)}  # two chains, both at the centre
     assert controlled_noise_share(controlled, bridge, at_centre, seed=0) < 1e-20
 
@@ -48,7 +49,7 @@ def test_the_share_is_pooled_over_the_chains_and_grows_with_the_distance_from_th
     x, y = _logistic_data()
     bridge = ModelBridge(_logistic, (x, y))
     centre = {"w": torch.tensor([1.0, 1.0, 1.0], dtype=torch.float64)}
-    controlled = ControlledLogPosterior(bridge.log_posterior_fn, full_data_gradient(bridge, centre))
+    controlled = ControlledDensity(bridge.log_posterior_fn, full_data_gradient(bridge, centre))
     near, far = centre["w"] + 0.1, centre["w"] + 1.0
     share = {
         name: controlled_noise_share(controlled, bridge, {"w": torch.stack(points)}, seed=0)
@@ -62,7 +63,7 @@ def test_nothing_is_measured_without_a_centre_or_a_subsampled_plate():
     x, y = _logistic_data()
     bridge = ModelBridge(_logistic, (x, y))
     latents = {"w": torch.zeros(1, 3, dtype=torch.float64)}
-    assert controlled_noise_share(ControlledLogPosterior(bridge.log_posterior_fn, None), bridge, latents, 0) is None
+    assert controlled_noise_share(ControlledDensity(bridge.log_posterior_fn, None), bridge, latents, 0) is None
     assert controlled_noise_share(bridge.log_posterior_fn, bridge, latents, 0) is None  # no control variate at all
 
 

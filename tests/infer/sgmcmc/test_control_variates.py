@@ -23,20 +23,25 @@ from torch.utils.data import DataLoader, TensorDataset
 from pyro_scalable.bridge.model import Batch, ModelBridge
 from pyro_scalable.infer import BAOAB, PSGLD, SGHMC, SGLD, SGNHT, StochasticMCMC, mode_search
 from pyro_scalable.infer.checkpoint import load
+from pyro_scalable.infer.gradients import (
+    AffineMap,
+    ControlledDensity,
+    Density,
+    WhitenedDensity,
+    chains_gradient,
+    estimate_gradient,
+)
+from pyro_scalable.infer.gradients import estimate as estimate_module
 from pyro_scalable.infer.linearized.layout import ParameterLayout
 from pyro_scalable.infer.mode_search import MODE_TOLERANCE
-from pyro_scalable.infer.sgmcmc import base, control_variates
-from pyro_scalable.infer.sgmcmc.base import estimate_gradient
-from pyro_scalable.infer.sgmcmc.chains import chains_gradient
+from pyro_scalable.infer.sgmcmc import control_variates
 from pyro_scalable.infer.sgmcmc.control_choice import centred, choose
 from pyro_scalable.infer.sgmcmc.control_variates import (
     CentreError,
-    ControlledLogPosterior,
     find_mode,
     full_data_gradient,
     prepare,
 )
-from pyro_scalable.infer.sgmcmc.metric import AffineLogPosterior, AffineMap
 
 from ...conftest import LinearRegression
 from .test_calibration import sd_ratio
@@ -67,7 +72,7 @@ def test_the_controlled_gradient_is_unbiased_over_every_minibatch():
     """Drawn without replacement, every B-subset is equally likely: their mean is the expectation, exactly."""
     bridge = ModelBridge(scaled_regression, small_data())
     control = full_data_gradient(bridge, point([0.5, -1.0], 0.8))
-    controlled = ControlledLogPosterior(bridge.log_posterior_fn, control)
+    controlled = ControlledDensity(bridge.log_posterior_fn, control)
     theta = point([0.9, -0.4], 1.7)  # far from the centre: the noise is not small here
     estimates = [
         estimate_gradient(controlled, theta, Batch({"data": torch.tensor(s)}, bridge.args, {}))
@@ -90,14 +95,14 @@ def test_all_chains_controlled_gradients_in_one_pass_are_each_chains_own(shared,
     f64 = {"dtype": torch.float64, "device": device}
     bridge = ModelBridge(scaled_regression, tuple(t.to(device) for t in small_data()))
     centre = {k: v.to(device) for k, v in point([0.5, -1.0], 0.8).items()}
-    controlled = ControlledLogPosterior(bridge.log_posterior_fn, full_data_gradient(bridge, centre))
+    controlled = ControlledDensity(bridge.log_posterior_fn, full_data_gradient(bridge, centre))
     fn = controlled
     if metric is not None:
         scale = torch.rand(3, generator=torch.Generator().manual_seed(4), dtype=torch.float64).to(device) + 0.5
         if metric == "dense":
             scale = torch.linalg.cholesky(torch.eye(3, **f64) + 0.3 * torch.ones(3, 3, **f64))
         affine = AffineMap(torch.tensor([0.4, -0.9, 0.1], **f64), scale)
-        fn = AffineLogPosterior(controlled, ParameterLayout({k: v.shape for k, v in centre.items()}), affine)
+        fn = WhitenedDensity(controlled, ParameterLayout({k: v.shape for k, v in centre.items()}), affine)
     latents = {
         "w": torch.tensor([[0.9, -0.4], [0.1, 0.2], [-1.0, 0.7]], **f64),
         "scale": torch.tensor([0.5, -0.3, 0.1], **f64),
@@ -118,7 +123,7 @@ def test_all_chains_controlled_gradients_in_one_pass_are_each_chains_own(shared,
     assert not bool(batched.diverging.any())
 
 
-class Whole:
+class Whole(Density):
     """A log posterior with its examples but not its terms apart: the noise estimate evaluates the whole per group."""
 
     def __init__(self, inner):
@@ -135,17 +140,19 @@ class Whole:
 @pytest.mark.parametrize("wrapper", ["plain", "controlled", "controlled, dense metric"])
 def test_the_noise_estimate_with_the_prior_terms_once_equals_it_per_group(wrapper, size, monkeypatch):
     """``terms`` evaluates the prior once, not per group: the same gradient, value and noise to rounding."""
-    monkeypatch.setattr(base, "SHARED_FROM", 0)  # the split, here on 3 coordinates (the default: from 10,000)
+    monkeypatch.setattr(
+        estimate_module, "SHARED_FROM", 0
+    )  # the split, here on 3 coordinates (the default: from 10,000)
     spy = spy_on_terms(monkeypatch)
     bridge = ModelBridge(scaled_regression, small_data(200))
     centre = point([0.6, -1.1], 0.6)
     fn = bridge.log_posterior_fn
     if wrapper != "plain":
-        fn = ControlledLogPosterior(fn, full_data_gradient(bridge, centre))
+        fn = ControlledDensity(fn, full_data_gradient(bridge, centre))
     if wrapper.endswith("metric"):
         scale = torch.linalg.cholesky(torch.eye(3, dtype=torch.float64) + 0.3)
         affine = AffineMap(torch.tensor([0.4, -0.9, 0.1], dtype=torch.float64), scale)
-        fn = AffineLogPosterior(fn, ParameterLayout({k: v.shape for k, v in centre.items()}), affine)
+        fn = WhitenedDensity(fn, ParameterLayout({k: v.shape for k, v in centre.items()}), affine)
     latents = point([0.9, -0.4], 0.5)
     batch = Batch({"data": torch.randperm(200, generator=torch.Generator().manual_seed(2))[:size]}, bridge.args, {})
     shared, grouped = fn.terms
@@ -162,13 +169,13 @@ def test_the_noise_estimate_with_the_prior_terms_once_equals_it_per_group(wrappe
 def spy_on_terms(monkeypatch) -> list[bool]:
     """Whether each noise estimate from here on took the terms apart (its groups' function: the data's terms only)."""
     seen = []
-    per_group = base.per_group
+    per_group = estimate_module.per_group
 
     def spy(fn, *args):
         seen.append(not hasattr(fn, "examples"))  # a whole log posterior offers its examples, its terms do not
         return per_group(fn, *args)
 
-    monkeypatch.setattr(base, "per_group", spy)
+    monkeypatch.setattr(estimate_module, "per_group", spy)
     return seen
 
 
@@ -187,7 +194,7 @@ def test_the_full_data_pass_is_the_full_data_log_joint():
 def test_no_noise_at_the_centre_and_less_near_it():
     bridge = ModelBridge(scaled_regression, small_data(200))
     centre = point([0.6, -1.1], 0.6)
-    controlled = ControlledLogPosterior(bridge.log_posterior_fn, full_data_gradient(bridge, centre))
+    controlled = ControlledDensity(bridge.log_posterior_fn, full_data_gradient(bridge, centre))
     batch = Batch({"data": torch.arange(0, 200, 17)}, bridge.args, {})
     at_centre = estimate_gradient(controlled, centre, batch, noise=True)
     for name in centre:
@@ -565,14 +572,17 @@ def test_the_warmup_centre_is_each_windows_mean_and_burn_in_is_plain(monkeypatch
     """control_variate="warmup": off in every burn-in step and on in every calibrated and sampling step; recentred
     at the end of each metric window at that window's mean, with the exact full-data gradient there."""
     from pyro_scalable.infer.sgmcmc import control_choice, metric
+    from pyro_scalable.infer.sgmcmc.chains import ChainStepper
 
     flags, centres = [], []
-    monkeypatch.setattr(
-        ControlledLogPosterior,
-        "active",
-        property(lambda self: flags[-1] if flags else True, lambda self, v: flags.append(v)),
-        raising=False,
-    )
+    step = ChainStepper.step
+
+    def controlled(stepper, batch, index, density):  # each step's density: controlled, or plain
+        unwrapped = density.inner if isinstance(density, WhitenedDensity) else density
+        flags.append(isinstance(unwrapped, ControlledDensity) and unwrapped.control is not None)
+        return step(stepper, batch, index, density)
+
+    monkeypatch.setattr(ChainStepper, "step", controlled)
     original = control_choice.recentre
 
     def spy(full, schedule, reducer=None):
@@ -599,8 +609,9 @@ def test_the_warmup_centre_is_each_windows_mean_and_burn_in_is_plain(monkeypatch
     # stage is a warm-up of its own, burn-in first
     lengths[0] = num_warmup
     expected = [t - a >= n // 2 for a, n, end in zip(starts, lengths, [*ends, num_warmup]) for t in range(a, end)]
+    expected = [on and t >= ends[0] for on, t in zip(expected, range(num_warmup))]  # no centre before the first
     expected += [True] * 20
-    assert flags == [True, *expected]  # on as built; then one setting per step
+    assert flags == expected
     assert len(centres) == len(ends)
     layout = ParameterLayout({k: v.shape[1:] for k, v in mcmc.state.kernel.latents.items()})
     centre = mcmc.control_variate.centre

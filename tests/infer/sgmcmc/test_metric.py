@@ -15,9 +15,10 @@ import torch
 
 from pyro_scalable.bridge.model import Batch, ModelBridge
 from pyro_scalable.infer import SGHMC, SGLD, StochasticMCMC
+from pyro_scalable.infer.gradients import AffineMap, WhitenedDensity
 from pyro_scalable.infer.health import effective_sample_size
 from pyro_scalable.infer.linearized.layout import ParameterLayout
-from pyro_scalable.infer.sgmcmc.metric import SPREAD_LIMIT, AffineLogPosterior, AffineMap, MetricSchedule
+from pyro_scalable.infer.sgmcmc.metric import SPREAD_LIMIT, MetricSchedule
 
 from .test_checkpoint import Killed, assert_same_run, stop_at
 
@@ -48,7 +49,7 @@ def test_the_change_of_variables_is_exact():
     lower = torch.tril(torch.randn(3, 3, generator=g, dtype=torch.float64)) + 3 * torch.eye(3, dtype=torch.float64)
     affine = AffineMap(torch.randn(3, generator=g, dtype=torch.float64), lower)
     layout = ParameterLayout({"w": torch.Size([3])})
-    wrapped = AffineLogPosterior(bridge.log_posterior_fn, layout, affine)
+    wrapped = WhitenedDensity(bridge.log_posterior_fn, layout, affine)
     batch = Batch({"data": torch.arange(10)}, bridge.args, {})
     z = torch.randn(3, generator=g, dtype=torch.float64)
     theta = affine.to_theta(z)

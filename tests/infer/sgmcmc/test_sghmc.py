@@ -201,7 +201,7 @@ def test_fisher_mass_is_learnt_in_warmup_normalised_and_frozen():
 
 def test_a_friction_is_raised_where_the_chains_gradient_noise_asks_for_more():
     """With the noise corrected, α_j is at least ε V̄_j / (2Tρ) on every step (ρ = 1/2), at most m_j / ε."""
-    from pyro_scalable.infer.sgmcmc.base import GradientEstimate
+    from pyro_scalable.infer.gradients import GradientEstimate
 
     x, m = torch.tensor([0.3, 0.2, -0.1], dtype=torch.float64), torch.tensor([0.1, -0.4, 0.2], dtype=torch.float64)
     noise = torch.tensor([0.5, 40.0, 4000.0], dtype=torch.float64)  # quiet, loud, louder than any friction fits

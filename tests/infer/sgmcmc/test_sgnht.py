@@ -16,12 +16,13 @@ from pyro.ops.stats import effective_sample_size
 from torch.func import vmap
 
 from pyro_scalable.infer import SGNHT, sghmc, sgnht
+from pyro_scalable.infer.gradients import Density
 
 from .test_sghmc import lyapunov
 from .test_sgld import quadratic
 
 
-class NoisyMean:
+class NoisyMean(Density):
     """log p(x) = -½x² + (N/B) Σ_batch -½(y_i - x)²: a minibatch estimate with per-example terms."""
 
     def __init__(self, population_size: int):

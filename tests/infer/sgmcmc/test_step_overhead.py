@@ -2,7 +2,7 @@
 
 The kernels' coefficients (decay, noise scale, drift scale, noise statistics) are computed once while the
 hyperparameters stay the same objects (:class:`~pyro_scalable.infer.sgmcmc.kernel.RunConstants`), and a plain CPU
-gradient's divergence flag is read once on the host (:func:`~pyro_scalable.infer.sgmcmc.base.evaluate`).
+gradient's divergence flag is read once on the host (:func:`~pyro_scalable.infer.gradients.evaluate`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from pyro_scalable.infer.sgmcmc import base, sghmc
+from pyro_scalable.infer.gradients import estimate
+from pyro_scalable.infer.sgmcmc import sghmc
 from pyro_scalable.infer.sgmcmc.divergence import keep_where_finite
 from pyro_scalable.infer.sgmcmc.kernel import RunConstants
 
@@ -37,11 +38,11 @@ def _chain(d=5, seed=0):
 
 
 def _gradient(grads, noise=None):
-    return base.GradientEstimate(
+    return estimate.GradientEstimate(
         grads,
         torch.tensor(-1.0),
         torch.tensor(1.0),
-        base.flag(False, torch.device("cpu")),
+        estimate.flag(False, torch.device("cpu")),
         noise or {},
         torch.zeros(()),
         {},
@@ -127,8 +128,8 @@ def test_a_non_finite_plain_gradient_is_flagged_and_rejected():
         return -(latents["w"] ** 2).sum() / batch
 
     latents = {"w": torch.ones(3)}
-    finite = base.estimate_gradient(log_density, latents, torch.tensor(2.0))
-    diverging = base.estimate_gradient(log_density, latents, torch.tensor(0.0))
+    finite = estimate.estimate_gradient(log_density, latents, torch.tensor(2.0))
+    diverging = estimate.estimate_gradient(log_density, latents, torch.tensor(0.0))
     assert not bool(finite.diverging) and bool(diverging.diverging)
     moved = keep_where_finite(diverging.diverging, {"w": torch.full((3,), 9.0)}, latents)
     assert torch.equal(moved["w"], latents["w"])

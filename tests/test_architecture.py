@@ -1,0 +1,115 @@
+"""The claims of docs/developer/architecture.md that a test can check, checked.
+
+* which modules outside ``bridge/`` use ``pyro.poutine`` (the three the page names, and no other);
+* the minibatch density's contract (``infer/gradients/density.py``): every density the package makes implements all
+  of it, and no module probes a density for a part of it (``getattr``/``hasattr`` of ``examples``, ``terms``,
+  ``batched_gradient``, ``replacement``, ``control``, ``active``);
+* nothing sets a density's attributes, or the stepper's density, from outside.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pyro
+import pyro.distributions as dist
+import torch
+
+from pyro_scalable.bridge import Batch, ModelBridge
+from pyro_scalable.infer.gradients import (
+    AffineMap,
+    ControlledDensity,
+    FunctionDensity,
+    MinibatchDensity,
+    WhitenedDensity,
+)
+from pyro_scalable.infer.linearized.layout import ParameterLayout
+from pyro_scalable.infer.mode_search import full_data_gradient
+
+PACKAGE = Path(__file__).resolve().parents[1] / "pyro_scalable"
+ARCHITECTURE = Path(__file__).resolve().parents[1] / "docs" / "developer" / "architecture.md"
+POUTINE_OUTSIDE_THE_BRIDGE = {"infer/gaussian_prior/model.py", "infer/uncertainty.py", "inference_data.py"}
+CONTRACT = {"examples", "terms", "batched_gradient", "replacement", "control", "active"}
+
+
+def _modules():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        yield path.relative_to(PACKAGE).as_posix(), ast.parse(path.read_text())
+
+
+def _uses_poutine(tree: ast.AST) -> bool:
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import) and any(a.name.startswith("pyro.poutine") for a in node.names):
+            return True
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module.startswith("pyro.poutine") or (
+                node.module == "pyro" and any(a.name == "poutine" for a in node.names)
+            ):
+                return True
+        if isinstance(node, ast.Attribute) and node.attr == "poutine" and ast.unparse(node.value) == "pyro":
+            return True
+    return False
+
+
+def test_only_the_modules_the_page_names_use_poutine_outside_the_bridge():
+    outside = {name for name, tree in _modules() if not name.startswith("bridge/") and _uses_poutine(tree)}
+    assert outside == POUTINE_OUTSIDE_THE_BRIDGE
+    page = ARCHITECTURE.read_text()
+    assert all(f"`{name}`" in page for name in POUTINE_OUTSIDE_THE_BRIDGE)
+
+
+def test_no_module_probes_a_density_for_its_contract():
+    probes = []
+    for name, tree in _modules():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) in ("getattr", "hasattr") and len(node.args) >= 2:
+                attribute = node.args[1]
+                if isinstance(attribute, ast.Constant) and attribute.value in CONTRACT:
+                    probes.append(f"{name}:{node.lineno} {ast.unparse(node)}")
+    assert probes == []
+
+
+def test_nothing_sets_a_density_or_the_steppers_density_from_outside():
+    writes = []
+    for name, tree in _modules():
+        for node in ast.walk(tree):
+            targets = (
+                node.targets
+                if isinstance(node, ast.Assign)
+                else [node.target]
+                if isinstance(node, ast.AnnAssign | ast.AugAssign)
+                else []
+            )
+            for target in targets:
+                for part in ast.walk(target):
+                    if not isinstance(part, ast.Attribute) or ast.unparse(part.value) == "self":
+                        continue
+                    if part.attr in CONTRACT | {"density", "log_posterior_fn", "inner", "affine"}:
+                        writes.append(f"{name}:{node.lineno} {ast.unparse(target)}")
+    assert writes == []
+
+
+def _model(y):
+    mu = pyro.sample("mu", dist.Normal(0.0, 10.0))
+    with pyro.plate("data", len(y), subsample_size=5) as idx:
+        pyro.sample("obs", dist.Normal(mu, 1.0), obs=y[idx])
+
+
+def test_every_density_the_package_makes_implements_the_whole_contract():
+    bridge = ModelBridge(_model, (torch.arange(20.0),))
+    plain = bridge.log_posterior_fn
+    controlled = ControlledDensity(plain, full_data_gradient(bridge, {"mu": torch.tensor(9.5)}))
+    affine = AffineMap(torch.tensor([9.5]), torch.tensor([0.2]))
+    whitened = WhitenedDensity(controlled, ParameterLayout({"mu": torch.Size()}), affine)
+    for density in (plain, controlled, whitened, FunctionDensity(lambda latents, batch: -(latents["mu"] ** 2))):
+        assert isinstance(density, MinibatchDensity)
+    # the wrappers hand on the model's groups of examples, and its terms in their own variables
+    batch = Batch({"data": torch.tensor([0, 3, 7, 12, 19])}, bridge.args, {})
+    groups = plain.examples(batch)
+    for density in (controlled, whitened):
+        split = density.examples(batch)
+        assert torch.equal(split.batches.indices["data"], groups.batches.indices["data"])
+        assert split.population_size == 20 and split.group_size == groups.group_size
+        assert density.terms is not None and len(density.terms) == 2
+    assert FunctionDensity(lambda latents, batch: latents["mu"]).terms is None
