@@ -215,7 +215,7 @@ class RunCheckpoint:
         check_path(path)  # before the first step: an unusable path fails now, not at the first write
         self.lock = CheckpointLock(path)  # no second process writes this checkpoint meanwhile (released by close)
         self.run = run  # the driver's settings
-        self.progress = progress  # the run's draws, warm-up counts and control variate (:class:`.phases.RunState`)
+        self.progress = progress  # the run's draws, warm-up counts and control variate (:class:`.run_state.RunState`)
         self.stepper = stepper
         self.generator = generator
         self.sampler = sampler  # an EpochSampler, or None where a DataLoader feeds the steps

@@ -23,7 +23,7 @@ from pyro_scalable.arguments import check_device, check_flag, check_seed
 from pyro_scalable.infer.record import RunRecord
 from pyro_scalable.infer.results import Draws
 from pyro_scalable.infer.schedules import check_schedule
-from pyro_scalable.infer.sgmcmc import phases
+from pyro_scalable.infer.sgmcmc import phases, run_state
 from pyro_scalable.infer.sgmcmc.distributed import DistributedMode
 from pyro_scalable.infer.sgmcmc.metric import check_metric
 from pyro_scalable.infer.sgmcmc.program import KernelContract
@@ -199,11 +199,11 @@ class StochasticMCMC(Draws):
             phases.sample(self, state)  # warm-up and sampling, step by step
             phases.finish(self, state)  # the statistics, the ranks' draws gathered, the health checks
         finally:
-            phases.release(state)  # the checkpoint's lock
-            self._keep(phases.outcome(state))  # what was computed stays readable, also after an interruption
+            run_state.release(state)  # the checkpoint's lock
+            self._keep(run_state.outcome(state))  # what was computed stays readable, also after an interruption
         return self
 
-    def _keep(self, outcome: phases.Outcome) -> None:
+    def _keep(self, outcome: run_state.Outcome) -> None:
         self.results, self.state, self.metric_map = outcome.results, outcome.state, outcome.metric_map
         self.control_variate, self.mode_search = outcome.control_variate, outcome.mode_search
         self.warmup_divergences, self.restarted = outcome.warmup_divergences, outcome.restarted
