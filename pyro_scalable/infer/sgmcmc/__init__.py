@@ -4,9 +4,10 @@ One module per algorithm (``init``, ``step``, a thin Pyro-facing class), the upd
 warm-up (:mod:`.adaptation`, :mod:`.tuning`) and the driver (:mod:`.mcmc`).
 """
 
-from pyro_scalable.infer.sgmcmc import baoab, psgld, sghmc, sgld, sgnht
+from pyro_scalable.infer.sgmcmc import baoab, csgld, psgld, sghmc, sgld, sgnht
 from pyro_scalable.infer.sgmcmc.baoab import BAOAB, BAOABState
 from pyro_scalable.infer.sgmcmc.base import SGMCMCInfo
+from pyro_scalable.infer.sgmcmc.csgld import CyclicalSGLD
 from pyro_scalable.infer.sgmcmc.mcmc import StochasticMCMC
 from pyro_scalable.infer.sgmcmc.psgld import PSGLD, PSGLDState
 from pyro_scalable.infer.sgmcmc.sghmc import SGHMC, SGHMCState
@@ -16,6 +17,7 @@ from pyro_scalable.infer.sgmcmc.sgnht import SGNHT, SGNHTState
 __all__ = [
     "BAOAB",
     "BAOABState",
+    "CyclicalSGLD",
     "PSGLD",
     "PSGLDState",
     "SGHMC",
@@ -27,6 +29,7 @@ __all__ = [
     "SGNHTState",
     "StochasticMCMC",
     "baoab",
+    "csgld",
     "psgld",
     "sghmc",
     "sgld",

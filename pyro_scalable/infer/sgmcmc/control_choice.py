@@ -5,7 +5,7 @@ The controlled density is :class:`~pyro_scalable.infer.gradients.ControlledDensi
 and the run (:func:`choose`, with the measurements behind each threshold); :func:`attach` wraps the run's log
 posterior in the chosen estimate, finding a ``"map"`` centre once (a resumed run reads it back); with ``"warmup"``
 the driver calls :func:`recentre` at the end of each of warm-up's metric windows (one full-data pass each) and
-steps burn-in on the plain density (:func:`~.phases.step_density`): a chain far from the centre sees noise
+steps burn-in on the plain density (:func:`~.run_state.step_densities`): a chain far from the centre sees noise
 growing with :math:`\lVert\theta-\hat\theta\rVert^2`, and burn-in, which does not bound the gradient noise, would
 amplify it (seen on the non-centred hierarchical logistic regression, centred at its exact posterior mean: the
 burn-in chains ran away).

@@ -21,6 +21,7 @@ from pyro_scalable.infer.gradients import GradientEstimate
 from pyro_scalable.infer.schedules import ScalarOrSchedule, check_positive
 from pyro_scalable.infer.sgmcmc.base import check_gradient_noise
 from pyro_scalable.infer.sgmcmc.control_variates import check_control_variate
+from pyro_scalable.infer.sgmcmc.kept import KeptDraws, Thinning
 
 __all__ = ["Kernel", "MomentumKernel", "RunConstants"]
 
@@ -79,6 +80,10 @@ class Kernel:
     def latents(state: Any) -> Latents:
         """The chain's draw: its last point with a finite log density and gradient."""
         return state.checked_latents
+
+    def kept_draws(self, thin: int) -> KeptDraws:
+        """Which steps after warm-up become draws: every ``thin``-th (:class:`~.kept.Thinning`)."""
+        return Thinning(thin)
 
     @staticmethod
     def relocate(state: Any, centre: Latents, jump: Tensor) -> Any:

@@ -156,9 +156,10 @@ class StochasticMCMC(Draws):
             )
         self.num_chains = operator.index(num_chains)
         self.thin = operator.index(thin)
-        steps = self.num_warmup + self.num_samples * self.thin  # a schedule's values over the run, known before it
+        self.kept = kernel.kept_draws(self.thin)  # which steps after warm-up become draws (.kept)
+        steps = self.num_warmup + self.kept.steps(self.num_samples, self.num_warmup)  # known before the run
         check_schedule("step_size", kernel.step_size, steps)
-        check_schedule("temperature", getattr(kernel, "temperature", 1.0), steps, allow_zero=True)
+        check_schedule("temperature", kernel.temperature, steps, allow_zero=True)
         self.seed = check_seed("seed", seed)
         self.chain_method = chain_method
         self.on_divergence = on_divergence

@@ -83,7 +83,7 @@ def prepare(run: Any, args: tuple, kwargs: dict, batches: Iterable | None) -> Ru
     base = LogPosterior(bridge, replacement=sampler.replacement)  # with replacement: no finite-population correction
     record.allocate(latents, run.num_samples, run.draws_device)
     num_chains = next(iter(latents.values())).shape[0]
-    total = run.num_warmup + run.num_samples * run.thin
+    total = run.num_warmup + run.kept.steps(run.num_samples, run.num_warmup)
     window = WindowLog()  # each window's log densities per chain: which chains warm-up left behind (.stragglers)
     return RunState(
         record,
@@ -246,7 +246,7 @@ def step(run: Any, state: RunState, t: int) -> Any:
     state.diverged = bool(info.diverging.any()) if run.on_divergence == "stop" else False
     if t < run.num_warmup:  # a tensor until the run ends: no wait for the device on every step
         state.warmup_divergences = state.warmup_divergences + info.diverging.to(torch.int64)
-    elif (t - run.num_warmup + 1) % run.thin == 0:
+    elif run.kept.keeps(t, run.num_warmup):  # the kernel's policy (.kept): thinning, or a cycle's sampling stage
         draw = schedule.to_theta(state.stepper.latents()) if schedule else state.stepper.latents()
         state.record.record(state.kept, draw, info)
         state.kept += 1

@@ -63,7 +63,8 @@ class KernelContract(Protocol):
     ``adapts``: warm-up chooses its step size (``step_size`` is then ``None``) or metric by ``warmup_rule``
     (:data:`.tuning.RULES`);
     ``gradient_noise``: ``"correct"``, ``"estimate"`` or ``"ignore"``; ``control_variate``: the control-variate
-    setting (:mod:`.control_variates`; ``None``: none).
+    setting (:mod:`.control_variates`; ``None``: none); ``temperature``: a constant or a schedule;
+    ``kept_draws(thin)``: which steps after warm-up become draws (:mod:`.kept`).
     """
 
     model: Any
@@ -72,6 +73,10 @@ class KernelContract(Protocol):
     adapts: bool
     gradient_noise: str
     control_variate: Any
+    temperature: Any
+
+    def kept_draws(self, thin: int) -> Any:
+        """The kept-draws policy (:class:`~.kept.KeptDraws`) at the driver's ``thin``."""
 
     def init(self, latents: Latents) -> Any:
         """A chain's State at unconstrained ``latents``."""
