@@ -180,6 +180,7 @@ class Resumed(NamedTuple):
     restarted: Tensor | None = None
     control_variate: ControlVariate | None = None
     option: str | None = None  # the control variate's policy ("map", "warmup") the run went on with, if a string
+    stepper: Any = None  # the chains' stepper, put back (in a later stage of warm-up's metric, that stage's)
 
 
 class RunCheckpoint:
@@ -200,13 +201,8 @@ class RunCheckpoint:
         *,
         run: Any,
         progress: Any,
-        stepper: Any,
-        generator: torch.Generator,
-        sampler: Any,
         total: int,
         batches: Any = None,
-        metric: Any = None,
-        window: Any = None,
         rebuild: Any = None,
     ):
         self.path = path
@@ -215,18 +211,36 @@ class RunCheckpoint:
         check_path(path)  # before the first step: an unusable path fails now, not at the first write
         self.lock = CheckpointLock(path)  # no second process writes this checkpoint meanwhile (released by close)
         self.run = run  # the driver's settings
-        self.progress = progress  # the run's draws, warm-up counts and control variate (:class:`.run_state.RunState`)
-        self.stepper = stepper
-        self.generator = generator
-        self.sampler = sampler  # an EpochSampler, or None where a DataLoader feeds the steps
+        self.progress = progress  # the run as it stands (:class:`.run_state.RunState`): read, never written
         self.total = total
-        self.metric = metric  # warm-up's MetricSchedule, or None
-        self.window = window  # warm-up's WindowLog (.stragglers)
         self.rebuild = rebuild  # a stepper for the metric's stage (its state then restored)
         record = progress.record  # the model tracing of the steps' bridge and of the full data's (where another)
         bridges = [record.bridge, *([record.full_bridge] if record.full_bridge not in (None, record.bridge) else [])]
         self.tracers = [tracer for bridge in bridges for tracer in bridge.tracers]
         self._last: dict[str, Any] = {}
+
+    @property
+    def stepper(self) -> Any:
+        return self.progress.stepper
+
+    @property
+    def generator(self) -> torch.Generator:
+        return self.progress.generator
+
+    @property
+    def sampler(self) -> Any:
+        """The run's EpochSampler, or None where a DataLoader feeds the steps."""
+        return self.progress.sampler if self.progress.batch_iter is None else None
+
+    @property
+    def metric(self) -> Any:
+        """Warm-up's MetricSchedule, or None."""
+        return self.progress.schedule
+
+    @property
+    def window(self) -> Any:
+        """Warm-up's WindowLog (:mod:`.stragglers`)."""
+        return self.progress.window
 
     def close(self) -> None:
         """Release the checkpoint's lock: the run is over (finished, stopped, interrupted, or a write failed)."""
@@ -235,8 +249,8 @@ class RunCheckpoint:
     def resume(self, existing: bool = True) -> Resumed:
         """Put the chains, the generators and the draws back as the checkpoint left them, if there is one.
 
-        Returns where the run goes on from and what the driver keeps of it (:class:`Resumed`); the driver puts those
-        back and then calls :meth:`remember`.
+        Returns where the run goes on from and what the driver keeps of it (:class:`Resumed`, with the stepper put
+        back); the driver puts those back and then calls :meth:`remember`.
         """
         remove_partial_write(self.path)
         try:
@@ -246,17 +260,18 @@ class RunCheckpoint:
         except CheckpointError:
             self.close()  # refused: this run ends here
             raise
+        stepper = self.stepper
         if saved is None:
-            return Resumed(0, 0, False)
+            return Resumed(0, 0, False, stepper=stepper)
         if saved["stopped"] or saved["step"] == self.total:
             self.close()  # a finished run, read back: nothing more is written
         if saved["metric"] is not None and self.metric is not None:
-            self.metric.load_state_dict(saved["metric"], self.stepper.bridge.device)
+            self.metric.load_state_dict(saved["metric"], stepper.bridge.device)
             if self.metric.stage > 0:
-                self.stepper = self.rebuild()
+                stepper = self.rebuild()
         if saved["step"] >= self.run.num_warmup:
-            self.stepper.end_warmup()  # the saved state is the tuned chains', not warm-up's
-        self.stepper.restore(saved["mode"], unstack_chains(saved["state"], self.stepper.final_state, saved["mode"]))
+            stepper.end_warmup()  # the saved state is the tuned chains', not warm-up's
+        stepper.restore(saved["mode"], unstack_chains(saved["state"], stepper.final_state, saved["mode"]))
         self.generator.set_state(saved["generator"])
         if self.sampler is not None:
             self.sampler.load_state_dict(saved["sampler"])
@@ -269,13 +284,13 @@ class RunCheckpoint:
             )
             results.stats[name][:, :kept].copy_(value)
         if self.window is not None:
-            self.window.load_state_dict(saved["window"], self.stepper.bridge.device)
+            self.window.load_state_dict(saved["window"], stepper.bridge.device)
         if len(saved["tracing"]) != len(self.tracers):
             raise CheckpointError("the model tracing's history in the checkpoint does not fit this run's models.")
         for tracer, history in zip(self.tracers, saved["tracing"], strict=True):
             tracer.restore(history)  # each call goes to Pyro or to the recorded graph as in the uninterrupted run
         control = saved["control_variate"]
-        device = self.stepper.bridge.device
+        device = stepper.bridge.device
         return Resumed(
             saved["step"],
             kept,
@@ -284,6 +299,7 @@ class RunCheckpoint:
             saved["restarted"].clone(),
             None if control is None else ControlVariate(**_to(control, device)),
             saved["option"],
+            stepper,
         )
 
     def remember(self, step: int, kept: int, *, stopped: bool = False) -> None:

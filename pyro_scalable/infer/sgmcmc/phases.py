@@ -124,16 +124,12 @@ def resume(run: Any, state: RunState, batches: Iterable | None) -> None:
         run.checkpoint_every,
         run=run,
         progress=state,
-        stepper=state.stepper,
-        generator=state.generator,
-        sampler=state.sampler if state.batch_iter is None else None,
         total=state.total,
         batches=batches,
-        metric=state.schedule,
-        window=state.window,
         rebuild=lambda: stage_stepper(run, state, state.latents, run.chain_method),
     )
     resumed = state.checkpoint.resume(run.resume)
+    state.stepper = resumed.stepper  # in a later stage of warm-up's metric, the stage's
     state.start, state.kept, state.diverged = resumed.step, resumed.kept, resumed.stopped
     if resumed.warmup_divergences is not None:
         state.warmup_divergences, state.restarted = resumed.warmup_divergences, resumed.restarted
@@ -141,7 +137,6 @@ def resume(run: Any, state: RunState, batches: Iterable | None) -> None:
         state.control_variate = resumed.control_variate
     state.option = resumed.option  # a fallback the policy took ("warmup" for a centred hierarchy's funnel) holds
     state.checkpoint.remember(state.start, state.kept, stopped=state.diverged)
-    state.stepper = state.checkpoint.stepper  # in a later stage of warm-up's metric, the stage's
     for _ in range(state.start if state.batch_iter is not None else 0):
         next(state.batch_iter)  # exact only where iterating `batches` again yields the same sequence
 
@@ -173,7 +168,6 @@ def attach_control_variate(run: Any, state: RunState) -> None:
             program, method = state.stepper.program, run.chain_method
             state.stepper = ChainStepper(program, state.bridge, state.latents, state.generator, method, state.reducer)
         if state.checkpoint is not None:  # the centre and its full-data pass are not redone on resume: nor counted
-            state.checkpoint.stepper = state.stepper
             state.checkpoint.remember(state.start, state.kept, stopped=state.diverged)  # (the model tracing's calls)
             state.checkpoint.write()
     state.densities = step_densities(state)
@@ -276,8 +270,6 @@ def window_end(run: Any, state: RunState, batch: Batch) -> None:
     state.densities = step_densities(state)  # in the next stage's metric, around the new centre
     if moved is not None:
         state.stepper = stage_stepper(run, state, schedule.to_z(theta), state.stepper.mode)
-        if state.checkpoint is not None:
-            state.checkpoint.stepper = state.stepper
     elif restart is not None:
         state.stepper.restart(*restart)
 
