@@ -17,6 +17,7 @@ import pyro.distributions as dist
 import torch
 
 from pyro_scalable.bridge import Batch, ModelBridge
+from pyro_scalable.infer.full_data import full_data_gradient
 from pyro_scalable.infer.gradients import (
     AffineMap,
     ControlledDensity,
@@ -25,7 +26,6 @@ from pyro_scalable.infer.gradients import (
     WhitenedDensity,
 )
 from pyro_scalable.infer.linearized.layout import ParameterLayout
-from pyro_scalable.infer.mode_search import full_data_gradient
 
 PACKAGE = Path(__file__).resolve().parents[1] / "pyro_scalable"
 ARCHITECTURE = Path(__file__).resolve().parents[1] / "docs" / "developer" / "architecture.md"

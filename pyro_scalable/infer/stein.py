@@ -44,7 +44,7 @@ above the floor as fewer independent draws would.
 
 **Cost.** The scores take one full-data pass per group of ``draws_chunk_size`` draws (the gradient at each of
 them), the data in chunks of the subsampled plate (chunk :math:`C` of :math:`N` points weighted by :math:`C/N`, as
-:func:`~pyro_scalable.infer.mode_search.full_data_gradient` sums them; :func:`torch.func.vmap` over the draws, a
+:func:`~pyro_scalable.infer.full_data.full_data_gradient` sums them; :func:`torch.func.vmap` over the draws, a
 loop for a model it cannot batch), the gradients summed in float64. The pairwise sum is :math:`O(n^2 d)` in blocks of
 ``block_size`` × ``block_size`` draws (matrix products, float64, on the device of the model's data, where the draws
 are moved in groups), so 10⁴ draws take a few blocks' memory, not :math:`n^2` values.

@@ -42,10 +42,10 @@ import torch
 from torch import Tensor
 
 from pyro_scalable.bridge.model import Batch, Latents
+from pyro_scalable.infer.full_data import ControlVariate
+from pyro_scalable.infer.full_data import point_gradient_and_value as _gradient_and_value
 from pyro_scalable.infer.gradients.density import MinibatchDensity
 from pyro_scalable.infer.gradients.estimate import gradient_and_value, index_dims
-from pyro_scalable.infer.mode_search import ControlVariate
-from pyro_scalable.infer.mode_search import point_gradient_and_value as _gradient_and_value
 
 __all__ = ["ControlVariate", "ControlledDensity"]
 
@@ -59,7 +59,7 @@ class ControlledDensity:
     Example:
         >>> import pyro, pyro.distributions as dist, torch
         >>> from pyro_scalable.bridge import ModelBridge
-        >>> from pyro_scalable.infer.mode_search import full_data_gradient
+        >>> from pyro_scalable.infer.full_data import full_data_gradient
         >>> def model(y):
         ...     mu = pyro.sample("mu", dist.Normal(0.0, 10.0))
         ...     with pyro.plate("data", len(y), subsample_size=5) as idx:
@@ -126,7 +126,7 @@ class ControlledDensity:
         Example:
             >>> import pyro, pyro.distributions as dist, torch
             >>> from pyro_scalable.bridge import ModelBridge
-            >>> from pyro_scalable.infer.mode_search import full_data_gradient
+            >>> from pyro_scalable.infer.full_data import full_data_gradient
             >>> def model(y):
             ...     mu = pyro.sample("mu", dist.Normal(0.0, 10.0))
             ...     with pyro.plate("data", len(y), subsample_size=5) as idx:

@@ -20,12 +20,8 @@ from pyro.infer.autoguide.initialization import init_to_sample
 
 from pyro_scalable.bridge.model import Latents, ModelBridge
 from pyro_scalable.bridge.observed import no_mode_reason
-from pyro_scalable.infer.mode_search import (
-    ControlVariate,
-    ModeSearch,
-    find_mode,
-    full_data_gradient,
-)
+from pyro_scalable.infer.full_data import ControlVariate, full_data_gradient
+from pyro_scalable.infer.mode_search import ModeSearch, find_mode
 
 __all__ = [
     "CentreError",

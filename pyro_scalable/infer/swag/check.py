@@ -42,8 +42,9 @@ from torch import Tensor
 
 from pyro_scalable.bridge.minibatches import points_per_chunk
 from pyro_scalable.bridge.model import ModelBridge
+from pyro_scalable.infer.full_data import full_data_gradient, full_data_hessian, full_data_hvps
 from pyro_scalable.infer.linearized.layout import ParameterLayout
-from pyro_scalable.infer.mode_search import EXACT_NEWTON, full_data_gradient, full_data_hessian, full_data_hvps
+from pyro_scalable.infer.mode_search import EXACT_NEWTON
 
 __all__ = ["MEAN_TOLERANCE", "PROBES", "SPREAD_TOLERANCE", "ApproximationWarning", "GaussianCheck", "check_gaussian"]
 

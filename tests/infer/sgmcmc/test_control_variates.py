@@ -279,13 +279,13 @@ def test_the_mode_search_on_a_subsample_then_the_full_data_reaches_the_mode_in_f
     exact, precision = _logistic_mode(x, y)
     bridge = ModelBridge(_logistic, (x, y))
     passes = []  # None for a full-data pass, else the subsample's indices
-    sums = mode_search._sums
+    sums = mode_search.full_data_sums
 
     def counted(bridge, latents, size, reducer, indices=None):
         passes.append(indices)
         return sums(bridge, latents, size, reducer, indices)
 
-    monkeypatch.setattr(mode_search, "_sums", counted)
+    monkeypatch.setattr(mode_search, "full_data_sums", counted)
     for seed in range(3):
         passes.clear()
         start = {"w": torch.full((3,), 1.5) * (-1) ** seed}
