@@ -35,18 +35,8 @@ from pyro_scalable.bridge.likelihood import (
     observed_masks,
 )
 from pyro_scalable.bridge.model import ModelBridge
-from pyro_scalable.inference_data import (
-    ARVIZ_MAJOR,
-    LOO_COPIES,
-    _convert,
-    _numpy,
-    _observed_dims,
-    _observed_only,
-    az,
-    pointwise_shapes,
-    posterior_group,
-    thinned_record,
-)
+from pyro_scalable.groups import numpy_group, observed_dims, observed_only, pointwise_shapes, posterior_group
+from pyro_scalable.inference_data import ARVIZ_MAJOR, LOO_COPIES, _convert, az, thinned_record
 
 __all__ = ["LOO_CHUNK_VALUES", "streaming_loo"]
 
@@ -120,7 +110,7 @@ def streaming_loo(
     chains, draws = next(iter(record.draws.values())).shape[:2]
     if reff is None:
         posterior = posterior_group(record)
-        posterior.update(_numpy({k: v for k, v in extra.items() if k not in bridge.observed}))
+        posterior.update(numpy_group({k: v for k, v in extra.items() if k not in bridge.observed}))
         reff = relative_efficiency(posterior)
     latents = {k: v.reshape((-1,) + v.shape[2:]) for k, v in record.draws.items()}
     shape = pointwise_shapes(bridge)[site]
@@ -212,12 +202,12 @@ def _pointwise(result) -> tuple[np.ndarray, np.ndarray, float]:
 def _result(first, bridge: ModelBridge, site: str, mask, elpd: np.ndarray, pareto_k: np.ndarray, p_loo: float):
     """The installed ArviZ's result type, with the totals and pointwise values of every chunk."""
     observed = bridge.observed_data()[site]
-    all_dims = {site: _observed_dims(bridge, site, observed.dim())}
+    all_dims = {site: observed_dims(bridge, site, observed.dim())}
     names = all_dims[site][: elpd.ndim]
     coords: dict = {}
     if mask is not None:  # the observed points only, as the log_likelihood group holds them
         values = {site: elpd[None, None], "k": pareto_k[None, None]}
-        dims, coords = _observed_only(values, {site: mask, "k": mask}, {**all_dims, "k": all_dims[site]})
+        dims, coords = observed_only(values, {site: mask, "k": mask}, {**all_dims, "k": all_dims[site]})
         elpd, pareto_k, names = values[site][0, 0], values["k"][0, 0], dims[site]
     points = elpd.ravel()
     n = points.size
