@@ -11,7 +11,7 @@ gave, and compares its draws with posteriordb's reference summaries (long Stan N
 * **REFUSED**: the engine refused the model with an error naming the site (a linearised engine on a model it cannot
   linearise); **ERROR**: anything else.
 
-Engines: ``sghmc`` (the model's own minibatches), ``sghmc-full`` (the same on the full data), ``sgld``, ``psgld``,
+Engines: ``sghmc`` (the model's own minibatches), ``sgld``, ``psgld``, each also ``-full`` (on the full data),
 ``laplace`` (``AutoLinearizedLaplace``, ``"full"``, after 3,000 steps of SVI on the guide, as its guide shows; the
 guide finishes a point that is not a MAP), ``sto`` (``SampleThenOptimize``, :data:`STO_DRAWS` draws), ``swag``
 (``SWAG``). Priors: ``stated`` (the ports' own: Stan's priors, a flat one replaced by Normal(0, 1000) /
@@ -69,7 +69,7 @@ MEAN_TOLERANCE, SD_RATIO, R_HAT = 0.2, (0.8, 1.25), 1.01
 # (0.022 sd) the tolerance is 9 Monte-Carlo errors, as the 4,000 draws of the Laplace guide's cells give it 13.
 STO_DRAWS = 2048
 NUM_WARMUP, NUM_SAMPLES, NUM_CHAINS = 1000, 3000, 4  # the README's lengths
-ENGINES = ("sghmc", "sghmc-full", "sgld", "psgld", "laplace", "sto", "swag")
+ENGINES = ("sghmc", "sghmc-full", "sgld", "sgld-full", "psgld", "psgld-full", "laplace", "sto", "swag")
 PRIORS = ("stated", "weak")
 LINEARISED, LINEARISED_KINDS = ("laplace", "sto"), ("regression",)
 
@@ -107,9 +107,9 @@ def run_engine(engine: str, model, args, seed: int) -> tuple[dict[str, torch.Ten
     and whether they are chains (r_hat applies)."""
     from pyro_scalable.infer import PSGLD, SGHMC, SGLD, SWAG, SampleThenOptimize, StochasticMCMC
 
-    if engine in ("sghmc", "sghmc-full", "sgld", "psgld"):
-        kernel = {"sghmc": SGHMC, "sghmc-full": SGHMC, "sgld": SGLD, "psgld": PSGLD}[engine]
-        if engine == "sghmc-full":
+    if engine.removesuffix("-full") in ("sghmc", "sgld", "psgld"):
+        kernel = {"sghmc": SGHMC, "sgld": SGLD, "psgld": PSGLD}[engine.removesuffix("-full")]
+        if engine.endswith("-full"):
             model = full_batch(model, len(args[-1]))
         mcmc = StochasticMCMC(
             kernel(model),
@@ -183,7 +183,7 @@ def run_cell(name: str, engine: str, priors: str, seed: int) -> dict | None:
     model = model_of(posterior, priors)
     if model is None:
         return None
-    if engine == "sghmc-full" and not isinstance(model, LinearRegression):
+    if engine.endswith("-full") and not isinstance(model, LinearRegression):
         return None  # a full-batch model already: "sghmc" is its full-batch run
     if engine in LINEARISED and posterior.kind not in LINEARISED_KINDS:
         return None  # the linearised engines serve GLMs and networks (a time series' or an HMM's posterior is neither)
@@ -268,7 +268,7 @@ def run_advised(options) -> None:
     done = latest(out)
     torch.set_num_threads(options.threads)
     for key, record in sorted(latest(Path(options.cells)).items()):
-        if record["verdict"] != "WARNED" or record["engine"] not in ("sghmc", "sgld", "psgld"):
+        if record["verdict"] != "WARNED" or record["engine"].removesuffix("-full") not in ("sghmc", "sgld", "psgld"):
             continue
         lengths = ADVISED.findall(" ".join(record["warnings"]))
         if not lengths:

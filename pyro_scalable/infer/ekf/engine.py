@@ -44,7 +44,8 @@ from pyro_scalable.infer.gaussian_prior import SiteGaussian, prior_mode, prior_v
 from pyro_scalable.infer.linearized.ggn import GGNDiagonal, fit_chunk
 from pyro_scalable.infer.linearized.jacobians import layer_plan
 from pyro_scalable.infer.linearized.layout import ParameterLayout
-from pyro_scalable.infer.linearized.network import NetworkFunction, choose_sites, observed_site
+from pyro_scalable.infer.linearized.network import NetworkFunction
+from pyro_scalable.infer.linearized.sites import choose_sites, observed_site
 
 __all__ = ["DENSE_UP_TO", "EKF", "DiagonalEKF"]
 

@@ -27,7 +27,8 @@ from pyro_scalable.infer.laplace.posterior import LaplacePosterior
 from pyro_scalable.infer.laplace.structures import STRUCTURES, StructureName, structure_class
 from pyro_scalable.infer.linearized.layout import ParameterLayout
 from pyro_scalable.infer.linearized.map_check import GAIN_THRESHOLD
-from pyro_scalable.infer.linearized.network import NetworkFunction, choose_sites, observed_site
+from pyro_scalable.infer.linearized.network import NetworkFunction
+from pyro_scalable.infer.linearized.sites import choose_sites, observed_site
 from pyro_scalable.infer.mode_search import ModeSearch, find_mode
 
 __all__ = ["AutoLinearizedLaplace"]

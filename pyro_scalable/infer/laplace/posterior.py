@@ -30,30 +30,29 @@ L-BFGS over :math:`\log P` (scalar, per site or per parameter) and :math:`\log\s
 
 from __future__ import annotations
 
-import math
-from typing import Any, Literal
+from typing import Any
 
 import pyro
 import pyro.distributions as dist
 import torch
 from torch import Tensor
 
-from pyro_scalable.arguments import check_choice, check_count, check_flag, check_number, check_tensor
+from pyro_scalable.arguments import check_count, check_number, check_tensor
 from pyro_scalable.bridge.checks import ModelError
 from pyro_scalable.bridge.model import ModelBridge
 from pyro_scalable.infer.laplace.curvature import CurvatureError, Precision, Structure
-from pyro_scalable.infer.laplace.evidence import maximize_evidence
+from pyro_scalable.infer.laplace.evidence import LaplaceEvidence, prior_times
 from pyro_scalable.infer.laplace.predictive import LaplacePredictives
 from pyro_scalable.infer.linearized.ggn import DataFit
 from pyro_scalable.infer.linearized.glm import GLMPredictive
-from pyro_scalable.infer.linearized.map_check import check_noise_fit, gauss_newton_gain, warn_not_map
+from pyro_scalable.infer.linearized.map_check import gauss_newton_gain, warn_not_map
 from pyro_scalable.infer.linearized.network import NetworkFunction
 from pyro_scalable.infer.results import GaussianDraws
 
 __all__ = ["GLMPredictive", "LaplacePosterior"]
 
 
-class LaplacePosterior(LaplacePredictives, GaussianDraws):
+class LaplacePosterior(LaplaceEvidence, LaplacePredictives, GaussianDraws):
     """A Gaussian posterior over the Laplace sites; every other latent site held at its MAP value.
 
     :meth:`posterior_predictive` draws ``y`` at new inputs (linearised by default). Calling it like the model
@@ -174,7 +173,7 @@ class LaplacePosterior(LaplacePredictives, GaussianDraws):
         return self._cache["precision"]
 
     def _log_joint_gradient(self, prior_precision: Tensor, noise: Tensor | None) -> Tensor:
-        return self.fit.gradient * self._scale(noise) - _prior_times(prior_precision, self.theta_star - self.prior_mean)
+        return self.fit.gradient * self._scale(noise) - prior_times(prior_precision, self.theta_star - self.prior_mean)
 
     @property
     def mean(self) -> Tensor:
@@ -186,115 +185,6 @@ class LaplacePosterior(LaplacePredictives, GaussianDraws):
             else:
                 self._cache["mean"] = self.theta_star
         return self._cache["mean"]
-
-    # ------------------------------------------------------------------ evidence
-    def log_marginal_likelihood(
-        self, prior_precision: Tensor | float | None = None, observation_noise: Tensor | float | None = None
-    ) -> Tensor:
-        r"""The Laplace evidence :math:`\log Z(P, \sigma)` of the linearised model (differentiable)."""
-        theta = self.theta_star
-        if prior_precision is not None and not _traced(prior_precision):
-            check_tensor("prior_precision", prior_precision, positive=True, shape=theta.shape)
-        if observation_noise is not None and not _traced(observation_noise):
-            check_number("observation_noise", observation_noise, positive=True)
-        precision = self._prior_precision if prior_precision is None else prior_precision
-        if not isinstance(precision, Tensor) or precision.dim() != 2:
-            precision = torch.as_tensor(precision, dtype=theta.dtype, device=theta.device)
-            precision = torch.broadcast_to(precision, theta.shape)
-        noise = (
-            self._observation_noise
-            if observation_noise is None
-            else torch.as_tensor(observation_noise, dtype=theta.dtype, device=theta.device)
-        )
-        if observation_noise is not None and self._map_noise is None:
-            raise ModelError("observation_noise applies to a Normal likelihood with one scalar scale only.")
-        if noise is not None:
-            n = self.fit.num_observations
-            log_likelihood = -0.5 * n * torch.log(2 * math.pi * noise**2) - 0.5 * self.fit.sum_squares / noise**2
-        else:
-            log_likelihood = self.fit.log_likelihood
-        own = prior_precision is None and observation_noise is None  # the posterior's: its cached factorisation
-        H = self.precision if own else self._precision(precision, noise)
-        r = theta - self.prior_mean
-        evidence = log_likelihood - 0.5 * (r * _prior_times(precision, r)).sum() + 0.5 * _prior_logdet(precision)
-        evidence = evidence - 0.5 * H.logdet()
-        if self.recenter:
-            b = self._log_joint_gradient(precision, noise)
-            evidence = evidence + 0.5 * (b * H.solve(b)).sum()
-        return evidence
-
-    def optimize_prior_precision(
-        self,
-        method: Literal["scalar", "site", "diagonal"] = "scalar",
-        *,
-        observation_noise: bool | None = None,
-        max_iter: int = 200,
-        em_steps: int = 8,
-    ) -> LaplacePosterior:
-        """Maximise the evidence over the prior precision (and σ of a Normal likelihood) by L-BFGS.
-
-        With ``structure="sampled"`` there is no evidence: ``em_steps`` MacKay updates from the samples instead
-        (``"scalar"`` or ``"site"``; σ stays fixed), re-running the sampler with warm starts.
-
-        Args:
-            method: one precision for every parameter, one per Laplace site, or one per parameter.
-            observation_noise: also fit σ (default: whenever the likelihood is a Normal with one scalar scale).
-
-        """
-        check_choice("method", method, ("scalar", "site", "diagonal"))
-        check_flag("observation_noise", observation_noise, optional=True)
-        check_count("max_iter", max_iter)
-        check_count("em_steps", em_steps, 0)
-        if self._prior_precision.dim() == 2:
-            raise ModelError(
-                "the prior is a previous posterior (as_prior): its precision is the last episode's, not a "
-                "hyper-parameter to tune. Tune the prior precision in the first episode."
-            )
-        if not self._structure.has_evidence:
-            curvature = self.fit.curvature.tune_prior(method, observation_noise, em_steps, self._prior_precision)
-            self.fit = self.fit.with_curvature(curvature)
-            self.prior_precision = curvature.prior_precision
-            return self
-        theta = self.theta_star
-        if method == "diagonal" and not self._structure.per_parameter_prior:
-            raise ValueError(
-                "structure='kron' keeps a layer's prior precision equal across its outputs; use method='scalar' or "
-                "'site', or structure='diag'/'full' for a per-parameter prior precision."
-            )
-        groups, _ = self.net.layout.groups(method, theta.device)
-        fit_noise = self._map_noise is not None if observation_noise is None else observation_noise
-        if fit_noise and self._map_noise is None:
-            raise ModelError("observation_noise=True needs a Normal likelihood with one scalar scale.")
-        precision, noise = maximize_evidence(
-            self.log_marginal_likelihood,
-            groups,
-            self._prior_precision,
-            self._observation_noise if fit_noise else None,
-            max_iter=max_iter,
-        )
-        self.prior_precision = precision
-        if noise is not None:
-            self.observation_noise = noise
-            self.check_noise(fitted=True)
-        return self
-
-    def check_noise(self, *, fitted: bool = False) -> None:
-        """Warn when a Normal's σ has too few observations left to measure it (N − γ; see :mod:`.map_check`)."""
-        given = self._noise_site is None and not fitted  # a constant σ in the model: nothing was fitted
-        if self._map_noise is not None and not given and self._prior_precision.dim() == 1:
-            fit, gamma, source = self.fit, self.effective_parameters(), f"the {self.structure!r} Laplace posterior"
-            args = (int(fit.num_observations), float(fit.sum_squares), float(self._observation_noise), self._noise_site)
-            check_noise_fit(gamma, *args, source, fitted_by="the evidence" if fitted else None)
-
-    def effective_parameters(self) -> float:
-        r"""MacKay's :math:`\gamma = \sum_j (1 - P_j (H^{-1})_{jj})` in the fitted structure's H (diagonal priors).
-
-        How many parameters the data determine: at most the number of observations under the exact GGN.
-        """
-        if self._prior_precision.dim() == 2:
-            raise ModelError("effective_parameters needs a diagonal prior precision; this one is a previous posterior.")
-        inverse = self.precision.inverse_diagonal()
-        return float(inverse.numel() - (self._prior_precision * inverse).sum())
 
     # ------------------------------------------------------------------ samples and guide
     def sample(self, num_samples: int, generator: torch.Generator | None = None) -> Tensor:
@@ -370,7 +260,7 @@ class LaplacePosterior(LaplacePredictives, GaussianDraws):
         def matvec(v: Tensor) -> Tensor:
             with torch.no_grad():
                 ggn = self.net.ggn_vp(self.theta_star, v.unsqueeze(0)).squeeze(0)
-            return scale * ggn + _prior_times(prior, v) + self.jitter * v
+            return scale * ggn + prior_times(prior, v) + self.jitter * v
 
         floor = (prior + self.jitter).double() if prior.dim() == 1 else None  # H >= P + jitter I (G is psd)
         floor_solve = (lambda r: r / floor) if floor is not None and bool((floor > 0).all()) else None
@@ -383,19 +273,3 @@ class LaplacePosterior(LaplacePredictives, GaussianDraws):
         if warn:
             warn_not_map(gain, float(b.norm()), consequence, threshold=threshold)
         return gain
-
-
-def _prior_times(precision: Tensor, v: Tensor) -> Tensor:
-    """The prior precision (a diagonal, or a dense matrix from ``as_prior``) times ``v``."""
-    return v @ precision if precision.dim() == 2 else precision * v
-
-
-def _prior_logdet(precision: Tensor) -> Tensor:
-    if precision.dim() == 2:
-        return (2 * torch.linalg.cholesky(precision.double()).diagonal().log().sum()).to(precision.dtype)
-    return precision.log().sum()
-
-
-def _traced(value: Any) -> bool:
-    # inside the evidence optimiser: a line search may try an overflowing step, which L-BFGS itself handles
-    return isinstance(value, Tensor) and value.requires_grad

@@ -10,7 +10,8 @@ from pyro_scalable.infer.linearized.ggn import DataFit, GGNDiagonal, ggn_pass
 from pyro_scalable.infer.linearized.glm import GLMPredictive, glm_predictive
 from pyro_scalable.infer.linearized.layout import ParameterLayout
 from pyro_scalable.infer.linearized.likelihoods import Likelihood
-from pyro_scalable.infer.linearized.network import NetworkFunction, choose_sites
+from pyro_scalable.infer.linearized.network import NetworkFunction
+from pyro_scalable.infer.linearized.sites import choose_sites
 
 __all__ = [
     "DataFit",

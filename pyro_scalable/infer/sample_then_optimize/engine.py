@@ -44,7 +44,7 @@ from pyro_scalable.bridge.checks import ModelError
 from pyro_scalable.bridge.model import FullDataModel, ModelBridge
 from pyro_scalable.bridge.subsampling import warn_full_batch
 from pyro_scalable.infer.linearized.layout import ParameterLayout
-from pyro_scalable.infer.linearized.network import NetworkFunction, choose_sites, observed_site
+from pyro_scalable.infer.linearized.network import NetworkFunction
 from pyro_scalable.infer.linearized.sampling import (
     OneProcess,
     Solution,
@@ -56,6 +56,7 @@ from pyro_scalable.infer.linearized.sampling import (
 )
 from pyro_scalable.infer.linearized.sampling.core import SampleState
 from pyro_scalable.infer.linearized.sampling.problem import SolveDiverged
+from pyro_scalable.infer.linearized.sites import choose_sites, observed_site
 from pyro_scalable.infer.record import RunRecord
 from pyro_scalable.infer.results import Draws
 from pyro_scalable.infer.sample_then_optimize.checkpoint import SolveCheckpoint, run_seed
@@ -382,31 +383,3 @@ class SampleThenOptimize(SampleThenOptimizePredictives, Draws):
             check_tensor("prior_precision", prior_precision, positive=True)
         self.em_steps, self.em_groups, self.prior_precision = operator.index(em_steps), em_groups, prior_precision
         self.run(*self.results.args, **self.results.kwargs)
-
-    # ------------------------------------------------------------------ results
-    @property
-    def final_prior_precision(self) -> dict[str, Tensor]:
-        """The prior precision of the last solve (after EM) of every sampled site, shaped like its value."""
-        return self._require_net().layout.unflatten(self.solved_prior_precision)
-
-    @property
-    def solved_prior_precision(self) -> Tensor:
-        """The prior precision of the last solve (after EM), flat over the sampled sites (unconstrained)."""
-        self._require_net()
-        return self._solved_precision
-
-    @property
-    def sample_offsets(self) -> Tensor:
-        r"""The zero-mean rows :math:`\zeta_j \sim \mathcal N(0, H^{-1})` of the draws, flat, ``(K, d)``."""
-        self._require_net()
-        return self.state.samples[:-1].detach()
-
-    def _require_net(self) -> NetworkFunction:
-        if self.net is None:
-            raise RuntimeError("call run(...) before asking for results.")
-        return self.net
-
-    def get_mean(self) -> dict[str, Tensor]:
-        """The posterior mean of the sampled sites (constrained; the other sites at their fixed values)."""
-        net = self._require_net()
-        return self.bridge.constrain({**net.fixed, **net.layout.unflatten(self.mean_unconstrained)})

@@ -22,8 +22,8 @@ from torch import Tensor
 
 from pyro_scalable.bridge.checks import ModelError, user_stacklevel
 from pyro_scalable.bridge.model import Latents, ModelBridge
-from pyro_scalable.infer.linearized.network import choose_sites
 from pyro_scalable.infer.linearized.sampling import is_linear_gaussian
+from pyro_scalable.infer.linearized.sites import choose_sites
 from pyro_scalable.infer.mode_search import find_mode
 
 __all__ = ["MAP_TOLERANCE", "check_draws_finite", "find_map", "linearization_point"]

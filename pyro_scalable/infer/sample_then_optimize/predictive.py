@@ -1,4 +1,4 @@
-r"""The result surface of sample-then-optimise: predictives from the draws, and the posterior as the next prior.
+r"""The result surface of sample-then-optimise: the posterior's mean and offsets, predictives, the next prior.
 
 :class:`SampleThenOptimizePredictives` is the part of
 :class:`~pyro_scalable.infer.sample_then_optimize.engine.SampleThenOptimize` that predicts, from the network
@@ -27,13 +27,44 @@ from pyro_scalable.infer.linearized.glm import (
     glm_predictive,
     linearized_posterior_predictive,
 )
+from pyro_scalable.infer.linearized.network import NetworkFunction
 from pyro_scalable.infer.uncertainty import Uncertainty, linearized_uncertainty
 
 __all__ = ["SampleThenOptimizePredictives"]
 
 
 class SampleThenOptimizePredictives:
-    """Predictions from sample-then-optimise draws (mixed into ``SampleThenOptimize``)."""
+    """The results of a sample-then-optimise run, read: its mean and offsets, predictions, the next prior.
+
+    Mixed into ``SampleThenOptimize``, whose run sets ``net``, ``state``, ``mean_unconstrained`` and the solved prior.
+    """
+
+    @property
+    def final_prior_precision(self) -> dict[str, Tensor]:
+        """The prior precision of the last solve (after EM) of every sampled site, shaped like its value."""
+        return self._require_net().layout.unflatten(self.solved_prior_precision)
+
+    @property
+    def solved_prior_precision(self) -> Tensor:
+        """The prior precision of the last solve (after EM), flat over the sampled sites (unconstrained)."""
+        self._require_net()
+        return self._solved_precision
+
+    @property
+    def sample_offsets(self) -> Tensor:
+        r"""The zero-mean rows :math:`\zeta_j \sim \mathcal N(0, H^{-1})` of the draws, flat, ``(K, d)``."""
+        self._require_net()
+        return self.state.samples[:-1].detach()
+
+    def _require_net(self) -> NetworkFunction:
+        if self.net is None:
+            raise RuntimeError("call run(...) before asking for results.")
+        return self.net
+
+    def get_mean(self) -> dict[str, Tensor]:
+        """The posterior mean of the sampled sites (constrained; the other sites at their fixed values)."""
+        net = self._require_net()
+        return self.bridge.constrain({**net.fixed, **net.layout.unflatten(self.mean_unconstrained)})
 
     def predict(
         self,

@@ -32,7 +32,8 @@ from pyro_scalable.infer.linearized.glm import GLMPredictive, Moments, glm_predi
 from pyro_scalable.infer.linearized.jacobians import OutputJacobian, layer_plan
 from pyro_scalable.infer.linearized.layout import ParameterLayout
 from pyro_scalable.infer.linearized.likelihoods import LinkApprox
-from pyro_scalable.infer.linearized.network import NetworkFunction, choose_sites, observed_site
+from pyro_scalable.infer.linearized.network import NetworkFunction
+from pyro_scalable.infer.linearized.sites import choose_sites, observed_site
 
 if TYPE_CHECKING:
     from pyro_scalable.infer.swag.posterior import SWAGPosterior

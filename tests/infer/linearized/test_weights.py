@@ -18,7 +18,7 @@ from pyro import poutine
 
 from pyro_scalable.bridge.checks import ModelError
 from pyro_scalable.infer import AutoLinearizedLaplace, SampleThenOptimize
-from pyro_scalable.infer.linearized.likelihoods import likelihood_of
+from pyro_scalable.infer.linearized.families import likelihood_of
 from tests.glm_models import glm, linear_gaussian_posterior
 
 N, D = 60, 3

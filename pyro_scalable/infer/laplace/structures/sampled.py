@@ -28,7 +28,7 @@ from pyro_scalable.bridge.checks import ModelError
 from pyro_scalable.infer.laplace.curvature import CurvatureError, FitRequest
 from pyro_scalable.infer.linearized.ggn import DataFit
 from pyro_scalable.infer.linearized.glm import Moments, draws_moments
-from pyro_scalable.infer.linearized.network import NetworkFunction, choose_sites
+from pyro_scalable.infer.linearized.network import NetworkFunction
 from pyro_scalable.infer.linearized.sampling import (
     Solution,
     SolveSettings,
@@ -36,6 +36,7 @@ from pyro_scalable.infer.linearized.sampling import (
     is_linear_gaussian,
     sample_linearized,
 )
+from pyro_scalable.infer.linearized.sites import choose_sites
 
 __all__ = ["SampledCurvature", "SampledPrecision", "SampledRun"]
 

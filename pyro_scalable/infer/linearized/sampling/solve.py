@@ -25,7 +25,7 @@ from pyro_scalable.bridge.checks import ModelError
 from pyro_scalable.bridge.model import Latents, ModelBridge
 from pyro_scalable.infer.linearized.layout import ParameterLayout
 from pyro_scalable.infer.linearized.map_check import GAIN_THRESHOLD, check_noise_fit, gauss_newton_gain, warn_not_map
-from pyro_scalable.infer.linearized.network import NetworkFunction, choose_sites, first_batch
+from pyro_scalable.infer.linearized.network import NetworkFunction
 from pyro_scalable.infer.linearized.sampling import core, krylov
 from pyro_scalable.infer.linearized.sampling.em import (
     damp_oscillation,
@@ -35,6 +35,7 @@ from pyro_scalable.infer.linearized.sampling.em import (
 )
 from pyro_scalable.infer.linearized.sampling.plan import OneProcess, SolveSettings
 from pyro_scalable.infer.linearized.sampling.problem import Finished, Problem
+from pyro_scalable.infer.linearized.sites import choose_sites, first_batch
 
 __all__ = [
     "Checkpoint",
