@@ -39,6 +39,7 @@ class Kernel:
     gradient_noise = "ignore"
     control_variate = None  # see :mod:`.control_variates`
     step_size: Any = None
+    warmup_rule: str | None = None  # a subclass that warm-up tunes names its rule in tuning.RULES
 
     def __init__(
         self,

@@ -15,7 +15,7 @@ from pyro_scalable.bridge.model import Latents
 from pyro_scalable.infer.gradients import GradientEstimate, MinibatchDensity
 from pyro_scalable.infer.sgmcmc.base import SAMPLING, Phase
 
-__all__ = ["KernelContract", "Program"]
+__all__ = ["ChainState", "KernelContract", "Program"]
 
 
 @runtime_checkable
@@ -54,6 +54,15 @@ class Program(Protocol):
 
 
 @runtime_checkable
+class ChainState(Protocol):
+    """What every kernel's State has, and all of it that the driver and warm-up read."""
+
+    latents: Latents  # the chain's position
+    checked_latents: Latents  # the last point with a finite log density and gradient: the draw
+    step_count: Any  # 0-d int64: the kernel's steps (its schedules' argument)
+
+
+@runtime_checkable
 class KernelContract(Protocol):
     """A kernel as ``StochasticMCMC`` takes it: a Pyro model, hyperparameters, and the moves of one chain.
 
@@ -64,7 +73,13 @@ class KernelContract(Protocol):
     (:data:`.tuning.RULES`);
     ``gradient_noise``: ``"correct"``, ``"estimate"`` or ``"ignore"``; ``control_variate``: the control-variate
     setting (:mod:`.control_variates`; ``None``: none); ``temperature``: a constant or a schedule;
-    ``kept_draws(thin)``: which steps after warm-up become draws (:mod:`.kept`).
+    ``kept_draws(thin)``: which steps after warm-up become draws (:mod:`.kept`); ``hyperparameters()``: the
+    keyword arguments ``update`` takes from the kernel (a probe of the ignored gradient noise reads them).
+
+    A warm-up rule (:class:`~.tuning.Rule`) reads the attributes its ``kernel_reads`` names of the kernels it tunes
+    (SGHMC's ``friction`` and ``mass``, pSGLD's ``preconditioner`` and ``metric``), and of their State the
+    :class:`ChainState` fields and its ``state_reads``; nothing else outside a kernel reads a kernel or its State
+    (``tests/infer/sgmcmc/test_contract.py`` checks both).
     """
 
     model: Any
@@ -74,6 +89,10 @@ class KernelContract(Protocol):
     gradient_noise: str
     control_variate: Any
     temperature: Any
+    warmup_rule: str | None  # the name of its rule in tuning.RULES (None: nothing to tune)
+
+    def hyperparameters(self) -> dict[str, Any]:
+        """The keyword arguments of ``update`` the kernel binds."""
 
     def kept_draws(self, thin: int) -> Any:
         """The kept-draws policy (:class:`~.kept.KeptDraws`) at the driver's ``thin``."""

@@ -166,6 +166,8 @@ class Rule:
 
     order = 2
     chooses = ("step_size",)  # the kernel's hyperparameters this rule may choose (where the kernel leaves them)
+    kernel_reads: tuple[str, ...] = ()  # the kernel's attributes it reads beyond program.KernelContract
+    state_reads: tuple[str, ...] = ()  # the State's fields it reads beyond program.ChainState
 
     def start(self, kernel: Any, latents: Latents) -> dict[str, Any]:
         """The hyperparameters to choose, before warm-up has seen anything (NaN; the Fisher mass: 1)."""
@@ -211,6 +213,8 @@ class Preconditioned(Rule):
     """pSGLD: learn v in the calibrated warm-up (``preconditioner="warmup"``), then SGLD's rule in the metric G."""
 
     order = 1
+    kernel_reads = ("preconditioner", "metric")
+    state_reads = ("square_count",)
 
     def metric(self, kernel, kernel_state, tuned):
         return kernel.metric(kernel_state)
@@ -240,7 +244,21 @@ class Preconditioned(Rule):
         return tuned, state, extra
 
 
-class Momentum(Rule):
+class MassRule(Rule):
+    """A rule for a kernel with a mass (SGHMC, BAOAB): the curvature measured in the metric 1/m."""
+
+    kernel_reads = ("friction", "mass")
+
+    def metric(self, kernel, kernel_state, tuned):
+        return {name: 1.0 / m for name, m in self.masses(kernel, kernel_state, tuned).items()}
+
+    @staticmethod
+    def masses(kernel: Any, kernel_state: Any, tuned: dict[str, Any]) -> Latents:
+        """The masses: chosen in warm-up (the Fisher mass), or the kernel's own."""
+        return tuned["mass"] if "mass" in tuned else mass_like(kernel.mass, kernel_state.latents)
+
+
+class Momentum(MassRule):
     """SGHMC: ε ≤ 0.3/√λ, a friction per coordinate where not given, and the Fisher mass where asked for."""
 
     chooses = ("step_size", "friction", "mass")
@@ -251,15 +269,12 @@ class Momentum(Rule):
             tuned["friction"] = {name: torch.full_like(x, math.nan) for name, x in latents.items()}
         return tuned
 
-    def metric(self, kernel, kernel_state, tuned):
-        return {name: 1.0 / m for name, m in _masses(kernel, kernel_state, tuned).items()}
-
     def tune(self, kernel, state, gradient, temperature, burn_in):
         tuned = dict(state.tuned)
         if "mass" in tuned:
             tuned["mass"] = fisher_mass(state.noise)
         if "step_size" in tuned:
-            masses = _masses(kernel, state.kernel, tuned)
+            masses = self.masses(kernel, state.kernel, tuned)
             temperature = torch.zeros_like(temperature) if burn_in else temperature
             if "friction" in tuned:
                 step_size, tuned["friction"] = coordinate_frictions(
@@ -277,6 +292,7 @@ class Thermostat(Rule):
     """SGNHT: SGHMC's rule at unit mass; warm-up holds the thermostat at the friction (see :mod:`.sgnht`)."""
 
     chooses = ("step_size", "friction")
+    kernel_reads = ("friction",)
 
     def tune(self, kernel, state, gradient, temperature, burn_in):
         tuned = dict(state.tuned)
@@ -290,27 +306,20 @@ class Thermostat(Rule):
         return tuned, state, {"thermostat": friction}  # held at the friction for this step
 
 
-class BAOABRule(Rule):
+class BAOABRule(MassRule):
     """BAOAB: ε ≤ 0.5/√λ and the friction where not given (:func:`baoab_step_size`)."""
 
     chooses = ("step_size", "friction")
 
-    def metric(self, kernel, kernel_state, tuned):
-        return {name: 1.0 / m for name, m in _masses(kernel, kernel_state, tuned).items()}
-
     def tune(self, kernel, state, gradient, temperature, burn_in):
         tuned = dict(state.tuned)
-        masses = _masses(kernel, state.kernel, tuned)
+        masses = self.masses(kernel, state.kernel, tuned)
         temperature = torch.zeros_like(temperature) if burn_in else temperature
         step_size, friction = baoab_step_size(state.curvature, state.noise, masses, kernel.friction, temperature)
         tuned["step_size"] = step_size
         if "friction" in tuned:
             tuned["friction"] = friction
         return tuned, state, {}
-
-
-def _masses(kernel: Any, kernel_state: Any, tuned: dict[str, Any]) -> Latents:
-    return tuned["mass"] if "mass" in tuned else mass_like(kernel.mass, kernel_state.latents)
 
 
 RULES = {
