@@ -68,6 +68,7 @@ MEAN_TOLERANCE, SD_RATIO, R_HAT = 0.2, (0.8, 1.25), 1.01
 # freedom, p = 3e-4; whitened variance 1.009 over 229 seeds, no other seed past 2.7 Monte-Carlo errors). At 2,048
 # (0.022 sd) the tolerance is 9 Monte-Carlo errors, as the 4,000 draws of the Laplace guide's cells give it 13.
 STO_DRAWS = 2048
+ADVISED = re.compile(r"num_samples=([\d,]+)")  # the length a HealthWarning advises
 NUM_WARMUP, NUM_SAMPLES, NUM_CHAINS = 1000, 3000, 4  # the README's lengths
 ENGINES = ("sghmc", "sghmc-full", "sgld", "sgld-full", "psgld", "psgld-full", "laplace", "sto", "swag")
 PRIORS = ("stated", "weak")
@@ -208,6 +209,12 @@ def run_cell(name: str, engine: str, priors: str, seed: int) -> dict | None:
     record["seconds"] = time.perf_counter() - began
     ours = [w for w in caught if issubclass(w.category, UserWarning)]  # HealthWarning and the MAP check are ones
     record["warnings"] = [f"{w.category.__name__}: {str(w.message)[:300]}" for w in ours]
+    advice = " ".join(str(w.message) for w in ours)  # whole: the advice sits past the first 300 characters
+    lengths = ADVISED.findall(advice)
+    record["advised"] = {
+        "num_samples": int(lengths[0].replace(",", "")) if lengths else None,
+        "nuts": "pyro.infer.NUTS" in advice,
+    }
     if outcome is None:
         outcome = "PASS" if record["passed"] else ("WARNED" if ours else "SILENT")
     record["verdict"] = outcome
@@ -255,13 +262,11 @@ def run(options) -> None:
                     )
 
 
-ADVISED = re.compile(r"num_samples=([\d,]+)")
-
-
 def run_advised(options) -> None:
     """Every WARNED SG-MCMC cell of ``--cells`` again at the length its warning advised, appended to ``--out``.
 
-    A warning that advises no length (its advice is full-batch NUTS, with the reason) is listed and skipped.
+    A cell whose warning advises full-batch NUTS (more full-data passes per effective draw than NUTS needs, with that
+    figure) is listed and skipped: NUTS passes on every port (``scripts/posteriordb_check_ports.py``).
     """
     global NUM_SAMPLES
     out = Path(options.out)
@@ -270,11 +275,12 @@ def run_advised(options) -> None:
     for key, record in sorted(latest(Path(options.cells)).items()):
         if record["verdict"] != "WARNED" or record["engine"].removesuffix("-full") not in ("sghmc", "sgld", "psgld"):
             continue
-        lengths = ADVISED.findall(" ".join(record["warnings"]))
-        if not lengths:
-            harness.log(f"{' '.join(map(str, key))}: no length advised (the advice is NUTS); skipped")
+        advised = record.get("advised") or {"num_samples": None, "nuts": None}  # older records: none kept
+        if advised["nuts"] or advised["num_samples"] is None:
+            says = "full-batch NUTS, with the reason" if advised["nuts"] else "no length (an older record: run again)"
+            harness.log(f"{' '.join(map(str, key))}: the advice is {says}; skipped")
             continue
-        NUM_SAMPLES = int(lengths[0].replace(",", ""))
+        NUM_SAMPLES = advised["num_samples"]
         if key in done and done[key].get("num_samples") == NUM_SAMPLES and not options.again:
             continue
         result = run_cell(*key)

@@ -155,15 +155,22 @@ def points_per_chunk(bridge: Any, requested: int | None = None) -> int:
     return max(requested, plate.subsample_size)
 
 
-def data_passes(plates: dict[str, DataPlate], steps: int) -> float | None:
-    """The full-data passes ``steps`` minibatch steps make: ``steps`` B/N for one subsampled plate (else ``None``).
+def data_passes(plates: dict[str, DataPlate], steps: int, *, loader: bool = False) -> float | None:
+    """The full-data passes ``steps`` steps make: ``steps`` B/N for one subsampled plate, ``steps`` for none.
+
+    With no subsampled plate every step reads all of the data (a full-batch run), unless a loader feeds the steps
+    (``loader``: their size is not known here); several subsampled plates: ``None``.
 
     Example:
         >>> from types import SimpleNamespace
         >>> data_passes({"data": SimpleNamespace(size=1000, subsample_size=100)}, steps=50)
         5.0
+        >>> data_passes({}, steps=50)  # full batch: a pass per step
+        50.0
 
     """
+    if not plates:
+        return None if loader else float(steps)
     if len(plates) != 1:
         return None
     (plate,) = plates.values()

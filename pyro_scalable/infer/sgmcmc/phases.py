@@ -306,7 +306,7 @@ def finish(run: Any, state: RunState) -> None:
             shape = results.stats["repeated"].shape
             for name, value in (("warmup_divergences", per_chain), ("restarted", state.restarted)):
                 results.stats[name] = value[:, None].expand(shape).to(results.stats["repeated"].device)
-    passes = data_passes(state.bridge.plates, state.total * state.num_chains)
+    passes = data_passes(state.bridge.plates, state.total * state.num_chains, loader=state.batch_iter is not None)
     setup = RunSetup(run.kernel.adapts, state.option is not None, prior_parents(state.bridge))  # for the advice
     warn_unhealthy(results.draws, results.stats, int(per_chain.sum()), data_passes=passes, setup=setup)
     warn_uncorrected_noise(results.stats, state.num_samples, run.kernel.adapts)
