@@ -53,7 +53,7 @@ class ChainStepper:
         self.program = program
         self.reducer = reducer
         self.bridge = bridge
-        self.density: MinibatchDensity = bridge.log_posterior_fn  # the step's (step() is handed it)
+        self.density: MinibatchDensity | None = None  # the running step's, as step() is handed it
         self.generator = generator
         self.num_chains = next(iter(latents.values())).shape[0]
         self.mode = "vectorized" if method == "vectorized" and self.num_chains > 1 else "sequential"
