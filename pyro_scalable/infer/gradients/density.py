@@ -87,5 +87,15 @@ class FunctionDensity(Density):
 
 
 def as_density(function: Any) -> MinibatchDensity:
-    """``function`` where it is a :class:`MinibatchDensity` already, else a :class:`FunctionDensity` around it."""
+    """``function`` where it is a :class:`MinibatchDensity` already, else a :class:`FunctionDensity` around it.
+
+    Example:
+        >>> import torch
+        >>> density = as_density(lambda latents, batch: -latents["x"].square().sum())
+        >>> isinstance(density, MinibatchDensity), density.terms, density({"x": torch.ones(2)}, None)
+        (True, None, tensor(-2.))
+        >>> as_density(density) is density
+        True
+
+    """
     return function if isinstance(function, MinibatchDensity) else FunctionDensity(function)

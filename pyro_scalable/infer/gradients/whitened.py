@@ -64,6 +64,17 @@ class WhitenedDensity:
 
     A :class:`~.density.MinibatchDensity`: ``inner``'s groups of examples, its ``terms`` and its
     ``batched_gradient``, each in z.
+
+    Example:
+        >>> import torch
+        >>> from pyro_scalable.infer.gradients import FunctionDensity
+        >>> from pyro_scalable.infer.linearized.layout import ParameterLayout
+        >>> inner = FunctionDensity(lambda latents, batch: -0.5 * latents["x"].square().sum())
+        >>> affine = AffineMap(torch.tensor([1.0, 2.0]), torch.tensor([2.0, 0.5]))  # θ = mean + scale z
+        >>> whitened = WhitenedDensity(inner, ParameterLayout({"x": torch.Size([2])}), affine)
+        >>> whitened({"x": torch.zeros(2)}, None)  # at θ = (1, 2)
+        tensor(-2.5000)
+
     """
 
     def __init__(self, inner: MinibatchDensity, layout: ParameterLayout, affine: AffineMap):
