@@ -35,12 +35,15 @@ So a dense stage takes the Hessian :math:`H = V\,\mathrm{diag}(h)\,V^\top` of th
 .. math::
 
     \hat\Sigma = V\,\mathrm{diag}(1/h'_k)\,V^\top, \qquad
-    h'_k = \max\big(\lvert h_k\rvert,\ 1 / (C\, v_k^\top S v_k)\big), \qquad C = 100
-    \ (:data:`SPREAD_LIMIT`):
+    h'_k = \min\Big(\max\big(\lvert h_k\rvert,\ \frac{1}{C\, s_k}\big),\ \frac{C^2}{s_k}\Big), \qquad
+    s_k = v_k^\top S v_k, \qquad C = 100 \ (:data:`SPREAD_LIMIT`):
 
 the inverse Hessian (exact for a Gaussian posterior, whatever the chains explored) wherever it is at most
-:math:`C` times wider than the window's spread; a flat or negative-curvature direction (a funnel's neck, a saddle)
-is bounded by the positions instead of made arbitrarily wide. ``metric="dense"`` does this at every stage;
+:math:`C` times wider than the window's spread and at most :math:`C^2` times narrower; a flat or negative-curvature
+direction (a saddle) is bounded by the positions instead of made arbitrarily wide, and a direction far steeper at
+:math:`\hat\mu` than the chains' spread (a funnel's neck: the Hessian at the mean of a group scale's logarithm
+reached :math:`10^{33}` on a 5-group hierarchy, whose inverse is not positive definite to a float's precision) is
+bounded too. ``metric="dense"`` does this at every stage;
 ``"diagonal"`` uses the diagonal of :math:`S` (Stan's regularisation towards a small multiple of the identity);
 ``"auto"`` is dense up to :data:`DENSE_LIMIT` unconstrained dimensions, diagonal otherwise, and is on only where
 warm-up chooses the step size and has at least :data:`LEAST_WARMUP` steps, and only where the first metric's
@@ -73,7 +76,7 @@ STAGES = (0.15, 0.3, 0.55)  # warm-up's metric changes after these shares of num
 DENSE_LIMIT = 100
 LEAST_WARMUP = 200
 WORTHWHILE = 3.0  # "auto" keeps the unit metric where the first one's condition number is below this
-SPREAD_LIMIT = 100.0  # a dense metric's variance along a Hessian eigenvector is at most this × the window's spread
+SPREAD_LIMIT = 100.0  # a dense metric's variance along a Hessian eigenvector: at most this × the window's, at least 1/this²
 _SHRINK = 5.0  # Stan's regularisation: (n / (n + 5)) S + (5 / (n + 5)) 1e-3 (here relative to the mean variance)
 
 
@@ -183,7 +186,8 @@ class MetricSchedule:
         if covariance.dim() == 2 and hessian is not None:
             values, vectors = torch.linalg.eigh(hessian(self.window_mean).double())
             spread = ((covariance @ vectors) * vectors).sum(0)  # the window's variance along each eigenvector
-            values = torch.maximum(values.abs(), 1.0 / (SPREAD_LIMIT * spread))
+            spread = spread.clamp(min=floor.double())  # the shrunk covariance's: positive, rounding aside
+            values = torch.minimum(torch.maximum(values.abs(), 1.0 / (SPREAD_LIMIT * spread)), SPREAD_LIMIT**2 / spread)
             if self.stage == 0 and self.kind == "auto" and float(values.max() / values.min()) < WORTHWHILE:
                 return self._stop()
             inverse = (vectors / values) @ vectors.T

@@ -102,6 +102,30 @@ def test_a_flat_direction_of_the_hessian_is_bounded_by_the_window_spread():
     torch.testing.assert_close(affine.mean, kept.mean(0), rtol=1e-12, atol=1e-12)
 
 
+def test_a_direction_far_steeper_than_the_window_spread_is_bounded_and_the_map_exists():
+    """A funnel's neck: the Hessian at the window's mean 10^33 along some directions (a group scale's logarithm
+    far below its posterior's bulk), while the chains spread over about 1. The metric's variance along each
+    eigenvector is at least 1/SPREAD_LIMIT² of the window's, so the map exists (a Cholesky factor of a matrix
+    whose inverse eigenvalues span 10^16 is not one a float can give) and its variances are those bounds."""
+    schedule = MetricSchedule("dense", 200, {"w": torch.zeros(1, 3, dtype=torch.float64)})
+    g = torch.Generator().manual_seed(2)
+    positions = torch.randn(schedule.ends[0], 3, 3, generator=g, dtype=torch.float64)
+    for step in range(schedule.ends[0]):
+        schedule.observe(step, {"w": positions[step]})
+    kept = positions[schedule.stage_length(0) // 2 :].reshape(-1, 3)
+    n, window = kept.shape[0], torch.cov(kept.T)
+    floor = 1e-3 * window.diagonal().mean()
+    shrunk = n / (n + 5) * window + 5 / (n + 5) * floor * torch.eye(3, dtype=torch.float64)
+    hessian = torch.diag(torch.tensor([1.0, 8e33, 5e34], dtype=torch.float64))
+    affine = schedule.next_map(torch.zeros(3, dtype=torch.float64), lambda flat: hessian)
+    metric = affine.scale @ affine.scale.T
+    assert torch.isfinite(affine.scale).all()
+    for k in (1, 2):  # the steep ones: bounded by the spread
+        expected = float(shrunk[k, k]) / SPREAD_LIMIT**2
+        torch.testing.assert_close(float(metric[k, k]), expected, rtol=1e-8, atol=0)
+    torch.testing.assert_close(float(metric[0, 0]), 1.0, rtol=1e-8, atol=0)  # within the bounds: the inverse Hessian
+
+
 @pytest.mark.parametrize("cls", [SGHMC, pytest.param(SGLD, marks=pytest.mark.slow)], ids=["sghmc", "sgld"])
 def test_an_ill_conditioned_posterior_mixes_with_the_defaults(cls):
     model, x, y, mean, covariance, condition = ill_conditioned()
