@@ -6,15 +6,10 @@ SG-MCMC, linearised Laplace, sample-then-optimise, SWAG and a diagonal extended 
 from pyro_scalable import infer
 from pyro_scalable.bridge import FullDataModel, ModelError, model_tracing
 
+# The ArviZ adapter, on top of the results: importing it registers the converter a result's to_inference_data()
+# calls (pyro_scalable.infer.record.convert). ArviZ itself is imported on the first conversion.
+from pyro_scalable.inference_data import to_inference_data
+
 __version__ = "0.1.0"
 
 __all__ = ["FullDataModel", "ModelError", "__version__", "infer", "model_tracing", "to_inference_data"]
-
-
-def __getattr__(name: str):
-    # ArviZ takes seconds to import: the converter is loaded on first use, not with the package.
-    if name == "to_inference_data":
-        from pyro_scalable.inference_data import to_inference_data
-
-        return to_inference_data
-    raise AttributeError(f"module 'pyro_scalable' has no attribute {name!r}")

@@ -1,5 +1,9 @@
 """The ArviZ adapter: the one library module that imports ArviZ, and the one converter from Pyro results to ArviZ.
 
+ArviZ (seconds to import) is imported on the first conversion, not with this module, which ``import pyro_scalable``
+imports: it registers :func:`to_inference_data` as the converter of :mod:`pyro_scalable.infer.record`, which a
+result's own ``to_inference_data()`` calls (the results sit below this module and never import it).
+
 :func:`to_inference_data` takes any result :mod:`pyro_scalable.sources` reads — our engines' runs and posteriors,
 Pyro's ``MCMC``, a trained guide, a dict of draws — and writes, each with dimensions ``(chain, draw, *site_shape)``:
 
@@ -37,8 +41,11 @@ groups, variables and dimensions are the same on both.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib.metadata
 import warnings
 from collections.abc import Callable, Mapping
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -54,22 +61,27 @@ from pyro_scalable.groups import (
     prior_groups,
     record_groups,
 )
-from pyro_scalable.infer.record import RunRecord
+from pyro_scalable.infer.record import RunRecord, register_converter
 from pyro_scalable.infer.stein import SteinDiscrepancy, stein_discrepancy
 from pyro_scalable.sources import run_record
 
-with warnings.catch_warnings():
-    warnings.filterwarnings("ignore", message=r"\s*ArviZ is undergoing a major refactor", category=FutureWarning)
-    import arviz as az
-
 __all__ = ["ARVIZ_MAJOR", "LOO_COPIES", "draws_to_inference_data", "to_inference_data"]
 
-#: The installed ArviZ's major version: 0 (``InferenceData``) or 1 (``xarray.DataTree``).
-ARVIZ_MAJOR = int(az.__version__.split(".")[0])
+#: The installed ArviZ's major version: 0 (``InferenceData``) or 1 (``xarray.DataTree``), from its metadata.
+ARVIZ_MAJOR = int(importlib.metadata.version("arviz").split(".")[0])
 #: The memory ``az.loo`` takes beyond a ``log_likelihood`` group, in copies of it (measured with tracemalloc: 3.0 on
 #: ArviZ 0.23; 1.0 on 1.3, whose result keeps the smoothed weights, a copy).
 LOO_COPIES = 3 if ARVIZ_MAJOR == 0 else 1
 _LOO = {"arviz_major": ARVIZ_MAJOR, "loo_copies": LOO_COPIES}  # what the groups' memory check warns of
+
+
+@functools.cache
+def _arviz() -> ModuleType:
+    """The ``arviz`` module, imported on first use: the package's one import of ArviZ."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"\s*ArviZ is undergoing a major refactor", category=FutureWarning)
+        import arviz as az
+    return az
 
 
 def to_inference_data(
@@ -338,4 +350,7 @@ def _convert(groups: dict, coords: dict | None, dims: dict):
             from arviz_base import from_dict
 
             return from_dict(groups, coords=coords, dims=dims, attrs={group: attrs for group in groups})
-        return az.from_dict(**groups, coords=coords, dims=dims, attrs=attrs)
+        return _arviz().from_dict(**groups, coords=coords, dims=dims, attrs=attrs)
+
+
+register_converter(to_inference_data)

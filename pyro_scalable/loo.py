@@ -36,7 +36,7 @@ from pyro_scalable.bridge.likelihood import (
 )
 from pyro_scalable.bridge.model import ModelBridge
 from pyro_scalable.groups import numpy_group, observed_dims, observed_only, pointwise_shapes, posterior_group
-from pyro_scalable.inference_data import ARVIZ_MAJOR, LOO_COPIES, _convert, az, thinned_record
+from pyro_scalable.inference_data import ARVIZ_MAJOR, LOO_COPIES, _arviz, _convert, thinned_record
 
 __all__ = ["LOO_CHUNK_VALUES", "streaming_loo"]
 
@@ -166,7 +166,7 @@ def relative_efficiency(posterior: Mapping[str, np.ndarray]) -> float:
     if chains == 1:
         return 1.0
     group = _convert({"posterior": dict(posterior)}, None, {})["posterior"]
-    ess = az.ess(group.to_dataset() if hasattr(group, "to_dataset") else group, method="mean")
+    ess = _arviz().ess(group.to_dataset() if hasattr(group, "to_dataset") else group, method="mean")
     return float(np.hstack([ess[v].values.flatten() for v in ess.data_vars]).mean() / (chains * draws))
 
 
@@ -186,7 +186,7 @@ def _chunk_loo(values: np.ndarray, reff: float, caught: dict):
     data = _convert({"log_likelihood": {"chunk": values}}, None, {"chunk": ["point"]})
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        result = az.loo(data, pointwise=True, var_name="chunk", reff=reff)
+        result = _arviz().loo(data, pointwise=True, var_name="chunk", reff=reff)
     for warning in seen:
         if not str(warning.message).startswith(_NOT_OURS):
             caught.setdefault(str(warning.message), warning.category)

@@ -4,7 +4,9 @@
 * the minibatch density's contract (``infer/gradients/density.py``): every density the package makes implements all
   of it, and no module probes a density for a part of it (``getattr``/``hasattr`` of ``examples``, ``terms``,
   ``batched_gradient``, ``replacement``, ``control``, ``active``);
-* nothing sets a density's attributes, or the stepper's density, from outside.
+* nothing sets a density's attributes, or the stepper's density, from outside;
+* nothing under ``infer/`` imports the ArviZ adapter (``inference_data.py``, ``groups.py``, ``sources.py``) in any
+  form: the results convert themselves through the hook of ``infer/record.py``, which the adapter fills.
 """
 
 from __future__ import annotations
@@ -14,9 +16,11 @@ from pathlib import Path
 
 import pyro
 import pyro.distributions as dist
+import pytest
 import torch
 
 from pyro_scalable.bridge import Batch, ModelBridge
+from pyro_scalable.infer import record
 from pyro_scalable.infer.full_data import full_data_gradient
 from pyro_scalable.infer.gradients import (
     AffineMap,
@@ -26,11 +30,14 @@ from pyro_scalable.infer.gradients import (
     WhitenedDensity,
 )
 from pyro_scalable.infer.linearized.layout import ParameterLayout
+from pyro_scalable.infer.results import Draws
+from pyro_scalable.inference_data import to_inference_data
 
 PACKAGE = Path(__file__).resolve().parents[1] / "pyro_scalable"
 ARCHITECTURE = Path(__file__).resolve().parents[1] / "docs" / "developer" / "architecture.md"
 POUTINE_OUTSIDE_THE_BRIDGE = {"groups.py", "infer/gaussian_prior/model.py", "infer/uncertainty.py"}
 CONTRACT = {"examples", "terms", "batched_gradient", "replacement", "control", "active"}
+ADAPTER = {"pyro_scalable.inference_data", "pyro_scalable.groups", "pyro_scalable.sources"}
 
 
 def _modules():
@@ -88,6 +95,75 @@ def test_nothing_sets_a_density_or_the_steppers_density_from_outside():
                     if part.attr in CONTRACT | {"density", "log_posterior_fn", "inner", "affine"}:
                         writes.append(f"{name}:{node.lineno} {ast.unparse(target)}")
     assert writes == []
+
+
+def _imports(name: str, tree: ast.AST):
+    """Each import anywhere in the module ``name`` (its path in the package), with the modules it may import.
+
+    ``import a.b`` imports ``a.b``; ``from a import b`` imports ``a``, and ``a.b`` where ``b`` is a module; a relative
+    import is resolved against the module's package; ``importlib.import_module``/``__import__`` of a constant count.
+    """
+    package = ["pyro_scalable", *Path(name).parts[:-1]]  # a package's __init__ is in the package it names
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield node, [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(package[: len(package) - node.level + 1]) if node.level else ""
+            module = ".".join(part for part in (base, node.module or "") if part)
+            yield node, [module, *(f"{module}.{alias.name}" for alias in node.names)]
+        elif (
+            isinstance(node, ast.Call)
+            and ast.unparse(node.func) in ("importlib.import_module", "import_module", "__import__")
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+        ):
+            yield node, [str(node.args[0].value)]
+
+
+def _imports_of_the_adapter(name: str, tree: ast.AST) -> list[str]:
+    return [
+        f"{name}:{node.lineno} {ast.unparse(node)}"
+        for node, modules in _imports(name, tree)
+        if any(module == target or module.startswith(f"{target}.") for module in modules for target in ADAPTER)
+    ]
+
+
+def test_the_import_check_sees_every_form_of_import():
+    forms = [
+        "import pyro_scalable.inference_data",
+        "import pyro_scalable.groups as g",
+        "from pyro_scalable.inference_data import to_inference_data",
+        "from pyro_scalable import sources",
+        "from ...inference_data import to_inference_data",
+        "from ... import groups",
+        "def f():\n    from ...sources import run_record",
+        "import importlib\nimportlib.import_module('pyro_scalable.inference_data')",
+    ]
+    for form in forms:
+        assert len(_imports_of_the_adapter("infer/laplace/posterior.py", ast.parse(form))) == 1, form
+    for form in ("from .. import record", "from ..record import RunRecord", "from pyro_scalable import infer"):
+        assert _imports_of_the_adapter("infer/laplace/posterior.py", ast.parse(form)) == [], form
+
+
+def test_nothing_under_infer_imports_the_arviz_adapter():
+    # the adapter sits on top and reads the results through infer/record.py's protocols; a result's
+    # to_inference_data() calls the converter the adapter registers there, so no import points up, even in a function
+    upward = [
+        hit for name, tree in _modules() if name.startswith("infer/") for hit in _imports_of_the_adapter(name, tree)
+    ]
+    assert upward == []
+
+
+def test_a_result_converts_through_the_converter_the_adapter_registers(monkeypatch):
+    assert record._converter is to_inference_data  # registered on import (import pyro_scalable imports the adapter)
+    seen = []
+    monkeypatch.setattr(record, "_converter", lambda source, **options: seen.append((source, options)))
+    result = Draws()
+    result.to_inference_data(thin=2)
+    assert seen == [(result, {"thin": 2})]
+    monkeypatch.setattr(record, "_converter", None)
+    with pytest.raises(RuntimeError, match="no converter to ArviZ data is registered: import pyro_scalable"):
+        result.to_inference_data()
 
 
 def _model(y):

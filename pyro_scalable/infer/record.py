@@ -4,10 +4,15 @@
 (:mod:`pyro_scalable.sources`, :mod:`pyro_scalable.inference_data`) reads results through two protocols and imports
 no engine: a run that keeps draws (:class:`RecordSource`: ``run_record()``), and a Gaussian posterior that draws on
 request (:class:`GaussianSource`: ``bridge``, ``num_chains``, ``get_samples``).
+
+The adapter sits above the results, so a result's ``to_inference_data()`` does not import it: it calls
+:func:`convert`, which hands the result to the converter the adapter registered with :func:`register_converter`
+when it was imported (``import pyro_scalable`` imports it).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -16,7 +21,7 @@ from torch import Tensor
 
 from pyro_scalable.bridge.model import ModelBridge
 
-__all__ = ["GaussianSource", "RecordSource", "RunRecord"]
+__all__ = ["GaussianSource", "RecordSource", "RunRecord", "convert", "register_converter"]
 
 
 @dataclass
@@ -105,3 +110,28 @@ class GaussianSource(Protocol):
     def get_samples(
         self, num_samples: int | None = None, group_by_chain: bool = False, seed: int | None = None
     ) -> dict[str, Tensor]: ...
+
+
+#: What :func:`convert` calls: the ArviZ adapter's ``to_inference_data``, once the adapter is imported.
+_converter: Callable[..., Any] | None = None
+
+
+def register_converter(converter: Callable[..., Any]) -> None:
+    """Make ``converter`` what :func:`convert` calls (the ArviZ adapter registers its ``to_inference_data``)."""
+    global _converter
+    _converter = converter
+
+
+def convert(source: RecordSource | GaussianSource, **options: Any) -> Any:
+    """``source`` as ArviZ data: :func:`pyro_scalable.inference_data.to_inference_data` ``(source, **options)``.
+
+    Raises:
+        RuntimeError: no converter is registered (the adapter was not imported).
+
+    """
+    if _converter is None:
+        raise RuntimeError(
+            "no converter to ArviZ data is registered: import pyro_scalable (or pyro_scalable.inference_data), "
+            "which registers pyro_scalable.inference_data.to_inference_data."
+        )
+    return _converter(source, **options)

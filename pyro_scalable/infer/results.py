@@ -20,7 +20,7 @@ from pyro_scalable.arguments import check_count, check_flag, check_number, check
 from pyro_scalable.bridge.model import ModelBridge
 from pyro_scalable.infer.health import effective_sample_size
 from pyro_scalable.infer.predictive import sample_posterior_predictive
-from pyro_scalable.infer.record import RunRecord
+from pyro_scalable.infer.record import RunRecord, convert
 from pyro_scalable.infer.uncertainty import Uncertainty, draws_uncertainty, linearized_uncertainty
 
 __all__ = ["DEFAULT_DRAWS", "Draws", "GaussianDraws", "RunRecord"]
@@ -206,9 +206,7 @@ class Draws:
 
         Keyword arguments go to :func:`pyro_scalable.inference_data.to_inference_data`.
         """
-        from pyro_scalable.inference_data import to_inference_data
-
-        return to_inference_data(self, **kwargs)
+        return convert(self, **kwargs)
 
 
 def _nan(shape: torch.Size, like: Tensor) -> Tensor:

@@ -47,6 +47,7 @@ from pyro_scalable.infer.linearized.ggn import DataFit
 from pyro_scalable.infer.linearized.glm import GLMPredictive
 from pyro_scalable.infer.linearized.map_check import gauss_newton_gain, warn_not_map
 from pyro_scalable.infer.linearized.network import NetworkFunction
+from pyro_scalable.infer.record import convert
 from pyro_scalable.infer.results import GaussianDraws
 
 __all__ = ["GLMPredictive", "LaplacePosterior"]
@@ -224,9 +225,7 @@ class LaplacePosterior(LaplaceEvidence, LaplacePredictives, GaussianDraws):
 
         Keyword arguments go to :func:`pyro_scalable.to_inference_data` (e.g. ``posterior_predictive=True``).
         """
-        from pyro_scalable.inference_data import to_inference_data
-
-        return to_inference_data(self, num_samples=num_samples, seed=seed, **kwargs)
+        return convert(self, num_samples=num_samples, seed=seed, **kwargs)
 
     def newton_gain(
         self, prior_precision: Tensor | float | None = None, observation_noise: Tensor | float | None = None

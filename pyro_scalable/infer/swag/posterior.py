@@ -23,6 +23,7 @@ from pyro_scalable.infer.linearized.glm import GLMPredictive
 from pyro_scalable.infer.linearized.layout import ParameterLayout
 from pyro_scalable.infer.linearized.likelihoods import LinkApprox
 from pyro_scalable.infer.predictive import sample_posterior_predictive
+from pyro_scalable.infer.record import convert
 from pyro_scalable.infer.results import GaussianDraws
 from pyro_scalable.infer.swag.linearized import linearized_predictive
 from pyro_scalable.infer.swag.moments import SWAGMoments, covariance_factors, dense_covariance, sample_flat
@@ -275,9 +276,7 @@ class SWAGPosterior(GaussianDraws):
 
         Keyword arguments go to :func:`pyro_scalable.to_inference_data` (e.g. ``posterior_predictive=True``).
         """
-        from pyro_scalable.inference_data import to_inference_data
-
-        return to_inference_data(self, num_samples=num_samples, seed=seed, **kwargs)
+        return convert(self, num_samples=num_samples, seed=seed, **kwargs)
 
     def __repr__(self) -> str:
         return (
