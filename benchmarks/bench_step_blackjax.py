@@ -83,7 +83,7 @@ class Ours:
         with model_tracing(compile=self.compiled):
             start = time.perf_counter()
             for _ in range(steps):
-                info = stepper.step(Batch(next(state.sampler), args, kwargs), self.t)
+                info = stepper.step(Batch(next(state.sampler), args, kwargs), self.t, state.estimators.calibrated)
                 self.t += 1
             elapsed = bench.elapsed(start)
         assert not bool(info.diverging.any())

@@ -24,6 +24,15 @@ from pyro_scalable.infer.gradients.estimate import (
     evaluate,
     gradient_and_value,
 )
+from pyro_scalable.infer.gradients.estimator import (
+    Estimator,
+    EstimatorState,
+    GradientEstimator,
+    NoiseEstimatingGradient,
+    PlainGradient,
+    control_variate,
+    whitened,
+)
 from pyro_scalable.infer.gradients.noise import NOISE_WINDOW, average_noise, noise_start
 from pyro_scalable.infer.gradients.whitened import AffineMap, WhitenedDensity
 
@@ -33,15 +42,22 @@ __all__ = [
     "AffineMap",
     "ControlledDensity",
     "Density",
+    "Estimator",
+    "EstimatorState",
     "FunctionDensity",
     "GradientEstimate",
+    "GradientEstimator",
     "MinibatchDensity",
+    "NoiseEstimatingGradient",
+    "PlainGradient",
     "WhitenedDensity",
     "as_density",
     "average_noise",
     "chains_gradient",
+    "control_variate",
     "estimate_gradient",
     "evaluate",
     "gradient_and_value",
     "noise_start",
+    "whitened",
 ]

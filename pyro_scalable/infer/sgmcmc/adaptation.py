@@ -40,14 +40,8 @@ import torch
 from torch import Tensor
 
 from pyro_scalable.infer.autodiff import hvp
-from pyro_scalable.infer.gradients import (
-    NOISE_WINDOW,
-    GradientEstimate,
-    MinibatchDensity,
-    average_noise,
-    estimate_gradient,
-    noise_start,
-)
+from pyro_scalable.infer.gradients import NOISE_WINDOW, GradientEstimate, MinibatchDensity
+from pyro_scalable.infer.gradients.estimator import EstimatorState, GradientEstimator
 from pyro_scalable.infer.schedules import resolve
 from pyro_scalable.infer.sgmcmc import tuning
 from pyro_scalable.infer.sgmcmc.base import CURVATURE_EVERY, SAMPLING, Latents, Phase, noise_phase
@@ -73,7 +67,7 @@ class AdaptationState(NamedTuple):
 
     kernel: Any  # the kernel's own State
     tuned: dict[str, Any]  # the hyperparameters being chosen (step_size, friction, mass: per chain), by name
-    noise: Latents  # moving average of the diagonal gradient-noise variance
+    estimator: EstimatorState  # the gradient estimator's: the moving average of the diagonal gradient-noise variance
     curvature: Tensor  # 0-d moving average of the largest |eigenvalue| of the minibatch Hessian in the metric
     direction: Latents  # the power-iteration vector (unit norm over all sites)
     count: Tensor  # 0-d: warm-up steps seen
@@ -83,16 +77,16 @@ class AdaptationState(NamedTuple):
 
 
 class TunedState(NamedTuple):
-    """A chain after warm-up: its kernel's State, the hyperparameters warm-up chose, the gradient noise's average."""
+    """A chain after warm-up: its kernel's State, the hyperparameters warm-up chose, its gradient estimator's state."""
 
     kernel: Any
     hyperparameters: dict[str, Any]
-    noise: Latents  # moving average of the diagonal gradient-noise variance ({} where the kernel ignores the noise)
+    estimator: EstimatorState  # the noise's moving average ({} where the kernel ignores the noise)
 
 
-def handed(kernel: Any, gradient: GradientEstimate, noise: Latents) -> GradientEstimate:
-    """``gradient`` as the kernel's update takes it: its noise the moving average (none where the kernel ignores it)."""
-    return gradient._replace(noise_variance={} if kernel.gradient_noise == "ignore" else noise)
+def handed(kernel: Any, gradient: GradientEstimate) -> GradientEstimate:
+    """``gradient`` as the kernel's update takes it: no noise where the kernel ignores it (warm-up measured it)."""
+    return gradient._replace(noise_variance={}) if kernel.gradient_noise == "ignore" else gradient
 
 
 def power_iterations(warmup_step: int) -> int:
@@ -120,14 +114,19 @@ class Adaptation:
 
     Its calls are the kernel's (``init``, ``phase``, ``step``, ``estimate``, ``update``, ``latents``) on an
     :class:`AdaptationState`; ``finish`` turns that into the :class:`TunedState` that :attr:`sampler` steps after.
+    ``estimator`` starts each chain's estimator state; it measures the gradient noise (warm-up chooses the step
+    size from it). ``sampling``: the estimator sampling goes on with (the run's; a plain one where the kernel ignores
+    the noise). Each step hands the estimator of its density (:class:`~pyro_scalable.infer.gradients.
+    GradientEstimator`).
     """
 
-    def __init__(self, kernel: Any, num_warmup: int):
+    def __init__(self, kernel: Any, num_warmup: int, estimator: GradientEstimator, sampling: GradientEstimator):
         self.kernel = kernel
         self.num_warmup = num_warmup
         self.rule = tuning.RULES[kernel.warmup_rule]
         self.chooses_step_size = kernel.step_size is None
-        self.sampler = Tuned(kernel)
+        self.estimator = estimator
+        self.sampler = Tuned(kernel, sampling)
 
     def init(self, latents: Latents) -> AdaptationState:
         """Start a chain at ``latents``, with nothing learnt yet (a chosen step size and friction start as NaN)."""
@@ -137,7 +136,7 @@ class Adaptation:
         return AdaptationState(
             self.kernel.init(latents),
             self.rule.start(self.kernel, latents),
-            {name: torch.zeros_like(x) for name, x in latents.items()},
+            self.estimator.init(latents),
             zero,
             direction,
             zero.to(torch.int64),
@@ -163,7 +162,7 @@ class Adaptation:
         self,
         state: AdaptationState,
         batch: Any,
-        log_posterior_fn: MinibatchDensity,
+        estimator: GradientEstimator,
         phase: Phase = SAMPLING,
         direction: Latents | None = None,
     ) -> GradientEstimate:
@@ -172,22 +171,27 @@ class Adaptation:
         ``direction``: the power-iteration vector to start from (a data-parallel run all-reduces each product).
         """
         latents = state.kernel.latents
-        result = estimate_gradient(log_posterior_fn, latents, batch, noise=bool(phase.noise_every))
+        result = estimator.measure(latents, batch, phase.noise_every)
         if phase.power_iterations:
             metric = self.rule.metric(self.kernel, state.kernel, state.tuned)
             start = state.direction if direction is None else direction
-            product = hessian_product(
-                log_posterior_fn, latents, batch, start, metric, iterations=phase.power_iterations
-            )
+            density = estimator.density
+            product = hessian_product(density, latents, batch, start, metric, iterations=phase.power_iterations)
             result = result._replace(hessian_product=product)
         return result
 
     def update(
-        self, state: AdaptationState, gradient: GradientEstimate, generator=None, phase: Phase = SAMPLING
+        self,
+        state: AdaptationState,
+        gradient: GradientEstimate,
+        estimator: GradientEstimator,
+        generator=None,
+        phase: Phase = SAMPLING,
     ) -> tuple[AdaptationState, Any]:
         """Learn from ``gradient``, choose the hyperparameters, let the kernel step with them, settle after burn-in."""
         temperature = resolve(self.kernel.temperature, state.kernel.step_count, gradient.log_posterior)
-        state = observe(state, gradient, phase.noise_every)
+        gradient, folded = estimator.fold(state.estimator, gradient, phase.noise_every)
+        state = observe(state._replace(estimator=folded), gradient)
         # a diverging step halves the chain's step from here on: the rule sees the curvature 2^order times larger
         backoff = torch.where(gradient.diverging, 0.5 * state.backoff, state.backoff)
         stiffer = backoff ** (-self.rule.order)
@@ -195,7 +199,7 @@ class Adaptation:
         tuned, state, extra = self.rule.tune(self.kernel, state, gradient, temperature, phase.burn_in)
         state = state._replace(curvature=state.curvature / stiffer, backoff=backoff)
         kernel_state, info = self.kernel.update(
-            state.kernel, handed(self.kernel, gradient, state.noise), generator, **tuned, **extra
+            state.kernel, handed(self.kernel, gradient), generator, **tuned, **extra
         )
         return settle(self.kernel, state._replace(kernel=kernel_state, tuned=tuned), phase.burn_in), info
 
@@ -203,11 +207,9 @@ class Adaptation:
         """The latents where a warm-up step measures neither noise nor curvature: its estimate is the plain gradient."""
         return None if phase.noise_every or phase.power_iterations else state.kernel.latents
 
-    def step(
-        self, state: AdaptationState, batch: Any, log_posterior_fn: MinibatchDensity, generator=None, phase=SAMPLING
-    ):
+    def step(self, state: AdaptationState, batch: Any, estimator: GradientEstimator, generator=None, phase=SAMPLING):
         """One warm-up step: :meth:`update` after :meth:`estimate`."""
-        return self.update(state, self.estimate(state, batch, log_posterior_fn, phase), generator, phase)
+        return self.update(state, self.estimate(state, batch, estimator, phase), estimator, generator, phase)
 
     @staticmethod
     def latents(state: AdaptationState) -> Latents:
@@ -215,53 +217,63 @@ class Adaptation:
         return state.kernel.checked_latents
 
     def finish(self, state: AdaptationState) -> TunedState:
-        """The end of warm-up: keep the kernel's State, the chosen hyperparameters and the noise's average."""
-        return TunedState(state.kernel, state.tuned, {} if self.kernel.gradient_noise == "ignore" else state.noise)
+        """The end of warm-up: keep the kernel's State, the chosen hyperparameters and the estimator's state.
+
+        The noise's average goes on where sampling's estimator keeps one.
+        """
+        kept = state.estimator if self.sampler.estimator.measures_noise else state.estimator._replace(noise={})
+        return TunedState(state.kernel, state.tuned, kept)
 
 
 class Tuned:
     """``kernel`` sampling with its hyperparameters (those warm-up chose, per chain): steps a :class:`TunedState`.
 
-    It estimates the gradient, and its noise on every :data:`~.base.NOISE_EVERY`-th step where the kernel corrects
-    for or reports the noise, folds that into the moving average, and hands the kernel the gradient with the average.
+    Each step's estimator (of the step's density; ``estimator`` starts a chain's state) measures the gradient, and
+    its noise on every :data:`~.base.NOISE_EVERY`-th step where it keeps the noise's moving average; the kernel is
+    handed the gradient with the average.
     """
 
-    def __init__(self, kernel: Any):
+    def __init__(self, kernel: Any, estimator: GradientEstimator):
         self.kernel = kernel
+        self.estimator = estimator
 
     def init(self, latents: Latents) -> TunedState:
         """A chain at ``latents`` with nothing chosen (the kernel's own hyperparameters)."""
-        return TunedState(self.kernel.init(latents), {}, noise_start(latents, self.kernel.gradient_noise))
+        return TunedState(self.kernel.init(latents), {}, self.estimator.init(latents))
 
     def phase(self, step_index: int) -> Phase:
         """A sampling step: the update, measuring the gradient noise where it is due (:func:`~.base.noise_phase`)."""
-        return SAMPLING if self.kernel.gradient_noise == "ignore" else noise_phase(step_index)
+        return noise_phase(step_index) if self.estimator.measures_noise else SAMPLING
 
     def estimate(
-        self, state: TunedState, batch: Any, log_posterior_fn: MinibatchDensity, phase: Phase = SAMPLING, direction=None
+        self, state: TunedState, batch: Any, estimator: GradientEstimator, phase: Phase = SAMPLING, direction=None
     ) -> GradientEstimate:
         """The minibatch gradient at the chain's latents, with its noise where ``phase`` measures it."""
-        noise = self.kernel.gradient_noise != "ignore" and bool(phase.noise_every)
-        return estimate_gradient(log_posterior_fn, state.kernel.latents, batch, noise=noise)
+        return estimator.measure(state.kernel.latents, batch, phase.noise_every)
 
     def plain_gradient_at(self, state: TunedState, phase: Phase = SAMPLING) -> Latents | None:
         """Where :meth:`estimate` is the plain minibatch gradient (no noise measured), the latents it is taken at."""
-        plain = self.kernel.gradient_noise == "ignore" or not phase.noise_every
+        plain = not self.estimator.measures_noise or not phase.noise_every
         return state.kernel.latents if plain else None
 
-    def update(self, state: TunedState, gradient: GradientEstimate, generator=None, phase: Phase = SAMPLING):
-        """Fold the gradient's noise into the average; the kernel's update with it and the chosen hyperparameters."""
-        noise = state.noise
-        if self.kernel.gradient_noise != "ignore":
-            noise = average_noise(noise, gradient, state.kernel.step_count, phase.noise_every)
+    def update(
+        self,
+        state: TunedState,
+        gradient: GradientEstimate,
+        estimator: GradientEstimator,
+        generator=None,
+        phase: Phase = SAMPLING,
+    ):
+        """Fold the gradient into the estimator's state; the kernel's update with it and the chosen hyperparameters."""
+        gradient, folded = estimator.fold(state.estimator, gradient, phase.noise_every)
         kernel_state, info = self.kernel.update(
-            state.kernel, handed(self.kernel, gradient, noise), generator, **state.hyperparameters
+            state.kernel, handed(self.kernel, gradient), generator, **state.hyperparameters
         )
-        return TunedState(kernel_state, state.hyperparameters, noise), info
+        return TunedState(kernel_state, state.hyperparameters, folded), info
 
-    def step(self, state: TunedState, batch: Any, log_posterior_fn: MinibatchDensity, generator=None, phase=SAMPLING):
+    def step(self, state: TunedState, batch: Any, estimator: GradientEstimator, generator=None, phase=SAMPLING):
         """One sampling step: :meth:`update` after :meth:`estimate`."""
-        return self.update(state, self.estimate(state, batch, log_posterior_fn, phase), generator, phase)
+        return self.update(state, self.estimate(state, batch, estimator, phase), estimator, generator, phase)
 
     @staticmethod
     def latents(state: TunedState) -> Latents:
@@ -293,14 +305,9 @@ def hessian_product(
     return product
 
 
-def observe(state: AdaptationState, estimate: GradientEstimate, noise_every: int = 1) -> AdaptationState:
-    """Fold a step's noise estimate and Hessian-vector product (where there is one) into the moving averages.
-
-    The noise is averaged as a kernel's own (:func:`~.base.average_noise`, over the warm-up steps seen): a
-    measurement weighs as the ``noise_every`` steps it stands for.
-    """
+def observe(state: AdaptationState, estimate: GradientEstimate) -> AdaptationState:
+    """Count the step, and fold its Hessian-vector product (where there is one) into the curvature's average."""
     count = state.count + 1
-    noise = average_noise(state.noise, estimate, state.count, noise_every)
     curvature, direction = state.curvature, state.direction
     if estimate.hessian_product:
         # averaged over the measurements, forgetting at the noise's rate in steps (NOISE_WINDOW / CURVATURE_EVERY
@@ -312,7 +319,7 @@ def observe(state: AdaptationState, estimate: GradientEstimate, noise_every: int
         curvature = torch.where(finite, curvature + share * (curvature_now - curvature), curvature)
         turned = _normalised(estimate.hessian_product)
         direction = {name: torch.where(finite, turned[name], d) for name, d in direction.items()}
-    return state._replace(noise=noise, curvature=curvature, direction=direction, count=count)
+    return state._replace(curvature=curvature, direction=direction, count=count)
 
 
 def settle(kernel: Any, state: AdaptationState, burn_in: bool) -> AdaptationState:

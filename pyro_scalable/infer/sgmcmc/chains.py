@@ -1,15 +1,16 @@
 """Stepping many chains at once: one ``torch.func.vmap``-ed computation, or one chain after another.
 
-The driver (:mod:`.mcmc`) hands each step's minibatch, index and density (the
-:class:`~pyro_scalable.infer.gradients.MinibatchDensity` whose gradient the step takes) to a :class:`ChainStepper`,
-which runs a *program*
+The driver (:mod:`.mcmc`) hands each step's minibatch, index and gradient estimator (the
+:class:`~pyro_scalable.infer.gradients.GradientEstimator` of the density whose gradient the step takes) to a
+:class:`ChainStepper`, which runs a *program*
 on every chain: vectorised where the model allows it, sequentially (with a one-line warning) where vmap cannot
 batch it. A program (:class:`~.program.Program`) is warm-up around a kernel (:class:`~.adaptation.Adaptation`) or
 the kernel sampling with its hyperparameters (:class:`~.adaptation.Tuned`): ``init(latents)``,
-``phase(step_index)``, ``step(state, batch, density, generator, phase)``, ``latents(state)``, and the
+``phase(step_index)``, ``step(state, batch, estimator, generator, phase)``, ``latents(state)``, and the
 halves of a step. With a ``reducer`` (data-parallel, :mod:`.distributed`) a step is
-``estimate(state, batch, density, phase, direction)`` on this rank's share, an all-reduce, then
-``update(state, gradient, generator, phase)``.
+``estimate(state, batch, estimator, phase, direction)`` on this rank's share, an all-reduce, then
+``update(state, gradient, estimator, generator, phase)`` (which folds the pooled estimate into the estimator's
+state).
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from pyro_scalable.bridge.checks import ModelError, first_line, user_stacklevel
 from pyro_scalable.bridge.model import Batch, Latents, ModelBridge
 from pyro_scalable.bridge.traced import compiling
-from pyro_scalable.infer.gradients import MinibatchDensity, chains_gradient
 from pyro_scalable.infer.gradients.estimate import chain_indices, index_dims
+from pyro_scalable.infer.gradients.estimator import GradientEstimator
 from pyro_scalable.infer.sgmcmc.base import Phase
 from pyro_scalable.infer.sgmcmc.compiled_step import CompiledStep
 from pyro_scalable.infer.sgmcmc.distributed import normalised_per_chain
@@ -53,7 +54,7 @@ class ChainStepper:
         self.program = program
         self.reducer = reducer
         self.bridge = bridge
-        self.density: MinibatchDensity | None = None  # the running step's, as step() is handed it
+        self.estimator: GradientEstimator | None = None  # the running step's, as step() is handed it
         self.generator = generator
         self.num_chains = next(iter(latents.values())).shape[0]
         self.mode = "vectorized" if method == "vectorized" and self.num_chains > 1 else "sequential"
@@ -82,7 +83,7 @@ class ChainStepper:
 
     def _one(self, state: Any, indices: dict, args: tuple, kwargs: dict, phase: Phase):
         generator = None if torch.compiler.is_compiling() else self.generator  # compiled: torch's RNG, seeded per step
-        return self.program.step(state, Batch(indices, args, kwargs), self.density, generator, phase)
+        return self.program.step(state, Batch(indices, args, kwargs), self.estimator, generator, phase)
 
     def _vstep(self, phase: Phase, indices: dict):
         dims = index_dims(indices)
@@ -101,17 +102,17 @@ class ChainStepper:
 
             def update(state, gradient):
                 generator = None if torch.compiler.is_compiling() else self.generator
-                return self.program.update(state, gradient, generator, phase)
+                return self.program.update(state, gradient, self.estimator, generator, phase)
 
             self._vsteps[key] = vmap(update, randomness="different")
         return self._vsteps[key]
 
-    def step(self, batch: Batch, step_index: int, density: MinibatchDensity):
-        """Step every chain on ``batch``, the run's step ``step_index``, by the gradient of ``density``.
+    def step(self, batch: Batch, step_index: int, estimator: GradientEstimator):
+        """Step every chain on ``batch``, the run's step ``step_index``, by the gradient ``estimator`` estimates.
 
         Returns the stacked Info (one chain's: 0-d).
         """
-        self.density = density
+        self.estimator = estimator
         phase = self.program.phase(step_index)
         if self.reducer is not None:
             return self._reduced_step(batch, phase)
@@ -145,7 +146,7 @@ class ChainStepper:
             latents = self.program.plain_gradient_at(state, phase)
             if latents is None or torch.compiler.is_compiling():  # compiled: one vmapped gradient transform, traced
                 return self._vstep(phase, indices)(state, indices, args, kwargs)
-            gradient = chains_gradient(self.density, latents, Batch(indices, args, kwargs))
+            gradient = self.estimator.every_chain(latents, Batch(indices, args, kwargs))
             return self._vupdate(phase)(state, gradient)
         chains, infos = [], []
         for c, chain_state in enumerate(state):
@@ -168,12 +169,12 @@ class ChainStepper:
         for _ in range(max(iterations, 1)):
             gradient = self._estimate(local, single, direction)
             # the N behind the per-example noise estimate (inf for minibatches drawn with replacement)
-            population = self.density.examples(local)[2] if gradient.noise_variance else None
+            population = self.estimator.density.examples(local)[2] if gradient.noise_variance else None
             gradient = self.reducer.reduce(gradient, population)
             direction = normalised_per_chain(gradient.hessian_product) if gradient.hessian_product else None
 
         def update(state, gradient):
-            return self.program.update(state, gradient, self.generator, phase)
+            return self.program.update(state, gradient, self.estimator, self.generator, phase)
 
         if self.mode == "vectorized":
             self.state, info = vmap(update, randomness="different")(self.state, gradient)
@@ -188,7 +189,7 @@ class ChainStepper:
         """Every chain's :class:`GradientEstimate` on ``batch``, stacked (``direction``: the power-iteration vector)."""
 
         def one(state, indices, args, kwargs, direction):
-            return self.program.estimate(state, Batch(indices, args, kwargs), self.density, phase, direction)
+            return self.program.estimate(state, Batch(indices, args, kwargs), self.estimator, phase, direction)
 
         if self.mode == "vectorized":
             try:

@@ -52,8 +52,9 @@ __all__ = ["FORMAT", "Resumed", "RunCheckpoint", "run_fingerprint"]
 # 6: the gradient noise's average in the program's state, not the kernel's; 7: the kernel's values, every setting,
 # the data bound to the model's parameters and what cannot be identified in the fingerprint; 8: the model tracing's
 # history, which calls replay the recorded graph; 9: the control variate's policy as the run went on with it;
-# 10: the tracing history of the log posterior's prior and data terms too)
-FORMAT = 10
+# 10: the tracing history of the log posterior's prior and data terms too; 11: the gradient estimator's state, with
+# the noise's average and its count, in place of the program's noise average)
+FORMAT = 11
 KIND = "StochasticMCMC"
 _KEYS = (
     "fingerprint",

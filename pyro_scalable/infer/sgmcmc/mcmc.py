@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import operator
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
 import torch
@@ -76,6 +76,12 @@ class StochasticMCMC(Draws):
             gather of ``num_chains × B`` rows (about twice the throughput on a linear model on a CPU).
             The chains' gradient noise is then one draw, so they are not independent given
             the data: between-chain r_hat and the pooled ESS can look better than the chains are. Default off.
+        gradient: the gradient estimator's class, or any callable ``density -> GradientEstimator``
+            (:mod:`pyro_scalable.infer.gradients.estimator`), called with each density the run's steps take their
+            gradient of (the model's log posterior, with the control variate and in warm-up's metric's variables
+            where the run has them). ``None`` (the default): ``NoiseEstimatingGradient`` in warm-up and where the
+            kernel corrects for or reports the gradient noise, ``PlainGradient`` where it ignores it. Where warm-up
+            chooses the step size, the estimator must measure the noise (``measures_noise``).
         full_batch: a full-batch run is meant. A model whose likelihood runs on all of 10⁴ or more rows at every step
             (its data plate without ``subsample_size``, or no plate) is otherwise named with a warning, once per
             run, with the plate that would subsample it (:mod:`pyro_scalable.bridge.subsampling`).
@@ -123,6 +129,7 @@ class StochasticMCMC(Draws):
         metric: Literal["auto", "unit", "diagonal", "dense"] = "auto",
         shared_minibatches: bool = False,
         full_batch: bool = False,
+        gradient: Callable[[Any], Any] | None = None,
         **unknown: Any,
     ):
         refuse_pyro_spellings(unknown)
@@ -144,6 +151,12 @@ class StochasticMCMC(Draws):
         self.shared_minibatches = check_flag("shared_minibatches", shared_minibatches)
         self.full_batch = check_flag("full_batch", full_batch)
         self.metric = check_metric(metric)
+        if gradient is not None and not callable(gradient):
+            raise TypeError(
+                "gradient must be a gradient estimator's class (e.g. pyro_scalable.infer.gradients.PlainGradient) or "
+                f"a callable density -> GradientEstimator, got {gradient!r}."
+            )
+        self.gradient = gradient
         if distributed not in ("data", "chains", None):
             raise ValueError(f"distributed must be 'data', 'chains' or None, got {distributed!r}.")
         self.kernel = kernel

@@ -76,7 +76,7 @@ STAGES = (0.15, 0.3, 0.55)  # warm-up's metric changes after these shares of num
 DENSE_LIMIT = 100
 LEAST_WARMUP = 200
 WORTHWHILE = 3.0  # "auto" keeps the unit metric where the first one's condition number is below this
-SPREAD_LIMIT = 100.0  # a dense metric's variance along a Hessian eigenvector: at most this × the window's, at least 1/this²
+SPREAD_LIMIT = 100.0  # a dense metric's variance along an eigenvector of H: ≤ this × the window's, ≥ 1/this² of it
 _SHRINK = 5.0  # Stan's regularisation: (n / (n + 5)) S + (5 / (n + 5)) 1e-3 (here relative to the mean variance)
 
 

@@ -25,6 +25,7 @@ from pyro_scalable.bridge.checks import user_stacklevel
 from pyro_scalable.bridge.minibatches import EpochSampler
 from pyro_scalable.bridge.model import Batch, Latents, ModelBridge
 from pyro_scalable.infer.gradients import MinibatchDensity
+from pyro_scalable.infer.gradients.estimator import NoiseEstimatingGradient
 from pyro_scalable.infer.health import HealthWarning
 from pyro_scalable.infer.sgmcmc.adaptation import Tuned
 from pyro_scalable.infer.sgmcmc.chains import ChainStepper
@@ -57,12 +58,13 @@ def probe_gradient_noise(
     probe.gradient_noise = "estimate"
     generator = torch.Generator(device=bridge.device).manual_seed(seed + 1)  # never the run's generator
     first = {name: value[:1].detach() for name, value in latents.items()}
-    stepper = ChainStepper(Tuned(probe), bridge, first, generator, "sequential")
     density = bridge.log_posterior_fn if density is None else density
+    estimator = NoiseEstimatingGradient(density)
+    stepper = ChainStepper(Tuned(probe, estimator), bridge, first, generator, "sequential")
     sampler = EpochSampler(bridge.plates, 1, generator, bridge.device)
     with torch.no_grad():
         for t in range(step, step + PROBE_STEPS):
-            info = stepper.step(Batch(next(sampler), bridge.args, bridge.kwargs), t, density)
+            info = stepper.step(Batch(next(sampler), bridge.args, bridge.kwargs), t, estimator)
     if not bool((info.temperature > 0).all()):
         return None
     ratio = float(info.noise_ratio.max())

@@ -36,7 +36,6 @@ from pyro_scalable.infer.distributed import broadcast_seed
 from pyro_scalable.infer.gradients import ControlledDensity
 from pyro_scalable.infer.health import repeated_draws, warn_unhealthy
 from pyro_scalable.infer.remedies import RunSetup
-from pyro_scalable.infer.sgmcmc.adaptation import Adaptation, Tuned
 from pyro_scalable.infer.sgmcmc.chains import ChainStepper
 from pyro_scalable.infer.sgmcmc.checkpoint import RunCheckpoint
 from pyro_scalable.infer.sgmcmc.control_choice import attach, choose, recentre
@@ -45,7 +44,7 @@ from pyro_scalable.infer.sgmcmc.distributed import setup as setup_parallel
 from pyro_scalable.infer.sgmcmc.metric import MetricSchedule
 from pyro_scalable.infer.sgmcmc.noise_probe import probe_gradient_noise, warn_ignored_noise, warn_uncorrected_noise
 from pyro_scalable.infer.sgmcmc.run_arguments import bind
-from pyro_scalable.infer.sgmcmc.run_state import RunState, step_densities
+from pyro_scalable.infer.sgmcmc.run_state import RunState, program, step_estimators
 from pyro_scalable.infer.sgmcmc.stragglers import WindowLog
 
 __all__ = ["attach_control_variate", "finish", "prepare", "resume", "sample", "step"]
@@ -77,10 +76,10 @@ def prepare(run: Any, args: tuple, kwargs: dict, batches: Iterable | None) -> Ru
     reducer = parallel if run.distributed == "data" else None
     # warm-up wraps a kernel that adapts; at its end the stepper unwraps it (the chains keep what it chose)
     schedule = MetricSchedule.for_run(run.metric, run.kernel, run.num_warmup, latents)
-    # the first stage is warm-up as without a metric: the metric's stages replace its rest only if they are needed
-    program = Adaptation(run.kernel, run.num_warmup) if run.kernel.adapts else Tuned(run.kernel)
-    stepper = ChainStepper(program, bridge, latents, generator, run.chain_method, reducer)
     base = LogPosterior(bridge, replacement=sampler.replacement)  # with replacement: no finite-population correction
+    # the first stage is warm-up as without a metric: the metric's stages replace its rest only if they are needed
+    steps = program(run.kernel, run.gradient, base, run.num_warmup)
+    stepper = ChainStepper(steps, bridge, latents, generator, run.chain_method, reducer)
     record.allocate(latents, run.num_samples, run.draws_device)
     num_chains = next(iter(latents.values())).shape[0]
     total = run.num_warmup + run.kept.steps(run.num_samples, run.num_warmup)
@@ -111,8 +110,9 @@ def prepare(run: Any, args: tuple, kwargs: dict, batches: Iterable | None) -> Ru
 def stage_stepper(run: Any, state: RunState, start: Latents, method: str) -> ChainStepper:
     """A stepper for warm-up's current metric stage (all of warm-up without a metric), from ``start``."""
     schedule = state.schedule
-    program = Adaptation(run.kernel, schedule.stage_length(schedule.stage)) if schedule else Tuned(run.kernel)
-    return ChainStepper(program, state.bridge, start, state.generator, method, state.reducer)
+    length = schedule.stage_length(schedule.stage) if schedule else run.num_warmup
+    steps = program(run.kernel, run.gradient, state.base, length)
+    return ChainStepper(steps, state.bridge, start, state.generator, method, state.reducer)
 
 
 def resume(run: Any, state: RunState, batches: Iterable | None) -> None:
@@ -165,12 +165,12 @@ def attach_control_variate(run: Any, state: RunState) -> None:
         state.control_variate, state.mode_search = control, search
         if search is not None and run.kernel.init_strategy is init_to_uniform:  # every chain starts at the mode
             state.latents = {k: control.centre[k].to(v).expand_as(v).clone() for k, v in state.latents.items()}
-            program, method = state.stepper.program, run.chain_method
-            state.stepper = ChainStepper(program, state.bridge, state.latents, state.generator, method, state.reducer)
+            steps, method = state.stepper.program, run.chain_method
+            state.stepper = ChainStepper(steps, state.bridge, state.latents, state.generator, method, state.reducer)
         if state.checkpoint is not None:  # the centre and its full-data pass are not redone on resume: nor counted
             state.checkpoint.remember(state.start, state.kept, stopped=state.diverged)  # (the model tracing's calls)
             state.checkpoint.write()
-    state.densities = step_densities(state)
+    state.estimators = step_estimators(state)
 
 
 def sample(run: Any, state: RunState) -> None:
@@ -225,10 +225,10 @@ def step(run: Any, state: RunState, t: int) -> Any:
         batch = Batch({}, step_args, step_kwargs)
     else:
         batch = Batch(next(state.sampler), state.bridge.args, state.bridge.kwargs)
-    index, densities = t - (schedule.stage_start() if schedule else 0), state.densities
-    burn_in = densities.burn_in is not densities.calibrated and t < run.num_warmup
-    density = densities.burn_in if burn_in and state.stepper.program.phase(index).burn_in else densities.calibrated
-    info = state.stepper.step(batch, index, density)
+    index, estimators = t - (schedule.stage_start() if schedule else 0), state.estimators
+    burn_in = estimators.burn_in is not estimators.calibrated and t < run.num_warmup
+    estimator = estimators.burn_in if burn_in and state.stepper.program.phase(index).burn_in else estimators.calibrated
+    info = state.stepper.step(batch, index, estimator)
     if t < run.num_warmup and (schedule.in_window(t) if schedule else t >= run.num_warmup // 2):
         state.window.observe(info.log_posterior, info.diverging)
     if schedule is not None and t < run.num_warmup:
@@ -267,11 +267,11 @@ def window_end(run: Any, state: RunState, batch: Batch) -> None:
     if state.option == "warmup":  # recentred at each window's mean: one full-data pass
         state.control_variate = recentre(state.record.full_bridge, schedule, state.reducer)
         state.base = ControlledDensity(state.base.inner, state.control_variate)
-    state.densities = step_densities(state)  # in the next stage's metric, around the new centre
     if moved is not None:
         state.stepper = stage_stepper(run, state, schedule.to_z(theta), state.stepper.mode)
     elif restart is not None:
         state.stepper.restart(*restart)
+    state.estimators = step_estimators(state)  # in the next stage's metric, around the new centre
 
 
 def warmup_end(run: Any, state: RunState) -> None:
@@ -281,6 +281,7 @@ def warmup_end(run: Any, state: RunState) -> None:
         state.stepper.restart(*restart)
         state.restarted[restart[0].cpu()] += 1
     state.stepper.end_warmup()
+    state.estimators = step_estimators(state)  # sampling's (a plain gradient where the kernel ignores the noise)
 
 
 def finish(run: Any, state: RunState) -> None:
@@ -312,7 +313,7 @@ def finish(run: Any, state: RunState) -> None:
     warn_uncorrected_noise(results.stats, state.num_samples, run.kernel.adapts)
     if state.num_samples and state.parallel is None and state.start < state.total:  # not for a run read back
         last = state.stepper.latents()
-        density = state.densities.calibrated
+        density = state.estimators.calibrated.density
         warn_ignored_noise(probe_gradient_noise(run.kernel, state.bridge, last, state.seed, state.total, density))
         if run.kernel.control_variate == "auto" and state.option == "map":  # what the chosen centre bought (at θ)
             theta = state.schedule.to_theta(last) if state.schedule else last

@@ -1,8 +1,10 @@
 """The contracts: the chain stepper calls a :class:`Program`; a :class:`KernelContract` is what users pass.
 
 Two classes implement :class:`Program`, each around a kernel: warm-up (:class:`~.adaptation.Adaptation`) and
-sampling with the kernel's hyperparameters, or those warm-up chose (:class:`~.adaptation.Tuned`). They estimate the
-gradient and hand it to the kernel's update: a kernel (:class:`KernelContract`) only moves the chain.
+sampling with the kernel's hyperparameters, or those warm-up chose (:class:`~.adaptation.Tuned`). Each step is handed
+the :class:`~pyro_scalable.infer.gradients.GradientEstimator` of its density; a program keeps the estimator's state
+with the chain's, has it estimate the gradient, and hands the estimate to the kernel's update: a kernel
+(:class:`KernelContract`) only moves the chain.
 The stepper (:mod:`.chains`) and the driver (:mod:`.mcmc`, :mod:`.phases`) call exactly these and probe for nothing;
 ``tests/infer/sgmcmc/test_conformance.py`` checks every registered kernel against them.
 """
@@ -12,7 +14,8 @@ from __future__ import annotations
 from typing import Any, Protocol, runtime_checkable
 
 from pyro_scalable.bridge.model import Latents
-from pyro_scalable.infer.gradients import GradientEstimate, MinibatchDensity
+from pyro_scalable.infer.gradients import GradientEstimate
+from pyro_scalable.infer.gradients.estimator import GradientEstimator
 from pyro_scalable.infer.sgmcmc.base import SAMPLING, Phase
 
 __all__ = ["ChainState", "KernelContract", "Program"]
@@ -22,6 +25,8 @@ __all__ = ["ChainState", "KernelContract", "Program"]
 class Program(Protocol):
     """What steps a chain: its state from a start, each step's phase, the gradient estimate, the update."""
 
+    estimator: GradientEstimator  # the kind of estimator its steps take (its init starts a chain's estimator state)
+
     def init(self, latents: Latents) -> Any:
         """A chain's state at unconstrained ``latents``."""
 
@@ -29,17 +34,19 @@ class Program(Protocol):
         """What step ``step_index`` does besides the update (noise measured, power iterations, burn-in)."""
 
     def estimate(
-        self, state: Any, batch: Any, log_posterior_fn: MinibatchDensity, phase: Phase = SAMPLING, direction=None
+        self, state: Any, batch: Any, estimator: GradientEstimator, phase: Phase = SAMPLING, direction=None
     ) -> GradientEstimate:
         """The gradient (and what the update needs with it) on ``batch``."""
 
     def plain_gradient_at(self, state: Any, phase: Phase = SAMPLING) -> Latents | None:
         """The latents where :meth:`estimate` is the plain minibatch gradient (all chains in one pass), else None."""
 
-    def update(self, state: Any, gradient: GradientEstimate, generator=None, phase: Phase = SAMPLING):
-        """The new state and the step's Info, given the gradient."""
+    def update(
+        self, state: Any, gradient: GradientEstimate, estimator: GradientEstimator, generator=None, phase=SAMPLING
+    ):
+        """The new state (the estimate folded into the estimator's) and the step's Info, given the gradient."""
 
-    def step(self, state: Any, batch: Any, log_posterior_fn: MinibatchDensity, generator=None, phase=SAMPLING):
+    def step(self, state: Any, batch: Any, estimator: GradientEstimator, generator=None, phase=SAMPLING):
         """:meth:`update` after :meth:`estimate`."""
 
     def latents(self, state: Any) -> Latents:

@@ -1,9 +1,10 @@
 """What one ``StochasticMCMC.run`` hands from phase to phase (:mod:`.phases`), and what the driver keeps of it.
 
 :class:`RunState` is the run while it runs: the model, the chains' stepper, the minibatches, warm-up's bookkeeping,
-and the record of draws it fills; :func:`step_densities` the densities its steps take their gradient of (built again
-whenever the control variate's centre or warm-up's metric changes). :class:`Outcome` is what the driver keeps of a
-run (:func:`outcome`, also after an interruption).
+and the record of draws it fills; :func:`step_estimators` the gradient estimators of the densities its steps take
+their gradient of (built again whenever the control variate's centre, warm-up's metric or the program changes), and
+:func:`program` what steps the chains (warm-up around the kernel, or the kernel sampling). :class:`Outcome` is what
+the driver keeps of a run (:func:`outcome`, also after an interruption).
 """
 
 from __future__ import annotations
@@ -18,32 +19,64 @@ from torch import Tensor
 from pyro_scalable.bridge.minibatches import EpochSampler
 from pyro_scalable.bridge.model import Latents, ModelBridge
 from pyro_scalable.infer.gradients import ControlledDensity, MinibatchDensity
+from pyro_scalable.infer.gradients.estimator import GradientEstimator, NoiseEstimatingGradient, PlainGradient
 from pyro_scalable.infer.record import RunRecord
+from pyro_scalable.infer.sgmcmc.adaptation import Adaptation, Tuned
 from pyro_scalable.infer.sgmcmc.chains import ChainStepper
 from pyro_scalable.infer.sgmcmc.checkpoint import RunCheckpoint
 from pyro_scalable.infer.sgmcmc.metric import MetricSchedule
 from pyro_scalable.infer.sgmcmc.stragglers import WindowLog
 
-__all__ = ["Outcome", "RunState", "StepDensities", "outcome", "release", "step_densities"]
+__all__ = ["Outcome", "RunState", "StepEstimators", "outcome", "program", "release", "step_estimators"]
 
 
-class StepDensities(NamedTuple):
-    """What a step takes its gradient of: burn-in's density and every other step's, in the metric's variables."""
+class StepEstimators(NamedTuple):
+    """What a step's gradient is: burn-in's estimator and every other step's, in the metric's variables."""
 
-    burn_in: MinibatchDensity
-    calibrated: MinibatchDensity
+    burn_in: GradientEstimator
+    calibrated: GradientEstimator
 
 
-def step_densities(state: RunState) -> StepDensities:
-    """The densities of the run's steps from its density in θ (``state.base``) and warm-up's metric (if any).
+def step_estimators(state: RunState) -> StepEstimators:
+    """The running program's estimator of the run's density in θ (``state.base``), in warm-up's metric (if any).
 
     With ``control_variate="warmup"`` burn-in steps on the plain density: the controlled one's noise grows with the
     distance to the centre, and burn-in does not bound the gradient noise.
     """
     wrap = state.schedule.wrap if state.schedule is not None else (lambda density: density)
-    calibrated = wrap(state.base)
+    kind = state.stepper.program.estimator
+    calibrated = kind.over(wrap(state.base))
     plain_burn_in = state.option == "warmup" and isinstance(state.base, ControlledDensity)
-    return StepDensities(wrap(state.base.inner) if plain_burn_in else calibrated, calibrated)
+    return StepEstimators(kind.over(wrap(state.base.inner)) if plain_burn_in else calibrated, calibrated)
+
+
+def estimators(kernel: Any, gradient: Any, density: MinibatchDensity) -> tuple[GradientEstimator, GradientEstimator]:
+    """Warm-up's and sampling's gradient estimators of ``density``: ``gradient``'s (the user's class), or the defaults.
+
+    The defaults: warm-up measures the noise (it chooses the step size from it); sampling does where the kernel
+    corrects for or reports it (``gradient_noise``), and takes the plain gradient where the kernel ignores it.
+    """
+    if gradient is not None:
+        made = gradient(density)
+        if not isinstance(made, GradientEstimator):
+            raise TypeError(
+                f"gradient={gradient!r} made {made!r}, which is no GradientEstimator (init, measure, fold, estimate, "
+                "every_chain, over, density, measures_noise: pyro_scalable.infer.gradients.estimator)."
+            )
+        if kernel.adapts and not made.measures_noise:
+            raise ValueError(
+                f"{made!r} does not measure the gradient noise, from which warm-up chooses {kernel!r}'s step size: "
+                "give a step_size, or an estimator that measures the noise (NoiseEstimatingGradient, or a subclass)."
+            )
+        return made, made
+    sampling = PlainGradient if kernel.gradient_noise == "ignore" else NoiseEstimatingGradient
+    return NoiseEstimatingGradient(density), sampling(density)
+
+
+def program(kernel: Any, gradient: Any, density: MinibatchDensity, num_warmup: int) -> Adaptation | Tuned:
+    """What steps the chains: warm-up around a kernel that adapts (for ``num_warmup`` steps), else the kernel itself."""
+    warmup, sampling = estimators(kernel, gradient, density)
+    return Adaptation(kernel, num_warmup, warmup, sampling) if kernel.adapts else Tuned(kernel, sampling)
 
 
 @dataclass
@@ -72,7 +105,7 @@ class RunState:
     num_chains: int  # as asked, or as gathered (chain-parallel)
     warmup_divergences: Tensor  # per chain, on the model's device until the run ends
     restarted: Tensor  # per chain: how often warm-up restarted it from a healthy chain
-    densities: StepDensities | None = None  # what the steps take their gradient of (step_densities)
+    estimators: StepEstimators | None = None  # the steps' gradient estimators (step_estimators)
     control_variate: Any = None  # the control variate's centre and full-data gradient (:mod:`.control_variates`)
     mode_search: Any = None  # how its mode was found
     option: Any = None  # the control-variate policy's choice

@@ -204,7 +204,7 @@ class Langevin(Rule):
         tuned = dict(state.tuned)
         chosen = LANGEVIN_BOUND / state.curvature
         if not burn_in:
-            chosen = torch.minimum(chosen, noise_bound(state.noise, None, 2.0 * temperature))
+            chosen = torch.minimum(chosen, noise_bound(state.estimator.noise, None, 2.0 * temperature))
         tuned["step_size"] = chosen
         return tuned, state, {}
 
@@ -239,7 +239,7 @@ class Preconditioned(Rule):
             # the metric this step moves in: "always" and warm-up's learning fold this gradient into v in the update
             folds = learning or kernel.preconditioner == "always"
             metric = kernel.metric(state.kernel, gradient if folds else None, restart=learning)
-            chosen = torch.minimum(chosen, noise_bound(state.noise, metric, 2.0 * temperature))
+            chosen = torch.minimum(chosen, noise_bound(state.estimator.noise, metric, 2.0 * temperature))
         tuned["step_size"] = chosen
         return tuned, state, extra
 
@@ -272,17 +272,17 @@ class Momentum(MassRule):
     def tune(self, kernel, state, gradient, temperature, burn_in):
         tuned = dict(state.tuned)
         if "mass" in tuned:
-            tuned["mass"] = fisher_mass(state.noise)
+            tuned["mass"] = fisher_mass(state.estimator.noise)
         if "step_size" in tuned:
             masses = self.masses(kernel, state.kernel, tuned)
             temperature = torch.zeros_like(temperature) if burn_in else temperature
             if "friction" in tuned:
                 step_size, tuned["friction"] = coordinate_frictions(
-                    state.curvature, state.noise, temperature, masses, MOMENTUM_BOUND
+                    state.curvature, state.estimator.noise, temperature, masses, MOMENTUM_BOUND
                 )
             else:
                 step_size, _ = momentum_step_size(
-                    state.curvature, state.noise, kernel.friction, temperature, masses, MOMENTUM_BOUND
+                    state.curvature, state.estimator.noise, kernel.friction, temperature, masses, MOMENTUM_BOUND
                 )
             tuned["step_size"] = step_size
         return tuned, state, {}
@@ -298,7 +298,7 @@ class Thermostat(Rule):
         tuned = dict(state.tuned)
         temperature = torch.zeros_like(temperature) if burn_in else temperature
         step_size, friction = momentum_step_size(
-            state.curvature, state.noise, kernel.friction, temperature, None, MOMENTUM_BOUND
+            state.curvature, state.estimator.noise, kernel.friction, temperature, None, MOMENTUM_BOUND
         )
         tuned["step_size"] = step_size
         if "friction" in tuned:
@@ -315,7 +315,9 @@ class BAOABRule(MassRule):
         tuned = dict(state.tuned)
         masses = self.masses(kernel, state.kernel, tuned)
         temperature = torch.zeros_like(temperature) if burn_in else temperature
-        step_size, friction = baoab_step_size(state.curvature, state.noise, masses, kernel.friction, temperature)
+        step_size, friction = baoab_step_size(
+            state.curvature, state.estimator.noise, masses, kernel.friction, temperature
+        )
         tuned["step_size"] = step_size
         if "friction" in tuned:
             tuned["friction"] = friction

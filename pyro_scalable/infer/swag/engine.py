@@ -47,6 +47,7 @@ from pyro_scalable.bridge.minibatches import EpochSampler
 from pyro_scalable.bridge.model import Batch, Latents, ModelBridge
 from pyro_scalable.bridge.plates import FullDataModel
 from pyro_scalable.infer.autodiff import hvp
+from pyro_scalable.infer.gradients import PlainGradient
 from pyro_scalable.infer.linearized.layout import ParameterLayout
 from pyro_scalable.infer.mode_search import find_mode
 from pyro_scalable.infer.schedules import Cyclical
@@ -208,15 +209,15 @@ class SWAG:
             control_variate=None,
             init_strategy=init_to_uniform,
         )
-        stepper = ChainStepper(Tuned(kernel), bridge, starts, generator, self.chain_method)
-        density = LogPosterior(bridge, replacement=sampler.replacement)
+        gradient = PlainGradient(LogPosterior(bridge, replacement=sampler.replacement))  # SGD's: the minibatch's
+        stepper = ChainStepper(Tuned(kernel, gradient), bridge, starts, generator, self.chain_method)
         accumulator = MomentAccumulator(layout.flatten(starts, 1), min(self.rank, num_snapshots))
         total = burn_in + num_snapshots * every
         divergences = [0, 0]  # in burn-in, while snapshotting
         bar = tqdm(total=total, disable=not self.progress_bar, desc="SWAG")
         try:
             for t in range(total):
-                info = stepper.step(Batch(next(sampler), bridge.args, bridge.kwargs), t, density)
+                info = stepper.step(Batch(next(sampler), bridge.args, bridge.kwargs), t, gradient)
                 divergences[t >= burn_in] += int(info.diverging.sum())
                 if t >= burn_in and (t - burn_in + 1) % every == 0:
                     accumulator.add(layout.flatten(stepper.latents(), 1).detach())

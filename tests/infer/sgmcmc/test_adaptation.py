@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pyro_scalable.infer import BAOAB, SGHMC, SGLD
-from pyro_scalable.infer.gradients import Density
+from pyro_scalable.infer.gradients import Density, NoiseEstimatingGradient, PlainGradient
 from pyro_scalable.infer.sgmcmc import tuning
 from pyro_scalable.infer.sgmcmc.adaptation import (
     Adaptation,
@@ -59,12 +59,13 @@ def test_power_iteration_finds_the_largest_eigenvalue_of_a_known_matrix(metric):
 
 def one_calibrated_step(kernel, fn, batch):
     """Warm-up's first step, calibrated (no burn-in), on one chain at x = 0.4."""
-    warmup = Adaptation(kernel, num_warmup=1)
+    estimator = NoiseEstimatingGradient(fn)
+    warmup = Adaptation(kernel, 1, estimator, estimator)
     state = warmup.init({"x": torch.tensor([0.4], dtype=torch.float64)})
     phase = warmup.phase(0)
     assert phase == Phase(power_iterations=8, burn_in=False)
-    gradient = warmup.estimate(state, batch, fn, phase)
-    return warmup.update(state, gradient, torch.Generator().manual_seed(0), phase)
+    gradient = warmup.estimate(state, batch, estimator, phase)
+    return warmup.update(state, gradient, estimator, torch.Generator().manual_seed(0), phase)
 
 
 @pytest.mark.parametrize("curvature", [3.0, 3000.0], ids=["noise-bound", "curvature-bound"])
@@ -77,7 +78,7 @@ def test_sgld_step_size_is_the_formula_on_a_gaussian_of_known_curvature_and_nois
     expected = min(0.1 / curvature, 0.5 * 2 * temperature / float(noise))  # ε λ ≤ 0.1 and ε V ≤ ρ 2T, ρ = 1/2
     assert float(state.tuned["step_size"]) == pytest.approx(expected, rel=1e-12)
     assert float(info.step_size) == float(state.tuned["step_size"])  # the step took the step size it chose
-    torch.testing.assert_close(state.noise["x"], noise.reshape(1), rtol=1e-12, atol=0)
+    torch.testing.assert_close(state.estimator.noise["x"], noise.reshape(1), rtol=1e-12, atol=0)
     assert float(state.curvature) == pytest.approx(curvature, rel=1e-12)
 
 
@@ -86,10 +87,11 @@ def test_sghmc_step_size_and_friction_are_the_formula(given):
     """Two coordinates whose gradient noise differs 100×: a friction each (chosen), or one bounding ε (given)."""
     u = torch.tensor([[0.5, 0.05], [-1.0, -0.1], [2.0, 0.2], [0.25, 0.025], [-0.75, -0.075]], dtype=torch.float64)
     fn, batch, temperature, x = NoisyQuadratic(3.0, u), torch.tensor([0, 2, 3]), 0.7, [0.4, -0.2]
-    warmup = Adaptation(SGHMC(lambda: None, friction=given, temperature=temperature), num_warmup=1)
+    estimator = NoiseEstimatingGradient(fn)
+    warmup = Adaptation(SGHMC(lambda: None, friction=given, temperature=temperature), 1, estimator, estimator)
     state = warmup.init({"x": torch.tensor(x, dtype=torch.float64)})
-    gradient = warmup.estimate(state, batch, fn, warmup.phase(0))
-    state, info = warmup.update(state, gradient, torch.Generator().manual_seed(0), warmup.phase(0))
+    gradient = warmup.estimate(state, batch, estimator, warmup.phase(0))
+    state, info = warmup.update(state, gradient, estimator, torch.Generator().manual_seed(0), warmup.phase(0))
     noise = (-3.0 * torch.tensor(x, dtype=torch.float64) + 5 * u[batch]).var(dim=0) / 3
     rate = noise / (2 * temperature * 0.5)  # each coordinate's friction must be at least ε times this
     if given is None:
@@ -108,10 +110,11 @@ def test_baoab_friction_is_the_formula():
     """One O decay for all: the largest up to 0.9 whose kicks' noise stays within ρ of O's, noisiest coordinate."""
     u = torch.tensor([[0.5, 0.05], [-1.0, -0.1], [2.0, 0.2], [0.25, 0.025], [-0.75, -0.075]], dtype=torch.float64)
     fn, batch, temperature, x = NoisyQuadratic(3.0, u), torch.tensor([0, 2, 3]), 0.7, [0.4, -0.2]
-    warmup = Adaptation(BAOAB(lambda: None, temperature=temperature), num_warmup=1)
+    estimator = NoiseEstimatingGradient(fn)
+    warmup = Adaptation(BAOAB(lambda: None, temperature=temperature), 1, estimator, estimator)
     state = warmup.init({"x": torch.tensor(x, dtype=torch.float64)})
-    gradient = warmup.estimate(state, batch, fn, warmup.phase(0))
-    state, info = warmup.update(state, gradient, torch.Generator().manual_seed(0), warmup.phase(0))
+    gradient = warmup.estimate(state, batch, estimator, warmup.phase(0))
+    state, info = warmup.update(state, gradient, estimator, torch.Generator().manual_seed(0), warmup.phase(0))
     noise = float(((-3.0 * torch.tensor(x, dtype=torch.float64) + 5 * u[batch]).var(dim=0) / 3).max())  # unit mass
     budget = 0.5 * temperature
     step_size = min(0.5 / math.sqrt(3.0), math.sqrt(budget * (1 - 0.25) / 0.25 / noise))
@@ -139,14 +142,15 @@ def test_settle_moves_the_chain_to_the_burn_in_average_and_zeroes_its_momenta():
         def examples(self, batch):
             return None
 
-    warmup = Adaptation(kernel, num_warmup=4)  # steps 0 and 1 are burn-in
+    estimator = NoiseEstimatingGradient(Examples())
+    warmup = Adaptation(kernel, 4, estimator, estimator)  # steps 0 and 1 are burn-in
     state = warmup.init({"x": torch.tensor([3.0, 2.0], dtype=torch.float64)})
     generator = torch.Generator().manual_seed(0)
     positions = []
     for t in range(4):
         phase = warmup.phase(t)
         assert phase.burn_in == (t < 2) and phase.power_iterations == 0  # the step size is given
-        state, _ = warmup.update(state, warmup.estimate(state, None, Examples(), phase), generator, phase)
+        state, _ = warmup.update(state, warmup.estimate(state, None, estimator, phase), estimator, generator, phase)
         positions.append(state.kernel.latents["x"].clone())
         if t == 2:
             # the first calibrated step ends at the average of the burn-in's positions (weights 1, then 1/2)
@@ -161,7 +165,10 @@ def test_finish_keeps_the_kernel_state_the_chosen_hyperparameters_and_the_noise_
     u = torch.tensor([0.5, -1.0, 2.0, 0.25, -0.75], dtype=torch.float64)
     kernel = SGHMC(lambda: None, mass="fisher")
     state, _ = one_calibrated_step(kernel, NoisyQuadratic(3.0, u), torch.tensor([0, 2]))
-    tuned = Adaptation(kernel, num_warmup=2).finish(state)
+    estimator = NoiseEstimatingGradient(NoisyQuadratic(3.0, u))
+    tuned = Adaptation(kernel, 2, estimator, estimator).finish(state)
     assert isinstance(tuned, TunedState) and tuned.kernel is state.kernel
-    assert tuned.noise is state.noise  # sampling goes on with warm-up's average of the gradient noise
+    assert tuned.estimator is state.estimator  # sampling goes on with warm-up's average of the gradient noise
+    plain = Adaptation(kernel, 2, estimator, PlainGradient(estimator.density)).finish(state)
+    assert plain.estimator.noise == {} and plain.estimator.count is state.estimator.count  # a plain one keeps none
     assert set(tuned.hyperparameters) == {"step_size", "friction", "mass"}

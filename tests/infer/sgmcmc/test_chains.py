@@ -13,8 +13,8 @@ from torch.func import grad_and_value
 from pyro_scalable.bridge import Batch, ModelBridge
 from pyro_scalable.bridge.minibatches import EpochSampler
 from pyro_scalable.infer import SGHMC, SGLD, StochasticMCMC
-from pyro_scalable.infer.gradients import evaluate
-from pyro_scalable.infer.sgmcmc import chains
+from pyro_scalable.infer.gradients import chains_gradient, estimator, evaluate
+from pyro_scalable.infer.gradients.estimate import chain_indices
 
 
 def scaled_regression(x, y):
@@ -39,14 +39,14 @@ def test_all_chains_in_one_backward_pass_equal_each_chains_own_gradient(bridge, 
     sampler = EpochSampler(bridge.plates, num_chains, torch.Generator().manual_seed(2), bridge.device, shared=shared)
     batch = Batch(next(sampler), bridge.args, bridge.kwargs)
     fn = bridge.log_posterior_fn
-    batched = chains.chains_gradient(fn, latents, batch)
+    batched = chains_gradient(fn, latents, batch)
     for c in range(num_chains):
         one = {name: x[c] for name, x in latents.items()}
-        gold_grads, gold_value = grad_and_value(fn)(one, Batch(chains.chain_indices(batch.indices, c), *batch[1:]))
+        gold_grads, gold_value = grad_and_value(fn)(one, Batch(chain_indices(batch.indices, c), *batch[1:]))
         torch.testing.assert_close(batched.log_posterior[c], gold_value)
         for name in one:
             torch.testing.assert_close(batched.grads[name][c], gold_grads[name])
-        grads, _, norm, diverging = evaluate(fn, one, Batch(chains.chain_indices(batch.indices, c), *batch[1:]))
+        grads, _, norm, diverging = evaluate(fn, one, Batch(chain_indices(batch.indices, c), *batch[1:]))
         torch.testing.assert_close(batched.grad_norm[c], norm)
         assert not bool(batched.diverging[c]) and not bool(diverging)
     assert batched.grads["sigma"].shape == (num_chains,) and batched.noise_variance == {}
@@ -57,7 +57,7 @@ def test_a_chain_with_a_non_finite_density_is_flagged_and_leaves_the_others_alon
     latents["w"][1, 0] = float("nan")
     sampler = EpochSampler(bridge.plates, 3, torch.Generator().manual_seed(2), bridge.device)
     batch = Batch(next(sampler), bridge.args, bridge.kwargs)
-    batched = chains.chains_gradient(bridge.log_posterior_fn, latents, batch)
+    batched = chains_gradient(bridge.log_posterior_fn, latents, batch)
     assert batched.diverging.tolist() == [False, True, False]
     for c in (0, 2):
         assert all(bool(torch.isfinite(g[c]).all()) for g in batched.grads.values())
@@ -76,9 +76,9 @@ def test_a_chain_with_a_non_finite_density_is_flagged_and_leaves_the_others_alon
     ],
 )
 def test_the_stepper_batches_the_gradient_exactly_where_it_is_the_plain_gradient(bridge, kernel, batched):
-    spy = mock.Mock(wraps=chains.chains_gradient)
+    spy = mock.Mock(wraps=chains_gradient)
     mcmc = StochasticMCMC(kernel(scaled_regression), num_samples=5, num_warmup=20, num_chains=3, progress_bar=False)
-    with mock.patch.object(chains, "chains_gradient", spy):
+    with mock.patch.object(estimator, "chains_gradient", spy):  # an estimator's every_chain
         mcmc.run(*bridge.args)
     assert spy.call_count == batched
     assert all(bool(torch.isfinite(x).all()) for x in mcmc.get_samples().values())

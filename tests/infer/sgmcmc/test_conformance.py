@@ -20,7 +20,7 @@ from pyro_scalable.infer import (
     sgld,
     sgnht,
 )
-from pyro_scalable.infer.gradients import Density
+from pyro_scalable.infer.gradients import Density, GradientEstimator, NoiseEstimatingGradient, PlainGradient
 from pyro_scalable.infer.schedules import Cyclical, PolynomialDecay
 from pyro_scalable.infer.sgmcmc.adaptation import TunedState
 from pyro_scalable.infer.sgmcmc.base import SGMCMCInfo
@@ -204,11 +204,11 @@ def test_after_warmup_a_chain_holds_only_what_its_update_reads(cls, options, fie
     state = mcmc.state
     assert isinstance(state, TunedState)
     assert state.kernel._fields == fields
-    # the gradient noise's average is the program's, handed to the kernel's update with the gradient
+    # the gradient noise's average is the estimator's, handed to the kernel's update with the gradient
     if gradient_noise == "ignore":
-        assert state.noise == {}  # nothing reads it
+        assert state.estimator.noise == {}  # nothing reads it
     else:
-        assert state.noise["w"].shape == (2, 2)
+        assert state.estimator.noise["w"].shape == (2, 2)
     assert set(state.hyperparameters) == chosen  # friction and mass live here, not in the kernel's State
     for name, value in state.hyperparameters.items():
         for leaf in tensors(value):
@@ -229,11 +229,13 @@ def test_kernel_and_its_warmup_honour_the_written_contract(module, cls, hyper):
     problem = LinearRegression(num_data=40, dim=2, batch_size=10)
     kernel = cls(problem.model, **hyper)
     assert isinstance(kernel, KernelContract) and not isinstance(kernel, Program)
-    sampling = Tuned(kernel)
+    estimator = PlainGradient(problem.model)
+    assert isinstance(estimator, GradientEstimator)
+    sampling = Tuned(kernel, estimator)
     assert isinstance(sampling, Program) and sampling.sampler is sampling
     adaptive = cls(problem.model)
     if adaptive.adapts:
-        warmup = Adaptation(adaptive, 10)
+        warmup = Adaptation(adaptive, 10, NoiseEstimatingGradient(problem.model), estimator)
         assert isinstance(warmup, Program) and isinstance(warmup.sampler, Tuned)
     with pytest.raises(TypeError, match="KernelContract"):
         StochasticMCMC(object(), num_samples=2)
@@ -255,18 +257,19 @@ def test_warmup_rules_return_hyperparameters_and_never_edit_a_kernel_state(modul
     from pyro_scalable.infer.sgmcmc.adaptation import Adaptation
 
     kernel = cls(lambda: None)
-    warmup = Adaptation(kernel, num_warmup=4)
+    estimator = NoiseEstimatingGradient(NoisyTarget())
+    warmup = Adaptation(kernel, 4, estimator, estimator)
     state = warmup.init(start())
     before = [leaf.clone() for leaf in tensors(state.kernel)]
     for t in (0, 3):  # a burn-in step and a calibrated one
         phase = warmup.phase(t)
-        gradient = warmup.estimate(state, torch.tensor([1.0, 2.0]), NoisyTarget(), phase)
+        gradient = warmup.estimate(state, torch.tensor([1.0, 2.0]), estimator, phase)
         tuned, after, extra = warmup.rule.tune(kernel, state, gradient, torch.tensor(1.0), phase.burn_in)
         assert after.kernel is state.kernel, "a rule returned an edited kernel State"
         for a, b in zip(before, tensors(state.kernel), strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
         assert set(tuned) <= set(kernel.hyperparameters()) and set(extra) <= {"updates", "thermostat"}
-        state, _ = warmup.update(state, gradient, torch.Generator().manual_seed(0), phase)
+        state, _ = warmup.update(state, gradient, estimator, torch.Generator().manual_seed(0), phase)
         before = [leaf.clone() for leaf in tensors(state.kernel)]
 
 

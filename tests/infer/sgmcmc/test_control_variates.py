@@ -577,10 +577,11 @@ def test_the_warmup_centre_is_each_windows_mean_and_burn_in_is_plain(monkeypatch
     flags, centres = [], []
     step = ChainStepper.step
 
-    def controlled(stepper, batch, index, density):  # each step's density: controlled, or plain
+    def controlled(stepper, batch, index, estimator):  # each step's density: controlled, or plain
+        density = estimator.density
         unwrapped = density.inner if isinstance(density, WhitenedDensity) else density
         flags.append(isinstance(unwrapped, ControlledDensity) and unwrapped.control is not None)
-        return step(stepper, batch, index, density)
+        return step(stepper, batch, index, estimator)
 
     monkeypatch.setattr(ChainStepper, "step", controlled)
     original = control_choice.recentre

@@ -11,6 +11,7 @@ import torch
 from pyro.infer.autoguide.initialization import init_to_uniform
 
 from pyro_scalable.infer import SGHMC, SGLD, StochasticMCMC
+from pyro_scalable.infer.gradients import NoiseEstimatingGradient
 from pyro_scalable.infer.sgmcmc.adaptation import Adaptation, settle
 from pyro_scalable.infer.sgmcmc.stragglers import GAP, WindowLog, copy_chains, donors_for, left_behind
 
@@ -75,13 +76,14 @@ def test_a_restarted_chain_is_a_copy_of_its_donor_in_every_leaf():
 def test_a_diverging_warmup_step_halves_the_step_the_rule_chooses(kernel, order):
     u = torch.tensor([0.5, -1.0, 2.0, 0.25, -0.75], dtype=torch.float64)
     fn, batch = NoisyQuadratic(3000.0, u), torch.tensor([0, 2, 3])  # curvature-bound: the noise does not bind
-    warmup = Adaptation(kernel(lambda: None, temperature=0.7), num_warmup=4)
+    estimator = NoiseEstimatingGradient(fn)
+    warmup = Adaptation(kernel(lambda: None, temperature=0.7), 4, estimator, estimator)
     phase = warmup.phase(3)._replace(power_iterations=1)  # calibrated (the second half of 4 steps)
     state = warmup.init({"x": torch.tensor([0.4], dtype=torch.float64)})
     state = state._replace(burning=torch.tensor(False))
-    calm, _ = warmup.update(state, warmup.estimate(state, batch, fn, phase), None, phase)
-    diverging = warmup.estimate(calm, batch, fn, phase)._replace(diverging=torch.tensor(True))
-    halved, _ = warmup.update(calm, diverging, None, phase)  # a diverging step measures nothing: λ stays
+    calm, _ = warmup.update(state, warmup.estimate(state, batch, estimator, phase), estimator, None, phase)
+    diverging = warmup.estimate(calm, batch, estimator, phase)._replace(diverging=torch.tensor(True))
+    halved, _ = warmup.update(calm, diverging, estimator, None, phase)  # a diverging step measures nothing: λ stays
     assert float(halved.backoff) == 0.5 and float(calm.backoff) == 1.0
     assert float(halved.tuned["step_size"]) == pytest.approx(0.5 * float(calm.tuned["step_size"]), rel=1e-12)
     assert order == warmup.rule.order
