@@ -25,6 +25,7 @@ from pyro_scalable.infer.sgmcmc.base import (
     GradientEstimate,
     Latents,
     SGMCMCInfo,
+    builder,
     functional_step,
     gaussian_like,
     injected_variance,
@@ -85,13 +86,16 @@ def update(
 # ``step``: ``update`` after the minibatch gradient, for one chain outside the driver (the driver estimates the
 # gradient itself and hands it to ``update``).
 step = functional_step(update)
+# ``build(**hyperparameters) -> Transform(init, update)``: the kernel with its hyperparameters bound, one chain's two
+# pure functions; the class below runs exactly that.
+build = builder(init, update)
 
 
 class Skeleton(Kernel):
     """The skeleton engine for a Pyro model: binds the model and the hyperparameters; the maths is in :func:`update`.
 
     :class:`~pyro_scalable.infer.sgmcmc.kernel.Kernel` gives it the calls the driver makes (``init``, ``update``,
-    ``latents``, ``relocate``) from ``init_rule``, ``update_rule`` and :meth:`hyperparameters`.
+    ``latents``, ``relocate``) from ``build`` and :meth:`hyperparameters`.
 
     Args:
         model: a Pyro model whose likelihood sits in ``pyro.plate(name, N, subsample_size=B)``.
@@ -115,8 +119,7 @@ class Skeleton(Kernel):
 
     """
 
-    init_rule = staticmethod(init)
-    update_rule = staticmethod(update)
+    build = staticmethod(build)
     adapts = False  # True where warm-up chooses something; warmup_rule then names the rule (sgmcmc/tuning.py)
 
     def __init__(

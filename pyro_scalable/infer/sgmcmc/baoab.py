@@ -59,6 +59,7 @@ from pyro_scalable.infer.schedules import ScalarOrSchedule, resolve
 from pyro_scalable.infer.sgmcmc import integrators
 from pyro_scalable.infer.sgmcmc.base import (
     Latents,
+    builder,
     extended_info,
     functional_step,
     gaussian_like,
@@ -72,7 +73,7 @@ from pyro_scalable.infer.sgmcmc.kernel import MomentumKernel
 from pyro_scalable.infer.sgmcmc.mass import Mass, check_mass, mass_like
 from pyro_scalable.infer.sgmcmc.sgd_limit import baoab_hyperparameters as sgd_hyperparameters
 
-__all__ = ["BAOAB", "BAOABInfo", "BAOABState", "init", "sgd_hyperparameters", "step", "update"]
+__all__ = ["BAOAB", "BAOABInfo", "BAOABState", "build", "init", "sgd_hyperparameters", "step", "update"]
 
 BAOABInfo = extended_info("BAOABInfo", "friction")
 
@@ -140,6 +141,7 @@ def update(
 
 
 step = functional_step(update)
+build = builder(init, update)
 
 
 class BAOAB(MomentumKernel):
@@ -172,8 +174,7 @@ class BAOAB(MomentumKernel):
 
     """
 
-    init_rule = staticmethod(init)
-    update_rule = staticmethod(update)
+    build = staticmethod(build)
     warmup_rule = "baoab"
 
     def __init__(

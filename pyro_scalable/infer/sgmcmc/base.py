@@ -27,6 +27,7 @@ steps changes little in four); the variance a kernel injects is the wanted one l
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -41,6 +42,8 @@ __all__ = [
     "CURVATURE_EVERY",
     "Phase",
     "SAMPLING",
+    "Transform",
+    "builder",
     "SGMCMCInfo",
     "check_gradient_noise",
     "estimate",
@@ -194,6 +197,51 @@ def check_gradient_noise(gradient_noise: str | None, step_size: Any) -> str:
     if gradient_noise not in GRADIENT_NOISE_CHOICES:
         raise ValueError(f"gradient_noise must be one of {GRADIENT_NOISE_CHOICES} or None, got {gradient_noise!r}.")
     return gradient_noise
+
+
+class Transform(NamedTuple):
+    """A kernel with its hyperparameters bound, as posteriors' and BlackJAX's are: two pure functions of one chain.
+
+    ``init(latents) -> State``; ``update(state, gradient, generator=None, **tuned) -> (State, Info)``, where
+    ``tuned`` are hyperparameters warm-up chose (per-chain tensors), in place of the bound ones.
+    """
+
+    init: Callable
+    update: Callable
+
+
+def builder(init_rule: Callable, update_rule: Callable, init_keywords: tuple = ()) -> Callable[..., Transform]:
+    """A kernel module's ``build(**hyperparameters) -> Transform`` from its ``init`` and ``update``.
+
+    ``init_keywords``: the hyperparameters ``init`` takes too (SGNHT's thermostat starts at the friction).
+
+    Example:
+        >>> import torch
+        >>> from pyro_scalable.bridge import Batch
+        >>> from pyro_scalable.infer.gradients import PlainGradient
+        >>> from pyro_scalable.infer.sgmcmc import sgld
+        >>> sgd = sgld.build(step_size=0.1, temperature=0.0)  # T = 0: gradient ascent
+        >>> estimator = PlainGradient(lambda latents, batch: -latents["w"].square().sum())
+        >>> state = sgd.init({"w": torch.tensor([1.0])})
+        >>> gradient, _ = estimator.estimate(estimator.init(state.latents), state.latents, Batch({}, (), {}))
+        >>> state, info = sgd.update(state, gradient)
+        >>> state.latents["w"]  # 1 + 0.1 * (-2)
+        tensor([0.8000])
+
+    """
+
+    def build(**hyperparameters: Any) -> Transform:
+        def update(state: Any, gradient: GradientEstimate, generator=None, **tuned: Any):
+            return update_rule(state, gradient, **{**hyperparameters, **tuned}, generator=generator)
+
+        bound = {name: hyperparameters[name] for name in init_keywords if name in hyperparameters}
+        return Transform(functools.partial(init_rule, **bound) if bound else init_rule, update)
+
+    build.__doc__ = (
+        "The module's kernel with ``hyperparameters`` (its ``update``'s keywords) bound: a "
+        ":class:`~pyro_scalable.infer.sgmcmc.base.Transform` ``(init, update)``."
+    )
+    return build
 
 
 def functional_step(update_rule: Callable) -> Callable:

@@ -41,11 +41,11 @@ from pyro_scalable.arguments import check_count
 from pyro_scalable.infer.gradients import GradientEstimate
 from pyro_scalable.infer.schedules import ScalarOrSchedule, check_positive, resolve
 from pyro_scalable.infer.sgmcmc import sgld
-from pyro_scalable.infer.sgmcmc.base import SGMCMCInfo, functional_step
+from pyro_scalable.infer.sgmcmc.base import SGMCMCInfo, builder, functional_step
 from pyro_scalable.infer.sgmcmc.kept import CycleStage
 from pyro_scalable.infer.sgmcmc.sgld import SGLD, SGLDState, init
 
-__all__ = ["CyclicalSGLD", "init", "step", "update"]
+__all__ = ["CyclicalSGLD", "build", "init", "step", "update"]
 
 
 def update(
@@ -81,6 +81,7 @@ def update(
 
 
 step = functional_step(update)
+build = builder(init, update)
 
 
 class CyclicalSGLD(SGLD):
@@ -115,8 +116,7 @@ class CyclicalSGLD(SGLD):
 
     """
 
-    init_rule = staticmethod(init)
-    update_rule = staticmethod(update)
+    build = staticmethod(build)
 
     def __init__(
         self,

@@ -1,7 +1,8 @@
 """An engine's Pyro-facing class: the model, the bound hyperparameters, and the moves of one chain.
 
 :class:`Kernel` implements :class:`~.program.KernelContract` from a kernel module's ``init`` and ``update``
-(``init_rule``, ``update_rule``) and the keyword arguments ``update`` takes from the class (``hyperparameters()``).
+(``build``: the module's ``build(**hyperparameters) -> Transform(init, update)``) and the keyword arguments its
+``update`` takes from the class (``hyperparameters()``).
 It validates and keeps what every engine has (the model, step size, temperature, gradient-noise mode, control
 variate, init strategy); a subclass adds its own hyperparameters. :class:`MomentumKernel` is a kernel whose State
 carries ``momenta``: a chain that warm-up moves starts again from rest.
@@ -29,8 +30,9 @@ __all__ = ["Kernel", "MomentumKernel", "RunConstants"]
 class Kernel:
     """The model, the bound hyperparameters, and the calls warm-up and sampling make on one chain.
 
-    ``init_rule`` and ``update_rule`` are the kernel module's ``init`` and ``update``; ``hyperparameters()`` the
-    keyword arguments ``update_rule`` takes from the class. Where warm-up chooses something, ``adapts`` is true and
+    ``build`` is the kernel module's ``build(**hyperparameters) -> Transform(init, update)``
+    (:func:`~.base.builder`); ``hyperparameters()`` the keyword arguments it binds from the class. Where warm-up
+    chooses something, ``adapts`` is true and
     ``warmup_rule`` names the rule (:mod:`.tuning`); the hyperparameters it chose reach :meth:`update` as keyword
     arguments (per-chain tensors) in place of the bound ones. The gradient arrives estimated, with the moving
     average of its noise (:mod:`.adaptation`): a kernel only moves the chain.
@@ -71,11 +73,11 @@ class Kernel:
 
     def init(self, latents: Latents) -> Any:
         """Start a chain at unconstrained ``latents``."""
-        return type(self).init_rule(latents)
+        return type(self).build(**self.hyperparameters()).init(latents)
 
     def update(self, state: Any, gradient: GradientEstimate, generator=None, **tuned: Any) -> tuple[Any, Any]:
         """One update with this kernel's hyperparameters (``tuned``: those chosen in warm-up), given the gradient."""
-        return type(self).update_rule(state, gradient, **{**self.hyperparameters(), **tuned}, generator=generator)
+        return type(self).build(**self.hyperparameters()).update(state, gradient, generator, **tuned)
 
     @staticmethod
     def latents(state: Any) -> Latents:

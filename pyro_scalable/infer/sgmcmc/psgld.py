@@ -41,6 +41,7 @@ from pyro_scalable.infer.sgmcmc import integrators
 from pyro_scalable.infer.sgmcmc.base import (
     Latents,
     SGMCMCInfo,
+    builder,
     functional_step,
     gaussian_like,
     injected_variance,
@@ -50,7 +51,7 @@ from pyro_scalable.infer.sgmcmc.base import (
 from pyro_scalable.infer.sgmcmc.divergence import keep_where_finite
 from pyro_scalable.infer.sgmcmc.kernel import Kernel
 
-__all__ = ["PSGLD", "PSGLDState", "accumulate", "init", "preconditioner", "step", "update"]
+__all__ = ["PSGLD", "PSGLDState", "accumulate", "build", "init", "preconditioner", "step", "update"]
 
 Updates = Literal["warmup", "always", "learn"]
 
@@ -126,6 +127,7 @@ def update(
 
 
 step = functional_step(update)
+build = builder(init, update)
 
 
 class PSGLD(Kernel):
@@ -156,8 +158,7 @@ class PSGLD(Kernel):
 
     """
 
-    init_rule = staticmethod(init)
-    update_rule = staticmethod(update)
+    build = staticmethod(build)
     warmup_rule = "preconditioned"
 
     def __init__(

@@ -44,7 +44,7 @@ from pyro_scalable.infer.sgmcmc.kernel import MomentumKernel, RunConstants
 from pyro_scalable.infer.sgmcmc.mass import Mass, check_mass, mass_like
 from pyro_scalable.infer.sgmcmc.sgd_limit import sghmc_hyperparameters as sgd_hyperparameters
 
-__all__ = ["SGHMC", "SGHMCInfo", "SGHMCState", "init", "sgd_hyperparameters", "step", "update"]
+__all__ = ["SGHMC", "SGHMCInfo", "SGHMCState", "build", "init", "sgd_hyperparameters", "step", "update"]
 
 SGHMCInfo = base.extended_info("SGHMCInfo", "friction")
 
@@ -132,6 +132,7 @@ def _noise_held(frictions, gradient_variance, step_size, temperature, masses) ->
 
 
 step = base.functional_step(update)
+build = base.builder(init, update)
 
 
 class SGHMC(MomentumKernel):
@@ -165,8 +166,7 @@ class SGHMC(MomentumKernel):
 
     """
 
-    init_rule = staticmethod(init)
-    update_rule = staticmethod(update)
+    build = staticmethod(build)
     warmup_rule = "momentum"
 
     def __init__(

@@ -42,6 +42,7 @@ from pyro_scalable.infer.sgmcmc import integrators
 from pyro_scalable.infer.sgmcmc.base import (
     Latents,
     SGMCMCInfo,
+    builder,
     functional_step,
     gaussian_like,
     injected_variance,
@@ -51,7 +52,7 @@ from pyro_scalable.infer.sgmcmc.base import (
 from pyro_scalable.infer.sgmcmc.divergence import keep_where_finite
 from pyro_scalable.infer.sgmcmc.kernel import Kernel
 
-__all__ = ["SGLD", "SGLDState", "init", "step", "update"]
+__all__ = ["SGLD", "SGLDState", "build", "init", "step", "update"]
 
 
 class SGLDState(NamedTuple):
@@ -94,6 +95,7 @@ def update(
 
 
 step = functional_step(update)
+build = builder(init, update)
 
 
 class SGLD(Kernel):
@@ -139,8 +141,7 @@ class SGLD(Kernel):
 
     """
 
-    init_rule = staticmethod(init)
-    update_rule = staticmethod(update)
+    build = staticmethod(build)
     warmup_rule = "langevin"
 
     def __init__(

@@ -48,6 +48,7 @@ from pyro_scalable.infer.schedules import ScalarOrSchedule, resolve
 from pyro_scalable.infer.sgmcmc import integrators
 from pyro_scalable.infer.sgmcmc.base import (
     Latents,
+    builder,
     extended_info,
     functional_step,
     gaussian_like,
@@ -59,7 +60,7 @@ from pyro_scalable.infer.sgmcmc.base import (
 from pyro_scalable.infer.sgmcmc.divergence import keep_where_finite, zero_where_diverging
 from pyro_scalable.infer.sgmcmc.kernel import MomentumKernel
 
-__all__ = ["SGNHT", "SGNHTInfo", "SGNHTState", "init", "step", "update"]
+__all__ = ["SGNHT", "SGNHTInfo", "SGNHTState", "build", "init", "step", "update"]
 
 SGNHTInfo = extended_info("SGNHTInfo", "thermostat", "friction")  # the thermostat after the step, and A
 
@@ -120,8 +121,7 @@ def update(
     proposal = integrators.drift(state.latents, momenta, step_size_now)
     diverging = gradient.diverging
     xi_next = torch.where(diverging, xi, integrators.thermostat(xi, momenta, step_size_now, temperature_now))
-    latents = keep_where_finite(diverging, proposal, state.checked_latents)
-    previous = keep_where_finite(diverging, state.latents, state.checked_latents)
+    latents, previous = (keep_where_finite(diverging, x, state.checked_latents) for x in (proposal, state.latents))
     momenta = zero_where_diverging(diverging, momenta)
     shared = shared_info(gradient, step_size_now, temperature_now, noise_ratio, uncorrected)
     info = SGNHTInfo(*shared, xi_next, friction)
@@ -137,6 +137,9 @@ def _refuse_zero_temperature(temperature: ScalarOrSchedule) -> None:
 
 
 step = functional_step(update)
+
+
+build = builder(init, update, init_keywords=("friction",))  # the thermostat starts at the friction
 
 
 class SGNHT(MomentumKernel):
@@ -172,7 +175,7 @@ class SGNHT(MomentumKernel):
 
     """
 
-    update_rule = staticmethod(update)
+    build = staticmethod(build)
     warmup_rule = "thermostat"
 
     def __init__(
@@ -189,10 +192,6 @@ class SGNHT(MomentumKernel):
         super().__init__(model, step_size, temperature, gradient_noise, control_variate, init_strategy)
         _refuse_zero_temperature(temperature)
         self.friction = self.check_friction(friction, step_size, least_mass=1.0)  # unit mass
-
-    def init(self, latents: Latents) -> SGNHTState:
-        """Start a chain at unconstrained ``latents`` with zero momenta and the thermostat at the friction."""
-        return init(latents, friction=self.friction)
 
     def hyperparameters(self) -> dict[str, Any]:
         """The keyword arguments of :func:`update` this kernel binds."""

@@ -13,6 +13,7 @@ from pyro_scalable.infer import (
     SGHMC,
     SGLD,
     SGNHT,
+    CyclicalSGLD,
     StochasticMCMC,
     baoab,
     psgld,
@@ -22,8 +23,9 @@ from pyro_scalable.infer import (
 )
 from pyro_scalable.infer.gradients import Density, GradientEstimator, NoiseEstimatingGradient, PlainGradient
 from pyro_scalable.infer.schedules import Cyclical, PolynomialDecay
+from pyro_scalable.infer.sgmcmc import csgld
 from pyro_scalable.infer.sgmcmc.adaptation import TunedState
-from pyro_scalable.infer.sgmcmc.base import SGMCMCInfo
+from pyro_scalable.infer.sgmcmc.base import SGMCMCInfo, Transform
 
 from ...conftest import LinearRegression
 
@@ -271,6 +273,27 @@ def test_warmup_rules_return_hyperparameters_and_never_edit_a_kernel_state(modul
         assert set(tuned) <= set(kernel.hyperparameters()) and set(extra) <= {"updates", "thermostat"}
         state, _ = warmup.update(state, gradient, estimator, torch.Generator().manual_seed(0), phase)
         before = [leaf.clone() for leaf in tensors(state.kernel)]
+
+
+@pytest.mark.parametrize(
+    "module,cls,hyper",
+    [*ENGINES, pytest.param(csgld, CyclicalSGLD, {"step_size": 0.05, "cycle_length": 4}, id="csgld")],
+)
+def test_build_binds_the_hyperparameters_and_the_kernel_class_is_that_transform(module, cls, hyper):
+    """``module.build(**hyperparameters)`` is ``(init, update)`` of one chain; the class runs exactly that."""
+    kernel = cls(lambda: None, **hyper)
+    assert type(kernel).build is module.build
+    transform = module.build(**kernel.hyperparameters())
+    assert isinstance(transform, Transform)
+    estimator = PlainGradient(target)
+    state, kernel_state = transform.init(start()), kernel.init(start())
+    for leaf, other in zip(tensors(state), tensors(kernel_state), strict=True):
+        torch.testing.assert_close(leaf, other, rtol=0, atol=0, equal_nan=True)
+    gradient, _ = estimator.estimate(estimator.init(start()), state.latents, None)
+    moved, info = transform.update(state, gradient, torch.Generator().manual_seed(0))
+    again, again_info = kernel.update(kernel_state, gradient, torch.Generator().manual_seed(0))
+    for leaf, other in zip(tensors((moved, info)), tensors((again, again_info)), strict=True):
+        torch.testing.assert_close(leaf, other, rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("module,cls,hyper", ENGINES)

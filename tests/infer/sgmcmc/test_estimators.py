@@ -1,4 +1,4 @@
-"""The gradient estimator as the run's injected object: its state's closed form, and ``StochasticMCMC(gradient=...)``."""
+"""The gradient estimator, the run's injected object: its state's closed form, ``StochasticMCMC(gradient=...)``."""
 
 from __future__ import annotations
 
