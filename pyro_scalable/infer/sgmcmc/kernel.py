@@ -10,6 +10,7 @@ carries ``momenta``: a chain that warm-up moves starts again from rest.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -83,6 +84,12 @@ class Kernel:
     def latents(state: Any) -> Latents:
         """The chain's draw: its last point with a finite log density and gradient."""
         return state.checked_latents
+
+    def with_gradient_noise(self, gradient_noise: str) -> Kernel:
+        """A copy of this kernel whose update treats the gradient noise as ``gradient_noise`` says (a probe's)."""
+        changed = copy.copy(self)
+        changed.gradient_noise = check_gradient_noise(gradient_noise, self.step_size)
+        return changed
 
     def kept_draws(self, thin: int) -> KeptDraws:
         """Which steps after warm-up become draws: every ``thin``-th (:class:`~.kept.Thinning`)."""

@@ -14,7 +14,6 @@ too wide.
 
 from __future__ import annotations
 
-import copy
 import math
 import warnings
 from typing import Any
@@ -54,8 +53,7 @@ def probe_gradient_noise(
         return None
     if len(bridge.plates) > 1 or any(plate.subsample_size < 2 for plate in bridge.plates.values()):
         return None
-    probe = copy.copy(kernel)
-    probe.gradient_noise = "estimate"
+    probe = kernel.with_gradient_noise("estimate")
     generator = torch.Generator(device=bridge.device).manual_seed(seed + 1)  # never the run's generator
     first = {name: value[:1].detach() for name, value in latents.items()}
     density = bridge.log_posterior_fn if density is None else density

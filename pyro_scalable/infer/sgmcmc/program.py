@@ -104,6 +104,9 @@ class KernelContract(Protocol):
     def kept_draws(self, thin: int) -> Any:
         """The kept-draws policy (:class:`~.kept.KeptDraws`) at the driver's ``thin``."""
 
+    def with_gradient_noise(self, gradient_noise: str) -> Any:
+        """A copy whose update treats the gradient noise as ``gradient_noise`` says (the ignored-noise probe's)."""
+
     def init(self, latents: Latents) -> Any:
         """A chain's State at unconstrained ``latents``."""
 
