@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -42,9 +42,8 @@ from pyro_scalable.infer.checkpoint import (
     stable_repr,
 )
 from pyro_scalable.infer.digest import call_arguments, identify
-from pyro_scalable.infer.sgmcmc.control_variates import ControlVariate
 
-__all__ = ["FORMAT", "Resumed", "RunCheckpoint", "run_fingerprint"]
+__all__ = ["FORMAT", "RunCheckpoint", "run_fingerprint", "stack_chains", "to_device", "unstack_chains"]
 
 # bumped when the layout of a run checkpoint changes (2: warm-up's state apart from the kernel's; 3: the kind, the
 # model's code and the data's values in the fingerprint; 4: the control variate's centre and full-data gradient,
@@ -171,87 +170,48 @@ def _loader(batches: Any) -> Any:
     }
 
 
-class Resumed(NamedTuple):
-    """Where a checkpointed run goes on from, and the driver's counts and control variate it held (``None``: new)."""
-
-    step: int
-    kept: int
-    stopped: bool
-    warmup_divergences: Tensor | None = None
-    restarted: Tensor | None = None
-    control_variate: ControlVariate | None = None
-    option: str | None = None  # the control variate's policy ("map", "warmup") the run went on with, if a string
-    stepper: Any = None  # the chains' stepper, put back (in a later stage of warm-up's metric, that stage's)
-
-
 class RunCheckpoint:
-    """The driver's side: put a run back from its checkpoint, remember where each step left it, write when due.
+    """A run's checkpoint file: read the run's value back, remember each step's, write it when due.
 
-    A checkpoint is written every ``every`` steps (warm-up included), at the end of warm-up, at the end of the run,
-    when the run stops at a divergence, and on ``KeyboardInterrupt``. What is written is the run as the last
-    completed step left it, so an interrupt in the middle of a step loses nothing and adds nothing. The path is
-    checked and locked when the checkpoint is opened (before the first step), until the run's last write (at its
-    end, its stop or an interruption) or a failed one; a run that ends with another error leaves the lock to the
-    garbage collector (:class:`~pyro_scalable.infer.checkpoint.CheckpointLock`).
+    The run's value (:class:`~.run_state.RunValue`: the chains, the generator's and the sampler's states, warm-up's
+    and the draws taken) is handed to :meth:`remember` after every completed step; the checkpoint holds nothing of
+    the run but that value and writes it every ``every`` steps (warm-up included), at the end of warm-up
+    (``num_warmup``), at the end of the run (``total``), when the run stops at a divergence, and on
+    ``KeyboardInterrupt``: an interrupt in the middle of a step loses nothing and adds nothing. The path is checked
+    and locked when the checkpoint is opened (before the first step), until the run's last write (at its end, its
+    stop or an interruption) or a failed one; a run that ends with another error leaves the lock to the garbage
+    collector (:class:`~pyro_scalable.infer.checkpoint.CheckpointLock`).
     """
 
     def __init__(
         self,
         path: str | os.PathLike,
         every: int,
+        fingerprint: dict[str, str],
         *,
-        run: Any,
-        progress: Any,
         total: int,
-        batches: Any = None,
-        rebuild: Any = None,
+        warmup: int,
+        settle: Any = None,
     ):
         self.path = path
+        self.settle = settle  # waits for draws still being copied from a device (RunRecord.settle) before a write
         self.every = every
-        self.fingerprint = run_fingerprint(run, progress.record, batches)
+        self.fingerprint = fingerprint  # run_fingerprint's: a checkpoint resumes only the same run
         check_path(path)  # before the first step: an unusable path fails now, not at the first write
         self.lock = CheckpointLock(path)  # no second process writes this checkpoint meanwhile (released by close)
-        self.run = run  # the driver's settings
-        self.progress = progress  # the run as it stands (:class:`.run_state.RunState`): read, never written
-        self.total = total
-        self.rebuild = rebuild  # a stepper for the metric's stage (its state then restored)
-        record = progress.record  # the model tracing of the steps' bridge and of the full data's (where another)
-        bridges = [record.bridge, *([record.full_bridge] if record.full_bridge not in (None, record.bridge) else [])]
-        self.tracers = [tracer for bridge in bridges for tracer in bridge.tracers]
-        self._last: dict[str, Any] = {}
-
-    @property
-    def stepper(self) -> Any:
-        return self.progress.stepper
-
-    @property
-    def generator(self) -> torch.Generator:
-        return self.progress.generator
-
-    @property
-    def sampler(self) -> Any:
-        """The run's EpochSampler, or None where a DataLoader feeds the steps."""
-        return self.progress.sampler if self.progress.batch_iter is None else None
-
-    @property
-    def metric(self) -> Any:
-        """Warm-up's MetricSchedule, or None."""
-        return self.progress.schedule
-
-    @property
-    def window(self) -> Any:
-        """Warm-up's WindowLog (:mod:`.stragglers`)."""
-        return self.progress.window
+        self.total, self.warmup = total, warmup
+        self._last: Any = None
 
     def close(self) -> None:
         """Release the checkpoint's lock: the run is over (finished, stopped, interrupted, or a write failed)."""
         self.lock.release()
 
-    def resume(self, existing: bool = True) -> Resumed:
-        """Put the chains, the generators and the draws back as the checkpoint left them, if there is one.
+    def read(self, existing: bool = True) -> dict[str, Any] | None:
+        """The value a checkpoint of this run holds (its fields as :class:`~.run_state.RunValue`'s, on the CPU).
 
-        Returns where the run goes on from and what the driver keeps of it (:class:`Resumed`, with the stepper put
-        back); the driver puts those back and then calls :meth:`remember`.
+        ``None`` where there is none (or ``existing`` is false: the run starts over). A checkpoint of another run,
+        a damaged one or one of another format is refused with a :class:`CheckpointError` naming why (the lock
+        released); a finished run's is read back with the lock released (nothing more is written).
         """
         remove_partial_write(self.path)
         try:
@@ -261,111 +221,61 @@ class RunCheckpoint:
         except CheckpointError:
             self.close()  # refused: this run ends here
             raise
-        stepper = self.stepper
-        if saved is None:
-            return Resumed(0, 0, False, stepper=stepper)
-        if saved["stopped"] or saved["step"] == self.total:
+        if saved is not None and (saved["stopped"] or saved["step"] == self.total):
             self.close()  # a finished run, read back: nothing more is written
-        if saved["metric"] is not None and self.metric is not None:
-            self.metric.load_state_dict(saved["metric"], stepper.bridge.device)
-            if self.metric.stage > 0:
-                stepper = self.rebuild()
-        if saved["step"] >= self.run.num_warmup:
-            stepper.end_warmup()  # the saved state is the tuned chains', not warm-up's
-        stepper.restore(saved["mode"], unstack_chains(saved["state"], stepper.final_state, saved["mode"]))
-        self.generator.set_state(saved["generator"])
-        if self.sampler is not None:
-            self.sampler.load_state_dict(saved["sampler"])
-        results, kept = self.progress.record, saved["kept"]
-        for name, value in saved["draws"].items():
-            results.draws[name][:, :kept].copy_(value)
-        for name, value in saved["stats"].items():
-            results.stats[name] = torch.empty(
-                (value.shape[0], self.run.num_samples), dtype=value.dtype, device=self.run.draws_device
-            )
-            results.stats[name][:, :kept].copy_(value)
-        if self.window is not None:
-            self.window.load_state_dict(saved["window"], stepper.bridge.device)
-        if len(saved["tracing"]) != len(self.tracers):
-            raise CheckpointError("the model tracing's history in the checkpoint does not fit this run's models.")
-        for tracer, history in zip(self.tracers, saved["tracing"], strict=True):
-            tracer.restore(history)  # each call goes to Pyro or to the recorded graph as in the uninterrupted run
-        control = saved["control_variate"]
-        device = stepper.bridge.device
-        return Resumed(
-            saved["step"],
-            kept,
-            saved["stopped"],
-            saved["warmup_divergences"].to(device),
-            saved["restarted"].clone(),
-            None if control is None else ControlVariate(**_to(control, device)),
-            saved["option"],
-            stepper,
-        )
+        return saved
 
-    def remember(self, step: int, kept: int, *, stopped: bool = False) -> None:
-        """Note the run as it stands after ``step`` steps (references and small copies only: cheap every step)."""
-        state = self.stepper.final_state
-        self._last = {
-            "step": step,
-            "kept": kept,
-            "stopped": stopped,
-            "mode": self.stepper.mode,
-            "state": list(state) if isinstance(state, list) else state,
-            "generator": self.generator.get_state(),
-            "sampler": self.sampler.state_dict() if self.sampler is not None else None,
-            "warmup_divergences": self.progress.warmup_divergences,
-            "metric": None if self.metric is None else self.metric.state_dict(),
-            "window": None if self.window is None else self.window.state_dict(),
-            "restarted": self.progress.restarted.clone(),
-            "tracing": [tracer.history() for tracer in self.tracers],
-            "option": option if isinstance(option := self.progress.option, str) else None,
-        }
+    def remember(self, value: Any) -> None:
+        """The run's value after its last completed step (references and small copies: cheap every step)."""
+        self._last = value
 
-    def step_done(self, step: int, kept: int, *, stopped: bool = False) -> None:
-        """Remember the run after ``step`` steps and write a checkpoint if one is due."""
-        self.remember(step, kept, stopped=stopped)
-        if stopped or step % self.every == 0 or step == self.run.num_warmup or step == self.total:
+    def step_done(self, value: Any) -> None:
+        """Remember the run's value after a step, and write it if a checkpoint is due."""
+        self.remember(value)
+        step = value.step
+        if value.stopped or step % self.every == 0 or step == self.warmup or step == self.total:
             self.write()
 
     def write(self) -> None:
-        """Write the run as last remembered."""
-        self.progress.record.settle()
-        last, kept, control = self._last, self._last["kept"], self.progress.control_variate
-        sampler = last["sampler"]
-        if sampler is not None:
-            sampler = {"orders": {k: v.cpu() for k, v in sampler["orders"].items()}, "position": sampler["position"]}
-        over = last["stopped"] or last["step"] == self.total or sys.exc_info()[0] is not None  # or interrupted
+        """Write the run's value as last remembered."""
+        last = self._last
+        if self.settle is not None:
+            self.settle()
+        over = last.stopped or last.step == self.total or sys.exc_info()[0] is not None  # or interrupted
         try:
-            self._save(last, kept, control, sampler)
+            self._save(last)
         except BaseException:
             self.close()  # the run ends with the write's error
             raise
         if over:
             self.close()  # the next run on this path (a resumed one) may take the lock
 
-    def _save(self, last: dict[str, Any], kept: int, control: Any, sampler: Any) -> None:
+    def _save(self, last: Any) -> None:
+        sampler, kept = last.sampler, last.kept
+        if sampler is not None:
+            sampler = {"orders": {k: v.cpu() for k, v in sampler["orders"].items()}, "position": sampler["position"]}
+        control = last.control_variate
         save(
             self.path,
             {
-                **last,
+                **last._asdict(),
                 "kind": KIND,
                 "format": FORMAT,
                 "fingerprint": self.fingerprint,
-                "state": stack_chains(last["state"]),
+                "state": stack_chains(last.state),
                 "sampler": sampler,
-                "draws": {k: v[:, :kept].detach().cpu().clone() for k, v in self.progress.record.draws.items()},
-                "stats": {k: v[:, :kept].detach().cpu().clone() for k, v in self.progress.record.stats.items()},
-                "control_variate": _to(control and control._asdict(), "cpu"),
-                "metric": _to(last["metric"], "cpu"),
-                "window": _to(last["window"], "cpu"),
-                "warmup_divergences": _to(last["warmup_divergences"], "cpu"),
-                "tracing": [portable_history(history) for history in last["tracing"]],
+                "draws": {k: v[:, :kept].detach().cpu().clone() for k, v in last.draws.items()},
+                "stats": {k: v[:, :kept].detach().cpu().clone() for k, v in last.stats.items()},
+                "control_variate": to_device(control and control._asdict(), "cpu"),
+                "metric": to_device(last.metric, "cpu"),
+                "window": to_device(last.window, "cpu"),
+                "warmup_divergences": to_device(last.warmup_divergences, "cpu"),
+                "tracing": [portable_history(history) for history in last.tracing],
             },
         )
 
 
-def _to(value: Any, device: Any) -> Any:
+def to_device(value: Any, device: Any) -> Any:
     """``value``'s tensors (nested dicts) moved to ``device``; ``None`` as it is."""
     if value is None:
         return None
@@ -373,4 +283,4 @@ def _to(value: Any, device: Any) -> Any:
         return value.to(device)
     if not isinstance(value, dict):
         return value
-    return {name: _to(x, device) for name, x in value.items()}
+    return {name: to_device(x, device) for name, x in value.items()}

@@ -37,14 +37,14 @@ from pyro_scalable.infer.gradients import ControlledDensity
 from pyro_scalable.infer.health import repeated_draws, warn_unhealthy
 from pyro_scalable.infer.remedies import RunSetup
 from pyro_scalable.infer.sgmcmc.chains import ChainStepper
-from pyro_scalable.infer.sgmcmc.checkpoint import RunCheckpoint
+from pyro_scalable.infer.sgmcmc.checkpoint import RunCheckpoint, run_fingerprint
 from pyro_scalable.infer.sgmcmc.control_choice import attach, choose, recentre
 from pyro_scalable.infer.sgmcmc.control_probe import controlled_noise_share, warn_wasted_control_variate
 from pyro_scalable.infer.sgmcmc.distributed import setup as setup_parallel
 from pyro_scalable.infer.sgmcmc.metric import MetricSchedule
 from pyro_scalable.infer.sgmcmc.noise_probe import probe_gradient_noise, warn_ignored_noise, warn_uncorrected_noise
 from pyro_scalable.infer.sgmcmc.run_arguments import bind
-from pyro_scalable.infer.sgmcmc.run_state import RunState, program, step_estimators
+from pyro_scalable.infer.sgmcmc.run_state import RunState, program, restore, step_estimators, value
 from pyro_scalable.infer.sgmcmc.stragglers import WindowLog
 
 __all__ = ["attach_control_variate", "finish", "prepare", "resume", "sample", "step"]
@@ -122,21 +122,15 @@ def resume(run: Any, state: RunState, batches: Iterable | None) -> None:
     state.checkpoint = RunCheckpoint(
         run.checkpoint,
         run.checkpoint_every,
-        run=run,
-        progress=state,
+        run_fingerprint(run, state.record, batches),
         total=state.total,
-        batches=batches,
-        rebuild=lambda: stage_stepper(run, state, state.latents, run.chain_method),
+        warmup=run.num_warmup,
+        settle=state.record.settle,
     )
-    resumed = state.checkpoint.resume(run.resume)
-    state.stepper = resumed.stepper  # in a later stage of warm-up's metric, the stage's
-    state.start, state.kept, state.diverged = resumed.step, resumed.kept, resumed.stopped
-    if resumed.warmup_divergences is not None:
-        state.warmup_divergences, state.restarted = resumed.warmup_divergences, resumed.restarted
-    if resumed.control_variate is not None:
-        state.control_variate = resumed.control_variate
-    state.option = resumed.option  # a fallback the policy took ("warmup" for a centred hierarchy's funnel) holds
-    state.checkpoint.remember(state.start, state.kept, stopped=state.diverged)
+    saved = state.checkpoint.read(run.resume)
+    if saved is not None:  # in a later stage of warm-up's metric, the stage's stepper
+        restore(run, state, saved, rebuild=lambda: stage_stepper(run, state, state.latents, run.chain_method))
+    state.checkpoint.remember(value(state, state.start))
     for _ in range(state.start if state.batch_iter is not None else 0):
         next(state.batch_iter)  # exact only where iterating `batches` again yields the same sequence
 
@@ -168,7 +162,7 @@ def attach_control_variate(run: Any, state: RunState) -> None:
             steps, method = state.stepper.program, run.chain_method
             state.stepper = ChainStepper(steps, state.bridge, state.latents, state.generator, method, state.reducer)
         if state.checkpoint is not None:  # the centre and its full-data pass are not redone on resume: nor counted
-            state.checkpoint.remember(state.start, state.kept, stopped=state.diverged)  # (the model tracing's calls)
+            state.checkpoint.remember(value(state, state.start))  # (the model tracing's calls)
             state.checkpoint.write()
     state.estimators = step_estimators(state)
 
@@ -245,7 +239,7 @@ def step(run: Any, state: RunState, t: int) -> Any:
         state.record.record(state.kept, draw, info)
         state.kept += 1
     if state.checkpoint is not None:
-        state.checkpoint.step_done(t + 1, state.kept, stopped=state.diverged)
+        state.checkpoint.step_done(value(state, t + 1))
     return info
 
 

@@ -9,7 +9,7 @@ the driver keeps of a run (:func:`outcome`, also after an interruption).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -18,16 +18,29 @@ from torch import Tensor
 
 from pyro_scalable.bridge.minibatches import EpochSampler
 from pyro_scalable.bridge.model import Latents, ModelBridge
+from pyro_scalable.infer.checkpoint import CheckpointError
 from pyro_scalable.infer.gradients import ControlledDensity, MinibatchDensity
 from pyro_scalable.infer.gradients.estimator import GradientEstimator, NoiseEstimatingGradient, PlainGradient
 from pyro_scalable.infer.record import RunRecord
 from pyro_scalable.infer.sgmcmc.adaptation import Adaptation, Tuned
 from pyro_scalable.infer.sgmcmc.chains import ChainStepper
-from pyro_scalable.infer.sgmcmc.checkpoint import RunCheckpoint
+from pyro_scalable.infer.sgmcmc.checkpoint import RunCheckpoint, to_device, unstack_chains
+from pyro_scalable.infer.sgmcmc.control_variates import ControlVariate
 from pyro_scalable.infer.sgmcmc.metric import MetricSchedule
 from pyro_scalable.infer.sgmcmc.stragglers import WindowLog
 
-__all__ = ["Outcome", "RunState", "StepEstimators", "outcome", "program", "release", "step_estimators"]
+__all__ = [
+    "Outcome",
+    "RunState",
+    "RunValue",
+    "StepEstimators",
+    "outcome",
+    "program",
+    "release",
+    "restore",
+    "step_estimators",
+    "value",
+]
 
 
 class StepEstimators(NamedTuple):
@@ -113,6 +126,97 @@ class RunState:
     start: int = 0
     kept: int = 0
     diverged: bool = False
+
+
+class RunValue(NamedTuple):
+    """The run after ``step`` completed steps, as values: what a checkpoint saves and a resumed run is put back from.
+
+    The chains' state holds each chain's kernel State, warm-up's and the gradient estimator's (:mod:`.adaptation`);
+    ``draws`` and ``stats`` are the record's buffers, of which the first ``kept`` draws are taken.
+    """
+
+    step: int
+    kept: int
+    stopped: bool
+    mode: str  # the stepper's: "vectorized" (a stacked state) or "sequential" (a list of chains)
+    state: Any
+    generator: Tensor  # the run's torch.Generator's state
+    sampler: dict | None  # the minibatch sampler's permutations and positions (None: a DataLoader feeds the steps)
+    draws: dict[str, Tensor]
+    stats: dict[str, Tensor]
+    warmup_divergences: Tensor
+    control_variate: Any
+    metric: dict | None  # warm-up's metric schedule
+    window: dict  # warm-up's log-density window (:mod:`.stragglers`)
+    restarted: Tensor
+    tracing: list  # which of the model's signatures replay its recorded graph (:mod:`pyro_scalable.bridge.traced`)
+    option: str | None  # the control variate's policy the run went on with, where a string
+
+
+def value(state: RunState, step: int) -> RunValue:
+    """The run as ``step`` completed steps left it (references and small copies only: cheap every step)."""
+    chains = state.stepper.final_state
+    return RunValue(
+        step,
+        state.kept,
+        state.diverged,
+        state.stepper.mode,
+        list(chains) if isinstance(chains, list) else chains,
+        state.generator.get_state(),
+        state.sampler.state_dict() if state.batch_iter is None else None,
+        state.record.draws,
+        state.record.stats,
+        state.warmup_divergences,
+        state.control_variate,
+        None if state.schedule is None else state.schedule.state_dict(),
+        state.window.state_dict(),
+        state.restarted.clone(),
+        [tracer.history() for tracer in tracers(state.record)],
+        option if isinstance(option := state.option, str) else None,
+    )
+
+
+def restore(run: Any, state: RunState, saved: dict[str, Any], rebuild: Callable[[], ChainStepper]) -> None:
+    """Put a checkpoint's value (:class:`RunValue`'s fields) back into the run: it goes on bitwise from there.
+
+    ``rebuild``: a stepper for warm-up's current metric stage (its state then restored) where that is a later one.
+    """
+    device = state.bridge.device
+    stepper = state.stepper
+    if saved["metric"] is not None and state.schedule is not None:
+        state.schedule.load_state_dict(saved["metric"], device)
+        if state.schedule.stage > 0:
+            stepper = rebuild()
+    if saved["step"] >= run.num_warmup:
+        stepper.end_warmup()  # the saved state is the tuned chains', not warm-up's
+    stepper.restore(saved["mode"], unstack_chains(saved["state"], stepper.final_state, saved["mode"]))
+    state.stepper = stepper
+    state.generator.set_state(saved["generator"])
+    if state.batch_iter is None:
+        state.sampler.load_state_dict(saved["sampler"])
+    record, kept = state.record, saved["kept"]
+    for name, draws in saved["draws"].items():
+        record.draws[name][:, :kept].copy_(draws)
+    for name, stat in saved["stats"].items():
+        record.stats[name] = torch.empty((stat.shape[0], run.num_samples), dtype=stat.dtype, device=run.draws_device)
+        record.stats[name][:, :kept].copy_(stat)
+    state.window.load_state_dict(saved["window"], device)
+    models = tracers(record)
+    if len(saved["tracing"]) != len(models):
+        raise CheckpointError("the model tracing's history in the checkpoint does not fit this run's models.")
+    for tracer, history in zip(models, saved["tracing"], strict=True):
+        tracer.restore(history)  # each call goes to Pyro or to the recorded graph as in the uninterrupted run
+    state.start, state.kept, state.diverged = saved["step"], kept, saved["stopped"]
+    state.warmup_divergences, state.restarted = saved["warmup_divergences"].to(device), saved["restarted"].clone()
+    if saved["control_variate"] is not None:
+        state.control_variate = ControlVariate(**to_device(saved["control_variate"], device))
+    state.option = saved["option"]  # a fallback the policy took ("warmup" for a centred hierarchy's funnel) holds
+
+
+def tracers(record: RunRecord) -> list:
+    """The model tracings of the steps' bridge and of the full data's (where that is another)."""
+    bridges = [record.bridge, *([record.full_bridge] if record.full_bridge not in (None, record.bridge) else [])]
+    return [tracer for bridge in bridges for tracer in bridge.tracers]
 
 
 class Outcome(NamedTuple):
