@@ -28,7 +28,7 @@ from pyro_scalable.infer.sgmcmc.base import (
     builder,
     functional_step,
     gaussian_like,
-    injected_variance,
+    injected_noise,
 )
 from pyro_scalable.infer.sgmcmc.divergence import keep_where_finite
 from pyro_scalable.infer.sgmcmc.kernel import Kernel
@@ -62,9 +62,10 @@ def update(
     """Move one chain by one step, given the minibatch gradient (estimated outside the kernel)."""
     step_size_now = resolve(step_size, state.step_count, gradient.log_posterior)
     temperature_now = resolve(temperature, state.step_count, gradient.log_posterior)
-    # No gradient-noise estimate here: injected_variance returns the wanted 2εT and NaN statistics.
-    variance, noise_ratio, uncorrected = injected_variance(
-        2.0 * step_size_now * temperature_now, {}, False, state.latents
+    # The noise to inject: the wanted 2εT, less the gradient noise's share ε²V where the estimate hands V as a
+    # correction (gradient_noise="correct"); without a noise estimate, 2εT and NaN statistics.
+    variance, noise_ratio, uncorrected = injected_noise(
+        2.0 * step_size_now * temperature_now, gradient, step_size_now**2, state.latents
     )
     noise = gaussian_like(state.latents, generator, temperature)
     proposal = integrators.langevin(state.latents, gradient.grads, step_size_now, variance, noise)

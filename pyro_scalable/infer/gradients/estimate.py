@@ -59,6 +59,9 @@ class GradientEstimate(NamedTuple):
     noise_variance: Latents  # diag of the estimated Cov(grads) per site; {} when not estimated
     num_examples: Tensor  # B, the number of per-example gradients behind noise_variance (0 when not estimated)
     hessian_product: Latents  # warm-up's Hessian-vector product ({} outside warm-up)
+    # the noise a kernel subtracts from the noise it injects: the program hands ``noise_variance`` here where the
+    # kernel corrects for it (``gradient_noise="correct"``), ``{}`` where it only reports it or ignores it
+    noise_correction: Latents = {}  # noqa: RUF012 -- never mutated: a NamedTuple's fields are replaced
 
 
 def evaluate(density: MinibatchDensity, latents: Latents, batch: Any) -> tuple[Latents, Tensor, Tensor, Tensor]:

@@ -85,8 +85,15 @@ class TunedState(NamedTuple):
 
 
 def handed(kernel: Any, gradient: GradientEstimate) -> GradientEstimate:
-    """``gradient`` as the kernel's update takes it: no noise where the kernel ignores it (warm-up measured it)."""
-    return gradient._replace(noise_variance={}) if kernel.gradient_noise == "ignore" else gradient
+    """``gradient`` as the kernel's update takes it, under the kernel's ``gradient_noise``.
+
+    ``"ignore"``: no noise (warm-up measured it for itself); ``"estimate"``: the noise's average, to report;
+    ``"correct"``: the same also as the correction the update subtracts from the noise it injects.
+    """
+    if kernel.gradient_noise == "ignore":
+        return gradient._replace(noise_variance={}, noise_correction={})
+    correction = gradient.noise_variance if kernel.gradient_noise == "correct" else {}
+    return gradient._replace(noise_correction=correction)
 
 
 def power_iterations(warmup_step: int) -> int:

@@ -63,8 +63,7 @@ from pyro_scalable.infer.sgmcmc.base import (
     extended_info,
     functional_step,
     gaussian_like,
-    injected_variance,
-    noise_in_update,
+    injected_noise,
     scalar_like,
     shared_info,
 )
@@ -106,7 +105,6 @@ def update(
     friction: float | Tensor | Latents = 1.0,
     mass: Mass = 1.0,
     temperature: ScalarOrSchedule = 1.0,
-    gradient_noise: str = "ignore",
     generator: torch.Generator | None = None,
 ) -> tuple[BAOABState, BAOABInfo]:
     """Move one chain by one BAOAB step with ``gradient`` (its noise: the variance to correct); friction: per site."""
@@ -124,9 +122,7 @@ def update(
         shared = torch.exp(-friction * step_size_now)
         decay, surviving = dict.fromkeys(state.latents, shared), (shared * kick) ** 2
     wanted = {name: (1.0 - decay[name] ** 2) * temperature_now * m for name, m in masses.items()}
-    gradient_variance = noise_in_update(gradient, gradient_noise, surviving)
-    correct = gradient_noise == "correct"
-    variance, noise_ratio, uncorrected = injected_variance(wanted, gradient_variance, correct, state.latents)
+    variance, noise_ratio, uncorrected = injected_noise(wanted, gradient, surviving, state.latents)
     noise = gaussian_like(state.latents, generator, temperature)
     kicked = integrators.kick(state.momenta, gradient.grads, kick)
     momenta = integrators.ornstein_uhlenbeck(kicked, decay, variance, noise)
@@ -196,5 +192,5 @@ class BAOAB(MomentumKernel):
 
     def hyperparameters(self) -> dict[str, Any]:
         """The keyword arguments of :func:`update` this kernel binds."""
-        names = ("step_size", "friction", "mass", "temperature", "gradient_noise")
+        names = ("step_size", "friction", "mass", "temperature")
         return {name: getattr(self, name) for name in names}

@@ -49,9 +49,10 @@ __all__ = [
     "estimate",
     "extended_info",
     "gaussian_like",
+    "injected_noise",
     "injected_variance",
     "functional_step",
-    "noise_in_update",
+    "noise_share",
     "noise_phase",
     "scalar_like",
     "shared_info",
@@ -121,27 +122,39 @@ def noise_phase(step_index: int) -> Phase:
 
 
 def estimate(state: Any, batch: Any, log_posterior_fn: Any, *, gradient_noise: str = "ignore"):
-    """The minibatch gradient at ``state.latents`` (and its noise unless ``gradient_noise="ignore"``).
+    """The minibatch gradient at ``state.latents``, as an update takes it under ``gradient_noise``.
 
-    The half of a step that a data-parallel run all-reduces; it draws nothing.
+    With ``"estimate"`` it carries its noise (``noise_variance``), with ``"correct"`` also as the correction to
+    subtract (``noise_correction``); with ``"ignore"`` neither.
     """
     density = as_density(log_posterior_fn)  # a MinibatchDensity, or a plain function of (latents, batch)
-    return estimate_gradient(density, state.latents, batch, noise=gradient_noise != "ignore")
+    gradient = estimate_gradient(density, state.latents, batch, noise=gradient_noise != "ignore")
+    return gradient._replace(noise_correction=gradient.noise_variance) if gradient_noise == "correct" else gradient
 
 
-def noise_in_update(
-    gradient: GradientEstimate, gradient_noise: str, scale: Tensor | Callable[[str], Tensor]
-) -> Latents:
+def noise_share(gradient: GradientEstimate, scale: Tensor | Callable[[str], Tensor]) -> Latents:
     """The variance the gradient's noise brings into an update: ``scale`` times ``gradient.noise_variance``.
 
     ``scale`` maps the gradient's noise to its variance in the update (SGLD's ε², per site where it differs).
-    ``{}`` with ``gradient_noise="ignore"`` or where the estimate carries no noise.
+    ``{}`` where the estimate carries no noise (the kernel ignores it, or it was not estimated).
     """
-    if gradient_noise == "ignore" or not gradient.noise_variance:
+    if not gradient.noise_variance:
         return {}
     if callable(scale):
         return {name: scale(name) * v for name, v in gradient.noise_variance.items()}
     return {name: scale * v for name, v in gradient.noise_variance.items()}
+
+
+def injected_noise(
+    wanted: Tensor | Latents, gradient: GradientEstimate, scale: Tensor | Callable[[str], Tensor], latents: Latents
+) -> tuple[Latents, Tensor, Tensor]:
+    """What a kernel injects, given the noise it wants per step and how the gradient's noise enters its update.
+
+    The estimate hands the noise (``noise_variance``: reported as ``noise_ratio``) and, where the kernel corrects
+    for it, the same in ``noise_correction``: the injected variance is then ``wanted`` less the gradient noise's
+    share ``scale * V`` (:func:`injected_variance`). The kernel needs to know nothing of the mode.
+    """
+    return injected_variance(wanted, noise_share(gradient, scale), bool(gradient.noise_correction), latents)
 
 
 def injected_variance(
@@ -251,9 +264,7 @@ def functional_step(update_rule: Callable) -> Callable:
     """
 
     def step(state: Any, batch: Any, log_posterior_fn: Any, *, gradient_noise: str = "ignore", **kwargs):
-        gradient = estimate(state, batch, log_posterior_fn, gradient_noise=gradient_noise)
-        noise = {} if gradient_noise == "ignore" else {"gradient_noise": gradient_noise}  # an update may not take it
-        return update_rule(state, gradient, **noise, **kwargs)
+        return update_rule(state, estimate(state, batch, log_posterior_fn, gradient_noise=gradient_noise), **kwargs)
 
     step.__doc__ = (
         "Advance one chain by one step on ``batch``: the module's ``update`` (same keywords) after "

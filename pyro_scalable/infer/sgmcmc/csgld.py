@@ -56,7 +56,6 @@ def update(
     cycle_length: int,
     exploration: float = 0.5,
     temperature: ScalarOrSchedule = 1.0,
-    gradient_noise: str = "ignore",
     generator: torch.Generator | None = None,
 ) -> tuple[SGLDState, SGMCMCInfo]:
     """One cyclical SGLD step: SGLD's update at this step's step size and temperature (module docstring)."""
@@ -75,7 +74,6 @@ def update(
         gradient,
         step_size=cycled_step_size,
         temperature=cycled_temperature,
-        gradient_noise=gradient_noise,
         generator=generator,
     )
 

@@ -109,7 +109,8 @@ class Kernel:
         )
 
     def __repr__(self) -> str:
-        shown = (f"{k}={'{...}' if isinstance(v, dict) else repr(v)}" for k, v in self.hyperparameters().items())
+        settings = {**self.hyperparameters(), "gradient_noise": self.gradient_noise}
+        shown = (f"{k}={'{...}' if isinstance(v, dict) else repr(v)}" for k, v in settings.items())
         return f"{type(self).__name__}({', '.join(shown)})"
 
 

@@ -47,9 +47,7 @@ def probe_gradient_noise(
     plate cannot be split into examples), or T = 0; and where the noise cannot be estimated: a minibatch of one
     point has no spread, and with several subsampled plates the minibatch is no sum of independent examples.
     """
-    # a kernel takes the option where its update does (the five here do; the developer guide's skeleton does not)
-    takes = "gradient_noise" in kernel.hyperparameters()
-    if not takes or kernel.gradient_noise != "ignore" or kernel.adapts or not bridge.plates:
+    if kernel.gradient_noise != "ignore" or kernel.adapts or not bridge.plates:
         return None
     if len(bridge.plates) > 1 or any(plate.subsample_size < 2 for plate in bridge.plates.values()):
         return None

@@ -44,8 +44,7 @@ from pyro_scalable.infer.sgmcmc.base import (
     builder,
     functional_step,
     gaussian_like,
-    injected_variance,
-    noise_in_update,
+    injected_noise,
     shared_info,
 )
 from pyro_scalable.infer.sgmcmc.divergence import keep_where_finite
@@ -101,7 +100,6 @@ def update(
     decay: float = 0.99,
     damping: float = 1e-5,
     updates: Updates = "warmup",
-    gradient_noise: str = "ignore",
     generator: torch.Generator | None = None,
 ) -> tuple[PSGLDState, SGMCMCInfo]:
     """Move one chain by one pSGLD step with ``gradient`` (its noise: the variance to correct).
@@ -113,10 +111,9 @@ def update(
         state = accumulate(state, gradient, decay, restart=updates == "learn")
     metric = preconditioner(state, damping)
     step_size_now = resolve(step_size, state.step_count, gradient.log_posterior)
-    gradient_variance = noise_in_update(gradient, gradient_noise, lambda site: step_size_now**2 * metric[site].square())
     wanted = {name: 2.0 * step_size_now * temperature_now * g for name, g in metric.items()}
-    correct = gradient_noise == "correct"
-    variance, noise_ratio, uncorrected = injected_variance(wanted, gradient_variance, correct, state.latents)
+    share = lambda site: step_size_now**2 * metric[site].square()  # noqa: E731 -- the gradient noise's in the update
+    variance, noise_ratio, uncorrected = injected_noise(wanted, gradient, share, state.latents)
     noise = gaussian_like(state.latents, generator, temperature)
     proposal = integrators.langevin(state.latents, gradient.grads, step_size_now, variance, noise, metric)
     diverging = gradient.diverging
@@ -196,4 +193,4 @@ class PSGLD(Kernel):
     def hyperparameters(self) -> dict[str, Any]:
         """The keyword arguments of :func:`update` this kernel binds."""
         bound = {name: getattr(self, name) for name in ("step_size", "temperature", "decay", "damping")}
-        return {**bound, "updates": self.preconditioner, "gradient_noise": self.gradient_noise}
+        return {**bound, "updates": self.preconditioner}

@@ -74,16 +74,14 @@ def update(
     friction: float | Tensor | Latents = 1.0,
     mass: Mass = 1.0,
     temperature: ScalarOrSchedule = 1.0,
-    gradient_noise: str = "ignore",
     generator: torch.Generator | None = None,
 ) -> tuple[SGHMCState, SGHMCInfo]:
     """Move one chain by one SGHMC step with ``gradient`` (its noise: the variance to correct); friction: per site."""
     temperature_now = resolve(temperature, state.step_count, gradient.log_posterior)
     step_size_now = resolve(step_size, state.step_count, gradient.log_posterior)
-    noise_variance = {} if gradient_noise == "ignore" else gradient.noise_variance
-    decay, std, scale, noise_ratio, uncorrected, friction = _coefficients(
-        state.latents, step_size_now, temperature_now, friction, mass, gradient_noise, noise_variance
-    )
+    noise, correct = gradient.noise_variance, bool(gradient.noise_correction)  # as the program hands them
+    coefficients = _coefficients(state.latents, step_size_now, temperature_now, friction, mass, noise, correct)
+    decay, std, scale, noise_ratio, uncorrected, friction = coefficients
     noise = base.gaussian_like(state.latents, generator, temperature)
     momenta = integrators.momentum(state.momenta, gradient.grads, step_size_now, decay, None, noise, std=std)
     proposal = integrators.drift(state.latents, momenta, scale)
@@ -95,7 +93,7 @@ def update(
 
 
 @RunConstants
-def _coefficients(latents, step_size_now, temperature_now, friction, mass, gradient_noise, noise_variance) -> tuple:
+def _coefficients(latents, step_size_now, temperature_now, friction, mass, noise_variance, correct) -> tuple:
     """The decay, noise scale √v and drift scale ε/m per site, the noise statistics and the largest friction."""
     masses = mass_like(mass, latents)
     if isinstance(friction, dict):  # one per coordinate, as warm-up chooses it; the Info shows the largest
@@ -105,8 +103,7 @@ def _coefficients(latents, step_size_now, temperature_now, friction, mass, gradi
         friction = base.scalar_like(friction, step_size_now)
         frictions = dict.fromkeys(latents, friction)
         wanted = 2.0 * friction * step_size_now * temperature_now  # one for all sites
-    gradient_variance = {name: step_size_now**2 * v for name, v in noise_variance.items()}  # base.noise_in_update
-    correct = gradient_noise == "correct"
+    gradient_variance = {name: step_size_now**2 * v for name, v in noise_variance.items()}  # base.noise_share
     if correct:
         frictions, friction = _noise_held(frictions, gradient_variance, step_size_now, temperature_now, masses)
         wanted = {name: 2.0 * f * step_size_now * temperature_now for name, f in frictions.items()}
@@ -192,5 +189,5 @@ class SGHMC(MomentumKernel):
 
     def hyperparameters(self) -> dict[str, Any]:
         """The keyword arguments of :func:`update` this kernel binds."""
-        names = ("step_size", "friction", "mass", "temperature", "gradient_noise")
+        names = ("step_size", "friction", "mass", "temperature")
         return {name: getattr(self, name) for name in names}

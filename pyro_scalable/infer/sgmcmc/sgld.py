@@ -45,8 +45,7 @@ from pyro_scalable.infer.sgmcmc.base import (
     builder,
     functional_step,
     gaussian_like,
-    injected_variance,
-    noise_in_update,
+    injected_noise,
     shared_info,
 )
 from pyro_scalable.infer.sgmcmc.divergence import keep_where_finite
@@ -75,15 +74,14 @@ def update(
     *,
     step_size: ScalarOrSchedule | Tensor,
     temperature: ScalarOrSchedule = 1.0,
-    gradient_noise: str = "ignore",
     generator: torch.Generator | None = None,
 ) -> tuple[SGLDState, SGMCMCInfo]:
     """Move one chain by one SGLD step with the gradient ``gradient`` (its noise, if any, the variance to correct)."""
     temperature_now = resolve(temperature, state.step_count, gradient.log_posterior)
     step_size_now = resolve(step_size, state.step_count, gradient.log_posterior)
-    gradient_variance = noise_in_update(gradient, gradient_noise, step_size_now**2)
-    variance, noise_ratio, uncorrected = injected_variance(
-        2.0 * step_size_now * temperature_now, gradient_variance, gradient_noise == "correct", state.latents
+    # the gradient noise ε² V is part of the step's noise: where the estimate hands it as a correction, less is injected
+    variance, noise_ratio, uncorrected = injected_noise(
+        2.0 * step_size_now * temperature_now, gradient, step_size_now**2, state.latents
     )
     noise = gaussian_like(state.latents, generator, temperature)
     proposal = integrators.langevin(state.latents, gradient.grads, step_size_now, variance, noise)
@@ -158,4 +156,4 @@ class SGLD(Kernel):
 
     def hyperparameters(self) -> dict[str, Any]:
         """The keyword arguments of :func:`update` this kernel binds."""
-        return {"step_size": self.step_size, "temperature": self.temperature, "gradient_noise": self.gradient_noise}
+        return {"step_size": self.step_size, "temperature": self.temperature}

@@ -52,8 +52,7 @@ from pyro_scalable.infer.sgmcmc.base import (
     extended_info,
     functional_step,
     gaussian_like,
-    injected_variance,
-    noise_in_update,
+    injected_noise,
     scalar_like,
     shared_info,
 )
@@ -99,7 +98,6 @@ def update(
     step_size: ScalarOrSchedule | Tensor,
     friction: float | Tensor = 1.0,
     temperature: ScalarOrSchedule = 1.0,
-    gradient_noise: str = "ignore",
     thermostat: Tensor | None = None,
     generator: torch.Generator | None = None,
 ) -> tuple[SGNHTState, SGNHTInfo]:
@@ -112,9 +110,8 @@ def update(
     step_size_now = resolve(step_size, state.step_count, gradient.log_posterior)
     friction = scalar_like(friction, step_size_now)
     xi = state.thermostat if thermostat is None else thermostat + torch.zeros_like(state.thermostat)
-    gradient_variance = noise_in_update(gradient, gradient_noise, step_size_now**2)
-    wanted, correct = 2.0 * friction * step_size_now * temperature_now, gradient_noise == "correct"
-    variance, noise_ratio, uncorrected = injected_variance(wanted, gradient_variance, correct, state.latents)
+    wanted = 2.0 * friction * step_size_now * temperature_now
+    variance, noise_ratio, uncorrected = injected_noise(wanted, gradient, step_size_now**2, state.latents)
     noise = gaussian_like(state.latents, generator, temperature)
     decay = 1.0 - step_size_now * xi
     momenta = integrators.momentum(state.momenta, gradient.grads, step_size_now, decay, variance, noise)
@@ -195,4 +192,4 @@ class SGNHT(MomentumKernel):
 
     def hyperparameters(self) -> dict[str, Any]:
         """The keyword arguments of :func:`update` this kernel binds."""
-        return {name: getattr(self, name) for name in ("step_size", "friction", "temperature", "gradient_noise")}
+        return {name: getattr(self, name) for name in ("step_size", "friction", "temperature")}

@@ -207,7 +207,10 @@ def test_a_friction_is_raised_where_the_chains_gradient_noise_asks_for_more():
     noise = torch.tensor([0.5, 40.0, 4000.0], dtype=torch.float64)  # quiet, loud, louder than any friction fits
     grads = torch.tensor([0.2, -0.1, 0.05], dtype=torch.float64)
     zero = torch.zeros((), dtype=torch.float64)
-    gradient = GradientEstimate({"x": grads}, zero, zero, torch.tensor(False), {"x": noise}, zero + 10, {})
+    # handed as the program hands it to a kernel that corrects for the noise: the noise, and it as the correction
+    gradient = GradientEstimate(
+        {"x": grads}, zero, zero, torch.tensor(False), {"x": noise}, zero + 10, {}, {"x": noise}
+    )
     step_size, temperature, given = 0.1, 0.8, 2.0
     state, info = sghmc.update(
         sghmc.init({"x": x}, {"x": m}),
@@ -215,7 +218,6 @@ def test_a_friction_is_raised_where_the_chains_gradient_noise_asks_for_more():
         step_size=step_size,
         friction=given,
         temperature=temperature,
-        gradient_noise="correct",
         generator=torch.Generator().manual_seed(5),
     )
     # the State's first noise average is the measurement itself; ε V̄ / (2Tρ) = 0.1 V / 0.8
