@@ -10,8 +10,10 @@ A step's gradient is taken of a :class:`~.density.MinibatchDensity` (:mod:`.dens
 
 :mod:`.estimate` takes the gradient of one chain (with the diagonal of its noise where asked: per-group gradients,
 :mod:`.groups`) or of all chains at once; :mod:`.noise` keeps the noise's moving average a noise-correcting kernel is
-handed. Every density is immutable: the driver builds the one a step needs and hands it to the chain stepper with
-the step (:mod:`pyro_scalable.infer.sgmcmc.phases`).
+handed. :mod:`.estimator` makes the gradient one object with a state of its own, the
+:class:`~.estimator.GradientEstimator` (the plain gradient, the noise-estimating one, and their compositions with
+the control variate and the metric), which the driver builds for each density its steps take and hands to the chain
+stepper with the step (:mod:`pyro_scalable.infer.sgmcmc.run_state`); every density and estimator is immutable.
 """
 
 from pyro_scalable.infer.gradients.controlled import ControlledDensity

@@ -81,6 +81,12 @@ def estimators(kernel: Any, gradient: Any, density: MinibatchDensity) -> tuple[G
                 f"{made!r} does not measure the gradient noise, from which warm-up chooses {kernel!r}'s step size: "
                 "give a step_size, or an estimator that measures the noise (NoiseEstimatingGradient, or a subclass)."
             )
+        if kernel.gradient_noise != "ignore" and not made.measures_noise:  # else nothing corrected, nothing said
+            raise ValueError(
+                f"{made!r} does not measure the gradient noise, which {kernel!r} is to {kernel.gradient_noise}: give "
+                "gradient_noise='ignore', or an estimator that measures the noise (NoiseEstimatingGradient, or a "
+                "subclass)."
+            )
         return made, made
     sampling = PlainGradient if kernel.gradient_noise == "ignore" else NoiseEstimatingGradient
     return NoiseEstimatingGradient(density), sampling(density)

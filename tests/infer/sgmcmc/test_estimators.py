@@ -129,3 +129,7 @@ def test_a_gradient_that_cannot_serve_is_refused_with_what_to_do():
         StochasticMCMC(SGLD(regression, step_size=0.1), num_samples=2, gradient=lambda density: object()).run(*data())
     with pytest.raises(ValueError, match="does not measure the gradient noise.*give a step_size"):
         StochasticMCMC(SGLD(regression), num_samples=2, num_warmup=4, gradient=PlainGradient).run(*data())
+    for mode in ("correct", "estimate"):  # a hand-set step: the noise would go uncorrected (unreported), silently
+        kernel = SGLD(regression, step_size=1e-3, gradient_noise=mode)
+        with pytest.raises(ValueError, match=f"which SGLD.* is to {mode}: give gradient_noise='ignore'"):
+            StochasticMCMC(kernel, num_samples=2, gradient=PlainGradient).run(*data())
