@@ -1,7 +1,7 @@
 """Content digests for checkpoint fingerprints: what a model computes and what its data hold, as one short string.
 
 A checkpoint resumes a run only when the run would compute the same thing, so its fingerprint
-(:func:`pyro_scalable.infer.checkpoint.check_fingerprint`) carries :func:`digest` of the model and of the data.
+(:func:`pyro_scalable.infer.fingerprint.check_fingerprint`) carries :func:`digest` of the model and of the data.
 
 * **Tensors** enter by content (dtype, shape and every byte). A CPU tensor's bytes go through SHA-256 in chunks
   without a copy (about 0.05 s for 10^7 float32 values on one core with SHA extensions). A tensor on an

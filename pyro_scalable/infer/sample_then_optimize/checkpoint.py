@@ -22,19 +22,9 @@ from typing import Any
 
 import torch
 
-from pyro_scalable.infer.checkpoint import (
-    UNIDENTIFIED,
-    CheckpointError,
-    CheckpointLock,
-    check_fingerprint,
-    check_path,
-    describe,
-    load,
-    remove_partial_write,
-    save,
-    stable_repr,
-)
+from pyro_scalable.infer.checkpoint import CheckpointError, CheckpointLock, check_path, load, remove_partial_write, save
 from pyro_scalable.infer.digest import call_arguments, identify
+from pyro_scalable.infer.fingerprint import UNIDENTIFIED, check_fingerprint, describe, stable_repr
 from pyro_scalable.infer.linearized.sampling import core
 
 __all__ = ["FORMAT", "SolveCheckpoint", "run_seed"]

@@ -29,19 +29,9 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from pyro_scalable.bridge.plates import FullDataModel
 from pyro_scalable.bridge.traced import portable_history
-from pyro_scalable.infer.checkpoint import (
-    UNIDENTIFIED,
-    CheckpointError,
-    CheckpointLock,
-    check_fingerprint,
-    check_path,
-    describe,
-    load,
-    remove_partial_write,
-    save,
-    stable_repr,
-)
+from pyro_scalable.infer.checkpoint import CheckpointError, CheckpointLock, check_path, load, remove_partial_write, save
 from pyro_scalable.infer.digest import call_arguments, identify
+from pyro_scalable.infer.fingerprint import UNIDENTIFIED, check_fingerprint, describe, stable_repr
 
 __all__ = ["FORMAT", "RunCheckpoint", "run_fingerprint", "stack_chains", "to_device", "unstack_chains"]
 
@@ -116,7 +106,7 @@ def run_fingerprint(run: Any, record: Any, batches: Any = None) -> dict[str, str
     minibatch's dtypes and shapes, the loader's type, length and batch size, the content of its dataset where it is
     a ``TensorDataset`` (any dataset with ``tensors``), and the full data given to ``run``, if any. What cannot be
     identified (a random number generator, an object with nothing to read) is named under ``"unidentified"``, and
-    such a checkpoint is refused rather than resumed (:func:`pyro_scalable.infer.checkpoint.check_fingerprint`).
+    such a checkpoint is refused rather than resumed (:func:`pyro_scalable.infer.fingerprint.check_fingerprint`).
     """
     model = run.kernel.model
     model = model.model if isinstance(model, FullDataModel) else model  # the model as written
