@@ -46,6 +46,7 @@ from torch import Tensor
 from pyro_scalable.bridge.checks import first_line
 from pyro_scalable.bridge.graph_passes import bind_python, gather_rows, simplify, value_shaped
 from pyro_scalable.bridge.records import Batch, Latents
+from pyro_scalable.bridge.signature import CallSignature
 
 __all__ = [
     "RTOL",
@@ -111,58 +112,6 @@ def under_transform(x: Tensor) -> bool:
     return True if is_wrapped is None else bool(is_wrapped(x))
 
 
-def _flatten(tree: Any, slots: list, path: tuple = ()) -> Any:
-    """The structure of ``tree`` (dicts, lists, tuples) as a hashable spec; its leaves appended to ``slots``."""
-    if isinstance(tree, dict):
-        return ("dict", tuple((key, _flatten(value, slots, (*path, key))) for key, value in tree.items()))
-    if type(tree) in (tuple, list):
-        return (type(tree).__name__, tuple(_flatten(value, slots, (*path, i)) for i, value in enumerate(tree)))
-    slots.append((path, tree))
-    return None
-
-
-def _unflatten(spec: Any, leaves: Iterator) -> Any:
-    if spec is None:
-        return next(leaves)
-    kind, children = spec
-    if kind == "dict":
-        return {key: _unflatten(child, leaves) for key, child in children}
-    values = [_unflatten(child, leaves) for child in children]
-    return tuple(values) if kind == "tuple" else values
-
-
-class _Call:
-    """One call's arguments split into tensors (the graph's inputs) and everything else (part of the signature).
-
-    ``key`` is the signature, ``None`` where an argument cannot be hashed (such a call is never recorded).
-    """
-
-    def __init__(self, latents: Latents, batch: Batch):
-        self.slots: list = []
-        self.spec = _flatten((latents, batch.indices, batch.args, batch.kwargs), self.slots)
-        self.paths = [path for path, leaf in self.slots if isinstance(leaf, Tensor)]
-        self.tensors = [leaf for _, leaf in self.slots if isinstance(leaf, Tensor)]
-        described = tuple((tuple(t.shape), t.dtype, t.device) for t in self.tensors)
-        others = tuple((path, leaf) for path, leaf in self.slots if not isinstance(leaf, Tensor))
-        self.key: Any = (self.spec, described, others)
-        try:
-            hash(self.key)
-        except TypeError:
-            self.key = None
-
-    def describe(self) -> str:
-        """The call's latents and minibatch indices with their shapes, for a log message."""
-        parts = [f"{path[1]} {tuple(t.shape)}" for path, t in zip(self.paths, self.tensors, strict=True) if path[0] < 2]
-        return "latents and indices " + ", ".join(parts)
-
-    def rebuild(self, tensors) -> tuple[Latents, Batch]:
-        """The call's ``(latents, batch)`` with ``tensors`` in place of its tensors."""
-        values = iter(tensors)
-        leaves = (next(values) if isinstance(leaf, Tensor) else leaf for _, leaf in self.slots)
-        latents, indices, args, kwargs = _unflatten(self.spec, leaves)
-        return latents, Batch(indices, args, kwargs)
-
-
 class TracedLogDensity:
     """``evaluate(latents, batch)`` replayed from a recorded graph for every signature that passed the checks.
 
@@ -196,7 +145,7 @@ class TracedLogDensity:
     def __call__(self, latents: Latents, batch: Batch) -> Tensor:
         if not _enabled:
             return self.evaluate(latents, batch)
-        call = _Call(latents, batch)
+        call = CallSignature(latents, batch)
         graph = self.graphs.get(call.key)
         if graph is not None:
             return graph(*call.tensors)
@@ -254,7 +203,7 @@ class TracedLogDensity:
             self._calls[key] = TRACE_AFTER - 1
 
     # ------------------------------------------------------------------ recording (in a thread of its own)
-    def _standins(self, call: _Call, generator: torch.Generator | None) -> list[Tensor]:
+    def _standins(self, call: CallSignature, generator: torch.Generator | None) -> list[Tensor]:
         """Plain tensors for the call: its own where they are plain, else zeros (index 0, or latents at 0).
 
         Zero is a valid unconstrained point of every ``biject_to``: it maps inside the site's support. With a
@@ -282,7 +231,7 @@ class TracedLogDensity:
             out.append(value)
         return out
 
-    def _record(self, call: _Call) -> tuple[Callable | None, str]:
+    def _record(self, call: CallSignature) -> tuple[Callable | None, str]:
         from torch.fx.experimental.proxy_tensor import make_fx
 
         def flat(*tensors):
@@ -312,7 +261,7 @@ class TracedLogDensity:
         return graph.forward, ""
 
 
-def _compiled(graph, check: list[Tensor], call: _Call) -> tuple[Callable, str]:
+def _compiled(graph, check: list[Tensor], call: CallSignature) -> tuple[Callable, str]:
     """``torch.compile`` of the checked ``graph``, compiled here at the check point; the graph itself if that fails."""
     try:
         with warnings.catch_warnings():  # torch's compiler imports scripted modules: a torch internal's notice
@@ -379,7 +328,7 @@ def _in_thread(work: Callable[[], tuple]) -> tuple:
     return result[0]
 
 
-def _disagreement(flat: Callable, graph: Callable, point: list[Tensor], call: _Call) -> str:
+def _disagreement(flat: Callable, graph: Callable, point: list[Tensor], call: CallSignature) -> str:
     """Why the graph and the model differ at ``point`` (value or gradients beyond :data:`RTOL`), or ``""``."""
     latent = [i for i, path in enumerate(call.paths) if path[0] == 0 and point[i].is_floating_point()]
     results = []

@@ -14,7 +14,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from pyro_scalable.bridge.graph_passes import bind_python, gather_rows
 from pyro_scalable.bridge.model import ModelBridge
 from pyro_scalable.bridge.records import Batch
-from pyro_scalable.bridge.traced import TRACE_AFTER, _Call, model_tracing
+from pyro_scalable.bridge.signature import CallSignature
+from pyro_scalable.bridge.traced import TRACE_AFTER, model_tracing
 from pyro_scalable.infer import SGHMC, StochasticMCMC
 
 
@@ -134,7 +135,7 @@ def test_the_replay_calls_torch_bindings_and_gives_the_aten_calls_results_bit_fo
     for seed in (1, 2, 3):
         latents = point(bridge, seed)
         batch = Batch({plate.name: torch.randperm(plate.size)[: plate.subsample_size]}, bridge.args, {})
-        call = _Call(latents, batch)
+        call = CallSignature(latents, batch)
         results = []
         for fn in (graph, aten):
             inputs = [
