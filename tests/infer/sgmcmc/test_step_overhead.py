@@ -38,6 +38,7 @@ def _chain(d=5, seed=0):
 
 
 def _gradient(grads, noise=None):
+    """A gradient as the program hands it to a kernel: with ``noise``, as one that corrects for it."""
     return estimate.GradientEstimate(
         grads,
         torch.tensor(-1.0),
@@ -46,6 +47,7 @@ def _gradient(grads, noise=None):
         noise or {},
         torch.zeros(()),
         {},
+        noise or {},
     )
 
 
@@ -63,7 +65,7 @@ def test_plain_sghmc_update_dispatches_only_its_maths():
 def test_noise_corrected_update_between_measurements_dispatches_only_its_maths():
     state, grads = _chain()
     noise = {name: torch.rand(x.shape) for name, x in grads.items()}  # the same average: no new measurement
-    kwargs = {"step_size": 1e-3, "friction": 10.0, "gradient_noise": "correct", "generator": torch.Generator()}
+    kwargs = {"step_size": 1e-3, "friction": 10.0, "generator": torch.Generator()}
     state, _ = sghmc.update(state, _gradient(grads, noise), **kwargs)
     gradient = _gradient(grads, noise)
     with Count() as count:
@@ -79,8 +81,9 @@ def test_remembered_coefficients_give_the_same_draws_bitwise(noise_mode):
     friction = {"w": torch.full((5,), 8.0), "s": torch.tensor(12.0)}  # per coordinate, as warm-up chooses it
     noise, step_size = {}, torch.tensor(1e-3)
     for t in range(6):
-        noise = {name: torch.rand(x.shape) * 1e3 for name, x in grads.items()} if t % 3 == 0 else noise
-        kwargs = {"step_size": step_size, "friction": friction, "gradient_noise": noise_mode}
+        if noise_mode == "correct":  # a new measurement every third step; "ignore": the program hands none
+            noise = {name: torch.rand(x.shape) * 1e3 for name, x in grads.items()} if t % 3 == 0 else noise
+        kwargs = {"step_size": step_size, "friction": friction}
         state, info = sghmc.update(state, _gradient(grads, noise), **kwargs, generator=torch.Generator().manual_seed(t))
         original = sghmc._coefficients
         sghmc._coefficients = original.function  # no memory: computed anew
