@@ -21,7 +21,7 @@ import torch
 
 from pyro_scalable.bridge.plates import plate_indices
 
-__all__ = ["prior_parents"]
+__all__ = ["irregular_point", "prior_parents"]
 
 
 def prior_parents(bridge: Any) -> dict[str, tuple[str, ...]]:
@@ -42,12 +42,7 @@ def prior_parents(bridge: Any) -> dict[str, tuple[str, ...]]:
 
     """
     one = {name: torch.zeros(1, dtype=torch.long, device=bridge.device) for name in bridge.plates}
-    point, start = {}, 0
-    for name, site in bridge.sites.items():
-        k = torch.arange(start, start + math.prod(site.unconstrained_shape), dtype=torch.float64)
-        start += k.numel()
-        point[name] = (0.5 * torch.cos(1.3 * k + 0.7)).reshape(site.unconstrained_shape).to(site.dtype)
-    values = {k: v.to(bridge.device).detach().requires_grad_() for k, v in bridge.constrain(point).items()}
+    values = {k: v.detach().requires_grad_() for k, v in bridge.constrain(irregular_point(bridge)).items()}
     parents = {}
     with torch.enable_grad(), pyro.validation_enabled(False), plate_indices(one, full_data=True):
         conditioned = pyro.poutine.condition(bridge.model, data=values)
@@ -60,3 +55,28 @@ def prior_parents(bridge: Any) -> dict[str, tuple[str, ...]]:
                 grads = torch.autograd.grad(density, [values[k] for k in others], allow_unused=True)
             parents[name] = tuple(k for k, g in zip(others, grads) if g is not None and bool((g != 0).any()))
     return parents
+
+
+def irregular_point(bridge: Any, shift: float = 0.0) -> dict[str, torch.Tensor]:
+    """A fixed, irregular unconstrained point of ``bridge``'s latents (``shift`` gives another): no special value.
+
+    At a special point a derivative can vanish that is not zero elsewhere (``b ~ Normal(mu, tau)`` at 0 has no
+    gradient in ``mu``); a cosine of the coordinates' running index has none of those.
+
+    Example:
+        >>> import pyro, pyro.distributions as dist, torch
+        >>> from pyro_scalable.bridge import ModelBridge
+        >>> def model(y):
+        ...     w = pyro.sample("w", dist.Normal(torch.zeros(3), 1.0).to_event(1))
+        ...     pyro.sample("obs", dist.Normal(w.sum(), 1.0), obs=y)
+        >>> irregular_point(ModelBridge(model, (torch.tensor(0.5),)))["w"]
+        tensor([ 0.3824, -0.2081, -0.4937])
+
+    """
+    point, start = {}, 0
+    for name, site in bridge.sites.items():
+        k = torch.arange(start, start + math.prod(site.unconstrained_shape), dtype=torch.float64)
+        start += k.numel()
+        value = 0.5 * torch.cos(1.3 * k + 0.7 + shift)
+        point[name] = value.reshape(site.unconstrained_shape).to(site.dtype).to(bridge.device)
+    return point

@@ -19,18 +19,18 @@ one coordinate of a group's slice at a time (an intercept and a slope times :mat
 the ratio would then carry the terms' rounding): three products over the data per coordinate of a group's slice of
 each local site, :math:`O(N)` memory, and the groups a row reads must agree across them.
 A row whose derivative vanishes at the point (a residual exactly zero) is tried again at a second point. The point
-is fixed and irregular, as :func:`~.hierarchy.prior_parents`'s.
+is fixed and irregular (:func:`~.hierarchy.irregular_point`).
 """
 
 from __future__ import annotations
 
-import math
 import warnings
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
+from pyro_scalable.bridge.hierarchy import irregular_point
 from pyro_scalable.bridge.likelihood import chunk_dim, data_batches
 from pyro_scalable.bridge.model import Batch, Latents, ModelBridge
 
@@ -121,10 +121,10 @@ def row_groups(bridge: ModelBridge, plate: str | None = None) -> RowGroups:
     if plate not in plates:
         raise ValueError(f"'{plate}' is no group plate of this model (found: {sorted(plates)}).")
     sites = plates[plate]
-    point = _irregular(bridge, 0.0)
+    point = irregular_point(bridge)
     group, known = _probe(bridge, point, plate, sites)
     if not bool(known.all()):  # a derivative that vanished at the point: a second one
-        again, found = _probe(bridge, _irregular(bridge, 1.0), plate, sites)
+        again, found = _probe(bridge, irregular_point(bridge, 1.0), plate, sites)
         group, known = torch.where(known, group, again), known | found
     if not bool(known.all()):
         rows = torch.nonzero(~known).flatten()[:5].tolist()
@@ -135,17 +135,6 @@ def row_groups(bridge: ModelBridge, plate: str | None = None) -> RowGroups:
     size = bridge.sites[sites[0]].shape[bridge.sites[sites[0]].plates.index(plate)]
     sizes = torch.bincount(group, minlength=size)
     return RowGroups(plate, data.name, sites, group, sizes)
-
-
-def _irregular(bridge: ModelBridge, shift: float) -> Latents:
-    """A fixed, irregular unconstrained point (no special value hides a derivative); ``shift`` gives another."""
-    point, start = {}, 0
-    for name, site in bridge.sites.items():
-        k = torch.arange(start, start + math.prod(site.unconstrained_shape), dtype=torch.float64)
-        start += k.numel()
-        value = 0.5 * torch.cos(1.3 * k + 0.7 + shift)
-        point[name] = value.reshape(site.unconstrained_shape).to(site.dtype).to(bridge.device)
-    return point
 
 
 def _tangent(latents: Latents, bridge: ModelBridge, plate: str, site: str, coordinate: int, power: int) -> Latents:

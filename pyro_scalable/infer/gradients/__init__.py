@@ -35,7 +35,7 @@ from pyro_scalable.infer.gradients.estimator import (
     control_variate,
     whitened,
 )
-from pyro_scalable.infer.gradients.noise import NOISE_WINDOW, average_noise, noise_start
+from pyro_scalable.infer.gradients.noise import NOISE_WINDOW, average_noise
 from pyro_scalable.infer.gradients.whitened import AffineMap, WhitenedDensity
 
 __all__ = [
@@ -60,6 +60,5 @@ __all__ = [
     "estimate_gradient",
     "evaluate",
     "gradient_and_value",
-    "noise_start",
     "whitened",
 ]

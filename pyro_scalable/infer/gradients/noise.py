@@ -15,14 +15,9 @@ from torch import Tensor
 from pyro_scalable.bridge.model import Latents
 from pyro_scalable.infer.gradients.estimate import GradientEstimate
 
-__all__ = ["NOISE_WINDOW", "average_noise", "noise_start"]
+__all__ = ["NOISE_WINDOW", "average_noise"]
 
 NOISE_WINDOW = 50  # steps: the moving average of the gradient noise forgets older steps at this rate
-
-
-def noise_start(latents: Latents, gradient_noise: str) -> Latents:
-    """A noise average at the start: zeros where the noise is estimated, ``{}`` where it is not."""
-    return {} if gradient_noise == "ignore" else {name: torch.zeros_like(x) for name, x in latents.items()}
 
 
 def average_noise(average: Latents, gradient: GradientEstimate, step_count: Tensor, every: int = 1) -> Latents:

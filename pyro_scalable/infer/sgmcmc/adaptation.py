@@ -44,7 +44,7 @@ from pyro_scalable.infer.gradients import NOISE_WINDOW, GradientEstimate, Miniba
 from pyro_scalable.infer.gradients.estimator import EstimatorState, GradientEstimator
 from pyro_scalable.infer.schedules import resolve
 from pyro_scalable.infer.sgmcmc import tuning
-from pyro_scalable.infer.sgmcmc.base import CURVATURE_EVERY, SAMPLING, Latents, Phase, noise_phase
+from pyro_scalable.infer.sgmcmc.base import CURVATURE_EVERY, SAMPLING, Latents, Phase, for_mode, noise_phase
 
 __all__ = [
     "Adaptation",
@@ -85,15 +85,11 @@ class TunedState(NamedTuple):
 
 
 def handed(kernel: Any, gradient: GradientEstimate) -> GradientEstimate:
-    """``gradient`` as the kernel's update takes it, under the kernel's ``gradient_noise``.
+    """``gradient`` as the kernel's update takes it, under the kernel's ``gradient_noise`` (:func:`~.base.for_mode`).
 
-    ``"ignore"``: no noise (warm-up measured it for itself); ``"estimate"``: the noise's average, to report;
-    ``"correct"``: the same also as the correction the update subtracts from the noise it injects.
+    Where the kernel ignores the noise, warm-up has measured it for itself.
     """
-    if kernel.gradient_noise == "ignore":
-        return gradient._replace(noise_variance={}, noise_correction={})
-    correction = gradient.noise_variance if kernel.gradient_noise == "correct" else {}
-    return gradient._replace(noise_correction=correction)
+    return for_mode(gradient, kernel.gradient_noise)
 
 
 def power_iterations(warmup_step: int) -> int:

@@ -48,6 +48,7 @@ __all__ = [
     "check_gradient_noise",
     "estimate",
     "extended_info",
+    "for_mode",
     "gaussian_like",
     "injected_noise",
     "injected_variance",
@@ -128,8 +129,18 @@ def estimate(state: Any, batch: Any, log_posterior_fn: Any, *, gradient_noise: s
     subtract (``noise_correction``); with ``"ignore"`` neither.
     """
     density = as_density(log_posterior_fn)  # a MinibatchDensity, or a plain function of (latents, batch)
-    gradient = estimate_gradient(density, state.latents, batch, noise=gradient_noise != "ignore")
-    return gradient._replace(noise_correction=gradient.noise_variance) if gradient_noise == "correct" else gradient
+    return for_mode(estimate_gradient(density, state.latents, batch, noise=gradient_noise != "ignore"), gradient_noise)
+
+
+def for_mode(gradient: GradientEstimate, gradient_noise: str) -> GradientEstimate:
+    """``gradient`` as an update takes it under ``gradient_noise``.
+
+    ``"ignore"``: no noise; ``"estimate"``: the noise, to report; ``"correct"``: the same also as the correction the
+    update subtracts from the noise it injects (``noise_correction``).
+    """
+    if gradient_noise == "ignore":
+        return gradient._replace(noise_variance={}, noise_correction={})
+    return gradient._replace(noise_correction=gradient.noise_variance if gradient_noise == "correct" else {})
 
 
 def noise_share(gradient: GradientEstimate, scale: Tensor | Callable[[str], Tensor]) -> Latents:

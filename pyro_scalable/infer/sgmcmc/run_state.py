@@ -20,7 +20,12 @@ from pyro_scalable.bridge.minibatches import EpochSampler
 from pyro_scalable.bridge.model import Latents, ModelBridge
 from pyro_scalable.infer.checkpoint import CheckpointError
 from pyro_scalable.infer.gradients import ControlledDensity, MinibatchDensity
-from pyro_scalable.infer.gradients.estimator import GradientEstimator, NoiseEstimatingGradient, PlainGradient
+from pyro_scalable.infer.gradients.estimator import (
+    GradientEstimator,
+    NoiseEstimatingGradient,
+    PlainGradient,
+    whitened,
+)
 from pyro_scalable.infer.record import RunRecord
 from pyro_scalable.infer.sgmcmc.adaptation import Adaptation, Tuned
 from pyro_scalable.infer.sgmcmc.chains import ChainStepper
@@ -58,9 +63,9 @@ def step_estimators(state: RunState) -> StepEstimators:
     """
     wrap = state.schedule.wrap if state.schedule is not None else (lambda density: density)
     kind = state.stepper.program.estimator
-    calibrated = kind.over(wrap(state.base))
+    calibrated = whitened(kind.over(state.base), wrap)
     plain_burn_in = state.option == "warmup" and isinstance(state.base, ControlledDensity)
-    return StepEstimators(kind.over(wrap(state.base.inner)) if plain_burn_in else calibrated, calibrated)
+    return StepEstimators(whitened(kind.over(state.base.inner), wrap) if plain_burn_in else calibrated, calibrated)
 
 
 def estimators(kernel: Any, gradient: Any, density: MinibatchDensity) -> tuple[GradientEstimator, GradientEstimator]:
