@@ -35,15 +35,14 @@ So a dense stage takes the Hessian :math:`H = V\,\mathrm{diag}(h)\,V^\top` of th
 .. math::
 
     \hat\Sigma = V\,\mathrm{diag}(1/h'_k)\,V^\top, \qquad
-    h'_k = \min\Big(\max\big(\lvert h_k\rvert,\ \frac{1}{C\, s_k}\big),\ \frac{C^2}{s_k}\Big), \qquad
-    s_k = v_k^\top S v_k, \qquad C = 100 \ (:data:`SPREAD_LIMIT`):
+    h'_k = \max\big(\lvert h_k\rvert,\ 1 / (C\, v_k^\top S v_k)\big), \qquad C = 100
+    \ (:data:`SPREAD_LIMIT`):
 
 the inverse Hessian (exact for a Gaussian posterior, whatever the chains explored) wherever it is at most
-:math:`C` times wider than the window's spread and at most :math:`C^2` times narrower; a flat or negative-curvature
-direction (a saddle) is bounded by the positions instead of made arbitrarily wide, and a direction far steeper at
-:math:`\hat\mu` than the chains' spread (a funnel's neck: the Hessian at the mean of a group scale's logarithm
-reached :math:`10^{33}` on a 5-group hierarchy, whose inverse is not positive definite to a float's precision) is
-bounded too. ``metric="dense"`` does this at every stage;
+:math:`C` times wider than the window's spread; a flat or negative-curvature direction (a funnel's neck, a saddle)
+is bounded by the positions instead of made arbitrarily wide. Where that inverse is not positive definite to the
+precision of a float (a funnel's neck: the Hessian at the window mean of a 5-group hierarchy's log scale reached
+:math:`10^{33}`), the stage takes the window's pooled covariance instead. ``metric="dense"`` does this at every stage;
 ``"diagonal"`` uses the diagonal of :math:`S` (Stan's regularisation towards a small multiple of the identity);
 ``"auto"`` is dense up to :data:`DENSE_LIMIT` unconstrained dimensions, diagonal otherwise, and is on only where
 warm-up chooses the step size and has at least :data:`LEAST_WARMUP` steps, and only where the first metric's
@@ -76,7 +75,7 @@ STAGES = (0.15, 0.3, 0.55)  # warm-up's metric changes after these shares of num
 DENSE_LIMIT = 100
 LEAST_WARMUP = 200
 WORTHWHILE = 3.0  # "auto" keeps the unit metric where the first one's condition number is below this
-SPREAD_LIMIT = 100.0  # a dense metric's variance along an eigenvector of H: ≤ this × the window's, ≥ 1/this² of it
+SPREAD_LIMIT = 100.0  # a dense metric's variance along a Hessian eigenvector is at most this × the window's spread
 _SHRINK = 5.0  # Stan's regularisation: (n / (n + 5)) S + (5 / (n + 5)) 1e-3 (here relative to the mean variance)
 
 
@@ -186,12 +185,14 @@ class MetricSchedule:
         if covariance.dim() == 2 and hessian is not None:
             values, vectors = torch.linalg.eigh(hessian(self.window_mean).double())
             spread = ((covariance @ vectors) * vectors).sum(0)  # the window's variance along each eigenvector
-            spread = spread.clamp(min=floor.double())  # the shrunk covariance's: positive, rounding aside
-            values = torch.minimum(torch.maximum(values.abs(), 1.0 / (SPREAD_LIMIT * spread)), SPREAD_LIMIT**2 / spread)
+            values = torch.maximum(values.abs(), 1.0 / (SPREAD_LIMIT * spread))
             if self.stage == 0 and self.kind == "auto" and float(values.max() / values.min()) < WORTHWHILE:
                 return self._stop()
             inverse = (vectors / values) @ vectors.T
-            return self._advance(torch.linalg.cholesky(0.5 * (inverse + inverse.T)).to(like))
+            scale, failed = torch.linalg.cholesky_ex(0.5 * (inverse + inverse.T))
+            if not bool(failed):
+                return self._advance(scale.to(like))
+            # not positive definite to a float's precision: the window's pooled covariance, as without a Hessian
         use_dense = covariance.dim() == 2 and (self.kind == "dense" or n >= 10 * self.layout.num_params)
         if use_dense:
             scale = torch.linalg.cholesky(covariance)
