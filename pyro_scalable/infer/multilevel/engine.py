@@ -1,0 +1,341 @@
+r"""Multilevel MCMC: the group plate's blocks moved on their own rows, the global latents on their conditional.
+
+A model with a group plate of :math:`G` groups (local latents :math:`b_k`, one block of :math:`p` unconstrained
+coordinates each), global latents :math:`\theta` and data rows that each read one group (:mod:`~pyro_scalable.bridge.
+row_groups`) has the posterior :math:`\pi(\theta, b) \propto p(\theta) \prod_k p(b_k \mid \theta)
+\prod_i p(y_i \mid \theta, b_{g(i)})` (:mod:`~pyro_scalable.bridge.group_terms`). Each iteration is a
+Metropolis-within-Gibbs sweep of two exact moves:
+
+1. **The locals.** :math:`M` groups drawn uniformly without replacement (all of them by default), independently of
+   the state. Given :math:`\theta` the groups are independent, and group :math:`k`'s conditional
+   :math:`\ell_k(b_k) = \log p(b_k \mid \theta) + \sum_{g(i)=k} \log p(y_i \mid \theta, b_k)` reads its own rows only
+   (through the data plate's subsample), with no :math:`N/B` scale. Each drawn block takes one preconditioned MALA
+   move (:mod:`.mala`) and accepts on its own. Its preconditioner is :math:`P_k = R_k + Q_k(\theta)`: :math:`R_k` the
+   rows' negative Hessian at a reference point fixed in sampling, :math:`Q_k(\theta)` the group prior's negative
+   Hessian at the reference locals under the *current* globals (so a block's step follows the group scale as it
+   moves, as a funnel needs). Neither depends on :math:`b_k`, so each move leaves the conditional invariant exactly.
+2. **The globals.** One preconditioned MALA move of :math:`\theta` on its conditional
+   :math:`\log p(\theta) + \sum_k \log p(b_k \mid \theta) + \sum_i \log p(y_i \mid \theta, b_{g(i)})`; the last
+   sum (one pass over the data) only where some global enters the likelihood, found once by differentiating it.
+   Globals that only set the groups' prior (a mean and a scale of the effects) need no data and take
+   ``global_moves`` moves per sweep.
+
+Both moves leave :math:`\pi` invariant, and so does their composition: the kept draws are exact MCMC draws of the
+posterior, with no step-size bias and no minibatch noise. The cost per sweep is the drawn groups' rows (a data
+pass with all groups), plus one pass where a global reads the data, plus the curvature :math:`Q` (no data).
+
+**Warm-up** (``num_warmup`` sweeps): the steps of the two kinds of block are set by dual averaging of their
+acceptance (target 0.6); at the ends of windows of 10%, 10%, 15% and 25% of warm-up the reference point becomes
+the window's mean over chains, :math:`R` is read again there, and the globals' preconditioner becomes the inverse of
+the window's covariance (regularised towards the identity as Stan regularises its metric). The steps are fixed at
+their averages for sampling.
+
+**What it does not do** (yet): move the globals with a minibatch estimate (each global move that reads the data
+costs a full pass), or interweave a centred and a non-centred parametrisation: a centred model with weak groups
+(few rows each, a small group scale) mixes slowly in :math:`(\tau, b)` as any Gibbs sampler does, and a warning
+says so through r_hat; write such a model non-centred (``LocScaleReparam``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+from pyro.infer.autoguide.initialization import init_to_uniform
+from torch import Tensor
+from torch.func import grad, grad_and_value, jvp, vmap
+
+from pyro_scalable.arguments import check_count, check_device, check_flag, check_seed
+from pyro_scalable.bridge import FullDataModel
+from pyro_scalable.bridge.group_terms import group_terms
+from pyro_scalable.bridge.hierarchy import irregular_point
+from pyro_scalable.bridge.model import ModelBridge
+from pyro_scalable.bridge.row_groups import RowGroups, row_groups
+from pyro_scalable.infer.health import warn_unhealthy
+from pyro_scalable.infer.multilevel.layout import Layout
+from pyro_scalable.infer.multilevel.mala import DualAveraging, mala, precision_factor
+from pyro_scalable.infer.record import RunRecord
+from pyro_scalable.infer.results import Draws
+
+__all__ = ["MultilevelMCMC"]
+
+WINDOWS = (0.10, 0.20, 0.35, 0.60)  # fractions of warm-up at which the reference and the preconditioners are renewed
+
+
+class _Kernel:
+    """What ``arviz.from_pyro`` reads as ``posterior.kernel``: the model on the full data."""
+
+    def __init__(self, model: Callable):
+        self.model = model
+
+
+class _Rows:
+    """The data rows of each group, in one index sorted by group: a set of groups' rows is a gather, not a copy."""
+
+    def __init__(self, groups: RowGroups):
+        self.group = groups.group
+        self.sizes = groups.sizes
+        self.order = torch.argsort(groups.group, stable=True)
+        self.starts = torch.cumsum(groups.sizes, 0) - groups.sizes
+        self.num_groups = groups.num_groups
+        self.all = torch.arange(len(groups.group), device=groups.group.device)
+
+    def of(self, drawn: Tensor) -> tuple[Tensor, Tensor]:
+        """The rows of the groups ``drawn`` and, for each row, its group's position in ``drawn``."""
+        if drawn.shape[0] == self.num_groups:
+            return self.all, self.group
+        lengths = self.sizes[drawn]
+        offsets = torch.cumsum(lengths, 0) - lengths
+        slot = torch.repeat_interleave(torch.arange(len(drawn), device=drawn.device), lengths)
+        within = torch.arange(int(lengths.sum()), device=drawn.device) - offsets[slot]
+        return self.order[self.starts[drawn][slot] + within], slot
+
+
+class MultilevelMCMC(Draws):
+    """Metropolis-within-Gibbs for a model with a group plate: exact block moves of the groups, then the globals.
+
+    Args:
+        model: a Pyro model with a **group plate** (a ``pyro.plate`` that is not subsampled, holding a latent per
+            group) and one subsampled **data plate** whose rows each read one group, e.g.
+            ``pyro.sample("obs", dist.Normal(a[g[idx]] + b[g[idx]] * x[idx], s), obs=y[idx])``. The rows' groups are
+            read from the model (:func:`~pyro_scalable.bridge.row_groups.row_groups`).
+        num_samples: draws kept per chain (one per sweep).
+        num_warmup: sweeps of warm-up per chain (module docstring).
+        num_chains: chains, run together.
+        plate: the group plate's name, where the model has several.
+        groups_per_step: groups moved per sweep (default: all). Fewer make a sweep cheaper and mix the locals less
+            per sweep; they are drawn uniformly without replacement, the same for every chain.
+        global_moves: MALA moves of the globals per sweep where no global reads the data (default 3; 1 otherwise).
+        seed: the run's random seed (default: drawn from torch's generator).
+        init_strategy: Pyro's initialisation strategy for the chains' starting points.
+        draws_device: where draws are kept (default CPU).
+        progress_bar: accepted for the surface's sake; this engine prints no bar.
+
+    After ``run``, the result surface is ``pyro.infer.MCMC``'s (``get_samples``, ``summary``, ``diagnostics``,
+    ``to_inference_data``); ``sample_stats`` has each chain's mean acceptance of its local moves (``accept_prob``) and
+    of its global ones (``accept_global``); ``step_sizes`` the steps warm-up chose; ``data_passes`` the passes made.
+
+    Example:
+        >>> import pyro, pyro.distributions as dist, torch
+        >>> def model(g, y):
+        ...     mu = pyro.sample("mu", dist.Normal(0.0, 5.0))
+        ...     with pyro.plate("groups", 4):
+        ...         b = pyro.sample("b", dist.Normal(mu, 1.0))
+        ...     with pyro.plate("data", len(y), subsample_size=8) as idx:
+        ...         pyro.sample("obs", dist.Normal(b[g[idx]], 1.0), obs=y[idx])
+        >>> g = torch.arange(40) % 4
+        >>> y = g.float() + torch.randn(40, generator=torch.Generator().manual_seed(0))
+        >>> mcmc = MultilevelMCMC(model, num_samples=200, num_warmup=200, seed=0).run(g, y)
+        >>> mcmc.get_samples()["b"].shape
+        torch.Size([800, 4])
+
+    """
+
+    def __init__(
+        self,
+        model: Callable,
+        num_samples: int = 1000,
+        num_warmup: int = 1000,
+        num_chains: int = 4,
+        *,
+        plate: str | None = None,
+        groups_per_step: int | None = None,
+        global_moves: int | None = None,
+        seed: int | None = None,
+        init_strategy: Callable = init_to_uniform,
+        draws_device: torch.device | str = "cpu",
+        progress_bar: bool = True,
+    ):
+        if not callable(model):
+            raise TypeError(f"model must be a Pyro model (a callable), got {model!r}.")
+        self.num_samples = check_count("num_samples", num_samples)
+        self.num_warmup = check_count("num_warmup", num_warmup, least=0)
+        self.num_chains = check_count("num_chains", num_chains)
+        if plate is not None and not isinstance(plate, str):
+            raise TypeError(f"plate must be the group plate's name (a str), got {plate!r}.")
+        self.plate = plate
+        self.groups_per_step = check_count("groups_per_step", groups_per_step, optional=True)
+        self.global_moves = check_count("global_moves", global_moves, optional=True)
+        self.seed = check_seed("seed", seed)
+        self.init_strategy = init_strategy
+        self.draws_device = check_device("draws_device", draws_device)
+        self.progress_bar = check_flag("progress_bar", progress_bar)
+        self.kernel = _Kernel(FullDataModel(model))
+        self.step_sizes: dict[str, float] = {}
+        self.data_passes = 0.0
+        self.results = None
+
+    # ------------------------------------------------------------------ running
+    def run(self, *args: Any, **kwargs: Any) -> MultilevelMCMC:
+        """Warm up, then keep ``num_samples`` sweeps of every chain; return self."""
+        bridge = ModelBridge(self.kernel.model.model, args, kwargs)
+        groups = row_groups(bridge, self.plate)
+        sweep = _Sweep(bridge, groups, self)
+        seed = self.seed if self.seed is not None else int(torch.randint(2**31, ()).item())
+        generator = torch.Generator(device=bridge.device).manual_seed(seed)
+        latents = bridge.init_latents(self.num_chains, self.init_strategy, seed=seed)
+        theta, b = sweep.layout.split(latents)
+        sweep.adapt_to(theta[:, None], b)
+        self.results = RunRecord(bridge, bridge, args, kwargs)
+        windows = sorted({int(f * self.num_warmup) for f in WINDOWS if int(f * self.num_warmup) >= 10})
+        start, kept = time.perf_counter(), []
+        window_theta: list[Tensor] = []
+        window_b = torch.zeros_like(b)
+        for t in range(self.num_warmup):
+            theta, b, _ = sweep(theta, b, generator, adapt=True)
+            window_theta.append(theta)
+            window_b += b
+            if t + 1 in windows:
+                sweep.adapt_to(torch.stack(window_theta, 1), window_b / len(window_theta))
+                window_theta, window_b = [], torch.zeros_like(b)
+        sweep.fix_steps()
+        self.results.allocate(sweep.layout.join(theta, b), self.num_samples, self.draws_device)
+        for t in range(self.num_samples):
+            theta, b, info = sweep(theta, b, generator, adapt=False)
+            self.results.record(t, sweep.layout.join(theta, b), info)
+            kept.append(info)
+        self.results.settle()
+        self.step_sizes = {"local": sweep.local_step.step.tolist(), "global": sweep.global_step.step.tolist()}
+        self.data_passes = sweep.rows_read / groups.group.shape[0]
+        self.seconds = time.perf_counter() - start
+        warn_unhealthy(self.results.draws, {}, data_passes=self.data_passes)
+        return self
+
+
+class SweepInfo(NamedTuple):
+    """A sweep's statistics, per chain: the mean acceptance of its local moves and of its global ones."""
+
+    accept_prob: Tensor
+    accept_global: Tensor
+
+
+class _Sweep:
+    """One Metropolis-within-Gibbs sweep of every chain, and the warm-up that sets its preconditioners and steps."""
+
+    def __init__(self, bridge: ModelBridge, groups: RowGroups, engine: MultilevelMCMC):
+        self.bridge, self.groups = bridge, groups
+        self.layout = Layout(bridge, groups)
+        self.rows = _Rows(groups)
+        self.num_groups = groups.num_groups
+        self.per_step = min(engine.groups_per_step or self.num_groups, self.num_groups)
+        self.one_row = self.rows.all[:1]
+        self.data_globals = self._globals_read_data()
+        self.global_moves = engine.global_moves or (1 if self.data_globals else 3)
+        ones = torch.ones(engine.num_chains, dtype=bridge.sites[groups.sites[0]].dtype, device=bridge.device)
+        self.local_step, self.global_step = DualAveraging(ones), DualAveraging(ones)
+        self.rows_read = 0
+
+    # ---------------------------------------------------------------- densities (one chain; vmapped over chains)
+    def _terms(self, theta: Tensor, b: Tensor, rows: Tensor):
+        return group_terms(self.bridge, self.groups, self.layout.join(theta, b), rows)
+
+    def _globals_read_data(self) -> bool:
+        """Whether the rows' log-likelihood has a gradient in some global at a fixed irregular point."""
+        if self.layout.global_size == 0:
+            return False
+        theta, b = self.layout.split(irregular_point(self.bridge), batch_dims=0)
+        gradient = grad(lambda t: self._terms(t, b, self.rows.all).rows.sum())(theta)
+        return bool((gradient != 0).any())
+
+    def _local(self, b: Tensor, theta: Tensor, drawn: Tensor, rows: Tensor, slot: Tensor):
+        terms = self._terms(theta, b, rows)
+        per_group = terms.groups[drawn] + terms.rows.new_zeros(len(drawn)).index_add(0, slot, terms.rows)
+        return per_group.sum(), per_group
+
+    def _global(self, theta: Tensor, b: Tensor) -> Tensor:
+        terms = self._terms(theta, b, self.rows.all if self.data_globals else self.one_row)
+        total = terms.globals + terms.groups.sum()
+        return total + terms.rows.sum() if self.data_globals else total
+
+    def _group_prior(self, b: Tensor, theta: Tensor) -> Tensor:
+        return self._terms(theta, b, self.one_row).groups.sum()
+
+    def _rows_only(self, b: Tensor, theta: Tensor) -> Tensor:
+        return self._terms(theta, b, self.rows.all).rows.sum()
+
+    def _block_curvature(self, function: Callable, b: Tensor, theta: Tensor) -> Tensor:
+        """Each group's ``(p, p)`` negative Hessian of a group-separable ``function(b, theta)`` in ``b``: p products."""
+        columns = []
+        for j in range(b.shape[-1]):
+            tangent = torch.zeros_like(b)
+            tangent[..., j] = 1.0
+            columns.append(-jvp(lambda x: grad(function)(x, theta), (b,), (tangent,))[1])
+        return torch.stack(columns, -1)
+
+    # ---------------------------------------------------------------- warm-up
+    def adapt_to(self, theta: Tensor, b_mean: Tensor) -> None:
+        """Each chain's reference point, the rows' curvature there, and its globals' preconditioner.
+
+        ``theta``: each chain's globals over a window (``(C, T, d)``); ``b_mean``: its locals' mean there
+        (``(C, G, p)``). Each chain has its own: a chain far from the others (a start in a narrow corner) is
+        preconditioned where it is, and comes out of the corner at its own pace.
+        """
+        self.theta_ref, self.b_ref = theta.mean(1), b_mean
+        curvature = lambda t, b: self._block_curvature(self._rows_only, b, t)  # noqa: E731
+        self.rows_curvature = vmap(curvature)(self.theta_ref, self.b_ref)
+        self.rows_read += theta.shape[0] * self.layout.local_size * 3 * self.rows.all.shape[0]
+        if self.layout.global_size:
+            hessian = vmap(torch.func.hessian(self._global))(self.theta_ref, self.b_ref)
+            self.global_factor = precision_factor(-hessian)
+            if self.data_globals:
+                self.rows_read += theta.shape[0] * self.layout.global_size * 3 * self.rows.all.shape[0]
+        self.local_step.restart(self.local_step.step)
+        self.global_step.restart(self.global_step.step)
+
+    def fix_steps(self) -> None:
+        self.local_step.step = self.local_step.final
+        self.global_step.step = self.global_step.final
+
+    # ---------------------------------------------------------------- the sweep
+    def __call__(self, theta: Tensor, b: Tensor, generator: torch.Generator, adapt: bool):
+        chains = b.shape[0]
+        if self.per_step == self.num_groups:
+            drawn = torch.arange(self.num_groups, device=b.device)
+        else:
+            drawn = torch.randperm(self.num_groups, generator=generator, device=b.device)[: self.per_step]
+        rows, slot = self.rows.of(drawn)
+        self.rows_read += chains * rows.shape[0]
+
+        local = vmap(grad_and_value(self._local, has_aux=True), in_dims=(0, 0, None, None, None))
+
+        def density(x: Tensor) -> tuple[Tensor, Tensor]:
+            moved = b.clone()
+            moved[:, drawn] = x
+            gradient, (_, per_group) = local(moved, theta, drawn, rows, slot)
+            return per_group, gradient[:, drawn]
+
+        curvature = lambda t, r: self._block_curvature(self._group_prior, r, t)  # noqa: E731
+        precision = (self.rows_curvature + vmap(curvature)(theta, self.b_ref))[:, drawn]
+        factor = precision_factor(precision)
+        log_density, gradient = density(b[:, drawn])
+        step = self.local_step.step[:, None]
+        move = mala(b[:, drawn], log_density, gradient, factor, step, density, generator)
+        b = b.clone()
+        b[:, drawn] = move.x
+        accept_local = move.accept.mean(-1)
+        if adapt:
+            self.local_step.update(accept_local)
+
+        accept_global = torch.ones(chains, dtype=b.dtype, device=b.device)
+        if self.layout.global_size:
+            glob = vmap(grad_and_value(self._global))
+
+            def global_density(x: Tensor) -> tuple[Tensor, Tensor]:
+                gradient, value = glob(x, b)
+                return value, gradient
+
+            factor = self.global_factor
+            total = torch.zeros(chains, dtype=b.dtype, device=b.device)
+            value, gradient = global_density(theta)
+            for _ in range(self.global_moves):
+                move = mala(theta, value, gradient, factor, self.global_step.step, global_density, generator)
+                theta, value, gradient = move.x, move.log_density, move.gradient
+                total = total + move.accept
+                if adapt:
+                    self.global_step.update(move.accept)
+            accept_global = total / self.global_moves
+            if self.data_globals:
+                self.rows_read += chains * self.rows.all.shape[0] * (self.global_moves + 1)
+        return theta, b, SweepInfo(accept_local, accept_global)

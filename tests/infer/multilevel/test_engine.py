@@ -1,0 +1,130 @@
+r"""MultilevelMCMC against closed forms: a conjugate hierarchy, and one whose scales are latent (by quadrature).
+
+Tolerances are Monte-Carlo errors: a mean within 5 of its standard errors (the reference sd over the square root of
+the coordinate's effective sample size), an sd within 5 standard errors of the variance estimate (the centred
+squares' sd over the root of their effective sample size), in every coordinate.
+"""
+
+import math
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro.ops.stats import effective_sample_size
+
+from pyro_scalable.infer.multilevel import MultilevelMCMC
+
+SIZES = (1, 2, 3, 5, 8, 13, 30, 60)
+
+
+def data(tau=0.7, sigma=1.0, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    g = torch.repeat_interleave(torch.arange(len(SIZES)), torch.tensor(SIZES))
+    g = g[torch.randperm(len(g), generator=gen)]
+    effects = 0.5 + tau * torch.randn(len(SIZES), generator=gen, dtype=torch.float64)
+    return g, effects[g] + sigma * torch.randn(len(g), generator=gen, dtype=torch.float64)
+
+
+def known_scale(g, y):
+    mu = pyro.sample("mu", dist.Normal(torch.tensor(0.0, dtype=y.dtype), 3.0))
+    with pyro.plate("groups", len(SIZES)):
+        b = pyro.sample("b", dist.Normal(mu, 0.7))
+    with pyro.plate("data", len(y), subsample_size=10) as idx:
+        pyro.sample("obs", dist.Normal(b[g[idx]], 1.0), obs=y[idx])
+
+
+def latent_scales(g, y):
+    mu = pyro.sample("mu", dist.Normal(torch.tensor(0.0, dtype=y.dtype), 3.0))
+    tau = pyro.sample("tau", dist.HalfNormal(torch.tensor(1.0, dtype=y.dtype)))
+    sigma = pyro.sample("sigma", dist.HalfNormal(torch.tensor(2.0, dtype=y.dtype)))
+    with pyro.plate("groups", len(SIZES)):
+        b = pyro.sample("b", dist.Normal(mu, tau))
+    with pyro.plate("data", len(y), subsample_size=10) as idx:
+        pyro.sample("obs", dist.Normal(b[g[idx]], sigma), obs=y[idx])
+
+
+def conjugate(g, y):
+    """The exact posterior mean and sd of (mu, b) of ``known_scale``."""
+    n = torch.bincount(g).double()
+    sums = torch.zeros(len(SIZES), dtype=torch.float64).index_add_(0, g, y)
+    precision = torch.zeros(len(SIZES) + 1, len(SIZES) + 1, dtype=torch.float64)
+    precision[0, 0] = 1 / 9 + len(SIZES) / 0.49
+    precision[0, 1:] = precision[1:, 0] = -1 / 0.49
+    precision[1:, 1:] = torch.diag(n + 1 / 0.49)
+    covariance = torch.linalg.inv(precision)
+    return covariance @ torch.cat([torch.zeros(1, dtype=torch.float64), sums]), covariance.diagonal().sqrt()
+
+
+def quadrature(g, y, points=90):
+    r"""Mean and sd of (mu, tau, sigma, b) of ``latent_scales`` with b integrated out in closed form.
+
+    Given (mu, tau, sigma), group k's rows have the marginal likelihood
+    :math:`(2\pi\sigma^2)^{-n_k/2} e^{-S_k/2\sigma^2} \sqrt{2\pi\sigma^2/n_k}\, \mathcal{N}(\bar y_k; \mu, \tau^2 +
+    \sigma^2/n_k)` and :math:`b_k` a Normal conditional; a grid over (mu, log tau, log sigma) mixes them.
+    """
+    n = torch.bincount(g).double()
+    means = torch.zeros(len(SIZES), dtype=torch.float64).index_add_(0, g, y) / n
+    within = torch.zeros(len(SIZES), dtype=torch.float64).index_add_(0, g, (y - means[g]) ** 2)
+    mu = torch.linspace(-3.0, 4.0, points, dtype=torch.float64)
+    log_tau = torch.linspace(-6.0, 1.5, points, dtype=torch.float64)
+    log_sigma = torch.linspace(-1.0, 0.8, points, dtype=torch.float64)
+    m, lt, ls = torch.meshgrid(mu, log_tau, log_sigma, indexing="ij")
+    tau, sigma = lt.exp()[..., None], ls.exp()[..., None]
+    var = tau**2 + sigma**2 / n
+    log_group = (
+        -0.5 * n * torch.log(2 * math.pi * sigma**2) - within / (2 * sigma**2) + 0.5 * torch.log(2 * math.pi * sigma**2 / n)
+        - 0.5 * torch.log(2 * math.pi * var) - (means - m[..., None]) ** 2 / (2 * var)
+    )
+    log_post = log_group.sum(-1) - m**2 / 18 - lt.exp() ** 2 / 2 + lt - ls.exp() ** 2 / 8 + ls
+    w = torch.softmax(log_post.flatten(), 0).reshape(log_post.shape)
+    for axis in range(3):  # the grid holds the mass: the edges carry none of it
+        edges = w.sum(dim=tuple(a for a in range(3) if a != axis))
+        assert edges[0] < 1e-6 and edges[-1] < 1e-6
+    precision = 1 / tau**2 + n / sigma**2
+    b_mean = (m[..., None] / tau**2 + n * means / sigma**2) / precision
+    values = [m, lt.exp(), ls.exp()]
+    mean = [float((w * v).sum()) for v in values] + [(w[..., None] * b_mean).sum((0, 1, 2))]
+    second = [float((w * v**2).sum()) for v in values] + [(w[..., None] * (b_mean**2 + 1 / precision)).sum((0, 1, 2))]
+    mean = torch.cat([torch.tensor(mean[:3], dtype=torch.float64), mean[3]])
+    second = torch.cat([torch.tensor(second[:3], dtype=torch.float64), second[3]])
+    return mean, (second - mean**2).sqrt()
+
+
+def check(draws, mean, sd):
+    """Every coordinate's mean and sd within 5 Monte-Carlo standard errors of the reference."""
+    flat = draws.reshape(-1, draws.shape[-1])
+    ess = effective_sample_size(draws)
+    assert (ess > 100).all(), ess
+    mean_error = (flat.mean(0) - mean).abs() / (sd / ess.sqrt())
+    squares = (draws - flat.mean(0)) ** 2
+    var_se = squares.reshape(-1, draws.shape[-1]).std(0) / effective_sample_size(squares).sqrt()
+    sd_error = (flat.var(0) - sd**2).abs() / var_se
+    assert (mean_error < 5).all(), mean_error
+    assert (sd_error < 5).all(), sd_error
+
+
+def test_a_conjugate_hierarchy_is_exact():
+    g, y = data()
+    mcmc = MultilevelMCMC(known_scale, num_samples=600, num_warmup=200, seed=1).run(g, y)
+    s = mcmc.get_samples(group_by_chain=True)
+    check(torch.cat([s["mu"][..., None], s["b"]], -1), *conjugate(g, y))
+    assert 0.3 < float(mcmc.sample_stats["accept_prob"].mean()) < 0.95
+
+
+def test_latent_scales_match_quadrature():
+    g, y = data()
+    mcmc = MultilevelMCMC(latent_scales, num_samples=1500, num_warmup=300, seed=2).run(g, y)
+    s = mcmc.get_samples(group_by_chain=True)
+    draws = torch.cat([s["mu"][..., None], s["tau"][..., None], s["sigma"][..., None], s["b"]], -1)
+    check(draws, *quadrature(g, y))
+
+
+def test_a_model_without_a_group_plate_is_refused_naming_what_to_add():
+    def flat(y):
+        w = pyro.sample("w", dist.Normal(0.0, 1.0))
+        with pyro.plate("data", len(y), subsample_size=5):
+            pyro.sample("obs", dist.Normal(w, 1.0), obs=y)
+
+    with pytest.raises(ValueError, match="needs one group plate"):
+        MultilevelMCMC(flat, num_samples=10, num_warmup=10).run(torch.randn(20))

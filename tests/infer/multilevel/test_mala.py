@@ -1,0 +1,49 @@
+"""Preconditioned MALA on independent blocks keeps a Gaussian exactly, whatever its preconditioner and step."""
+
+import math
+
+import torch
+
+from pyro_scalable.infer.multilevel.mala import DualAveraging, mala, precision_factor
+
+
+def test_mala_keeps_a_gaussian_with_a_wrong_preconditioner():
+    gen = torch.Generator().manual_seed(0)
+    mean = torch.tensor([1.0, -2.0], dtype=torch.float64)
+    covariance = torch.tensor([[2.0, 0.9], [0.9, 0.6]], dtype=torch.float64)
+    precision = torch.linalg.inv(covariance)
+    chol = torch.linalg.cholesky(covariance)
+    blocks = 20_000  # independent blocks started at exact draws: after any number of moves, still exact draws
+    x = mean + torch.randn(blocks, 2, generator=gen, dtype=torch.float64) @ chol.T
+
+    def density(z):
+        r = z - mean
+        return -0.5 * ((r @ precision) * r).sum(-1), -(r @ precision)
+
+    factor = precision_factor(torch.tensor([[1.0, 0.0], [0.0, 3.0]], dtype=torch.float64)).expand(blocks, 2, 2)
+    value, gradient = density(x)
+    accepted = 0.0
+    for _ in range(10):
+        move = mala(x, value, gradient, factor, 1.7, density, gen)
+        x, value, gradient = move.x, move.log_density, move.gradient
+        accepted += float(move.accept.mean()) / 10
+    assert 0.1 < accepted < 0.9  # the test moves the blocks: neither all kept nor all taken
+    se = (covariance.diagonal() / blocks).sqrt()
+    assert ((x.mean(0) - mean).abs() < 5 * se).all()
+    # the sample covariance's entries, each within 5 standard errors (Gaussian fourth moments)
+    sample = torch.cov(x.T)
+    var_se = ((covariance**2 + covariance.diagonal()[:, None] * covariance.diagonal()[None, :]) / blocks).sqrt()
+    assert ((sample - covariance).abs() < 5 * var_se).all()
+
+
+def test_precision_factor_floors_an_indefinite_curvature():
+    factor = precision_factor(torch.tensor([[2.0, 0.0], [0.0, -1.0]]))
+    values = torch.linalg.eigvalsh(factor @ factor.T)
+    assert values.min() > 0 and math.isclose(float(values.max()), 2.0, rel_tol=1e-6)
+
+
+def test_dual_averaging_finds_the_step_of_a_known_acceptance_curve():
+    steps = DualAveraging(torch.ones(2, dtype=torch.float64), target=0.6)
+    for _ in range(2000):  # acceptance exp(-h) and exp(-2h): 0.6 at h = -log 0.6 and half of it
+        steps.update(torch.exp(-steps.step * torch.tensor([1.0, 2.0], dtype=torch.float64)))
+    torch.testing.assert_close(steps.final, -math.log(0.6) / torch.tensor([1.0, 2.0], dtype=torch.float64), atol=0.02, rtol=0)
