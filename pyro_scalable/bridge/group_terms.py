@@ -32,8 +32,9 @@ from torch import Tensor
 from pyro_scalable.bridge.model import Batch, Latents, ModelBridge, _validation
 from pyro_scalable.bridge.plates import plate_indices
 from pyro_scalable.bridge.row_groups import RowGroups
+from pyro_scalable.bridge.traced import TracedLogDensity
 
-__all__ = ["GroupTerms", "group_terms"]
+__all__ = ["GroupTerms", "GroupTermsOf", "group_terms"]
 
 
 class GroupTerms(NamedTuple):
@@ -99,6 +100,29 @@ class _Terms(Messenger):
             self.groups = self.groups + groups
         else:
             self.globals = self.globals + term.sum()
+
+
+class GroupTermsOf:
+    """:func:`group_terms` of one model, replayed from a recorded graph per signature (:mod:`.traced`).
+
+    ``terms(latents, rows)`` runs the model through Pyro on the first calls of each signature (the rows' number and
+    the latents' shapes), then from the graph recorded and checked as the log posterior's is.
+    """
+
+    def __init__(self, bridge: ModelBridge, groups: RowGroups):
+        self.bridge, self.groups = bridge, groups
+        self.traced = TracedLogDensity(self._evaluate, {groups.data_plate: len(groups.group)})
+
+    def _evaluate(self, latents: Latents, batch: Batch) -> Tensor:
+        rows = batch.indices[self.groups.data_plate]
+        terms = group_terms(self.bridge, self.groups, latents, rows)
+        return torch.cat([terms.globals.reshape(1), terms.groups, terms.rows])
+
+    def __call__(self, latents: Latents, rows: Tensor) -> GroupTerms:
+        batch = Batch({self.groups.data_plate: rows}, self.bridge.args, self.bridge.kwargs)
+        flat = self.traced(latents, batch)
+        size = self.groups.num_groups
+        return GroupTerms(flat[0], flat[1 : size + 1], flat[size + 1 :])
 
 
 def group_terms(bridge: ModelBridge, groups: RowGroups, latents: Latents, rows: Tensor) -> GroupTerms:

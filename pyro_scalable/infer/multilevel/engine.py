@@ -45,11 +45,11 @@ from typing import Any, NamedTuple
 import torch
 from pyro.infer.autoguide.initialization import init_to_uniform
 from torch import Tensor
-from torch.func import grad, grad_and_value, jvp, vmap
+from torch.func import grad, grad_and_value, vmap
 
 from pyro_scalable.arguments import check_count, check_device, check_flag, check_seed
 from pyro_scalable.bridge import FullDataModel
-from pyro_scalable.bridge.group_terms import group_terms
+from pyro_scalable.bridge.group_terms import GroupTermsOf
 from pyro_scalable.bridge.hierarchy import irregular_point
 from pyro_scalable.bridge.model import ModelBridge
 from pyro_scalable.bridge.row_groups import RowGroups, row_groups
@@ -217,6 +217,7 @@ class _Sweep:
     def __init__(self, bridge: ModelBridge, groups: RowGroups, engine: MultilevelMCMC):
         self.bridge, self.groups = bridge, groups
         self.layout = Layout(bridge, groups)
+        self.terms = GroupTermsOf(bridge, groups)
         self.rows = _Rows(groups)
         self.num_groups = groups.num_groups
         self.per_step = min(engine.groups_per_step or self.num_groups, self.num_groups)
@@ -229,7 +230,7 @@ class _Sweep:
 
     # ---------------------------------------------------------------- densities (one chain; vmapped over chains)
     def _terms(self, theta: Tensor, b: Tensor, rows: Tensor):
-        return group_terms(self.bridge, self.groups, self.layout.join(theta, b), rows)
+        return self.terms(self.layout.join(theta, b), rows)
 
     def _globals_read_data(self) -> bool:
         """Whether the rows' log-likelihood has a gradient in some global at a fixed irregular point."""
@@ -261,7 +262,8 @@ class _Sweep:
         for j in range(b.shape[-1]):
             tangent = torch.zeros_like(b)
             tangent[..., j] = 1.0
-            columns.append(-jvp(lambda x: grad(function)(x, theta), (b,), (tangent,))[1])
+            # reverse over reverse: torch's forward mode runs its decompositions in Python, many times slower here
+            columns.append(-grad(lambda x, v=tangent: (grad(function)(x, theta) * v).sum())(b))
         return torch.stack(columns, -1)
 
     # ---------------------------------------------------------------- warm-up
