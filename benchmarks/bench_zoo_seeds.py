@@ -1,7 +1,7 @@
 """The default kernels on every zoo model over many seeds: how often are the draws accurate? (slow)
 
 ``python benchmarks/bench_zoo_seeds.py --out benchmarks/results/zoo_seeds.md`` runs each default kernel (SGHMC,
-SGLD, pSGLD: nothing but the model) on each model of ``tests/model_zoo.py`` that has a reference in
+SGLD, pSGLD: nothing but the model; ``--kernels Multilevel``: ``MultilevelMCMC`` on the models with a group plate) on each model of ``tests/model_zoo.py`` that has a reference in
 ``tests/zoo_reference.json`` (``scripts/zoo_reference.py``), with 4 chains, 1,000 warm-up steps and 1,000 draws (the
 lengths the README uses), for ``--seeds`` seeds, and checks the draws as ``tests/test_zoo_accuracy.py`` does
 (``tests.model_zoo.accuracy``): every element's mean within 0.2 reference sd, its sd within 5% plus three
@@ -23,23 +23,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import harness  # noqa: E402
 
-from pyro_scalable.infer import PSGLD, SGHMC, SGLD, StochasticMCMC  # noqa: E402
+from pyro_scalable.infer import PSGLD, SGHMC, SGLD, MultilevelMCMC, StochasticMCMC  # noqa: E402
 from tests.model_zoo import accuracy, reference, zoo_model  # noqa: E402
 
-KERNELS = {"SGHMC": SGHMC, "SGLD": SGLD, "PSGLD": PSGLD}
+KERNELS = {"SGHMC": SGHMC, "SGLD": SGLD, "PSGLD": PSGLD, "Multilevel": MultilevelMCMC}
 
 
 def run_once(model_name: str, kernel: str, seed: int, warmup: int, samples: int, chains: int) -> dict:
     """One default run of ``kernel`` on ``model_name``: its accuracy, time and warnings."""
     model, args = zoo_model(model_name)
-    mcmc = StochasticMCMC(
-        KERNELS[kernel](model),
-        num_samples=samples,
-        num_warmup=warmup,
-        num_chains=chains,
-        seed=seed,
-        progress_bar=False,
-    )
+    if kernel == "Multilevel":  # an engine, not a kernel of StochasticMCMC
+        mcmc = MultilevelMCMC(model, num_samples=samples, num_warmup=warmup, num_chains=chains, seed=seed)
+    else:
+        mcmc = StochasticMCMC(
+            KERNELS[kernel](model),
+            num_samples=samples,
+            num_warmup=warmup,
+            num_chains=chains,
+            seed=seed,
+            progress_bar=False,
+        )
     start = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -48,8 +51,8 @@ def run_once(model_name: str, kernel: str, seed: int, warmup: int, samples: int,
     result = accuracy(mcmc.get_samples(group_by_chain=True), reference()["models"][model_name])
     result.update(
         seconds=seconds,
-        restarted=int(mcmc.restarted.sum()),
-        warmup_divergences=mcmc.num_warmup_divergences,
+        restarted=int(mcmc.restarted.sum()) if hasattr(mcmc, "restarted") else 0,
+        warmup_divergences=getattr(mcmc, "num_warmup_divergences", 0),
         warnings=[
             str(w.message).split(":")[0][:60] + (" (says NUTS)" if "NUTS" in str(w.message) else "") for w in caught
         ],

@@ -50,7 +50,6 @@ from torch.func import grad, grad_and_value, vmap
 from pyro_scalable.arguments import check_count, check_device, check_flag, check_seed
 from pyro_scalable.bridge import FullDataModel
 from pyro_scalable.bridge.group_terms import GroupTermsOf
-from pyro_scalable.bridge.hierarchy import irregular_point
 from pyro_scalable.bridge.model import ModelBridge
 from pyro_scalable.bridge.row_groups import RowGroups, row_groups
 from pyro_scalable.infer.health import warn_unhealthy
@@ -182,14 +181,16 @@ class MultilevelMCMC(Draws):
         windows = sorted({int(f * self.num_warmup) for f in WINDOWS if int(f * self.num_warmup) >= 10})
         start, kept = time.perf_counter(), []
         window_theta: list[Tensor] = []
-        window_b = torch.zeros_like(b)
+        window_b, window_b_theta = torch.zeros_like(b), b.new_zeros(b.shape[1:] + theta.shape[-1:])
         for t in range(self.num_warmup):
             theta, b, _ = sweep(theta, b, generator, adapt=True)
             window_theta.append(theta)
             window_b += b
+            window_b_theta += torch.einsum("cgp,cd->gpd", b, theta)
             if t + 1 in windows:
-                sweep.adapt_to(torch.stack(window_theta, 1), window_b / len(window_theta))
+                sweep.adapt_to(torch.stack(window_theta, 1), window_b / len(window_theta), window_b_theta)
                 window_theta, window_b = [], torch.zeros_like(b)
+                window_b_theta = torch.zeros_like(window_b_theta)
         sweep.fix_steps()
         self.results.allocate(sweep.layout.join(theta, b), self.num_samples, self.draws_device)
         for t in range(self.num_samples):
@@ -222,33 +223,30 @@ class _Sweep:
         self.num_groups = groups.num_groups
         self.per_step = min(engine.groups_per_step or self.num_groups, self.num_groups)
         self.one_row = self.rows.all[:1]
-        self.data_globals = self._globals_read_data()
-        self.global_moves = engine.global_moves or (1 if self.data_globals else 3)
+        self.global_moves = engine.global_moves or 3
         ones = torch.ones(engine.num_chains, dtype=bridge.sites[groups.sites[0]].dtype, device=bridge.device)
         self.local_step, self.global_step = DualAveraging(ones), DualAveraging(ones)
         self.rows_read = 0
+        self.cache: tuple[Tensor, Tensor] | None = None  # every group's conditional and gradient where the chains are
 
     # ---------------------------------------------------------------- densities (one chain; vmapped over chains)
     def _terms(self, theta: Tensor, b: Tensor, rows: Tensor):
         return self.terms(self.layout.join(theta, b), rows)
-
-    def _globals_read_data(self) -> bool:
-        """Whether the rows' log-likelihood has a gradient in some global at a fixed irregular point."""
-        if self.layout.global_size == 0:
-            return False
-        theta, b = self.layout.split(irregular_point(self.bridge), batch_dims=0)
-        gradient = grad(lambda t: self._terms(t, b, self.rows.all).rows.sum())(theta)
-        return bool((gradient != 0).any())
 
     def _local(self, b: Tensor, theta: Tensor, drawn: Tensor, rows: Tensor, slot: Tensor):
         terms = self._terms(theta, b, rows)
         per_group = terms.groups[drawn] + terms.rows.new_zeros(len(drawn)).index_add(0, slot, terms.rows)
         return per_group.sum(), per_group
 
-    def _global(self, theta: Tensor, b: Tensor) -> Tensor:
-        terms = self._terms(theta, b, self.rows.all if self.data_globals else self.one_row)
-        total = terms.globals + terms.groups.sum()
-        return total + terms.rows.sum() if self.data_globals else total
+    def _joint(self, theta: Tensor, b: Tensor):
+        """The log joint on all rows, with every group's conditional (its terms and its rows') beside it."""
+        terms = self._terms(theta, b, self.rows.all)
+        per_group = terms.groups + terms.rows.new_zeros(self.num_groups).index_add(0, self.rows.group, terms.rows)
+        return terms.globals + per_group.sum(), per_group
+
+    def _sheared(self, theta: Tensor, u: Tensor, shear: Tensor) -> Tensor:
+        """The log joint at the globals ``theta`` and the locals ``u + B theta``."""
+        return self._joint(theta, u + shear @ theta)[0]
 
     def _group_prior(self, b: Tensor, theta: Tensor) -> Tensor:
         return self._terms(theta, b, self.one_row).groups.sum()
@@ -266,25 +264,56 @@ class _Sweep:
             columns.append(-grad(lambda x, v=tangent: (grad(function)(x, theta) * v).sum())(b))
         return torch.stack(columns, -1)
 
+    def _cross(self, theta: Tensor, b: Tensor) -> Tensor:
+        """Each group's ``(p, d)`` mixed second derivative of the log joint in its locals and the globals."""
+        columns = []
+        for j in range(theta.shape[-1]):
+            tangent = torch.zeros_like(theta)
+            tangent[j] = 1.0
+            along = lambda x, v=tangent: (grad(lambda t: self._joint(t, x)[0])(theta) * v).sum()  # noqa: E731
+            columns.append(grad(along)(b))
+        return torch.stack(columns, -1)
+
     # ---------------------------------------------------------------- warm-up
-    def adapt_to(self, theta: Tensor, b_mean: Tensor) -> None:
-        """Each chain's reference point, the rows' curvature there, and its globals' preconditioner.
+    def adapt_to(self, theta: Tensor, b_mean: Tensor, b_theta: Tensor | None = None) -> None:
+        """Each chain's reference point and the curvatures there; the shear and the globals' preconditioner.
 
         ``theta``: each chain's globals over a window (``(C, T, d)``); ``b_mean``: its locals' mean there
-        (``(C, G, p)``). Each chain has its own: a chain far from the others (a start in a narrow corner) is
-        preconditioned where it is, and comes out of the corner at its own pace.
+        (``(C, G, p)``); ``b_theta``: the sum over the window and the chains of each group's locals times the globals
+        (``(G, p, d)``), or ``None`` at the start. The locals' preconditioners are each chain's own: a chain far from
+        the others (a start in a narrow corner) is preconditioned where it is. The shear is the window's regression
+        of each group's locals on the globals, and the globals' preconditioner the inverse of the residual spread
+        of the globals, pooled over the chains (at the start: each chain's curvature where it is).
         """
+        chains = theta.shape[0]
         self.theta_ref, self.b_ref = theta.mean(1), b_mean
         curvature = lambda t, b: self._block_curvature(self._rows_only, b, t)  # noqa: E731
         self.rows_curvature = vmap(curvature)(self.theta_ref, self.b_ref)
-        self.rows_read += theta.shape[0] * self.layout.local_size * 3 * self.rows.all.shape[0]
-        if self.layout.global_size:
-            hessian = vmap(torch.func.hessian(self._global))(self.theta_ref, self.b_ref)
-            self.global_factor = precision_factor(-hessian)
-            if self.data_globals:
-                self.rows_read += theta.shape[0] * self.layout.global_size * 3 * self.rows.all.shape[0]
+        passes = self.layout.local_size * 3
+        d = self.layout.global_size
+        if d and b_theta is not None:
+            pooled = theta.reshape(-1, d)
+            n = pooled.shape[0]
+            mean = pooled.mean(0)
+            covariance = torch.cov(pooled.T).reshape(d, d) * (n - 1) / n
+            covariance = n / (n + 5) * covariance + 1e-3 * 5 / (n + 5) * torch.eye(d, dtype=theta.dtype)
+            cross = b_theta / n - b_mean.mean(0)[..., None] * mean  # (G, p, d): the window's Cov(b_k, theta)
+            shear = torch.linalg.solve(covariance, cross.reshape(-1, d).T).T.reshape(cross.shape)
+            self.shear = shear.expand(chains, *shear.shape)
+            self.global_factor = precision_factor(torch.linalg.inv(covariance.double())).to(theta.dtype)
+            self.global_factor = self.global_factor.expand(chains, d, d)
+        elif d:  # at the start: the conditional-mean slope and the sheared joint's curvature at each chain's point
+            prior = vmap(lambda t, b: self._block_curvature(self._group_prior, b, t))(self.theta_ref, self.b_ref)
+            cross = vmap(self._cross)(self.theta_ref, self.b_ref)
+            self.shear = torch.cholesky_solve(cross, precision_factor(self.rows_curvature + prior))
+            u_ref = self.b_ref - (self.shear @ self.theta_ref[:, None, :, None]).squeeze(-1)
+            hessian = vmap(torch.func.jacrev(torch.func.jacrev(self._sheared)))(self.theta_ref, u_ref, self.shear)
+            self.global_factor = precision_factor(-hessian).to(theta.dtype)
+            passes += d * 9
+        self.rows_read += chains * passes * self.rows.all.shape[0]
         self.local_step.restart(self.local_step.step)
         self.global_step.restart(self.global_step.step)
+        self.cache = None
 
     def fix_steps(self) -> None:
         self.local_step.step = self.local_step.final
@@ -293,13 +322,27 @@ class _Sweep:
     # ---------------------------------------------------------------- the sweep
     def __call__(self, theta: Tensor, b: Tensor, generator: torch.Generator, adapt: bool):
         chains = b.shape[0]
+        joint = vmap(grad_and_value(self._joint, argnums=(0, 1), has_aux=True))
+        if self.cache is None:
+            (_, gradient_b), (_, per_group) = joint(theta, b)
+            self.cache = (per_group, gradient_b)
+            self.rows_read += chains * self.rows.all.shape[0]
+        b, accept_local = self._move_locals(theta, b, generator, adapt)
+        accept_global = torch.ones(chains, dtype=b.dtype, device=b.device)
+        if self.layout.global_size:
+            theta, b, accept_global = self._move_globals(theta, b, joint, generator, adapt)
+        else:
+            self.cache = None
+        return theta, b, SweepInfo(accept_local, accept_global)
+
+    def _move_locals(self, theta: Tensor, b: Tensor, generator: torch.Generator, adapt: bool):
+        """One MALA move of each drawn group's block on its own rows (module docstring, 1)."""
         if self.per_step == self.num_groups:
             drawn = torch.arange(self.num_groups, device=b.device)
         else:
             drawn = torch.randperm(self.num_groups, generator=generator, device=b.device)[: self.per_step]
         rows, slot = self.rows.of(drawn)
-        self.rows_read += chains * rows.shape[0]
-
+        self.rows_read += b.shape[0] * rows.shape[0]
         local = vmap(grad_and_value(self._local, has_aux=True), in_dims=(0, 0, None, None, None))
 
         def density(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -310,34 +353,36 @@ class _Sweep:
 
         curvature = lambda t, r: self._block_curvature(self._group_prior, r, t)  # noqa: E731
         precision = (self.rows_curvature + vmap(curvature)(theta, self.b_ref))[:, drawn]
-        factor = precision_factor(precision)
-        log_density, gradient = density(b[:, drawn])
+        per_group, gradient_b = self.cache
         step = self.local_step.step[:, None]
-        move = mala(b[:, drawn], log_density, gradient, factor, step, density, generator)
+        move = mala(b[:, drawn], per_group[:, drawn], gradient_b[:, drawn], precision_factor(precision), step, density, generator)
         b = b.clone()
         b[:, drawn] = move.x
-        accept_local = move.accept.mean(-1)
+        accept = move.accept.mean(-1)
         if adapt:
-            self.local_step.update(accept_local)
+            self.local_step.update(accept)
+        return b, accept
 
-        accept_global = torch.ones(chains, dtype=b.dtype, device=b.device)
-        if self.layout.global_size:
-            glob = vmap(grad_and_value(self._global))
+    def _move_globals(self, theta: Tensor, b: Tensor, joint: Callable, generator: torch.Generator, adapt: bool):
+        """MALA moves of the globals with the locals sheared along (module docstring, 2)."""
+        chains = b.shape[0]
+        u = b - (self.shear @ theta[:, None, :, None]).squeeze(-1)
 
-            def global_density(x: Tensor) -> tuple[Tensor, Tensor]:
-                gradient, value = glob(x, b)
-                return value, gradient
+        def density(x: Tensor) -> tuple[Tensor, ...]:
+            moved = u + (self.shear @ x[:, None, :, None]).squeeze(-1)
+            (gradient_theta, gradient_b), (value, per_group) = joint(x, moved)
+            sheared = gradient_theta + torch.einsum("cgpd,cgp->cd", self.shear, gradient_b)
+            return value, sheared, per_group, gradient_b
 
-            factor = self.global_factor
-            total = torch.zeros(chains, dtype=b.dtype, device=b.device)
-            value, gradient = global_density(theta)
-            for _ in range(self.global_moves):
-                move = mala(theta, value, gradient, factor, self.global_step.step, global_density, generator)
-                theta, value, gradient = move.x, move.log_density, move.gradient
-                total = total + move.accept
-                if adapt:
-                    self.global_step.update(move.accept)
-            accept_global = total / self.global_moves
-            if self.data_globals:
-                self.rows_read += chains * self.rows.all.shape[0] * (self.global_moves + 1)
-        return theta, b, SweepInfo(accept_local, accept_global)
+        value, gradient, *extra = density(theta)
+        self.rows_read += chains * self.rows.all.shape[0] * (1 + self.global_moves)
+        total = torch.zeros(chains, dtype=b.dtype, device=b.device)
+        for _ in range(self.global_moves):
+            move = mala(theta, value, gradient, self.global_factor, self.global_step.step, density, generator, tuple(extra))
+            theta, value, gradient, extra = move.x, move.log_density, move.gradient, list(move.extra)
+            total = total + move.accept
+            if adapt:
+                self.global_step.update(move.accept)
+        self.cache = (extra[0], extra[1])
+        b = u + (self.shear @ theta[:, None, :, None]).squeeze(-1)
+        return theta, b, total / self.global_moves

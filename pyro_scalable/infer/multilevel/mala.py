@@ -46,12 +46,15 @@ def precision_factor(precision: Tensor, floor: float = 1e-8) -> Tensor:
     """The Cholesky factor of ``precision`` (batched ``(..., p, p)``) after its eigenvalues are raised to a floor.
 
     A curvature read at one point need not be positive definite (a likelihood that is not log-concave there); its
-    eigenvalues below ``floor`` times the largest (and below an absolute ``floor``) are raised to that floor.
+    eigenvalues below ``floor`` times the largest (and below an absolute ``floor``) are raised to that floor, and a
+    non-finite entry counts as 0 (computed in float64, returned in the curvature's dtype).
     """
-    values, vectors = torch.linalg.eigh(0.5 * (precision + precision.transpose(-1, -2)))
+    wide = precision.double()  # in float64: a float32 reconstruction can miss positive definiteness by rounding
+    wide = torch.where(torch.isfinite(wide), wide, torch.zeros_like(wide))
+    values, vectors = torch.linalg.eigh(0.5 * (wide + wide.transpose(-1, -2)))
     least = floor * values.abs().amax(-1, keepdim=True).clamp_min(1.0)
-    values = torch.where(torch.isfinite(values), values, least).clamp_min(least)
-    return torch.linalg.cholesky((vectors * values.unsqueeze(-2)) @ vectors.transpose(-1, -2))
+    values = values.clamp_min(least)
+    return torch.linalg.cholesky((vectors * values.unsqueeze(-2)) @ vectors.transpose(-1, -2)).to(precision.dtype)
 
 
 @dataclass
@@ -62,6 +65,7 @@ class Move:
     log_density: Tensor
     gradient: Tensor
     accept: Tensor  # the acceptance probability of each block's proposal, min(1, alpha)
+    extra: tuple[Tensor, ...] = ()  # what the density gave besides, at the block's new place
 
 
 def _drift(gradient: Tensor, factor: Tensor, step: Tensor) -> Tensor:
@@ -74,14 +78,16 @@ def mala(
     gradient: Tensor,
     factor: Tensor,
     step: Tensor | float,
-    density: Callable[[Tensor], tuple[Tensor, Tensor]],
+    density: Callable[[Tensor], tuple[Tensor, ...]],
     generator: torch.Generator,
+    extra: tuple[Tensor, ...] = (),
 ) -> Move:
     """One MALA move of blocks ``x`` (``(..., p)``), each with its own factor ``L`` (``(..., p, p)``) of ``P``.
 
     ``log_density``/``gradient``: the blocks' :math:`\\ell` and :math:`\\nabla\\ell` at ``x`` (``(...)``,
     ``(..., p)``); ``step``: one number, or one per block (``(...)``, broadcast); ``density(x')`` gives them at a
-    proposal. Draws from ``generator``: the proposal's noise, then one
+    proposal, and may give more (``extra``: tensors whose leading dimensions are the blocks'), which the move
+    keeps from where each block ends (``extra`` given: their values at ``x``). Draws from ``generator``: the proposal's noise, then one
     uniform per block.
     """
     step = torch.as_tensor(step, dtype=x.dtype, device=x.device).expand(x.shape[:-1]).unsqueeze(-1)
@@ -89,7 +95,7 @@ def mala(
     noise = torch.randn(x.shape, generator=generator, dtype=x.dtype, device=x.device)
     moved = torch.linalg.solve_triangular(factor.transpose(-1, -2), noise.unsqueeze(-1), upper=True).squeeze(-1)
     proposal = forward + step * moved
-    proposed_density, proposed_gradient = density(proposal)
+    proposed_density, proposed_gradient, *proposed_extra = density(proposal)
     backward = proposal + _drift(proposed_gradient, factor, step)
     reverse = ((factor.transpose(-1, -2) @ (x - backward).unsqueeze(-1)).squeeze(-1) / step).square().sum(-1)
     log_alpha = proposed_density - log_density - 0.5 * reverse + 0.5 * noise.square().sum(-1)
@@ -101,7 +107,12 @@ def mala(
         torch.where(taken, proposed_density, log_density),
         torch.where(taken.unsqueeze(-1), proposed_gradient, gradient),
         log_alpha.clamp_max(0.0).exp(),
+        tuple(_where(taken, new, old) for new, old in zip(proposed_extra, extra, strict=True)),
     )
+
+
+def _where(taken: Tensor, new: Tensor, old: Tensor) -> Tensor:
+    return torch.where(taken.reshape(taken.shape + (1,) * (new.dim() - taken.dim())), new, old)
 
 
 class DualAveraging:
