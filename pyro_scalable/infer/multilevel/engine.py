@@ -1,10 +1,10 @@
-r"""Multilevel MCMC: the group plate's blocks moved on their own rows, the global latents on their conditional.
+r"""Multilevel MCMC: the group plate's blocks moved on their own rows, the globals with the locals sheared along.
 
 A model with a group plate of :math:`G` groups (local latents :math:`b_k`, one block of :math:`p` unconstrained
-coordinates each), global latents :math:`\theta` and data rows that each read one group (:mod:`~pyro_scalable.bridge.
-row_groups`) has the posterior :math:`\pi(\theta, b) \propto p(\theta) \prod_k p(b_k \mid \theta)
-\prod_i p(y_i \mid \theta, b_{g(i)})` (:mod:`~pyro_scalable.bridge.group_terms`). Each iteration is a
-Metropolis-within-Gibbs sweep of two exact moves:
+coordinates each), global latents :math:`\theta \in \mathbb{R}^d` and data rows that each read one group
+(:mod:`~pyro_scalable.bridge.row_groups`) has the posterior :math:`\pi(\theta, b) \propto p(\theta) \prod_k
+p(b_k \mid \theta) \prod_i p(y_i \mid \theta, b_{g(i)})` (:mod:`~pyro_scalable.bridge.group_terms`). Each iteration
+is a sweep of two kinds of exact Metropolis-Hastings move:
 
 1. **The locals.** :math:`M` groups drawn uniformly without replacement (all of them by default), independently of
    the state. Given :math:`\theta` the groups are independent, and group :math:`k`'s conditional
@@ -13,27 +13,34 @@ Metropolis-within-Gibbs sweep of two exact moves:
    move (:mod:`.mala`) and accepts on its own. Its preconditioner is :math:`P_k = R_k + Q_k(\theta)`: :math:`R_k` the
    rows' negative Hessian at a reference point fixed in sampling, :math:`Q_k(\theta)` the group prior's negative
    Hessian at the reference locals under the *current* globals (so a block's step follows the group scale as it
-   moves, as a funnel needs). Neither depends on :math:`b_k`, so each move leaves the conditional invariant exactly.
-2. **The globals.** One preconditioned MALA move of :math:`\theta` on its conditional
-   :math:`\log p(\theta) + \sum_k \log p(b_k \mid \theta) + \sum_i \log p(y_i \mid \theta, b_{g(i)})`; the last
-   sum (one pass over the data) only where some global enters the likelihood, found once by differentiating it.
-   Globals that only set the groups' prior (a mean and a scale of the effects) need no data and take
-   ``global_moves`` moves per sweep.
+   moves, as a funnel needs). Neither depends on :math:`b_k`, so each move leaves the conditional invariant.
+2. **The globals, with the locals sheared along.** A Gibbs move of :math:`\theta` given :math:`b` mixes slowly
+   where the two are strongly coupled: a centred model's group scale given its effects, a non-centred model's mean
+   and scale given the standardised effects. So :math:`\theta` moves in the coordinates :math:`(\theta, u)`,
+   :math:`u_k = b_k - B_k\theta`, holding :math:`u` fixed: the locals follow the globals along :math:`B_k`, each
+   group's regression on the globals in warm-up's last window (for a Gaussian posterior, :math:`E[b_k \mid \theta]
+   = \text{const} + B_k\theta`, and :math:`u` is then independent of :math:`\theta`). The map is linear with unit
+   Jacobian, so a MALA move of :math:`\theta` on :math:`\log\pi(\theta, u + B\theta)`, with gradient
+   :math:`\nabla_\theta \log\pi + \sum_k B_k^\top \nabla_{b_k} \log\pi`, leaves :math:`\pi` invariant. Each
+   evaluation reads every row (a data pass); ``global_moves`` moves per sweep (default 3). The last one's
+   evaluation gives every group's conditional and gradient where the chain now is, which the next sweep's local
+   move starts from.
 
-Both moves leave :math:`\pi` invariant, and so does their composition: the kept draws are exact MCMC draws of the
-posterior, with no step-size bias and no minibatch noise. The cost per sweep is the drawn groups' rows (a data
-pass with all groups), plus one pass where a global reads the data, plus the curvature :math:`Q` (no data).
+Each move leaves :math:`\pi` invariant, and so does their composition (the blocks drawn do not depend on the state):
+the kept draws are exact MCMC draws of the posterior, with no step-size bias and no minibatch noise. A sweep with
+all groups costs :math:`2 + \text{global\_moves}` passes over the data, plus :math:`Q` (no data).
 
-**Warm-up** (``num_warmup`` sweeps): the steps of the two kinds of block are set by dual averaging of their
-acceptance (target 0.6); at the ends of windows of 10%, 10%, 15% and 25% of warm-up the reference point becomes
-the window's mean over chains, :math:`R` is read again there, and the globals' preconditioner becomes the inverse of
-the window's covariance (regularised towards the identity as Stan regularises its metric). The steps are fixed at
-their averages for sampling.
+**Warm-up** (``num_warmup`` sweeps): each chain's steps for its two kinds of block are set by dual averaging of their
+acceptance (target 0.6). At the start, and at the ends of windows of 10%, 10%, 15% and 25% of warm-up, each chain's
+reference point becomes its window's mean and :math:`R` is read there; the shear :math:`B` becomes the window's
+regression (pooled over chains) of each group's locals on the globals, and the globals' preconditioner the inverse
+of their window covariance (regularised towards the identity as Stan regularises its metric). At the start, with no
+window, :math:`B_k = (R_k + Q_k)^{-1} \partial^2 \log\pi / \partial b_k \partial\theta` (the conditional mean's
+slope) and the preconditioner is the sheared joint's curvature, at each chain's point. The steps are fixed at their
+averages for sampling.
 
-**What it does not do** (yet): move the globals with a minibatch estimate (each global move that reads the data
-costs a full pass), or interweave a centred and a non-centred parametrisation: a centred model with weak groups
-(few rows each, a small group scale) mixes slowly in :math:`(\tau, b)` as any Gibbs sampler does, and a warning
-says so through r_hat; write such a model non-centred (``LocScaleReparam``).
+**What it does not do** (yet): move the globals with a minibatch estimate (each global move costs a data pass), or
+read a group plate that the model writes as one vector site (``.to_event(1)``) rather than a ``pyro.plate``.
 """
 
 from __future__ import annotations
@@ -300,6 +307,8 @@ class _Sweep:
             cross = b_theta / n - b_mean.mean(0)[..., None] * mean  # (G, p, d): the window's Cov(b_k, theta)
             shear = torch.linalg.solve(covariance, cross.reshape(-1, d).T).T.reshape(cross.shape)
             self.shear = shear.expand(chains, *shear.shape)
+            centre = b_mean.mean(0) - shear @ mean  # the regression's intercept, pooled
+            self.centre = centre.expand(chains, *centre.shape)
             self.global_factor = precision_factor(torch.linalg.inv(covariance.double())).to(theta.dtype)
             self.global_factor = self.global_factor.expand(chains, d, d)
         elif d:  # at the start: the conditional-mean slope and the sheared joint's curvature at each chain's point
@@ -307,9 +316,15 @@ class _Sweep:
             cross = vmap(self._cross)(self.theta_ref, self.b_ref)
             self.shear = torch.cholesky_solve(cross, precision_factor(self.rows_curvature + prior))
             u_ref = self.b_ref - (self.shear @ self.theta_ref[:, None, :, None]).squeeze(-1)
+            self.centre = u_ref
             hessian = vmap(torch.func.jacrev(torch.func.jacrev(self._sheared)))(self.theta_ref, u_ref, self.shear)
             self.global_factor = precision_factor(-hessian).to(theta.dtype)
             passes += d * 9
+        if d:
+            rows_factor = precision_factor(self.rows_curvature)
+            self.rows_floored = rows_factor @ rows_factor.transpose(-1, -2)
+            prior = vmap(lambda t, b: self._block_curvature(self._group_prior, b, t))(self.theta_ref, self.b_ref)
+            self.spread_fallback = precision_factor(self.rows_floored + prior)
         self.rows_read += chains * passes * self.rows.all.shape[0]
         self.local_step.restart(self.local_step.step)
         self.global_step.restart(self.global_step.step)
@@ -363,16 +378,37 @@ class _Sweep:
             self.local_step.update(accept)
         return b, accept
 
+    def _spread(self, theta: Tensor, b_ref: Tensor, rows_floored: Tensor, fallback: Tensor) -> Tensor:
+        """Each group's factor ``L_k(theta)`` of ``R_k + Q_k(theta)`` (one chain); the fallback where it has none."""
+        precision = rows_floored + self._block_curvature(self._group_prior, b_ref, theta)
+        factor, info = torch.linalg.cholesky_ex(precision)
+        return torch.where((info == 0)[:, None, None], factor, fallback)
+
+    def _transformed(self, x, offset, eps, centre, shear, b_ref, rows_floored, fallback):
+        """The log density of the globals ``x`` at fixed standardised locals ``eps`` (module docstring, 2).
+
+        ``offset`` (zero) is added to the locals so that its gradient is the joint's in the locals.
+        """
+        factor = self._spread(x, b_ref, rows_floored, fallback)
+        spread = torch.linalg.solve_triangular(factor.transpose(-1, -2), eps.unsqueeze(-1), upper=True).squeeze(-1)
+        b = centre + shear @ x + spread + offset
+        value, per_group = self._joint(x, b)
+        log_det = factor.diagonal(dim1=-2, dim2=-1).log().sum()
+        return value - log_det, (per_group, b)
+
     def _move_globals(self, theta: Tensor, b: Tensor, joint: Callable, generator: torch.Generator, adapt: bool):
-        """MALA moves of the globals with the locals sheared along (module docstring, 2)."""
+        """MALA moves of the globals, the locals following their conditional mean and spread (module docstring, 2)."""
         chains = b.shape[0]
-        u = b - (self.shear @ theta[:, None, :, None]).squeeze(-1)
+        factor = vmap(self._spread)(theta, self.b_ref, self.rows_floored, self.spread_fallback)
+        mean = self.centre + (self.shear @ theta[:, None, :, None]).squeeze(-1)
+        eps = (factor.transpose(-1, -2) @ (b - mean).unsqueeze(-1)).squeeze(-1)
+        fixed = (eps, self.centre, self.shear, self.b_ref, self.rows_floored, self.spread_fallback)
+        transformed = vmap(grad_and_value(self._transformed, argnums=(0, 1), has_aux=True))
+        offset = torch.zeros_like(b)
 
         def density(x: Tensor) -> tuple[Tensor, ...]:
-            moved = u + (self.shear @ x[:, None, :, None]).squeeze(-1)
-            (gradient_theta, gradient_b), (value, per_group) = joint(x, moved)
-            sheared = gradient_theta + torch.einsum("cgpd,cgp->cd", self.shear, gradient_b)
-            return value, sheared, per_group, gradient_b
+            (gradient_theta, gradient_b), (value, (per_group, moved)) = transformed(x, offset, *fixed)
+            return value, gradient_theta, per_group, gradient_b, moved
 
         value, gradient, *extra = density(theta)
         self.rows_read += chains * self.rows.all.shape[0] * (1 + self.global_moves)
@@ -384,5 +420,4 @@ class _Sweep:
             if adapt:
                 self.global_step.update(move.accept)
         self.cache = (extra[0], extra[1])
-        b = u + (self.shear @ theta[:, None, :, None]).squeeze(-1)
-        return theta, b, total / self.global_moves
+        return theta, extra[2], total / self.global_moves
