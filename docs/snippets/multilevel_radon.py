@@ -22,6 +22,7 @@ def radon_like(num_counties=85, seed=0):
 # --8<-- [end:data]
 # --8<-- [start:model]
 def model(county, floor, log_radon, num_counties=85):
+    """Log radon of each home: its county's level, lower by ``beta`` above the basement."""
     mu = pyro.sample("mu", dist.Normal(0.0, 5.0))
     tau = pyro.sample("tau", dist.HalfNormal(1.0))
     beta = pyro.sample("beta", dist.Normal(0.0, 2.0))

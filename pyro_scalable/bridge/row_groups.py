@@ -5,7 +5,8 @@ A multilevel model has a **group plate** (size :math:`G`, not subsampled) holdin
 ``b[g[idx]]``. Pyro records the plates but not the index expression, so the map :math:`g` is found by differentiating
 each row's log-likelihood :math:`\ell_i` along directions of the local latents. With :math:`\partial_k \ell_i` the
 sum over a group's coordinates of :math:`\partial \ell_i / \partial b_{k,\cdot}` and a tangent :math:`t` that is
-:math:`t_k` on every coordinate of group :math:`k`, one forward-mode product (``torch.func.jvp``) gives every row's
+:math:`t_k` on every coordinate of group :math:`k`, one directional derivative (two reverse passes: :math:`Jt` is
+the gradient in :math:`u` of :math:`\langle J^\top u, t\rangle`) gives every row's
 
 .. math::
 
@@ -24,7 +25,6 @@ is fixed and irregular (:func:`~.hierarchy.irregular_point`).
 
 from __future__ import annotations
 
-import warnings
 from typing import NamedTuple
 
 import torch
@@ -193,9 +193,7 @@ def _rows(bridge: ModelBridge, point: Latents, tangents: list[Latents], plate: s
                     total = total + value.movedim(dim, 0).reshape(value.shape[dim], -1).sum(1)
             return total
 
-        with warnings.catch_warnings():  # torch scripts its jvp decompositions once, with a notice of its own
-            warnings.filterwarnings("ignore", r".*torch\.jit\.script.* is deprecated", DeprecationWarning)
-            d = [torch.func.jvp(rows, (point,), (t,))[1].double() for t in tangents]
+        d = [_directional(rows, point, t).double() for t in tangents]
         nonzero = d[0] != 0
         safe = torch.where(nonzero, d[0], torch.ones_like(d[0]))
         first, second = d[1] / safe, d[2] / safe
@@ -208,6 +206,21 @@ def _rows(bridge: ModelBridge, point: Latents, tangents: list[Latents], plate: s
         groups.append(torch.where(nonzero, group, torch.zeros_like(group)).to(torch.int64))
         seen.append(nonzero)
     return torch.cat(groups), torch.cat(seen)
+
+
+def _directional(function, point: Latents, tangent: Latents) -> Tensor:
+    """The derivative of a vector ``function`` at ``point`` along ``tangent``, by reverse mode twice.
+
+    ``J t`` is the gradient in ``u`` of ``<J^T u, t>``: two backward passes, where torch's forward mode would import
+    its compiler and run its decompositions in Python (seconds on a process's first call).
+    """
+    value, pullback = torch.func.vjp(function, point)
+
+    def along(u: Tensor) -> Tensor:
+        (cotangent,) = pullback(u)
+        return sum((cotangent[name] * tangent[name]).sum() for name in tangent)
+
+    return torch.func.grad(along)(torch.zeros_like(value))
 
 
 def _several(row: int, data: str, plate: str) -> ValueError:

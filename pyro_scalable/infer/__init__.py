@@ -2,8 +2,8 @@
 
 from pyro_scalable.infer.ekf import EKF, DiagonalEKF, EKFPosterior
 from pyro_scalable.infer.laplace import AutoLinearizedLaplace, CurvatureError, GLMPredictive, LaplacePosterior
-from pyro_scalable.infer.predictive import sample_posterior_predictive
 from pyro_scalable.infer.multilevel import MultilevelMCMC
+from pyro_scalable.infer.predictive import sample_posterior_predictive
 from pyro_scalable.infer.sample_then_optimize import SampleThenOptimize
 from pyro_scalable.infer.schedules import Cyclical, PolynomialDecay
 from pyro_scalable.infer.sgmcmc import (

@@ -57,6 +57,7 @@ from torch.func import grad, grad_and_value, vmap
 from pyro_scalable.arguments import check_count, check_device, check_flag, check_seed
 from pyro_scalable.bridge import FullDataModel
 from pyro_scalable.bridge.group_terms import GroupTermsOf
+from pyro_scalable.bridge.hierarchy import prior_parents
 from pyro_scalable.bridge.model import ModelBridge
 from pyro_scalable.bridge.row_groups import RowGroups, row_groups
 from pyro_scalable.infer.health import warn_unhealthy
@@ -235,6 +236,9 @@ class _Sweep:
         self.local_step, self.global_step = DualAveraging(ones), DualAveraging(ones)
         self.rows_read = 0
         self.cache: tuple[Tensor, Tensor] | None = None  # every group's conditional and gradient where the chains are
+        parents = prior_parents(bridge)
+        # whether a local's prior depends on a global (centred): then its curvature Q follows the globals
+        self.prior_follows = any(parents[name] for name in groups.sites)
 
     # ---------------------------------------------------------------- densities (one chain; vmapped over chains)
     def _terms(self, theta: Tensor, b: Tensor, rows: Tensor):
@@ -325,6 +329,7 @@ class _Sweep:
             self.rows_floored = rows_factor @ rows_factor.transpose(-1, -2)
             prior = vmap(lambda t, b: self._block_curvature(self._group_prior, b, t))(self.theta_ref, self.b_ref)
             self.spread_fallback = precision_factor(self.rows_floored + prior)
+        self.prior_curvature = None
         self.rows_read += chains * passes * self.rows.all.shape[0]
         self.local_step.restart(self.local_step.step)
         self.global_step.restart(self.global_step.step)
@@ -366,11 +371,21 @@ class _Sweep:
             gradient, (_, per_group) = local(moved, theta, drawn, rows, slot)
             return per_group, gradient[:, drawn]
 
-        curvature = lambda t, r: self._block_curvature(self._group_prior, r, t)  # noqa: E731
-        precision = (self.rows_curvature + vmap(curvature)(theta, self.b_ref))[:, drawn]
+        if self.prior_follows or self.prior_curvature is None:
+            curvature = lambda t, r: self._block_curvature(self._group_prior, r, t)  # noqa: E731
+            self.prior_curvature = vmap(curvature)(theta, self.b_ref)
+        precision = (self.rows_curvature + self.prior_curvature)[:, drawn]
         per_group, gradient_b = self.cache
         step = self.local_step.step[:, None]
-        move = mala(b[:, drawn], per_group[:, drawn], gradient_b[:, drawn], precision_factor(precision), step, density, generator)
+        move = mala(
+            b[:, drawn],
+            per_group[:, drawn],
+            gradient_b[:, drawn],
+            precision_factor(precision),
+            step,
+            density,
+            generator,
+        )
         b = b.clone()
         b[:, drawn] = move.x
         accept = move.accept.mean(-1)
@@ -380,6 +395,8 @@ class _Sweep:
 
     def _spread(self, theta: Tensor, b_ref: Tensor, rows_floored: Tensor, fallback: Tensor) -> Tensor:
         """Each group's factor ``L_k(theta)`` of ``R_k + Q_k(theta)`` (one chain); the fallback where it has none."""
+        if not self.prior_follows:  # the group prior's curvature is the same at every value of the globals
+            return fallback
         precision = rows_floored + self._block_curvature(self._group_prior, b_ref, theta)
         factor, info = torch.linalg.cholesky_ex(precision)
         return torch.where((info == 0)[:, None, None], factor, fallback)
@@ -414,7 +431,9 @@ class _Sweep:
         self.rows_read += chains * self.rows.all.shape[0] * (1 + self.global_moves)
         total = torch.zeros(chains, dtype=b.dtype, device=b.device)
         for _ in range(self.global_moves):
-            move = mala(theta, value, gradient, self.global_factor, self.global_step.step, density, generator, tuple(extra))
+            move = mala(
+                theta, value, gradient, self.global_factor, self.global_step.step, density, generator, tuple(extra)
+            )
             theta, value, gradient, extra = move.x, move.log_density, move.gradient, list(move.extra)
             total = total + move.accept
             if adapt:

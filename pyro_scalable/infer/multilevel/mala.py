@@ -82,13 +82,13 @@ def mala(
     generator: torch.Generator,
     extra: tuple[Tensor, ...] = (),
 ) -> Move:
-    """One MALA move of blocks ``x`` (``(..., p)``), each with its own factor ``L`` (``(..., p, p)``) of ``P``.
+    r"""One MALA move of blocks ``x`` (``(..., p)``), each with its own factor ``L`` (``(..., p, p)``) of ``P``.
 
-    ``log_density``/``gradient``: the blocks' :math:`\\ell` and :math:`\\nabla\\ell` at ``x`` (``(...)``,
+    ``log_density``/``gradient``: the blocks' :math:`\ell` and :math:`\nabla\ell` at ``x`` (``(...)``,
     ``(..., p)``); ``step``: one number, or one per block (``(...)``, broadcast); ``density(x')`` gives them at a
-    proposal, and may give more (``extra``: tensors whose leading dimensions are the blocks'), which the move
-    keeps from where each block ends (``extra`` given: their values at ``x``). Draws from ``generator``: the proposal's noise, then one
-    uniform per block.
+    proposal, and may give more (``extra``: tensors whose leading dimensions are the blocks'), which the move keeps
+    from where each block ends (``extra`` given: their values at ``x``). Draws from ``generator``: the proposal's
+    noise, then one uniform per block.
     """
     step = torch.as_tensor(step, dtype=x.dtype, device=x.device).expand(x.shape[:-1]).unsqueeze(-1)
     forward = x + _drift(gradient, factor, step)
@@ -118,7 +118,9 @@ def _where(taken: Tensor, new: Tensor, old: Tensor) -> Tensor:
 class DualAveraging:
     """The step of one kind of block in each chain, set by dual averaging of its acceptance (module docstring)."""
 
-    def __init__(self, step: Tensor, target: float = TARGET, gamma: float = 0.05, t0: float = 10.0, kappa: float = 0.75):
+    def __init__(
+        self, step: Tensor, target: float = TARGET, gamma: float = 0.05, t0: float = 10.0, kappa: float = 0.75
+    ):
         self.target, self.gamma, self.t0, self.kappa = target, gamma, t0, kappa
         self.restart(step)
 

@@ -46,4 +46,6 @@ def test_dual_averaging_finds_the_step_of_a_known_acceptance_curve():
     steps = DualAveraging(torch.ones(2, dtype=torch.float64), target=0.6)
     for _ in range(2000):  # acceptance exp(-h) and exp(-2h): 0.6 at h = -log 0.6 and half of it
         steps.update(torch.exp(-steps.step * torch.tensor([1.0, 2.0], dtype=torch.float64)))
-    torch.testing.assert_close(steps.final, -math.log(0.6) / torch.tensor([1.0, 2.0], dtype=torch.float64), atol=0.02, rtol=0)
+    torch.testing.assert_close(
+        steps.final, -math.log(0.6) / torch.tensor([1.0, 2.0], dtype=torch.float64), atol=0.02, rtol=0
+    )
