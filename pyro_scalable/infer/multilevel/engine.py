@@ -1,45 +1,55 @@
-r"""Multilevel MCMC: the group plate's blocks moved on their own rows, the globals with the locals sheared along.
+r"""Multilevel MCMC: the group plate's blocks moved on their own rows, the globals with the groups carried along.
 
 A model with a group plate of :math:`G` groups (local latents :math:`b_k`, one block of :math:`p` unconstrained
 coordinates each), global latents :math:`\theta \in \mathbb{R}^d` and data rows that each read one group
 (:mod:`~pyro_scalable.bridge.row_groups`) has the posterior :math:`\pi(\theta, b) \propto p(\theta) \prod_k
 p(b_k \mid \theta) \prod_i p(y_i \mid \theta, b_{g(i)})` (:mod:`~pyro_scalable.bridge.group_terms`). Each iteration
-is a sweep of two kinds of exact Metropolis-Hastings move:
+is a sweep of two kinds of exact Metropolis-Hastings move (:mod:`.mala`):
 
 1. **The locals.** :math:`M` groups drawn uniformly without replacement (all of them by default), independently of
    the state. Given :math:`\theta` the groups are independent, and group :math:`k`'s conditional
    :math:`\ell_k(b_k) = \log p(b_k \mid \theta) + \sum_{g(i)=k} \log p(y_i \mid \theta, b_k)` reads its own rows only
    (through the data plate's subsample), with no :math:`N/B` scale. Each drawn block takes one preconditioned MALA
-   move (:mod:`.mala`) and accepts on its own. Its preconditioner is :math:`P_k = R_k + Q_k(\theta)`: :math:`R_k` the
-   rows' negative Hessian at a reference point fixed in sampling, :math:`Q_k(\theta)` the group prior's negative
-   Hessian at the reference locals under the *current* globals (so a block's step follows the group scale as it
-   moves, as a funnel needs). Neither depends on :math:`b_k`, so each move leaves the conditional invariant.
-2. **The globals, with the locals sheared along.** A Gibbs move of :math:`\theta` given :math:`b` mixes slowly
-   where the two are strongly coupled: a centred model's group scale given its effects, a non-centred model's mean
-   and scale given the standardised effects. So :math:`\theta` moves in the coordinates :math:`(\theta, u)`,
-   :math:`u_k = b_k - B_k\theta`, holding :math:`u` fixed: the locals follow the globals along :math:`B_k`, each
-   group's regression on the globals in warm-up's last window (for a Gaussian posterior, :math:`E[b_k \mid \theta]
-   = \text{const} + B_k\theta`, and :math:`u` is then independent of :math:`\theta`). The map is linear with unit
-   Jacobian, so a MALA move of :math:`\theta` on :math:`\log\pi(\theta, u + B\theta)`, with gradient
-   :math:`\nabla_\theta \log\pi + \sum_k B_k^\top \nabla_{b_k} \log\pi`, leaves :math:`\pi` invariant. Each
-   evaluation reads every row (a data pass); ``global_moves`` moves per sweep (default 3). The last one's
-   evaluation gives every group's conditional and gradient where the chain now is, which the next sweep's local
-   move starts from.
+   move (``local_steps`` leapfrog steps of HMC; default 1, which is MALA) and accepts on its own. Its mass matrix is
+   :math:`P_k = R_k + Q_k(\theta)`: :math:`R_k` the rows' negative Hessian at a reference point fixed in sampling,
+   :math:`Q_k(\theta)` the group prior's negative Hessian at the reference locals under the *current* globals (so a
+   block's step follows the group scale as it moves, as a funnel needs). Neither depends on :math:`b_k`, so each
+   move leaves the conditional invariant.
+2. **The globals, with the groups carried along.** A Gibbs move of :math:`\theta` given :math:`b` mixes slowly where
+   the two are coupled: a centred model's group scale given its effects, a non-centred model's mean and scale given
+   the standardised effects. So :math:`\theta` moves in the coordinates :math:`(\theta, \varepsilon)`,
+
+   .. math::
+
+       b_k = a_k + B_k\theta + L_k(\theta)^{-\top}\varepsilon_k, \qquad L_k(\theta)L_k(\theta)^\top = R_k + Q_k(\theta),
+
+   holding :math:`\varepsilon` fixed: each group follows its conditional mean (:math:`a_k + B_k\theta`, its
+   regression on the globals over warm-up's last window) and its conditional spread (the curvature's factor at the
+   current globals). A weakly informed group (:math:`R_k \ll Q_k`) then moves as if non-centred, a strongly informed
+   one as if centred: a partially non-centred parametrisation (Papaspiliopoulos, Roberts & Sköld 2007), chosen per
+   group from the data whatever parametrisation the model is written in. For fixed :math:`\theta` the map is a
+   bijection with :math:`\log|\partial b / \partial\varepsilon| = -\sum_k \log\det L_k(\theta)`, so one HMC
+   trajectory (``global_steps`` leapfrog steps, default 3) on :math:`\log\pi(\theta, b(\theta, \varepsilon)) -
+   \sum_k \log\det L_k(\theta)` leaves :math:`\pi` invariant. Its gradient comes by autodiff through the map (a
+   third derivative of the group prior, which reads no data). Each evaluation reads every row (a data pass); the
+   last one gives every group's conditional and gradient where the chain now is, which the next sweep's local move
+   starts from. Where no local's prior depends on a global (a non-centred model), :math:`Q` is a constant and the
+   map a shear.
 
 Each move leaves :math:`\pi` invariant, and so does their composition (the blocks drawn do not depend on the state):
 the kept draws are exact MCMC draws of the posterior, with no step-size bias and no minibatch noise. A sweep with
-all groups costs :math:`2 + \text{global\_moves}` passes over the data, plus :math:`Q` (no data).
+all groups costs :math:`\text{local\_steps} + 1 + \text{global\_steps}` passes over the data.
 
 **Warm-up** (``num_warmup`` sweeps): each chain's steps for its two kinds of block are set by dual averaging of their
-acceptance (target 0.6). At the start, and at the ends of windows of 10%, 10%, 15% and 25% of warm-up, each chain's
-reference point becomes its window's mean and :math:`R` is read there; the shear :math:`B` becomes the window's
-regression (pooled over chains) of each group's locals on the globals, and the globals' preconditioner the inverse
-of their window covariance (regularised towards the identity as Stan regularises its metric). At the start, with no
-window, :math:`B_k = (R_k + Q_k)^{-1} \partial^2 \log\pi / \partial b_k \partial\theta` (the conditional mean's
-slope) and the preconditioner is the sheared joint's curvature, at each chain's point. The steps are fixed at their
-averages for sampling.
+acceptance. At the start, and at the ends of windows of 10%, 10%, 15% and 25% of warm-up, each chain's reference
+point becomes its window's mean and :math:`R` is read there; :math:`B` and :math:`a` become the window's regression
+(pooled over chains) of each group's locals on the globals, and the globals' mass matrix the inverse of their window
+covariance (regularised towards the identity as Stan regularises its metric). At the start, with no window,
+:math:`B_k = (R_k + Q_k)^{-1} \partial^2 \log\pi / \partial b_k \partial\theta` (the conditional mean's slope) and
+the mass matrix is the sheared joint's curvature, at each chain's point. The steps are fixed at their averages for
+sampling.
 
-**What it does not do** (yet): move the globals with a minibatch estimate (each global move costs a data pass), or
+**What it does not do** (yet): move the globals with a minibatch estimate (each global step costs a data pass), or
 read a group plate that the model writes as one vector site (``.to_event(1)``) rather than a ``pyro.plate``.
 """
 
@@ -62,7 +72,7 @@ from pyro_scalable.bridge.model import ModelBridge
 from pyro_scalable.bridge.row_groups import RowGroups, row_groups
 from pyro_scalable.infer.health import warn_unhealthy
 from pyro_scalable.infer.multilevel.layout import Layout
-from pyro_scalable.infer.multilevel.mala import DualAveraging, mala, precision_factor
+from pyro_scalable.infer.multilevel.mala import DualAveraging, hmc, precision_factor
 from pyro_scalable.infer.record import RunRecord
 from pyro_scalable.infer.results import Draws
 
@@ -114,7 +124,8 @@ class MultilevelMCMC(Draws):
         plate: the group plate's name, where the model has several.
         groups_per_step: groups moved per sweep (default: all). Fewer make a sweep cheaper and mix the locals less
             per sweep; they are drawn uniformly without replacement, the same for every chain.
-        global_moves: MALA moves of the globals per sweep where no global reads the data (default 3; 1 otherwise).
+        global_steps: leapfrog steps of the globals' HMC trajectory per sweep (default 3; each reads every row).
+        local_steps: leapfrog steps of each group's move per sweep (default 1: MALA).
         seed: the run's random seed (default: drawn from torch's generator).
         init_strategy: Pyro's initialisation strategy for the chains' starting points.
         draws_device: where draws are kept (default CPU).
@@ -134,9 +145,9 @@ class MultilevelMCMC(Draws):
         ...         pyro.sample("obs", dist.Normal(b[g[idx]], 1.0), obs=y[idx])
         >>> g = torch.arange(40) % 4
         >>> y = g.float() + torch.randn(40, generator=torch.Generator().manual_seed(0))
-        >>> mcmc = MultilevelMCMC(model, num_samples=200, num_warmup=200, seed=0).run(g, y)
+        >>> mcmc = MultilevelMCMC(model, num_samples=100, num_warmup=100, seed=0).run(g, y)
         >>> mcmc.get_samples()["b"].shape
-        torch.Size([800, 4])
+        torch.Size([400, 4])
 
     """
 
@@ -149,7 +160,8 @@ class MultilevelMCMC(Draws):
         *,
         plate: str | None = None,
         groups_per_step: int | None = None,
-        global_moves: int | None = None,
+        global_steps: int | None = None,
+        local_steps: int | None = None,
         seed: int | None = None,
         init_strategy: Callable = init_to_uniform,
         draws_device: torch.device | str = "cpu",
@@ -164,7 +176,8 @@ class MultilevelMCMC(Draws):
             raise TypeError(f"plate must be the group plate's name (a str), got {plate!r}.")
         self.plate = plate
         self.groups_per_step = check_count("groups_per_step", groups_per_step, optional=True)
-        self.global_moves = check_count("global_moves", global_moves, optional=True)
+        self.global_steps = check_count("global_steps", global_steps, optional=True)
+        self.local_steps = check_count("local_steps", local_steps, optional=True)
         self.seed = check_seed("seed", seed)
         self.init_strategy = init_strategy
         self.draws_device = check_device("draws_device", draws_device)
@@ -231,9 +244,12 @@ class _Sweep:
         self.num_groups = groups.num_groups
         self.per_step = min(engine.groups_per_step or self.num_groups, self.num_groups)
         self.one_row = self.rows.all[:1]
-        self.global_moves = engine.global_moves or 3
+        self.global_steps = engine.global_steps or 3
+        self.local_steps = engine.local_steps or 1
         ones = torch.ones(engine.num_chains, dtype=bridge.sites[groups.sites[0]].dtype, device=bridge.device)
-        self.local_step, self.global_step = DualAveraging(ones), DualAveraging(ones)
+        # MALA's optimal acceptance is about 0.57, HMC's (several steps) about 0.65-0.8
+        self.local_step = DualAveraging(ones, target=0.6 if self.local_steps == 1 else 0.7)
+        self.global_step = DualAveraging(ones, target=0.6 if self.global_steps == 1 else 0.7)
         self.rows_read = 0
         self.cache: tuple[Tensor, Tensor] | None = None  # every group's conditional and gradient where the chains are
         parents = prior_parents(bridge)
@@ -377,12 +393,13 @@ class _Sweep:
         precision = (self.rows_curvature + self.prior_curvature)[:, drawn]
         per_group, gradient_b = self.cache
         step = self.local_step.step[:, None]
-        move = mala(
+        move = hmc(
             b[:, drawn],
             per_group[:, drawn],
             gradient_b[:, drawn],
             precision_factor(precision),
             step,
+            self.local_steps,
             density,
             generator,
         )
@@ -428,15 +445,20 @@ class _Sweep:
             return value, gradient_theta, per_group, gradient_b, moved
 
         value, gradient, *extra = density(theta)
-        self.rows_read += chains * self.rows.all.shape[0] * (1 + self.global_moves)
-        total = torch.zeros(chains, dtype=b.dtype, device=b.device)
-        for _ in range(self.global_moves):
-            move = mala(
-                theta, value, gradient, self.global_factor, self.global_step.step, density, generator, tuple(extra)
-            )
-            theta, value, gradient, extra = move.x, move.log_density, move.gradient, list(move.extra)
-            total = total + move.accept
-            if adapt:
-                self.global_step.update(move.accept)
-        self.cache = (extra[0], extra[1])
-        return theta, extra[2], total / self.global_moves
+        self.rows_read += chains * self.rows.all.shape[0] * (1 + self.global_steps)
+        move = hmc(
+            theta,
+            value,
+            gradient,
+            self.global_factor,
+            self.global_step.step,
+            self.global_steps,
+            density,
+            generator,
+            tuple(extra),
+        )
+        if adapt:
+            self.global_step.update(move.accept)
+        per_group, gradient_b, b = move.extra
+        self.cache = (per_group, gradient_b)
+        return move.x, b, move.accept

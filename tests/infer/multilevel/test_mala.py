@@ -1,10 +1,10 @@
-"""Preconditioned MALA on independent blocks keeps a Gaussian exactly, whatever its preconditioner and step."""
+"""Preconditioned HMC and MALA on independent blocks keep a Gaussian exactly, whatever the mass matrix and step."""
 
 import math
 
 import torch
 
-from pyro_scalable.infer.multilevel.mala import DualAveraging, mala, precision_factor
+from pyro_scalable.infer.multilevel.mala import DualAveraging, hmc, precision_factor
 
 
 def test_mala_keeps_a_gaussian_with_a_wrong_preconditioner():
@@ -24,7 +24,7 @@ def test_mala_keeps_a_gaussian_with_a_wrong_preconditioner():
     value, gradient = density(x)
     accepted = 0.0
     for _ in range(10):
-        move = mala(x, value, gradient, factor, 1.7, density, gen)
+        move = hmc(x, value, gradient, factor, 1.7, 1, density, gen)  # one step: MALA
         x, value, gradient = move.x, move.log_density, move.gradient
         accepted += float(move.accept.mean()) / 10
     assert 0.1 < accepted < 0.9  # the test moves the blocks: neither all kept nor all taken
@@ -49,3 +49,31 @@ def test_dual_averaging_finds_the_step_of_a_known_acceptance_curve():
     torch.testing.assert_close(
         steps.final, -math.log(0.6) / torch.tensor([1.0, 2.0], dtype=torch.float64), atol=0.02, rtol=0
     )
+
+
+def test_hmc_keeps_a_gaussian_with_a_wrong_mass_matrix():
+    gen = torch.Generator().manual_seed(1)
+    mean = torch.tensor([1.0, -2.0], dtype=torch.float64)
+    covariance = torch.tensor([[2.0, 0.9], [0.9, 0.6]], dtype=torch.float64)
+    precision = torch.linalg.inv(covariance)
+    blocks = 20_000
+    x = mean + torch.randn(blocks, 2, generator=gen, dtype=torch.float64) @ torch.linalg.cholesky(covariance).T
+
+    def density(z):
+        r = z - mean
+        return -0.5 * ((r @ precision) * r).sum(-1), -(r @ precision), r.square().sum(-1)
+
+    factor = precision_factor(torch.tensor([[1.0, 0.0], [0.0, 3.0]], dtype=torch.float64)).expand(blocks, 2, 2)
+    value, gradient, spread = density(x)
+    accepted = 0.0
+    for _ in range(5):
+        move = hmc(x, value, gradient, factor, 0.8, 3, density, gen, (spread,))
+        x, value, gradient, (spread,) = move.x, move.log_density, move.gradient, move.extra
+        accepted += float(move.accept.mean()) / 5
+    assert 0.1 < accepted < 0.95
+    torch.testing.assert_close(spread, (x - mean).square().sum(-1))  # the extra output follows each block
+    se = (covariance.diagonal() / blocks).sqrt()
+    assert ((x.mean(0) - mean).abs() < 5 * se).all()
+    sample = torch.cov(x.T)
+    var_se = ((covariance**2 + covariance.diagonal()[:, None] * covariance.diagonal()[None, :]) / blocks).sqrt()
+    assert ((sample - covariance).abs() < 5 * var_se).all()
