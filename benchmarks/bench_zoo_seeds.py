@@ -1,12 +1,13 @@
 """The default kernels on every zoo model over many seeds: how often are the draws accurate? (slow)
 
 ``python benchmarks/bench_zoo_seeds.py --out benchmarks/results/zoo_seeds.md`` runs each default kernel (SGHMC,
-SGLD, pSGLD: nothing but the model; ``--kernels Multilevel``: ``MultilevelMCMC`` on the models with a group plate) on each model of ``tests/model_zoo.py`` that has a reference in
-``tests/zoo_reference.json`` (``scripts/zoo_reference.py``), with 4 chains, 1,000 warm-up steps and 1,000 draws (the
-lengths the README uses), for ``--seeds`` seeds, and checks the draws as ``tests/test_zoo_accuracy.py`` does
-(``tests.model_zoo.accuracy``): every element's mean within 0.2 reference sd, its sd within 5% plus three
-Monte-Carlo standard errors, rank-normalised r_hat at most 1.01. It writes the pass rate per model and kernel, and
-each failing seed's figures (worst mean error, sd error, r_hat, least bulk ESS, the run's warnings).
+SGLD, pSGLD: nothing but the model; ``--kernels Multilevel``: ``MultilevelMCMC`` on the models with a group plate) on
+each model of ``tests/model_zoo.py`` that has a reference in ``tests/zoo_reference.json``
+(``scripts/zoo_reference.py``), with 4 chains, 1,000 warm-up steps and 1,000 draws (the lengths the README uses), for
+``--seeds`` seeds, and checks the draws as ``tests/test_zoo_accuracy.py`` does (``tests.model_zoo.accuracy``): every
+element's mean within 0.2 reference sd, its sd within 5% plus three Monte-Carlo standard errors, rank-normalised
+r_hat at most 1.01. It writes the pass rate per model and kernel, and each failing seed's figures (worst mean error,
+sd error, r_hat, least bulk ESS, the run's warnings).
 """
 
 from __future__ import annotations
