@@ -183,7 +183,7 @@ class MultilevelMCMC(Draws):
         self.draws_device = check_device("draws_device", draws_device)
         self.progress_bar = check_flag("progress_bar", progress_bar)
         self.kernel = _Kernel(FullDataModel(model))
-        self.step_sizes: dict[str, float] = {}
+        self.step_sizes: dict[str, list[float]] = {}  # each chain's, for the local and the global moves
         self.data_passes = 0.0
         self.results = None
 
@@ -200,7 +200,7 @@ class MultilevelMCMC(Draws):
         sweep.adapt_to(theta[:, None], b)
         self.results = RunRecord(bridge, bridge, args, kwargs)
         windows = sorted({int(f * self.num_warmup) for f in WINDOWS if int(f * self.num_warmup) >= 10})
-        start, kept = time.perf_counter(), []
+        start = time.perf_counter()
         window_theta: list[Tensor] = []
         window_b, window_b_theta = torch.zeros_like(b), b.new_zeros(b.shape[1:] + theta.shape[-1:])
         for t in range(self.num_warmup):
@@ -217,7 +217,6 @@ class MultilevelMCMC(Draws):
         for t in range(self.num_samples):
             theta, b, info = sweep(theta, b, generator, adapt=False)
             self.results.record(t, sweep.layout.join(theta, b), info)
-            kept.append(info)
         self.results.settle()
         self.step_sizes = {"local": sweep.local_step.step.tolist(), "global": sweep.global_step.step.tolist()}
         self.data_passes = sweep.rows_read / groups.group.shape[0]

@@ -113,6 +113,12 @@ def test_a_conjugate_hierarchy_is_exact():
     s = mcmc.get_samples(group_by_chain=True)
     check(torch.cat([s["mu"][..., None], s["b"]], -1), *conjugate(g, y))
     assert 0.3 < float(mcmc.sample_stats["accept_prob"].mean()) < 0.95
+    # the result surface every engine shares: ArviZ with the pointwise log-likelihood, and predictions
+    idata = mcmc.to_inference_data()
+    assert {"posterior", "sample_stats", "log_likelihood", "observed_data"} <= set(idata.groups())
+    assert idata.posterior["b"].shape == (4, 400, len(SIZES))
+    assert idata.log_likelihood["obs"].shape == (4, 400, len(y))
+    assert mcmc.posterior_predictive(g, y)["obs"].shape == (1600, len(y))
 
 
 @pytest.mark.parametrize("num_samples", [400, pytest.param(2000, marks=pytest.mark.slow)])
