@@ -160,7 +160,7 @@ def compare(options) -> None:
         start = time.perf_counter()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            mcmc = MultilevelMCMC(model, seed=seed).run(g, x, y, options.groups)
+            mcmc = MultilevelMCMC(model, seed=seed, progress_bar=False).run(g, x, y, options.groups)
         seconds = time.perf_counter() - start
         samples = {k: v.numpy() for k, v in mcmc.get_samples(group_by_chain=True).items()}
         result = {"engine": "MultilevelMCMC", "seed": seed, "seconds": seconds, **check(flat(samples), reference)}

@@ -34,7 +34,9 @@ def run_once(model_name: str, kernel: str, seed: int, warmup: int, samples: int,
     """One default run of ``kernel`` on ``model_name``: its accuracy, time and warnings."""
     model, args = zoo_model(model_name)
     if kernel == "Multilevel":  # an engine, not a kernel of StochasticMCMC
-        mcmc = MultilevelMCMC(model, num_samples=samples, num_warmup=warmup, num_chains=chains, seed=seed)
+        mcmc = MultilevelMCMC(
+            model, num_samples=samples, num_warmup=warmup, num_chains=chains, seed=seed, progress_bar=False
+        )
     else:
         mcmc = StochasticMCMC(
             KERNELS[kernel](model),

@@ -63,6 +63,7 @@ import torch
 from pyro.infer.autoguide.initialization import init_to_uniform
 from torch import Tensor
 from torch.func import grad, grad_and_value, vmap
+from tqdm.auto import tqdm
 
 from pyro_scalable.arguments import check_count, check_device, check_flag, check_seed
 from pyro_scalable.bridge import FullDataModel
@@ -129,7 +130,7 @@ class MultilevelMCMC(Draws):
         seed: the run's random seed (default: drawn from torch's generator).
         init_strategy: Pyro's initialisation strategy for the chains' starting points.
         draws_device: where draws are kept (default CPU).
-        progress_bar: accepted for the surface's sake; this engine prints no bar.
+        progress_bar: show a tqdm progress bar of the sweeps.
 
     After ``run``, the result surface is ``pyro.infer.MCMC``'s (``get_samples``, ``summary``, ``diagnostics``,
     ``to_inference_data``); ``sample_stats`` has each chain's mean acceptance of its local moves (``accept_prob``) and
@@ -201,10 +202,12 @@ class MultilevelMCMC(Draws):
         self.results = RunRecord(bridge, bridge, args, kwargs)
         windows = sorted({int(f * self.num_warmup) for f in WINDOWS if int(f * self.num_warmup) >= 10})
         start = time.perf_counter()
+        bar = tqdm(total=self.num_warmup + self.num_samples, desc="Warmup", disable=not self.progress_bar)
         window_theta: list[Tensor] = []
         window_b, window_b_theta = torch.zeros_like(b), b.new_zeros(b.shape[1:] + theta.shape[-1:])
         for t in range(self.num_warmup):
             theta, b, _ = sweep(theta, b, generator, adapt=True)
+            bar.update()
             window_theta.append(theta)
             window_b += b
             window_b_theta += torch.einsum("cgp,cd->gpd", b, theta)
@@ -214,9 +217,12 @@ class MultilevelMCMC(Draws):
                 window_b_theta = torch.zeros_like(window_b_theta)
         sweep.fix_steps()
         self.results.allocate(sweep.layout.join(theta, b), self.num_samples, self.draws_device)
+        bar.set_description("Sample")
         for t in range(self.num_samples):
             theta, b, info = sweep(theta, b, generator, adapt=False)
             self.results.record(t, sweep.layout.join(theta, b), info)
+            bar.update()
+        bar.close()
         self.results.settle()
         self.step_sizes = {"local": sweep.local_step.step.tolist(), "global": sweep.global_step.step.tolist()}
         self.data_passes = sweep.rows_read / groups.group.shape[0]
