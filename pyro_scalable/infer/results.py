@@ -9,6 +9,7 @@ record, nothing private.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,9 +24,23 @@ from pyro_scalable.infer.predictive import sample_posterior_predictive
 from pyro_scalable.infer.record import RunRecord, convert
 from pyro_scalable.infer.uncertainty import Uncertainty, draws_uncertainty, linearized_uncertainty
 
-__all__ = ["DEFAULT_DRAWS", "Draws", "GaussianDraws", "RunRecord"]
+__all__ = ["DEFAULT_DRAWS", "Draws", "FullDataKernel", "GaussianDraws", "RunRecord"]
 
 DEFAULT_DRAWS = 1000  # draws a Gaussian posterior hands out when not told how many
+
+
+@dataclass
+class FullDataKernel:
+    """What ``arviz.from_pyro`` reads as ``posterior.kernel`` of an engine with no kernel: the model on the full data.
+
+    Example:
+        >>> from pyro_scalable.bridge import FullDataModel
+        >>> FullDataKernel(FullDataModel(lambda: None)).model.model is not None
+        True
+
+    """
+
+    model: Any
 
 
 class Draws:
@@ -53,7 +68,7 @@ class Draws:
 
     def __repr__(self) -> str:
         name = type(getattr(self, "kernel", None)).__name__  # (a driver whose arguments were refused has none)
-        kernel = "" if name in ("_Kernel", "NoneType") else f"{name}, "
+        kernel = "" if name in ("FullDataKernel", "NoneType") else f"{name}, "
         if getattr(self, "results", None) is None:
             return f"{type(self).__name__}({kernel}not run)"
         chains = f"{self.num_chains} chain{'s' if self.num_chains != 1 else ''}"

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import operator
 import os
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from typing import Any, Literal
 
 import torch
@@ -58,7 +58,7 @@ from pyro_scalable.infer.linearized.sampling.core import SampleState
 from pyro_scalable.infer.linearized.sampling.problem import SolveDiverged
 from pyro_scalable.infer.linearized.sites import choose_sites, observed_site
 from pyro_scalable.infer.record import RunRecord
-from pyro_scalable.infer.results import Draws
+from pyro_scalable.infer.results import Draws, FullDataKernel
 from pyro_scalable.infer.sample_then_optimize.checkpoint import SolveCheckpoint, run_seed
 from pyro_scalable.infer.sample_then_optimize.distributed import DistributedMode
 from pyro_scalable.infer.sample_then_optimize.distributed import setup as setup_parallel
@@ -66,13 +66,6 @@ from pyro_scalable.infer.sample_then_optimize.linearization import check_draws_f
 from pyro_scalable.infer.sample_then_optimize.predictive import SampleThenOptimizePredictives
 
 __all__ = ["SampleThenOptimize"]
-
-
-@dataclass
-class _Kernel:
-    """What ``arviz.from_pyro`` reads as ``posterior.kernel``: the model on the full data."""
-
-    model: FullDataModel
 
 
 class SampleThenOptimize(SampleThenOptimizePredictives, Draws):
@@ -236,7 +229,7 @@ class SampleThenOptimize(SampleThenOptimizePredictives, Draws):
             raise ValueError(f"distributed must be 'samples', 'data' or None, got {distributed!r}.")
         if checkpoint is not None and distributed is not None:
             raise ValueError("checkpoint does not work with distributed yet: give one of them.")
-        self.kernel = _Kernel(FullDataModel(model))
+        self.kernel = FullDataKernel(FullDataModel(model))
         self.num_samples = operator.index(num_samples)
         self.num_chains = 1
         self.num_epochs = operator.index(num_epochs)
