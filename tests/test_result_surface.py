@@ -79,11 +79,43 @@ def test_get_samples(result):
 
 
 def test_summary_and_diagnostics(result, capsys):
-    _, res = result
+    name, res = result
     res.summary()
-    assert "w[0]" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "w[0]" in out
+    # only Markov chains have an r_hat to read; the other engines' draws are independent, and the table says so
+    header = next(line.split() for line in out.splitlines() if line.strip())
+    assert ("r_hat" in header) == (name == "StochasticMCMC"), out
+    assert ("independent draws" in out) == (name != "StochasticMCMC"), out
     diagnostics = res.diagnostics()
     assert {"n_eff", "r_hat"} <= set(diagnostics["w"]) and "divergences" in diagnostics
+
+
+@pytest.mark.arviz
+def test_summary_and_diagnostics_show_the_r_hat_of_az_summary_and_the_warning(capsys):
+    """One rank-normalised r_hat in summary(), diagnostics(), az.summary and the HealthWarning: on short chains,
+    far from converged, where Pyro's plain split r_hat reads lower."""
+    az = pytest.importorskip("arviz")
+    from pyro.ops.stats import split_gelman_rubin
+
+    from pyro_scalable.infer.health import HealthWarning
+
+    x, y = _data()
+    mcmc = StochasticMCMC(
+        SGLD(model, step_size=1e-3), num_samples=41, num_warmup=0, num_chains=3, seed=0, progress_bar=False
+    )
+    with pytest.warns(HealthWarning) as caught:
+        mcmc.run(x, y)
+    theirs = az.summary(mcmc.to_inference_data(), var_names=["w"], kind="diagnostics", round_to="none")
+    theirs = torch.tensor(theirs["r_hat"].to_numpy(dtype=float), dtype=F64)
+    ours = mcmc.diagnostics()["w"]["r_hat"].double()
+    assert torch.allclose(ours, theirs, rtol=0, atol=1e-5), (ours, theirs)
+    assert (ours - split_gelman_rubin(mcmc.get_samples(group_by_chain=True)["w"])).abs().max() > 1e-3
+    mcmc.summary()
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip().startswith("w[")]
+    assert [float(row[-1]) for row in rows] == [round(float(r), 2) for r in theirs], rows
+    worst = f"'w' ({float(theirs.max()):.3g})"  # the warning's figure for the site: its worst coordinate
+    assert worst in str(caught[0].message), caught[0].message
 
 
 def test_to_inference_data_and_posterior_predictive(result):

@@ -10,16 +10,16 @@ record, nothing private.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import product
 from typing import Any
 
 import torch
-from pyro.infer.mcmc.util import print_summary
-from pyro.ops.stats import split_gelman_rubin
+from pyro.ops.stats import hpdi
 from torch import Tensor
 
 from pyro_scalable.arguments import check_count, check_flag, check_number, check_seed
 from pyro_scalable.bridge.model import ModelBridge
-from pyro_scalable.infer.health import effective_sample_size
+from pyro_scalable.infer.health import site_diagnostics
 from pyro_scalable.infer.predictive import sample_posterior_predictive
 from pyro_scalable.infer.record import RunRecord, convert
 from pyro_scalable.infer.uncertainty import Uncertainty, draws_uncertainty, linearized_uncertainty
@@ -51,6 +51,7 @@ class Draws:
     num_samples: int
     draws_device: torch.device
     results: RunRecord | None = None
+    independent: bool = False  # the draws are independent, not chains: summary() shows no n_eff or r_hat
 
     @property
     def bridge(self) -> ModelBridge | None:
@@ -127,19 +128,16 @@ class Draws:
         return dict(self._require_run().stats)
 
     def diagnostics(self) -> dict[str, Any]:
-        """Pyro's per-site ``n_eff``/``r_hat`` plus ``divergences``: ``{"chain i": [draw indices]}``.
+        """Per-site ``n_eff``/``r_hat`` (Pyro's keys) plus ``divergences``: ``{"chain i": [draw indices]}``.
 
-        ``n_eff`` is Pyro's estimator in linear memory (:func:`~pyro_scalable.infer.health.effective_sample_size`).
-
-        With fewer than 4 draws per chain (parallel SG-MCMC keeps one) ``n_eff`` and ``r_hat`` are NaN: Pyro's
-        split R-hat needs 4, and ``arviz.from_pyro`` reads the divergences from here.
+        ``r_hat`` is the rank-normalised split R̂ that ``az.summary`` and the :class:`~.health.HealthWarning` show,
+        ``n_eff`` the warning's bulk ESS (:func:`~pyro_scalable.infer.health.site_diagnostics`), of the constrained
+        draws. With fewer than 4 draws per chain (parallel SG-MCMC keeps one) they are NaN: split R̂ needs 4, and
+        ``arviz.from_pyro`` reads the divergences from here.
         """
         samples = self.get_samples(group_by_chain=True)
         if self.num_samples >= 4:
-            result = {
-                name: {"n_eff": effective_sample_size(value), "r_hat": split_gelman_rubin(value)}
-                for name, value in samples.items()
-            }
+            result = {name: _diagnostics(value) for name, value in samples.items()}
         else:
             result = {
                 name: {"n_eff": _nan(value.shape[2:], value), "r_hat": _nan(value.shape[2:], value)}
@@ -156,16 +154,24 @@ class Draws:
         return result
 
     def summary(self, prob: float = 0.9) -> None:
-        """Print Pyro's summary table (mean, sd, interval, n_eff, r_hat) and the number of divergences."""
+        """Print Pyro's summary table (mean, sd, interval, n_eff, r_hat) and the number of divergences.
+
+        ``n_eff`` and ``r_hat`` as in :meth:`diagnostics`. Independent draws (sample-then-optimise) are no chains:
+        their table has no ``n_eff`` or ``r_hat``, and says so.
+        """
         check_number("prob", prob, positive=True)
         if not prob < 1:
             raise ValueError(f"prob must be in (0, 1), got {prob!r}.")
+        samples = self.get_samples(group_by_chain=True)
+        if self.independent:
+            _print_summary(samples, prob, chains=False)
+            return
         if self.num_samples < 4:
             raise ValueError(
                 f"summary needs at least 4 draws per chain (for n_eff and r_hat); this run kept {self.num_samples}. "
                 "Use get_samples() or to_inference_data() with arviz.summary(..., kind='stats')."
             )
-        print_summary(self.get_samples(group_by_chain=True), prob=prob)
+        _print_summary(samples, prob, chains=True)
         divergences = sum(len(v) for v in self.diagnostics()["divergences"].values())
         print(f"Number of divergences: {divergences}")
 
@@ -228,6 +234,41 @@ def _nan(shape: torch.Size, like: Tensor) -> Tensor:
     return torch.full(shape, float("nan"), dtype=like.dtype if like.is_floating_point() else torch.float64)
 
 
+def _diagnostics(value: Tensor) -> dict[str, Tensor]:
+    ess, r_hat = site_diagnostics(value)
+    dtype = value.dtype if value.is_floating_point() else torch.float64
+    return {"n_eff": ess.to(dtype), "r_hat": r_hat.to(dtype)}
+
+
+def _print_summary(samples: dict[str, Tensor], prob: float, chains: bool) -> None:
+    """Pyro's table of ``{site: (chains, draws, *shape)}``: n_eff and r_hat as :meth:`Draws.diagnostics`'s, or none.
+
+    Without ``chains`` the draws are independent: the table has no n_eff or r_hat, and a line says why.
+    """
+    columns = ["mean", "std", "median", f"{50 * (1 - prob):.1f}%", f"{50 * (1 + prob):.1f}%"]
+    columns += ["n_eff", "r_hat"] if chains else []
+    rows = []
+    for name, value in samples.items():
+        flat = value.reshape((-1,) + value.shape[2:])
+        if not flat.is_floating_point():
+            flat = flat.double()
+        figures = [flat.mean(0), flat.std(0), flat.median(0).values, *hpdi(flat, prob=prob)]
+        if chains:
+            figures += list(_diagnostics(value).values())
+        for index in product(*map(range, value.shape[2:])):
+            label = name + (f"[{','.join(map(str, index))}]" if index else "")
+            rows.append((label, [float(figure[index]) for figure in figures]))
+    width = max([10] + [len(label) for label, _ in rows])
+    print()
+    print(" " * width + "".join(f" {column:>9}" for column in columns))
+    for label, figures in rows:
+        print(f"{label:>{width}}" + "".join(f" {figure:>9.2f}" for figure in figures))
+    print()
+    if not chains:
+        num_draws = next(iter(samples.values())).shape[:2].numel()
+        print(f"{num_draws} independent draws, not Markov chains: no n_eff or r_hat to read.")
+
+
 class GaussianDraws:
     """The result surface of a Gaussian posterior (Laplace, SWAG, the EKF): independent draws on request.
 
@@ -257,12 +298,12 @@ class GaussianDraws:
         return self._draw(num_samples, seed, group_by_chain)
 
     def diagnostics(self, num_samples: int | None = None, seed: int | None = None) -> dict[str, Any]:
-        """Per-site ``n_eff``/``r_hat`` of fresh draws (about ``num_samples`` and 1: they are independent)."""
+        """Per-site ``n_eff``/``r_hat`` of fresh draws (about ``num_samples`` and 1: they are independent).
+
+        The figures of :meth:`Draws.diagnostics`; for independent draws they only confirm that they are.
+        """
         samples = self.get_samples(num_samples, group_by_chain=True, seed=seed)
-        result: dict[str, Any] = {
-            name: {"n_eff": effective_sample_size(value), "r_hat": split_gelman_rubin(value)}
-            for name, value in samples.items()
-        }
+        result: dict[str, Any] = {name: _diagnostics(value) for name, value in samples.items()}
         result["divergences"] = {f"chain {c}": [] for c in range(next(iter(samples.values())).shape[0])}
         return result
 
@@ -292,8 +333,8 @@ class GaussianDraws:
         return draws_uncertainty(bridge.model, samples, *args, site=site, **kwargs)
 
     def summary(self, prob: float = 0.9, num_samples: int | None = None, seed: int | None = None) -> None:
-        """Print Pyro's summary table (mean, sd, interval, n_eff, r_hat) of fresh draws."""
+        """Print Pyro's summary table (mean, sd, interval) of fresh draws: independent, so no n_eff or r_hat."""
         check_number("prob", prob, positive=True)
         if not prob < 1:
             raise ValueError(f"prob must be in (0, 1), got {prob!r}.")
-        print_summary(self.get_samples(num_samples, group_by_chain=True, seed=seed), prob=prob)
+        _print_summary(self.get_samples(num_samples, group_by_chain=True, seed=seed), prob, chains=False)

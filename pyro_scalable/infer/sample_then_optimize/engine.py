@@ -159,6 +159,8 @@ class SampleThenOptimize(SampleThenOptimizePredictives, Draws):
 
     """
 
+    independent = True  # each draw is its own solve: summary() reads no n_eff or r_hat into them
+
     def __init__(
         self,
         model: Any,
