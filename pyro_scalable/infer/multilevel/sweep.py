@@ -13,8 +13,9 @@ is a sweep of two kinds of exact Metropolis-Hastings move (:mod:`.mala`):
    move (``local_steps`` leapfrog steps of HMC; default 1, which is MALA) and accepts on its own. Its mass matrix is
    :math:`P_k = R_k + Q_k(\theta)`: :math:`R_k` the rows' negative Hessian at a reference point fixed in sampling,
    :math:`Q_k(\theta)` the group prior's negative Hessian at the reference locals under the *current* globals (so a
-   block's step follows the group scale as it moves, as a funnel needs). Neither depends on :math:`b_k`, so each
-   move leaves the conditional invariant.
+   block's step follows the group scale as it moves, as a funnel needs), by central differences (exact for a
+   Gaussian group prior; the stencil's widths are the group's conditional spread at the reference point). Neither
+   depends on :math:`b_k`, so each move leaves the conditional invariant.
 2. **The globals, with the groups carried along.** A Gibbs move of :math:`\theta` given :math:`b` mixes slowly where
    the two are coupled: a centred model's group scale given its effects, a non-centred model's mean and scale given
    the standardised effects. So :math:`\theta` moves in the coordinates :math:`(\theta, \varepsilon)`,
@@ -30,8 +31,9 @@ is a sweep of two kinds of exact Metropolis-Hastings move (:mod:`.mala`):
    group from the data whatever parametrisation the model is written in. For fixed :math:`\theta` the map is a
    bijection with :math:`\log|\partial b / \partial\varepsilon| = -\sum_k \log\det L_k(\theta)`, so one HMC
    trajectory (``global_steps`` leapfrog steps, default 3) on :math:`\log\pi(\theta, b(\theta, \varepsilon)) -
-   \sum_k \log\det L_k(\theta)` leaves :math:`\pi` invariant. Its gradient comes by autodiff through the map (a
-   third derivative of the group prior, which reads no data). Each evaluation reads every row (a data pass); the
+   \sum_k \log\det L_k(\theta)` leaves :math:`\pi` invariant, whatever smooth function of :math:`\theta`
+   :math:`L_k` is: its curvature by differences serves as well as the exact one. Its gradient comes by autodiff
+   through the map (through the differences, a first derivative of the group prior, which reads no data). Each evaluation reads every row (a data pass); the
    last one gives every group's conditional and gradient where the chain now is, which the next sweep's local move
    starts from. Where no local's prior depends on a global (a non-centred model), :math:`Q` is a constant and the
    map a shear.
@@ -123,6 +125,13 @@ class Sweep:
         parents = prior_parents(bridge)
         # whether a local's prior depends on a global (centred): then its curvature Q follows the globals
         self.prior_follows = any(parents[name] for name in groups.sites)
+        # the central-difference stencil of the group prior's curvature: the centre, +-e_j, then +-(e_j + e_k), j < k
+        self.p = self.layout.local_size
+        eye = torch.eye(self.p, dtype=ones.dtype, device=ones.device)
+        self.pairs = [(j, k) for j in range(self.p) for k in range(j + 1, self.p)]
+        steps = [eye[0] * 0] + [s * eye[j] for j in range(self.p) for s in (1, -1)]
+        steps += [s * (eye[j] + eye[k]) for j, k in self.pairs for s in (1, -1)]
+        self.stencil = torch.stack(steps)
 
     # ---------------------------------------------------------------- densities (one chain; vmapped over chains)
     def _terms(self, theta: Tensor, b: Tensor, rows: Tensor):
@@ -163,6 +172,26 @@ class Sweep:
         """Every chain's group-prior curvatures ``Q_k`` at its reference locals under its globals: ``(C, G, p, p)``."""
         return vmap(lambda t, b: self._block_curvature(self._group_prior, b, t))(theta, b_ref)
 
+    def _prior_differences(self, theta: Tensor, b_ref: Tensor, width: Tensor) -> Tensor:
+        """``Q_k(theta)`` by central second differences of the group prior (one chain): ``(G, p, p)``.
+
+        The prior is evaluated at the reference locals moved by ``width`` (``(G, p)``, each group's conditional
+        spread) along the stencil's directions, every point in one batched evaluation; its gradient in the globals
+        is then a first derivative, where the exact Hessian's would be a third. It is exact for a Gaussian group
+        prior and smooth in the globals for any, which is all the sweep needs of it: any smooth ``Q`` that does not
+        read the locals keeps each move exact.
+        """
+        values = vmap(lambda step: self._terms(theta, b_ref + width * step, self.one_row).groups)(self.stencil)
+        centre, single, pair = values[0], values[1 : 1 + 2 * self.p], values[1 + 2 * self.p :]
+        plus, minus = single[0::2].T, single[1::2].T  # (G, p): the prior moved up and down along each coordinate
+        curvature = torch.diag_embed((plus + minus - 2 * centre[:, None]) / width**2)
+        for n, (j, k) in enumerate(self.pairs):
+            both = pair[2 * n] + pair[2 * n + 1] - plus[:, j] - minus[:, j] - plus[:, k] - minus[:, k] + 2 * centre
+            unit = torch.zeros_like(curvature[0])  # the symmetric pair (j, k), (k, j)
+            unit[j, k] = unit[k, j] = 1.0
+            curvature = curvature + (both / (2 * width[:, j] * width[:, k]))[:, None, None] * unit
+        return -curvature
+
     def _cross(self, theta: Tensor, b: Tensor) -> Tensor:
         """Each group's ``(p, d)`` mixed second derivative of the log joint in its locals and the globals."""
         columns = []
@@ -190,7 +219,7 @@ class Sweep:
         self.rows_curvature = vmap(curvature)(self.theta_ref, self.b_ref)
         passes = self.layout.local_size * 3
         d = self.layout.global_size
-        prior = self._prior_curvatures(self.theta_ref, self.b_ref) if d else None
+        prior = self._prior_curvatures(self.theta_ref, self.b_ref)
         if d and b_theta is not None:
             pooled = theta.reshape(-1, d)
             n = pooled.shape[0]
@@ -216,7 +245,10 @@ class Sweep:
             rows_factor = precision_factor(self.rows_curvature)
             self.rows_floored = rows_factor @ rows_factor.transpose(-1, -2)
             self.spread_fallback = precision_factor(self.rows_floored + prior)
-        self.prior_curvature = None
+        # the differences' widths: each group's conditional spread along each coordinate at the reference point
+        floored = precision_factor(self.rows_curvature + prior)
+        self.width = (floored @ floored.transpose(-1, -2)).diagonal(dim1=-2, dim2=-1).rsqrt()
+        self.prior_curvature = prior  # at the reference globals: the curvature wherever the prior does not follow them
         self.rows_read += chains * passes * self.rows.all.shape[0]
         self.local_step.restart(self.local_step.step)
         self.global_step.restart(self.global_step.step)
@@ -258,8 +290,8 @@ class Sweep:
             gradient, (_, per_group) = local(moved, theta, drawn, rows, slot)
             return per_group, gradient[:, drawn]
 
-        if self.prior_follows or self.prior_curvature is None:
-            self.prior_curvature = self._prior_curvatures(theta, self.b_ref)
+        if self.prior_follows:
+            self.prior_curvature = vmap(self._prior_differences)(theta, self.b_ref, self.width)
         precision = (self.rows_curvature + self.prior_curvature)[:, drawn]
         per_group, gradient_b = self.cache
         step = self.local_step.step[:, None]
@@ -280,20 +312,20 @@ class Sweep:
             self.local_step.update(accept)
         return b, accept
 
-    def _spread(self, theta: Tensor, b_ref: Tensor, rows_floored: Tensor, fallback: Tensor) -> Tensor:
+    def _spread(self, theta: Tensor, b_ref: Tensor, width: Tensor, rows_floored: Tensor, fallback: Tensor) -> Tensor:
         """Each group's factor ``L_k(theta)`` of ``R_k + Q_k(theta)`` (one chain); the fallback where it has none."""
         if not self.prior_follows:  # the group prior's curvature is the same at every value of the globals
             return fallback
-        precision = rows_floored + self._block_curvature(self._group_prior, b_ref, theta)
+        precision = rows_floored + self._prior_differences(theta, b_ref, width)
         factor, info = torch.linalg.cholesky_ex(precision)
         return torch.where((info == 0)[:, None, None], factor, fallback)
 
-    def _transformed(self, x, offset, eps, centre, shear, b_ref, rows_floored, fallback):
+    def _transformed(self, x, offset, eps, centre, shear, b_ref, width, rows_floored, fallback):
         """The log density of the globals ``x`` at fixed standardised locals ``eps`` (module docstring, 2).
 
         ``offset`` (zero) is added to the locals so that its gradient is the joint's in the locals.
         """
-        factor = self._spread(x, b_ref, rows_floored, fallback)
+        factor = self._spread(x, b_ref, width, rows_floored, fallback)
         spread = torch.linalg.solve_triangular(factor.transpose(-1, -2), eps.unsqueeze(-1), upper=True).squeeze(-1)
         b = centre + shear @ x + spread + offset
         value, per_group = self._joint(x, b)
@@ -303,10 +335,10 @@ class Sweep:
     def _move_globals(self, theta: Tensor, b: Tensor, joint: Callable, generator: torch.Generator, adapt: bool):
         """MALA moves of the globals, the locals following their conditional mean and spread (module docstring, 2)."""
         chains = b.shape[0]
-        factor = vmap(self._spread)(theta, self.b_ref, self.rows_floored, self.spread_fallback)
+        factor = vmap(self._spread)(theta, self.b_ref, self.width, self.rows_floored, self.spread_fallback)
         mean = self.centre + (self.shear @ theta[:, None, :, None]).squeeze(-1)
         eps = (factor.transpose(-1, -2) @ (b - mean).unsqueeze(-1)).squeeze(-1)
-        fixed = (eps, self.centre, self.shear, self.b_ref, self.rows_floored, self.spread_fallback)
+        fixed = (eps, self.centre, self.shear, self.b_ref, self.width, self.rows_floored, self.spread_fallback)
         transformed = vmap(grad_and_value(self._transformed, argnums=(0, 1), has_aux=True))
         offset = torch.zeros_like(b)
 
