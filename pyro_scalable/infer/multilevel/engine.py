@@ -1,9 +1,9 @@
 r"""Multilevel MCMC: the driver that runs :class:`~.sweep.Sweep` (its mathematics) through warm-up and sampling.
 
 Warm-up's windows end at 10%, 20%, 35% and 60% of ``num_warmup``; at each end the sweep takes each chain's window
-(its globals, its locals' mean and their cross-products) and renews its reference point, curvatures, regression and
-mass matrix (:meth:`~.sweep.Sweep.adapt_to`). The draws go to a :class:`~pyro_scalable.infer.record.RunRecord`, so the
-result surface is ``pyro.infer.MCMC``'s, as every engine's.
+(its globals and its locals' mean) and renews its reference point, curvatures and the globals' mass matrix
+(:meth:`~.sweep.Sweep.adapt_to`). The draws go to a :class:`~pyro_scalable.infer.record.RunRecord`, so the result
+surface is ``pyro.infer.MCMC``'s, as every engine's.
 """
 
 from __future__ import annotations
@@ -118,23 +118,21 @@ class MultilevelMCMC(Draws):
         generator = torch.Generator(device=bridge.device).manual_seed(seed)
         latents = bridge.init_latents(self.num_chains, self.init_strategy, seed=seed)
         theta, b = sweep.layout.split(latents)
-        sweep.adapt_to(theta[:, None], b)
+        sweep.adapt_to(theta[:, None], b, window=False)
         self.results = RunRecord(bridge, bridge, args, kwargs)
         windows = sorted({int(f * self.num_warmup) for f in WINDOWS if int(f * self.num_warmup) >= 10})
         start = time.perf_counter()
         bar = tqdm(total=self.num_warmup + self.num_samples, desc="Warmup", disable=not self.progress_bar)
         window_theta: list[Tensor] = []
-        window_b, window_b_theta = torch.zeros_like(b), b.new_zeros(b.shape[1:] + theta.shape[-1:])
+        window_b = torch.zeros_like(b)
         for t in range(self.num_warmup):
             theta, b, _ = sweep(theta, b, generator, adapt=True)
             bar.update()
             window_theta.append(theta)
             window_b += b
-            window_b_theta += torch.einsum("cgp,cd->gpd", b, theta)
             if t + 1 in windows:
-                sweep.adapt_to(torch.stack(window_theta, 1), window_b / len(window_theta), window_b_theta)
+                sweep.adapt_to(torch.stack(window_theta, 1), window_b / len(window_theta), window=True)
                 window_theta, window_b = [], torch.zeros_like(b)
-                window_b_theta = torch.zeros_like(window_b_theta)
         sweep.fix_steps()
         self.results.allocate(sweep.layout.join(theta, b), self.num_samples, self.draws_device)
         bar.set_description("Sample")

@@ -3,61 +3,63 @@ r"""The sweep of multilevel MCMC: the group plate's blocks moved on their own ro
 A model with a group plate of :math:`G` groups (local latents :math:`b_k`, one block of :math:`p` unconstrained
 coordinates each), global latents :math:`\theta \in \mathbb{R}^d` and data rows that each read one group
 (:mod:`~pyro_scalable.bridge.row_groups`) has the posterior :math:`\pi(\theta, b) \propto p(\theta) \prod_k
-p(b_k \mid \theta) \prod_i p(y_i \mid \theta, b_{g(i)})` (:mod:`~pyro_scalable.bridge.group_terms`). Each iteration
-is a sweep of two kinds of exact Metropolis-Hastings move (:mod:`.mala`):
+p(b_k \mid \theta) \prod_i p(y_i \mid \theta, b_{g(i)})` (:mod:`~pyro_scalable.bridge.group_terms`). Given
+:math:`\theta` the groups are independent: group :math:`k`'s conditional :math:`\ell_k(b_k; \theta) = \log p(b_k
+\mid \theta) + \sum_{g(i)=k} \log p(y_i \mid \theta, b_k)` reads its own prior term and its own rows (through the
+data plate's subsample), with no :math:`N/B` scale. Each iteration is a sweep of two kinds of exact
+Metropolis-Hastings move (:mod:`.mala`), both built on each group's **Laplace map at the current globals**.
+
+**The Laplace map.** From a reference point :math:`\bar b_k` (fixed in sampling), central differences of
+:math:`\ell_k(\cdot\,; \theta)` at :math:`\bar b_k \pm w_{kj} e_j` and :math:`\bar b_k \pm (w_{kj} e_j + w_{kl} e_l)`
+(:math:`1 + p + p^2` evaluations, all in one batched pass; :math:`w_k` the group's conditional spread at the reference)
+give its gradient :math:`g_k(\theta)` and negative Hessian :math:`P_k(\theta) = L_k(\theta) L_k(\theta)^\top`, and
+one Newton step gives the conditional's centre :math:`m_k(\theta) = \bar b_k + P_k(\theta)^{-1} g_k(\theta)`. Both
+are exact for a conditional that is Gaussian in :math:`b_k` (a Gaussian likelihood and group prior, centred or not,
+whatever :math:`\theta` is), and both are smooth functions of :math:`\theta` alone for any model (where the
+differences give no positive-definite :math:`P_k`, the reference point's curvature factor stands in).
 
 1. **The locals.** :math:`M` groups drawn uniformly without replacement (all of them by default), independently of
-   the state. Given :math:`\theta` the groups are independent, and group :math:`k`'s conditional
-   :math:`\ell_k(b_k) = \log p(b_k \mid \theta) + \sum_{g(i)=k} \log p(y_i \mid \theta, b_k)` reads its own rows only
-   (through the data plate's subsample), with no :math:`N/B` scale. Each drawn block takes one preconditioned MALA
-   move (``local_steps`` leapfrog steps of HMC; default 1, which is MALA) and accepts on its own. Its mass matrix is
-   :math:`P_k = R_k + Q_k(\theta)`: :math:`R_k` the rows' negative Hessian at a reference point fixed in sampling,
-   :math:`Q_k(\theta)` the group prior's negative Hessian at the reference locals under the *current* globals (so a
-   block's step follows the group scale as it moves, as a funnel needs), by central differences (exact for a
-   Gaussian group prior; the stencil's widths are the group's conditional spread at the reference point). Neither
-   depends on :math:`b_k`, so each move leaves the conditional invariant.
+   the state, each take one preconditioned MALA move (``local_steps`` leapfrog steps of HMC; default 1, which is
+   MALA) with mass matrix :math:`P_k(\theta)` at the current globals, and accept on their own. The mass matrix does
+   not read :math:`b_k`, so each move leaves the conditional invariant; it follows the group's scale as the
+   globals move (a funnel's neck and mouth), and a non-centred group's as the scale multiplies it.
 2. **The globals, with the groups carried along.** A Gibbs move of :math:`\theta` given :math:`b` mixes slowly where
    the two are coupled: a centred model's group scale given its effects, a non-centred model's mean and scale given
    the standardised effects. So :math:`\theta` moves in the coordinates :math:`(\theta, \varepsilon)`,
 
    .. math::
 
-       b_k = a_k + B_k\theta + L_k(\theta)^{-\top}\varepsilon_k, \qquad L_k(\theta)L_k(\theta)^\top = R_k + Q_k(\theta),
+       b_k = m_k(\theta) + L_k(\theta)^{-\top}\varepsilon_k,
 
-   holding :math:`\varepsilon` fixed: each group follows its conditional mean (:math:`a_k + B_k\theta`, its
-   regression on the globals over warm-up's last window) and its conditional spread (the curvature's factor at the
-   current globals). A weakly informed group (:math:`R_k \ll Q_k`) then moves as if non-centred, a strongly informed
-   one as if centred: a partially non-centred parametrisation (Papaspiliopoulos, Roberts & Sköld 2007), chosen per
-   group from the data whatever parametrisation the model is written in. For fixed :math:`\theta` the map is a
-   bijection with :math:`\log|\partial b / \partial\varepsilon| = -\sum_k \log\det L_k(\theta)`, so one HMC
-   trajectory (``global_steps`` leapfrog steps, default 3) on :math:`\log\pi(\theta, b(\theta, \varepsilon)) -
-   \sum_k \log\det L_k(\theta)` leaves :math:`\pi` invariant, whatever smooth function of :math:`\theta`
-   :math:`L_k` is: its curvature by differences serves as well as the exact one. Its gradient comes by autodiff
-   through the map (through the differences, a first derivative of the group prior, which reads no data). Each evaluation reads every row (a data pass); the
-   last one gives every group's conditional and gradient where the chain now is, which the next sweep's local move
-   starts from. Where no local's prior depends on a global (a non-centred model), :math:`Q` is a constant and the
-   map a shear.
+   holding :math:`\varepsilon` fixed: each group follows its conditional centre and spread. For fixed
+   :math:`\theta` the map is a bijection with :math:`\log|\partial b / \partial\varepsilon| = -\sum_k
+   \log\det L_k(\theta)`, so one HMC trajectory (``global_steps`` leapfrog steps, default 3) on
+   :math:`\log\pi(\theta, b(\theta, \varepsilon)) - \sum_k \log\det L_k(\theta)` leaves :math:`\pi` invariant,
+   whatever smooth functions of :math:`\theta` :math:`m_k` and :math:`L_k` are. Where every conditional is
+   Gaussian, :math:`\varepsilon` is exactly standard normal and independent of :math:`\theta`: the trajectory
+   samples the globals' marginal posterior, whichever parametrisation the model is written in (the groups
+   integrated out, as a Laplace method would, but exactly). Its gradient comes by autodiff through the map and the
+   differences (first derivatives of the model). The last evaluation gives every group's conditional, gradient,
+   centre and factor where the chain now is, which the next sweep's local move starts from.
 
 Each move leaves :math:`\pi` invariant, and so does their composition (the blocks drawn do not depend on the state):
-the kept draws are exact MCMC draws of the posterior, with no step-size bias and no minibatch noise. A sweep with
-all groups costs :math:`\text{local\_steps} + 1 + \text{global\_steps}` passes over the data.
+the kept draws are exact MCMC draws of the posterior, with no step-size bias and no minibatch noise. An evaluation
+of the globals' density reads every row :math:`2 + p + p^2` times in one batched pass; a sweep with all groups costs one
+pass for the locals and ``global_steps + 1`` batched ones for the globals.
 
 **Warm-up** (``num_warmup`` sweeps): each chain's steps for its two kinds of block are set by dual averaging of their
 acceptance. At the start, and at the ends of windows of 10%, 10%, 15% and 25% of warm-up, each chain's reference
-point becomes its window's mean and :math:`R` is read there; :math:`B` and :math:`a` become the window's regression
-(pooled over chains) of each group's locals on the globals, and the globals' mass matrix the inverse of their window
-covariance (regularised towards the identity as Stan regularises its metric). At the start, with no window,
-:math:`B_k = (R_k + Q_k)^{-1} \partial^2 \log\pi / \partial b_k \partial\theta` (the conditional mean's slope) and
-the mass matrix is the sheared joint's curvature, at each chain's point. The steps are fixed at their averages for
-sampling.
+point becomes its window's mean, with each group's conditional curvature there (by autodiff) for the differences'
+widths and the fallback factor; the globals' mass matrix becomes the inverse of their window covariance, pooled over
+the chains and regularised towards the identity as Stan regularises its metric (at the start: the transformed
+density's negative Hessian at each chain's point). The steps are fixed at their averages for sampling.
 
-**What it does not do** (yet): move the globals with a minibatch estimate (each global step costs a data pass), or
+**What it does not do** (yet): move the globals with a minibatch estimate (each global step reads every row), or
 read a group plate that the model writes as one vector site (``.to_event(1)``) rather than a ``pyro.plate``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -65,7 +67,6 @@ from torch import Tensor
 from torch.func import grad, grad_and_value, vmap
 
 from pyro_scalable.bridge.group_terms import GroupTermsOf
-from pyro_scalable.bridge.hierarchy import prior_parents
 from pyro_scalable.bridge.model import ModelBridge
 from pyro_scalable.bridge.row_groups import RowGroups
 from pyro_scalable.infer.multilevel.layout import Layout
@@ -103,6 +104,15 @@ class SweepInfo(NamedTuple):
     accept_global: Tensor
 
 
+class _Where(NamedTuple):
+    """Every chain's groups where the chain is: conditionals, their gradients, and the Laplace map at its globals."""
+
+    per_group: Tensor  # (C, G)
+    gradient: Tensor  # (C, G, p)
+    centre: Tensor  # (C, G, p): m_k(theta)
+    factor: Tensor  # (C, G, p, p): L_k(theta)
+
+
 class Sweep:
     """One Metropolis-within-Gibbs sweep of every chain, and the warm-up that sets its preconditioners and steps."""
 
@@ -113,7 +123,6 @@ class Sweep:
         self.rows = _Rows(groups)
         self.num_groups = groups.num_groups
         self.per_step = min(engine.groups_per_step or self.num_groups, self.num_groups)
-        self.one_row = self.rows.all[:1]
         self.global_steps = engine.global_steps or 3
         self.local_steps = engine.local_steps or 1
         ones = torch.ones(engine.num_chains, dtype=bridge.sites[groups.sites[0]].dtype, device=bridge.device)
@@ -121,11 +130,8 @@ class Sweep:
         self.local_step = DualAveraging(ones, target=0.6 if self.local_steps == 1 else 0.7)
         self.global_step = DualAveraging(ones, target=0.6 if self.global_steps == 1 else 0.7)
         self.rows_read = 0
-        self.cache: tuple[Tensor, Tensor] | None = None  # every group's conditional and gradient where the chains are
-        parents = prior_parents(bridge)
-        # whether a local's prior depends on a global (centred): then its curvature Q follows the globals
-        self.prior_follows = any(parents[name] for name in groups.sites)
-        # the central-difference stencil of the group prior's curvature: the centre, +-e_j, then +-(e_j + e_k), j < k
+        self.where: _Where | None = None
+        # the central differences' stencil: the centre, +-e_j, then +-(e_j + e_k) for j < k
         self.p = self.layout.local_size
         eye = torch.eye(self.p, dtype=ones.dtype, device=ones.device)
         self.pairs = [(j, k) for j in range(self.p) for k in range(j + 1, self.p)]
@@ -148,111 +154,89 @@ class Sweep:
         per_group = terms.groups + terms.rows.new_zeros(self.num_groups).index_add(0, self.rows.group, terms.rows)
         return terms.globals + per_group.sum(), per_group
 
-    def _sheared(self, theta: Tensor, u: Tensor, shear: Tensor) -> Tensor:
-        """The log joint at the globals ``theta`` and the locals ``u + B theta``."""
-        return self._joint(theta, u + shear @ theta)[0]
-
-    def _group_prior(self, b: Tensor, theta: Tensor) -> Tensor:
-        return self._terms(theta, b, self.one_row).groups.sum()
-
-    def _rows_only(self, b: Tensor, theta: Tensor) -> Tensor:
-        return self._terms(theta, b, self.rows.all).rows.sum()
-
-    def _block_curvature(self, function: Callable, b: Tensor, theta: Tensor) -> Tensor:
-        """Each group's ``(p, p)`` negative Hessian of a group-separable ``function(b, theta)`` in ``b``: p products."""
+    def _curvature(self, theta: Tensor, b: Tensor) -> Tensor:
+        """Each group's ``(p, p)`` negative Hessian of its conditional in ``b`` by autodiff: p products."""
         columns = []
         for j in range(b.shape[-1]):
             tangent = torch.zeros_like(b)
             tangent[..., j] = 1.0
             # reverse over reverse: torch's forward mode runs its decompositions in Python, many times slower here
-            columns.append(-grad(lambda x, v=tangent: (grad(function)(x, theta) * v).sum())(b))
+            along = lambda x, v=tangent: (grad(lambda y: self._joint(theta, y)[0])(x) * v).sum()  # noqa: E731
+            columns.append(-grad(along)(b))
         return torch.stack(columns, -1)
 
-    def _prior_curvatures(self, theta: Tensor, b_ref: Tensor) -> Tensor:
-        """Every chain's group-prior curvatures ``Q_k`` at its reference locals under its globals: ``(C, G, p, p)``."""
-        return vmap(lambda t, b: self._block_curvature(self._group_prior, b, t))(theta, b_ref)
+    def _differences(self, theta: Tensor, b_ref: Tensor, width: Tensor) -> tuple[Tensor, Tensor]:
+        """Each group's conditional's gradient ``(G, p)`` and negative Hessian ``(G, p, p)`` at ``b_ref`` (one chain).
 
-    def _prior_differences(self, theta: Tensor, b_ref: Tensor, width: Tensor) -> Tensor:
-        """``Q_k(theta)`` by central second differences of the group prior (one chain): ``(G, p, p)``.
-
-        The prior is evaluated at the reference locals moved by ``width`` (``(G, p)``, each group's conditional
-        spread) along the stencil's directions, every point in one batched evaluation; its gradient in the globals
-        is then a first derivative, where the exact Hessian's would be a third. It is exact for a Gaussian group
-        prior and smooth in the globals for any, which is all the sweep needs of it: any smooth ``Q`` that does not
-        read the locals keeps each move exact.
+        By central differences of widths ``width`` (``(G, p)``), every point of the stencil in one batched evaluation.
         """
-        values = vmap(lambda step: self._terms(theta, b_ref + width * step, self.one_row).groups)(self.stencil)
+        values = vmap(lambda step: self._joint(theta, b_ref + width * step)[1])(self.stencil)  # (S, G)
         centre, single, pair = values[0], values[1 : 1 + 2 * self.p], values[1 + 2 * self.p :]
-        plus, minus = single[0::2].T, single[1::2].T  # (G, p): the prior moved up and down along each coordinate
-        curvature = torch.diag_embed((plus + minus - 2 * centre[:, None]) / width**2)
+        plus, minus = single[0::2].T, single[1::2].T  # (G, p): moved up and down along each coordinate
+        gradient = (plus - minus) / (2 * width)
+        hessian = torch.diag_embed((plus + minus - 2 * centre[:, None]) / width**2)
         for n, (j, k) in enumerate(self.pairs):
             both = pair[2 * n] + pair[2 * n + 1] - plus[:, j] - minus[:, j] - plus[:, k] - minus[:, k] + 2 * centre
-            unit = torch.zeros_like(curvature[0])  # the symmetric pair (j, k), (k, j)
+            unit = torch.zeros_like(hessian[0])  # the symmetric pair (j, k), (k, j)
             unit[j, k] = unit[k, j] = 1.0
-            curvature = curvature + (both / (2 * width[:, j] * width[:, k]))[:, None, None] * unit
-        return -curvature
+            hessian = hessian + (both / (2 * width[:, j] * width[:, k]))[:, None, None] * unit
+        return gradient, -hessian
 
-    def _cross(self, theta: Tensor, b: Tensor) -> Tensor:
-        """Each group's ``(p, d)`` mixed second derivative of the log joint in its locals and the globals."""
-        columns = []
-        for j in range(theta.shape[-1]):
-            tangent = torch.zeros_like(theta)
-            tangent[j] = 1.0
-            along = lambda x, v=tangent: (grad(lambda t: self._joint(t, x)[0])(theta) * v).sum()  # noqa: E731
-            columns.append(grad(along)(b))
-        return torch.stack(columns, -1)
+    def _laplace(self, theta: Tensor, b_ref: Tensor, width: Tensor, fallback: Tensor) -> tuple[Tensor, Tensor]:
+        """Each group's Laplace map at ``theta`` (one chain): its centre ``m_k`` and factor ``L_k`` (docstring)."""
+        gradient, precision = self._differences(theta, b_ref, width)
+        factor, info = torch.linalg.cholesky_ex(precision)
+        factor = torch.where((info == 0)[:, None, None], factor, fallback)
+        return b_ref + torch.cholesky_solve(gradient.unsqueeze(-1), factor).squeeze(-1), factor
+
+    def _transformed(self, x, offset, eps, b_ref, width, fallback):
+        """The log density of the globals ``x`` at fixed standardised locals ``eps`` (module docstring, 2).
+
+        ``offset`` (zero) is added to the locals so that its gradient is the joint's in the locals.
+        """
+        centre, factor = self._laplace(x, b_ref, width, fallback)
+        spread = torch.linalg.solve_triangular(factor.transpose(-1, -2), eps.unsqueeze(-1), upper=True).squeeze(-1)
+        b = centre + spread + offset
+        value, per_group = self._joint(x, b)
+        log_det = factor.diagonal(dim1=-2, dim2=-1).log().sum()
+        return value - log_det, (per_group, b, centre, factor)
 
     # ---------------------------------------------------------------- warm-up
-    def adapt_to(self, theta: Tensor, b_mean: Tensor, b_theta: Tensor | None = None) -> None:
-        """Each chain's reference point and the curvatures there; the shear and the globals' preconditioner.
+    def adapt_to(self, theta: Tensor, b_mean: Tensor, window: bool) -> None:
+        """Each chain's reference point and the curvatures there; the globals' mass matrix.
 
         ``theta``: each chain's globals over a window (``(C, T, d)``); ``b_mean``: its locals' mean there
-        (``(C, G, p)``); ``b_theta``: the sum over the window and the chains of each group's locals times the globals
-        (``(G, p, d)``), or ``None`` at the start. The locals' preconditioners are each chain's own: a chain far from
-        the others (a start in a narrow corner) is preconditioned where it is. The shear is the window's regression
-        of each group's locals on the globals, and the globals' preconditioner the inverse of the residual spread
-        of the globals, pooled over the chains (at the start: each chain's curvature where it is).
+        (``(C, G, p)``); ``window``: whether they are a window of draws (else each chain's starting point). The
+        reference and its curvatures are each chain's own: a chain far from the others (a start in a narrow corner)
+        is preconditioned where it is. The globals' mass matrix is the inverse of their window covariance, pooled
+        over the chains (at the start: each chain's curvature of the transformed density where it is).
         """
-        chains = theta.shape[0]
+        chains, d = theta.shape[0], self.layout.global_size
         self.theta_ref, self.b_ref = theta.mean(1), b_mean
-        curvature = lambda t, b: self._block_curvature(self._rows_only, b, t)  # noqa: E731
-        self.rows_curvature = vmap(curvature)(self.theta_ref, self.b_ref)
-        passes = self.layout.local_size * 3
-        d = self.layout.global_size
-        prior = self._prior_curvatures(self.theta_ref, self.b_ref)
-        if d and b_theta is not None:
+        self.fallback = precision_factor(vmap(self._curvature)(self.theta_ref, self.b_ref))
+        self.width = (self.fallback @ self.fallback.transpose(-1, -2)).diagonal(dim1=-2, dim2=-1).rsqrt()
+        passes = self.p * 3
+        if d and window:
             pooled = theta.reshape(-1, d)
             n = pooled.shape[0]
-            mean = pooled.mean(0)
             covariance = torch.cov(pooled.T).reshape(d, d) * (n - 1) / n
             covariance = n / (n + 5) * covariance + 1e-3 * 5 / (n + 5) * torch.eye(d, dtype=theta.dtype)
-            cross = b_theta / n - b_mean.mean(0)[..., None] * mean  # (G, p, d): the window's Cov(b_k, theta)
-            shear = torch.linalg.solve(covariance, cross.reshape(-1, d).T).T.reshape(cross.shape)
-            self.shear = shear.expand(chains, *shear.shape)
-            centre = b_mean.mean(0) - shear @ mean  # the regression's intercept, pooled
-            self.centre = centre.expand(chains, *centre.shape)
             self.global_factor = precision_factor(torch.linalg.inv(covariance.double())).to(theta.dtype)
             self.global_factor = self.global_factor.expand(chains, d, d)
-        elif d:  # at the start: the conditional-mean slope and the sheared joint's curvature at each chain's point
-            cross = vmap(self._cross)(self.theta_ref, self.b_ref)
-            self.shear = torch.cholesky_solve(cross, precision_factor(self.rows_curvature + prior))
-            u_ref = self.b_ref - (self.shear @ self.theta_ref[:, None, :, None]).squeeze(-1)
-            self.centre = u_ref
-            hessian = vmap(torch.func.jacrev(torch.func.jacrev(self._sheared)))(self.theta_ref, u_ref, self.shear)
+        elif d:
+            centre, factor = vmap(self._laplace)(self.theta_ref, self.b_ref, self.width, self.fallback)
+            eps = (factor.transpose(-1, -2) @ (self.b_ref - centre).unsqueeze(-1)).squeeze(-1)
+            offset = torch.zeros_like(self.b_ref[0])
+            density = lambda x, *fixed: self._transformed(x, offset, *fixed)[0]  # noqa: E731
+            hessian = vmap(torch.func.jacrev(torch.func.jacrev(density)))(
+                self.theta_ref, eps, self.b_ref, self.width, self.fallback
+            )
             self.global_factor = precision_factor(-hessian).to(theta.dtype)
-            passes += d * 9
-        if d:
-            rows_factor = precision_factor(self.rows_curvature)
-            self.rows_floored = rows_factor @ rows_factor.transpose(-1, -2)
-            self.spread_fallback = precision_factor(self.rows_floored + prior)
-        # the differences' widths: each group's conditional spread along each coordinate at the reference point
-        floored = precision_factor(self.rows_curvature + prior)
-        self.width = (floored @ floored.transpose(-1, -2)).diagonal(dim1=-2, dim2=-1).rsqrt()
-        self.prior_curvature = prior  # at the reference globals: the curvature wherever the prior does not follow them
+            passes += d * 3 * (len(self.stencil) + 1)
         self.rows_read += chains * passes * self.rows.all.shape[0]
         self.local_step.restart(self.local_step.step)
         self.global_step.restart(self.global_step.step)
-        self.cache = None
+        self.where = None
 
     def fix_steps(self) -> None:
         self.local_step.step = self.local_step.final
@@ -261,17 +245,16 @@ class Sweep:
     # ---------------------------------------------------------------- the sweep
     def __call__(self, theta: Tensor, b: Tensor, generator: torch.Generator, adapt: bool):
         chains = b.shape[0]
-        joint = vmap(grad_and_value(self._joint, argnums=(0, 1), has_aux=True))
-        if self.cache is None:
-            (_, gradient_b), (_, per_group) = joint(theta, b)
-            self.cache = (per_group, gradient_b)
-            self.rows_read += chains * self.rows.all.shape[0]
+        if self.where is None:
+            joint = vmap(grad_and_value(self._joint, argnums=1, has_aux=True))
+            gradient_b, (_, per_group) = joint(theta, b)
+            centre, factor = vmap(self._laplace)(theta, self.b_ref, self.width, self.fallback)
+            self.where = _Where(per_group, gradient_b, centre, factor)
+            self.rows_read += chains * self.rows.all.shape[0] * (1 + len(self.stencil))
         b, accept_local = self._move_locals(theta, b, generator, adapt)
         accept_global = torch.ones(chains, dtype=b.dtype, device=b.device)
         if self.layout.global_size:
-            theta, b, accept_global = self._move_globals(theta, b, joint, generator, adapt)
-        else:
-            self.cache = None
+            theta, b, accept_global = self._move_globals(theta, b, generator, adapt)
         return theta, b, SweepInfo(accept_local, accept_global)
 
     def _move_locals(self, theta: Tensor, b: Tensor, generator: torch.Generator, adapt: bool):
@@ -290,64 +273,40 @@ class Sweep:
             gradient, (_, per_group) = local(moved, theta, drawn, rows, slot)
             return per_group, gradient[:, drawn]
 
-        if self.prior_follows:
-            self.prior_curvature = vmap(self._prior_differences)(theta, self.b_ref, self.width)
-        precision = (self.rows_curvature + self.prior_curvature)[:, drawn]
-        per_group, gradient_b = self.cache
+        where = self.where
         step = self.local_step.step[:, None]
         move = hmc(
             b[:, drawn],
-            per_group[:, drawn],
-            gradient_b[:, drawn],
-            precision_factor(precision),
+            where.per_group[:, drawn],
+            where.gradient[:, drawn],
+            where.factor[:, drawn],
             step,
             self.local_steps,
             density,
             generator,
         )
-        b = b.clone()
-        b[:, drawn] = move.x
+        b, per_group, gradient = b.clone(), where.per_group.clone(), where.gradient.clone()
+        b[:, drawn], per_group[:, drawn], gradient[:, drawn] = move.x, move.log_density, move.gradient
+        self.where = where._replace(per_group=per_group, gradient=gradient)
         accept = move.accept.mean(-1)
         if adapt:
             self.local_step.update(accept)
         return b, accept
 
-    def _spread(self, theta: Tensor, b_ref: Tensor, width: Tensor, rows_floored: Tensor, fallback: Tensor) -> Tensor:
-        """Each group's factor ``L_k(theta)`` of ``R_k + Q_k(theta)`` (one chain); the fallback where it has none."""
-        if not self.prior_follows:  # the group prior's curvature is the same at every value of the globals
-            return fallback
-        precision = rows_floored + self._prior_differences(theta, b_ref, width)
-        factor, info = torch.linalg.cholesky_ex(precision)
-        return torch.where((info == 0)[:, None, None], factor, fallback)
-
-    def _transformed(self, x, offset, eps, centre, shear, b_ref, width, rows_floored, fallback):
-        """The log density of the globals ``x`` at fixed standardised locals ``eps`` (module docstring, 2).
-
-        ``offset`` (zero) is added to the locals so that its gradient is the joint's in the locals.
-        """
-        factor = self._spread(x, b_ref, width, rows_floored, fallback)
-        spread = torch.linalg.solve_triangular(factor.transpose(-1, -2), eps.unsqueeze(-1), upper=True).squeeze(-1)
-        b = centre + shear @ x + spread + offset
-        value, per_group = self._joint(x, b)
-        log_det = factor.diagonal(dim1=-2, dim2=-1).log().sum()
-        return value - log_det, (per_group, b)
-
-    def _move_globals(self, theta: Tensor, b: Tensor, joint: Callable, generator: torch.Generator, adapt: bool):
-        """MALA moves of the globals, the locals following their conditional mean and spread (module docstring, 2)."""
+    def _move_globals(self, theta: Tensor, b: Tensor, generator: torch.Generator, adapt: bool):
+        """One HMC trajectory of the globals, the locals following their Laplace map (module docstring, 2)."""
         chains = b.shape[0]
-        factor = vmap(self._spread)(theta, self.b_ref, self.width, self.rows_floored, self.spread_fallback)
-        mean = self.centre + (self.shear @ theta[:, None, :, None]).squeeze(-1)
-        eps = (factor.transpose(-1, -2) @ (b - mean).unsqueeze(-1)).squeeze(-1)
-        fixed = (eps, self.centre, self.shear, self.b_ref, self.width, self.rows_floored, self.spread_fallback)
+        eps = (self.where.factor.transpose(-1, -2) @ (b - self.where.centre).unsqueeze(-1)).squeeze(-1)
+        fixed = (eps, self.b_ref, self.width, self.fallback)
         transformed = vmap(grad_and_value(self._transformed, argnums=(0, 1), has_aux=True))
         offset = torch.zeros_like(b)
 
         def density(x: Tensor) -> tuple[Tensor, ...]:
-            (gradient_theta, gradient_b), (value, (per_group, moved)) = transformed(x, offset, *fixed)
-            return value, gradient_theta, per_group, gradient_b, moved
+            (gradient_theta, gradient_b), (value, (per_group, moved, centre, factor)) = transformed(x, offset, *fixed)
+            return value, gradient_theta, per_group, gradient_b, moved, centre, factor
 
         value, gradient, *extra = density(theta)
-        self.rows_read += chains * self.rows.all.shape[0] * (1 + self.global_steps)
+        self.rows_read += chains * self.rows.all.shape[0] * (1 + self.global_steps) * (1 + len(self.stencil))
         move = hmc(
             theta,
             value,
@@ -361,6 +320,6 @@ class Sweep:
         )
         if adapt:
             self.global_step.update(move.accept)
-        per_group, gradient_b, b = move.extra
-        self.cache = (per_group, gradient_b)
+        per_group, gradient_b, b, centre, factor = move.extra
+        self.where = _Where(per_group, gradient_b, centre, factor)
         return move.x, b, move.accept

@@ -1,5 +1,6 @@
-"""The sweep's group-prior curvature by central differences: the exact Hessian for a Gaussian group prior, close for
-any smooth one, in both its value and its derivative in the globals (what the globals' move differentiates)."""
+"""The sweep's Laplace map by central differences: each group's conditional gradient and curvature equal autodiff's
+(exactly for a Gaussian conditional, closely for any smooth one), in value and in their derivative in the globals
+(what the globals' move differentiates), and its centre is the conditional's mode where the conditional is Gaussian."""
 
 from types import SimpleNamespace
 
@@ -7,25 +8,38 @@ import pyro
 import pyro.distributions as dist
 import pytest
 import torch
-from torch.func import jacrev, vmap
+from torch.func import grad, jacrev, vmap
 
 from pyro_scalable.bridge import ModelBridge
 from pyro_scalable.bridge.hierarchy import irregular_point
 from pyro_scalable.bridge.row_groups import row_groups
 from pyro_scalable.infer.multilevel.sweep import Sweep
 
-from .test_group_terms import data, slopes
+from .test_group_terms import data
+
+
+def gaussian(x, g, y, num_groups):
+    """Non-centred intercepts and slopes with a latent noise scale: Gaussian in the locals whatever the globals."""
+    mu = pyro.sample("mu", dist.Normal(torch.zeros(2, dtype=y.dtype), 3.0).to_event(1))
+    tau = pyro.sample("tau", dist.HalfNormal(torch.ones(2, dtype=y.dtype)).to_event(1))
+    sigma = pyro.sample("sigma", dist.LogNormal(torch.tensor(0.0, dtype=y.dtype), 1.0))
+    with pyro.plate("groups", num_groups):
+        a = pyro.sample("a", dist.Normal(torch.zeros((), dtype=y.dtype), 1.0))
+        s = pyro.sample("s", dist.Normal(torch.zeros((), dtype=y.dtype), 1.0))
+    with pyro.plate("data", len(y), subsample_size=7) as idx:
+        k = g[idx]
+        pyro.sample("obs", dist.Normal(mu[0] + tau[0] * a[k] + (mu[1] + tau[1] * s[k]) * x[idx], sigma), obs=y[idx])
 
 
 def heavy_tailed(x, g, y, num_groups):
-    """Student-t group effects: a group prior that is not Gaussian in the locals."""
+    """Student-t group effects and rows: a conditional that is not Gaussian in the locals."""
     mu = pyro.sample("mu", dist.Normal(torch.zeros(2, dtype=y.dtype), 3.0).to_event(1))
     tau = pyro.sample("tau", dist.HalfNormal(torch.ones(2, dtype=y.dtype)).to_event(1))
     with pyro.plate("groups", num_groups):
         a = pyro.sample("a", dist.StudentT(4.0, mu[0], tau[0]))
         s = pyro.sample("s", dist.StudentT(4.0, mu[1], tau[1]))
     with pyro.plate("data", len(y), subsample_size=7) as idx:
-        pyro.sample("obs", dist.Normal(a[g[idx]] + s[g[idx]] * x[idx], 1.0), obs=y[idx])
+        pyro.sample("obs", dist.StudentT(5.0, a[g[idx]] + s[g[idx]] * x[idx], 1.0), obs=y[idx])
 
 
 def sweep_at(model):
@@ -36,17 +50,27 @@ def sweep_at(model):
     return sweep, theta[0], b[0]
 
 
-@pytest.mark.parametrize("model, width, tolerance", [(slopes, 0.7, 1e-6), (heavy_tailed, 1e-3, 1e-4)])
-def test_prior_curvature_by_differences_matches_the_hessian(model, width, tolerance):
+@pytest.mark.parametrize("model, width, tolerance", [(gaussian, 0.7, 1e-6), (heavy_tailed, 1e-3, 1e-4)])
+def test_the_conditionals_by_differences_match_autodiff(model, width, tolerance):
     sweep, theta, b = sweep_at(model)
-    widths = torch.full_like(b, width) * torch.linspace(0.5, 1.5, b.numel(), dtype=b.dtype).reshape(b.shape)
-    exact = lambda t: sweep._block_curvature(sweep._group_prior, b, t)  # noqa: E731 -- autodiff, reverse over reverse
-    differences = lambda t: sweep._prior_differences(t, b, widths)  # noqa: E731
-    torch.testing.assert_close(differences(theta), exact(theta), rtol=tolerance, atol=tolerance)
-    # the globals' move differentiates Q_k(theta) (it follows the group scales): the derivative agrees too
-    slope = jacrev(exact)(theta)
-    assert slope.abs().amax() > 0.1
-    torch.testing.assert_close(jacrev(differences)(theta), slope, rtol=10 * tolerance, atol=10 * tolerance)
-    # and under vmap over chains, as the sweep calls it
-    stacked = vmap(lambda t: sweep._prior_differences(t, b, widths))(torch.stack([theta, theta]))
-    torch.testing.assert_close(stacked[1], differences(theta))
+    widths = width * torch.linspace(0.5, 1.5, b.numel(), dtype=b.dtype).reshape(b.shape)
+    exact = lambda t: (grad(lambda y: sweep._joint(t, y)[0])(b), sweep._curvature(t, b))  # noqa: E731 -- autodiff
+    differences = lambda t: sweep._differences(t, b, widths)  # noqa: E731
+    for ours, theirs in zip(differences(theta), exact(theta), strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=tolerance, atol=tolerance)
+    # the globals' move differentiates them (they follow the group scale and mean): the derivatives agree too
+    for ours, theirs in zip(jacrev(differences)(theta), jacrev(exact)(theta), strict=True):
+        assert theirs.abs().amax() > 0.1
+        torch.testing.assert_close(ours, theirs, rtol=10 * tolerance, atol=10 * tolerance)
+    # and under vmap over chains, as the sweep calls them
+    stacked = vmap(lambda t: sweep._differences(t, b, widths))(torch.stack([theta, theta]))
+    torch.testing.assert_close(stacked[1][1], differences(theta)[1])
+
+
+def test_the_laplace_centre_is_a_gaussian_conditionals_mode():
+    sweep, theta, b = sweep_at(gaussian)
+    fallback = torch.eye(2, dtype=b.dtype).expand(b.shape[0], 2, 2)
+    centre, factor = sweep._laplace(theta, b, torch.full_like(b, 0.3), fallback)
+    gradient = grad(lambda y: sweep._joint(theta, y)[0])(centre)
+    torch.testing.assert_close(gradient, torch.zeros_like(gradient), rtol=0, atol=1e-9)
+    torch.testing.assert_close(factor @ factor.transpose(-1, -2), sweep._curvature(theta, centre))
