@@ -15,6 +15,7 @@ from pyro.infer import Predictive
 from pyro_scalable.infer import SGHMC, StochasticMCMC
 
 torch.manual_seed(0)
+torch.set_num_threads(1)  # tensors this small run fastest on one thread
 num_data, num_features = 10_000, 3
 true_weight = torch.tensor([1.5, -2.0, 0.5])
 x = torch.randn(num_data, num_features)
