@@ -61,6 +61,36 @@ def test_docs_do_not_link_to_the_unpublished_site(page):
     assert not placeholders, f"{page} links to a site that is not published: {placeholders}"
 
 
+def _github_anchors(text: str) -> set[str]:
+    """The anchors GitHub gives a Markdown file: its headings' slugs (lower case, punctuation dropped, spaces as
+    hyphens, a repeat numbered) and its ``<a name>``/``<a id>`` tags. Not the site's ``{#id}`` attributes, which
+    GitHub prints as text."""
+    text = re.sub(r"^(```|~~~).*?^\1", "", text, flags=re.M | re.S)
+    anchors, seen = set(re.findall(r"<a (?:name|id)=\"([^\"]+)\"", text)), {}
+    for heading in re.findall(r"^#{1,6} +(.+?)(?: +#+)? *$", text, flags=re.M):
+        plain = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", re.sub(r"<[^>]+>", "", heading)).strip().lower()
+        slug = re.sub(r"[^\w\- ]", "", plain).replace(" ", "-")
+        anchors.add(f"{slug}-{seen[slug]}" if slug in seen else slug)
+        seen[slug] = seen.get(slug, 0) + 1
+    return anchors
+
+
+def test_anchors_work_where_github_renders_the_markdown():
+    """Every link to a heading of a Markdown page (the README, docs/, the tutorials' and benchmarks' READMEs) names
+    an anchor GitHub makes too; mkdocs build --strict checks the site's (tests/test_docs.py)."""
+    pages = sorted((ROOT / "docs").rglob("*.md")) + [README, TUTORIALS / "README.md", ROOT / "benchmarks" / "README.md"]
+    broken = []
+    for page in pages:
+        for link in _links(_text(page)):
+            path, _, anchor = link.partition("#")
+            target = (page.parent / path).resolve() if path else page
+            if "://" in link or not anchor or target.suffix != ".md" or not target.is_file():
+                continue
+            if anchor not in _github_anchors(_text(target)):
+                broken.append(f"{page.relative_to(ROOT)}: {link}")
+    assert not broken, f"links to anchors GitHub does not make (use <a name=...> in the heading): {broken}"
+
+
 def test_readme_test_command_is_the_one_ci_runs():
     """The README's test command is the one .ci/run calls, and both set-up scripts exist."""
     ci = _text(ROOT / ".ci" / "run")
