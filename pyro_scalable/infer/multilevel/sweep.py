@@ -16,7 +16,10 @@ give its gradient :math:`g_k(\theta)` and negative Hessian :math:`P_k(\theta) = 
 one Newton step gives the conditional's centre :math:`m_k(\theta) = \bar b_k + P_k(\theta)^{-1} g_k(\theta)`. Both
 are exact for a conditional that is Gaussian in :math:`b_k` (a Gaussian likelihood and group prior, centred or not,
 whatever :math:`\theta` is), and both are smooth functions of :math:`\theta` alone for any model (where the
-differences give no positive-definite :math:`P_k`, the reference point's curvature factor stands in).
+differences give no positive-definite :math:`P_k`, the reference point's curvature factor stands in). The map reads
+at most :data:`MAP_ROWS` of each group's rows (a fixed sample, each row weighted by :math:`n_k / m_k`): it need only
+be a deterministic function of :math:`\theta`, not the exact conditional, so a large group's map costs no more
+than a small one's, while the moves' densities read every row.
 
 1. **The locals.** :math:`M` groups drawn uniformly without replacement (all of them by default), independently of
    the state, each take one preconditioned MALA move (``local_steps`` leapfrog steps of HMC; default 1, which is
@@ -44,8 +47,8 @@ differences give no positive-definite :math:`P_k`, the reference point's curvatu
 
 Each move leaves :math:`\pi` invariant, and so does their composition (the blocks drawn do not depend on the state):
 the kept draws are exact MCMC draws of the posterior, with no step-size bias and no minibatch noise. An evaluation
-of the globals' density reads every row :math:`2 + p + p^2` times in one batched pass; a sweep with all groups costs one
-pass for the locals and ``global_steps + 1`` batched ones for the globals.
+of the globals' density reads every row once and the map's rows :math:`1 + p + p^2` times; a sweep with all groups
+costs one pass for the locals and ``global_steps + 1`` such evaluations for the globals.
 
 **Warm-up** (``num_warmup`` sweeps): each chain's steps for its two kinds of block are set by dual averaging of their
 acceptance. At the start, and at the ends of windows of 10%, 10%, 15% and 25% of warm-up, each chain's reference
@@ -72,7 +75,9 @@ from pyro_scalable.bridge.row_groups import RowGroups
 from pyro_scalable.infer.multilevel.layout import Layout
 from pyro_scalable.infer.multilevel.mala import DualAveraging, hmc, precision_factor
 
-__all__ = ["Sweep", "SweepInfo"]
+__all__ = ["MAP_ROWS", "Sweep", "SweepInfo"]
+
+MAP_ROWS = 32  # rows of each group (at most) that its Laplace map reads, weighted to all of them
 
 
 class _Rows:
@@ -95,6 +100,21 @@ class _Rows:
         slot = torch.repeat_interleave(torch.arange(len(drawn), device=drawn.device), lengths)
         within = torch.arange(int(lengths.sum()), device=drawn.device) - offsets[slot]
         return self.order[self.starts[drawn][slot] + within], slot
+
+    def sample(self, most: int, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor | None]:
+        """At most ``most`` rows of each group, fixed once (a seeded shuffle within each group).
+
+        Returns the rows, their groups, and each row's weight ``n_k / m_k`` (``None`` where no group has more than
+        ``most`` rows: then the rows are all rows).
+        """
+        if int(self.sizes.max()) <= most:
+            return self.all, self.group, None
+        shuffle = torch.randperm(len(self.group), generator=torch.Generator().manual_seed(0)).to(self.all.device)
+        order = shuffle[torch.argsort(self.group[shuffle], stable=True)]  # by group, shuffled within each
+        rank = self.all - self.starts.repeat_interleave(self.sizes)  # each sorted row's place within its group
+        kept = order[rank < most]
+        weight = self.sizes / self.sizes.clamp(max=most)
+        return kept, self.group[kept], weight[self.group[kept]].to(dtype)
 
 
 class SweepInfo(NamedTuple):
@@ -138,6 +158,8 @@ class Sweep:
         steps = [eye[0] * 0] + [s * eye[j] for j in range(self.p) for s in (1, -1)]
         steps += [s * (eye[j] + eye[k]) for j, k in self.pairs for s in (1, -1)]
         self.stencil = torch.stack(steps)
+        self.map_rows, self.map_group, self.map_weight = self.rows.sample(MAP_ROWS, ones.dtype)
+        self.map_share = self.map_rows.shape[0] / self.rows.all.shape[0]  # of a data pass, per point of the stencil
 
     # ---------------------------------------------------------------- densities (one chain; vmapped over chains)
     def _terms(self, theta: Tensor, b: Tensor, rows: Tensor):
@@ -153,6 +175,12 @@ class Sweep:
         terms = self._terms(theta, b, self.rows.all)
         per_group = terms.groups + terms.rows.new_zeros(self.num_groups).index_add(0, self.rows.group, terms.rows)
         return terms.globals + per_group.sum(), per_group
+
+    def _map_conditionals(self, theta: Tensor, b: Tensor) -> Tensor:
+        """Each group's conditional on the map's rows (at most :data:`MAP_ROWS` of its rows, weighted to all)."""
+        terms = self._terms(theta, b, self.map_rows)
+        rows = terms.rows if self.map_weight is None else terms.rows * self.map_weight
+        return terms.groups + rows.new_zeros(self.num_groups).index_add(0, self.map_group, rows)
 
     def _curvature(self, theta: Tensor, b: Tensor) -> Tensor:
         """Each group's ``(p, p)`` negative Hessian of its conditional in ``b`` by autodiff: p products."""
@@ -170,7 +198,7 @@ class Sweep:
 
         By central differences of widths ``width`` (``(G, p)``), every point of the stencil in one batched evaluation.
         """
-        values = vmap(lambda step: self._joint(theta, b_ref + width * step)[1])(self.stencil)  # (S, G)
+        values = vmap(lambda step: self._map_conditionals(theta, b_ref + width * step))(self.stencil)  # (S, G)
         centre, single, pair = values[0], values[1 : 1 + 2 * self.p], values[1 + 2 * self.p :]
         plus, minus = single[0::2].T, single[1::2].T  # (G, p): moved up and down along each coordinate
         gradient = (plus - minus) / (2 * width)
@@ -232,7 +260,7 @@ class Sweep:
                 self.theta_ref, eps, self.b_ref, self.width, self.fallback
             )
             self.global_factor = precision_factor(-hessian).to(theta.dtype)
-            passes += d * 3 * (len(self.stencil) + 1)
+            passes += d * 3 * (len(self.stencil) * self.map_share + 1)
         self.rows_read += chains * passes * self.rows.all.shape[0]
         self.local_step.restart(self.local_step.step)
         self.global_step.restart(self.global_step.step)
@@ -250,7 +278,7 @@ class Sweep:
             gradient_b, (_, per_group) = joint(theta, b)
             centre, factor = vmap(self._laplace)(theta, self.b_ref, self.width, self.fallback)
             self.where = _Where(per_group, gradient_b, centre, factor)
-            self.rows_read += chains * self.rows.all.shape[0] * (1 + len(self.stencil))
+            self.rows_read += chains * self.rows.all.shape[0] * (1 + len(self.stencil) * self.map_share)
         b, accept_local = self._move_locals(theta, b, generator, adapt)
         accept_global = torch.ones(chains, dtype=b.dtype, device=b.device)
         if self.layout.global_size:
@@ -306,7 +334,8 @@ class Sweep:
             return value, gradient_theta, per_group, gradient_b, moved, centre, factor
 
         value, gradient, *extra = density(theta)
-        self.rows_read += chains * self.rows.all.shape[0] * (1 + self.global_steps) * (1 + len(self.stencil))
+        passes = (1 + self.global_steps) * (1 + len(self.stencil) * self.map_share)
+        self.rows_read += chains * self.rows.all.shape[0] * passes
         move = hmc(
             theta,
             value,

@@ -12,8 +12,8 @@ from torch.func import grad, jacrev, vmap
 
 from pyro_scalable.bridge import ModelBridge
 from pyro_scalable.bridge.hierarchy import irregular_point
-from pyro_scalable.bridge.row_groups import row_groups
-from pyro_scalable.infer.multilevel.sweep import Sweep
+from pyro_scalable.bridge.row_groups import RowGroups, row_groups
+from pyro_scalable.infer.multilevel.sweep import Sweep, _Rows
 
 from .test_group_terms import data
 
@@ -74,3 +74,18 @@ def test_the_laplace_centre_is_a_gaussian_conditionals_mode():
     gradient = grad(lambda y: sweep._joint(theta, y)[0])(centre)
     torch.testing.assert_close(gradient, torch.zeros_like(gradient), rtol=0, atol=1e-9)
     torch.testing.assert_close(factor @ factor.transpose(-1, -2), sweep._curvature(theta, centre))
+
+
+def test_the_maps_rows_are_a_fixed_weighted_sample_of_each_group():
+    sizes = torch.tensor([1, 5, 40, 7])
+    shuffle = torch.randperm(53, generator=torch.Generator().manual_seed(1))
+    group = torch.repeat_interleave(torch.arange(4), sizes)[shuffle]
+    rows = _Rows(RowGroups(plate="g", data_plate="d", sites=("b",), group=group, sizes=sizes))
+    assert rows.sample(40, torch.float64)[2] is None  # no group over the limit: every row, unweighted
+    kept, kept_group, weight = rows.sample(6, torch.float64)
+    assert torch.equal(kept_group, group[kept]) and len(set(kept.tolist())) == len(kept)
+    assert torch.bincount(kept_group, minlength=4).tolist() == [1, 5, 6, 6]
+    # weighted, the sample's per-group sums of a constant are the full groups' sums
+    full = torch.zeros(4, dtype=torch.float64).index_add(0, kept_group, weight)
+    torch.testing.assert_close(full, sizes.double())
+    assert torch.equal(rows.sample(6, torch.float64)[0], kept)  # fixed: the same sample every time
