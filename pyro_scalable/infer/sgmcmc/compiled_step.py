@@ -6,9 +6,9 @@ fails.
 
 ``torch.compile`` keeps the graphs it made for a function on the function's *code object*, at most
 ``torch._dynamo.config.recompile_limit`` (8) of them; a new run (its recorded log density a new object, a guard that
-fails) adds one. With one code object for every run, the ninth compiled run in a process found the limit reached:
-dynamo then ran the step's outer frame eagerly and compiled its parts apart, which draws the step's normal noise in
-another order, so the first-step check refused it and the run went on eagerly. Each phase's step therefore gets a
+fails) adds one. With one code object for every run, the ninth compiled run in a process would find the limit reached:
+dynamo would then run the step's outer frame eagerly and compile its parts apart, which draws the step's normal noise in
+another order, so the first-step check would refuse it and the run go on eagerly. Each phase's step therefore gets a
 code object of its own (:func:`_own_code`, a copy); its graphs go with it when the run is done.
 """
 

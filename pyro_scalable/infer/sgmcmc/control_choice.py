@@ -7,8 +7,7 @@ posterior in the chosen estimate, finding a ``"map"`` centre once (a resumed run
 the driver calls :func:`recentre` at the end of each of warm-up's metric windows (one full-data pass each) and
 steps burn-in on the plain density (:func:`~.run_state.step_densities`): a chain far from the centre sees noise
 growing with :math:`\lVert\theta-\hat\theta\rVert^2`, and burn-in, which does not bound the gradient noise, would
-amplify it (seen on the non-centred hierarchical logistic regression, centred at its exact posterior mean: the
-burn-in chains ran away).
+amplify it until the chains run away, even from a centre at the exact posterior mean.
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ from pyro_scalable.infer.sgmcmc.control_variates import (
 
 __all__ = ["AUTO_RATIO", "HIERARCHY_RATIO", "ROWS_PER_GROUP", "attach", "centred", "choose", "recentre"]
 
-AUTO_RATIO = 10  # "auto": a control variate at the mode where N/B reaches this (measured: see choose())
+AUTO_RATIO = 10  # "auto": a control variate at the mode where N/B reaches this (why: see choose())
 HIERARCHY_RATIO = 4  # "auto": centred at warm-up's windows for a hierarchy where N/B reaches this (see choose())
 ROWS_PER_GROUP = 20  # "auto": a centred hierarchy with this many rows per group or more is centred at its mode
 
@@ -45,9 +44,9 @@ def choose(option: Any, kernel: Any, bridge: ModelBridge, *, windows: bool = Tru
 
     * ``"map"`` where ``N/B ≥`` :data:`AUTO_RATIO` and no latent site is in a plate. The plain estimate's noise bound
       makes the step about ``B/N`` of the curvature bound and a relaxation time about ``N/B`` steps; the control
-      variate lifts that bound for twice the work per step. From ``N/B = 10`` the controlled noise is small enough
-      that warm-up's friction drops several-fold, and the draws a run keeps are worth about three times as many
-      (the least bulk ESS of the accuracy zoo's small models, ``tests/model_zoo.py``) for about 1.2× the time.
+      variate lifts that bound for twice the work per step. From about ``N/B = 10`` the controlled noise is small
+      enough that warm-up's friction drops several-fold, and the effective draws this gains outweigh the second
+      gradient per step; below it, the plain estimate's bound is too loose for the centre to pay.
     * For a model with a latent site inside a plate (group-level latents: a hierarchy) where ``N/B ≥``
       :data:`HIERARCHY_RATIO`: each group's effect is informed by its own rows only, so the plain estimate's noise
       binds even at a small ``N/B``.
@@ -55,18 +54,16 @@ def choose(option: Any, kernel: Any, bridge: ModelBridge, *, windows: bool = Tru
       - ``"map"`` where the hierarchy is **centred** (every such site's prior depends on other latents,
         ``b_j ~ N(μ, τ)``: :func:`centred`) and has :data:`ROWS_PER_GROUP` rows per group or more (N over the
         largest group plate). There the data place each group's effect and the mode (a local one: the joint
-        density is unbounded where τ → 0 and every b_j → 0) sits in the bulk. On a 50-group regression at
-        N = 10⁵ (``benchmarks/bench_peers.py``'s ``hierarchical``) it left 1,000 draws × 4 within 0.11–0.17 sd of
-        the exact means (friction about 1.3), where ``"warmup"`` left them 1.4 sd off (friction 23: warm-up's
-        chains were still travelling when the last window closed, and its mean lay 200 posterior sds off in log
-        σ). At 20 rows per group (the zoo's panel and mixed logit, the 11-group partial pooling) the two were
-        alike over five seeds; at 5 (the zoo's 300-group varying intercept) ``"warmup"`` was better. Where the
-        search finds no finite mode (it ran into that funnel), :func:`attach` goes on with ``"warmup"``.
+        density is unbounded where τ → 0 and every b_j → 0) sits in the bulk, whereas the mean of a warm-up
+        window can lie far outside it in a scale's direction (the chains may still be travelling when the last
+        window closes), where the controlled noise, and warm-up's friction with it, is large. With fewer rows per
+        group the data place the effects less firmly, the mode moves towards the funnel's neck, and ``"warmup"``
+        does as well or better. Where the search finds no finite mode (it ran into that funnel), :func:`attach`
+        goes on with ``"warmup"``.
       - ``"warmup"`` otherwise, and always where it is **non-centred** (``z_j ~ N(0, 1)``, ``μ + τ z_j`` in the
         likelihood). There the joint mode is not where the posterior's mass is: the mode wants every z near 0 and
         a large group scale τ, while the draws hold ‖z‖² ≈ G, so a centre at the mode lies far outside the bulk
-        and chains controlled there drift away from it (on the 60-group hierarchical logistic regression of
-        ``benchmarks/bench_conditioning.py``, ``"map"`` left r_hat 1.5–2.1 over three seeds). Warm-up's window
+        and chains controlled there drift away from it (and from one another: a high r_hat). Warm-up's window
         means are in the bulk.
 
     Example:

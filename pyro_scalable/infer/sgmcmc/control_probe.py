@@ -2,13 +2,12 @@ r"""After a run whose control variate ``"auto"`` chose, measure what it bought a
 
 The controlled minibatch gradient (:mod:`.control_variates`) is the plain one minus the same minibatch's gradient
 at the centre θ̂, plus the full-data gradient there; its noise is the spread over minibatches of
-:math:`\nabla\ell_B(\theta) - \nabla\ell_B(\hat\theta)`. Where the posterior is concentrated and locally quadratic
-that is about ``d/N`` of the plain estimate's noise (``benchmarks/diagnose_control_variate_size.py``: 0.0009 and
-0.015 on logistic regressions with 10 and 100 weights at N = 10⁴). Where the chains sit in other modes than θ̂, as a
-neural network's do (its hidden units can be permuted and their signs flipped), it is as large as the plain noise
-(1.00–1.08 on tanh MLPs from 241 to 90,701 weights): the control variate then bought nothing for its mode search
-and its second gradient per step. ``"auto"`` cannot see that before the search (the chains are not yet where the
-posterior's mass is, and the search's length does not tell the two kinds apart), so it is measured after the run.
+:math:`\nabla\ell_B(\theta) - \nabla\ell_B(\hat\theta)`. Where the posterior is concentrated and locally quadratic that
+is about ``d/N`` of the plain estimate's noise. Where the chains sit in other modes than θ̂, as a neural network's do
+(its hidden units can be permuted and their signs flipped), it is about as large as the plain noise: the control variate
+then bought nothing for its mode search and its second gradient per step. ``"auto"`` cannot see that before the search
+(the chains are not yet where the posterior's mass is, and the search's length does not tell the two kinds apart), so it
+is measured after the run.
 
 :func:`controlled_noise_share` measures it at each chain's final draw, on :data:`PROBE_BATCHES` fresh minibatches
 drawn by its own generator (the run, its draws and its checkpoint are untouched): the per-coordinate variances over

@@ -88,9 +88,8 @@ def prepare(
 
     ``start`` is one chain's unconstrained initial point; the mode search starts there or at a draw from the prior
     (seeded from ``seed``), whichever has the higher log joint on one chunk of the data: on a tanh network with
-    fan-in-scaled priors, ``init_to_uniform``'s ±2 in every weight saturates the units and the search took 180
-    full-data passes where it took 17 from a prior draw (the 90,701-weight MLP of
-    ``benchmarks/diagnose_control_variate_size.py``; 81 against 14 with 3,651 weights). The search draws its
+    fan-in-scaled priors, ``init_to_uniform``'s ±2 in every weight saturates the units, where the gradient is nearly
+    flat and the search needs many times the full-data passes it needs from a prior draw. The search draws its
     subsample from its own generator, seeded from ``seed`` (the run's generator is untouched), and its last pass is
     the control variate's. ``full`` is the full-data model (:func:`require_full_data` refuses a run without one
     first); ``bridge``, the run's, gives the generator its device. ``progress``: the mode search's progress bar.

@@ -73,9 +73,9 @@ class StochasticMCMC(Draws):
             a warm-up of at least 200 steps; ``"unit"``: none.
         shared_minibatches: every chain steps on the same minibatch (the subsampled plate's indices drawn once per
             step, not per chain): with vectorised chains, one gather of B rows and one batched product instead of a
-            gather of ``num_chains × B`` rows (about twice the throughput on a linear model on a CPU).
-            The chains' gradient noise is then one draw, so they are not independent given
-            the data: between-chain r_hat and the pooled ESS can look better than the chains are. Default off.
+            gather of ``num_chains × B`` rows. The chains' gradient noise is then one draw, so they are not
+            independent given the data: between-chain r_hat and the pooled ESS can look better than the chains are.
+            Default off.
         gradient: the gradient estimator's class, or any callable ``density -> GradientEstimator``
             (:mod:`pyro_scalable.infer.gradients.estimator`), called with each density the run's steps take their
             gradient of (the model's log posterior, with the control variate and in warm-up's metric's variables

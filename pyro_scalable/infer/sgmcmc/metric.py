@@ -24,12 +24,10 @@ the calibration arguments of :mod:`.base` and :mod:`.tuning` hold unchanged; the
 current metric), and its calibrated half's positions (pooled over chains, mean :math:`\hat\mu`, covariance
 :math:`S`) give the next stage's metric. The last stage chooses the step size that sampling keeps.
 
-**Dense metrics come from the curvature, bounded by the positions.** A stochastic-gradient chain moves by a random
-walk, so in a window of a few hundred steps chains that have not yet mixed explore a fraction of the posterior's
-slow directions — the ones the metric is for — and :math:`S` is too narrow there (``benchmarks/diagnose_metric.py``:
-137 times in variance along one direction of a partial-pooling regression, 600,000 times on a hierarchical logistic
-regression).
-So a dense stage takes the Hessian :math:`H = V\,\mathrm{diag}(h)\,V^\top` of the negative log joint at
+**Dense metrics come from the curvature, bounded by the positions.** A stochastic-gradient chain moves by a random walk,
+so in a window of a few hundred steps chains that have not yet mixed explore a fraction of the posterior's slow
+directions — the ones the metric is for — and :math:`S` is too narrow there, on a hierarchy by orders of magnitude in
+variance. So a dense stage takes the Hessian :math:`H = V\,\mathrm{diag}(h)\,V^\top` of the negative log joint at
 :math:`\hat\mu` (a large minibatch) and uses
 
 .. math::
@@ -38,22 +36,22 @@ So a dense stage takes the Hessian :math:`H = V\,\mathrm{diag}(h)\,V^\top` of th
     h'_k = \max\big(\lvert h_k\rvert,\ 1 / (C\, v_k^\top S v_k)\big), \qquad C = 100
     \ (:data:`SPREAD_LIMIT`):
 
-the inverse Hessian (exact for a Gaussian posterior, whatever the chains explored) wherever it is at most
-:math:`C` times wider than the window's spread; a flat or negative-curvature direction (a funnel's neck, a saddle)
-is bounded by the positions instead of made arbitrarily wide. Where that inverse is not positive definite to the
-precision of a float (a funnel's neck: the Hessian at the window mean of a 5-group hierarchy's log scale reached
-:math:`10^{33}`), the stage takes the window's pooled covariance instead. ``metric="dense"`` does this at every stage;
-``"diagonal"`` uses the diagonal of :math:`S` (Stan's regularisation towards a small multiple of the identity);
-``"auto"`` is dense up to :data:`DENSE_LIMIT` unconstrained dimensions, diagonal otherwise, and is on only where
-warm-up chooses the step size and has at least :data:`LEAST_WARMUP` steps, and only where the first metric's
-condition number reaches :data:`WORTHWHILE`: on a well-conditioned posterior warm-up then goes on exactly as
-without a metric (the first stage is the whole warm-up's first part; nothing random is drawn for the metric). At 10
-the metric was skipped on posteriordb's mesquite log-volume regression (N = 46, B = 10), whose sds then came out 0.84
-of the reference's at any length (6,000 draws: 0.85); from 3 it is taken there (0.95, r_hat 1.004). Taken at every
-condition number, a control variate centred at warm-up's means took a step 1.9 times the plain run's where it takes
-more than 3 times on a well-conditioned regression (``tests/infer/sgmcmc/test_control_variates.py``). The
-Hessian is the metric at every stage, rather than the pooled positions after the first: on a partial-pooling
-regression the positions of a short window give a metric far from the posterior's scale.
+the inverse Hessian (exact for a Gaussian posterior, whatever the chains explored) wherever it is at most :math:`C`
+times wider than the window's spread; a flat or negative-curvature direction (a funnel's neck, a saddle) is bounded by
+the positions instead of made arbitrarily wide. Where that inverse is not positive definite to the precision of a float
+(a funnel's neck, where the curvature in a hierarchy's log scale grows without bound), the stage takes the window's
+pooled covariance instead. ``metric="dense"`` does this at every stage; ``"diagonal"`` uses the diagonal of :math:`S`
+(Stan's regularisation towards a small multiple of the identity); ``"auto"`` is dense up to :data:`DENSE_LIMIT`
+unconstrained dimensions, diagonal otherwise, and is on only where warm-up chooses the step size and has at least
+:data:`LEAST_WARMUP` steps, and only where the first metric's condition number reaches :data:`WORTHWHILE`: on a
+well-conditioned posterior warm-up then goes on exactly as without a metric (the first stage is the whole warm-up's
+first part; nothing random is drawn for the metric). The threshold is low: a posterior only moderately ill-conditioned,
+sampled without a metric, can come out with its sds too small at any length (a bias of the step, not a lack of draws).
+It is not zero: on a well-conditioned posterior a metric learnt from a short window only adds that window's error, and a
+control variate centred at warm-up's means then loses much of its larger step (more than 3 times the plain run's without
+a metric on a well-conditioned regression: ``tests/infer/sgmcmc/test_control_variates.py``). The Hessian is the metric
+at every stage, rather than the pooled positions after the first: on a partial-pooling regression the positions of a
+short window give a metric far from the posterior's scale.
 """
 
 from __future__ import annotations

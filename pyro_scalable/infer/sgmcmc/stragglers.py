@@ -5,7 +5,7 @@ noise scale drawn near zero, say) takes tiny steps, and may still be far from th
 settled. Left alone it harms the whole run twice: warm-up's metric pools the chains' positions of a window, so one
 distant chain stretches the metric of every chain (the window mean and spread are its), and at sampling it drags
 r_hat and the pooled moments (on a regression with a latent noise scale, one chain started at a small
-:math:`\sigma` can end a run hundreds of posterior sds away, with every chain's metric built around it).
+:math:`\sigma` can end a run far outside the bulk, with every chain's metric built around it).
 
 So at the end of each window of warm-up (each metric stage, and the last stage's calibrated half) the driver asks,
 per chain, for the mean :math:`\bar\ell_c` and sd :math:`s_c` of its log density over the window's calibrated steps,
@@ -16,16 +16,15 @@ and for its diverging steps there. A chain is **left behind** where
     \bar\ell_c < \operatorname{median}_k \bar\ell_k - G \cdot \operatorname{median}_k s_k, \qquad G = 4
     \ (:data:`GAP`),
 
-or where it diverged in the window. Chains sampling one posterior have window means within a fraction of a
-within-chain sd of one another (the sd of a mean over a window of many steps); a chain :math:`G` sds below the
-median chain is not in the same bulk. The median, not the best chain, is the yardstick: a minority of chains far
-below is restarted, never the majority. With an even number of chains it is the upper of the two middle chains, so
-up to half of them may be restarted (two of four chains left 10⁴–10⁵ nats below at the end of a warm-up at
-N = 10⁶: with the lower middle chain as the yardstick, that chain was kept and sampled 40 posterior sds off); with
-two chains only a diverged one is. Chains that are not left behind are the donors; each straggler starts
-again from a donor's state (position, momenta, what warm-up learnt there) and goes on with its own noise and
-minibatches, so the two separate within a few relaxation times. A chain in a distinct mode whose log density is as
-high as the others' is not touched: this check is about chains that are stuck, not about modes.
+or where it diverged in the window. Chains sampling one posterior have window means within a fraction of a within-chain
+sd of one another (the sd of a mean over a window of many steps); a chain :math:`G` sds below the median chain is not in
+the same bulk. The median, not the best chain, is the yardstick: a minority of chains far below is restarted, never the
+majority. With an even number of chains it is the upper of the two middle chains, so up to half of them may be restarted
+(where two of four chains are stuck, the lower middle chain is one of them: as the yardstick it would keep itself, and
+sample far from the bulk); with two chains only a diverged one is. Chains that are not left behind are the donors; each
+straggler starts again from a donor's state (position, momenta, what warm-up learnt there) and goes on with its own
+noise and minibatches, so the two separate within a few relaxation times. A chain in a distinct mode whose log density
+is as high as the others' is not touched: this check is about chains that are stuck, not about modes.
 """
 
 from __future__ import annotations
