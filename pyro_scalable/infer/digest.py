@@ -3,11 +3,10 @@
 A checkpoint resumes a run only when the run would compute the same thing, so its fingerprint
 (:func:`pyro_scalable.infer.fingerprint.check_fingerprint`) carries :func:`digest` of the model and of the data.
 
-* **Tensors** enter by content (dtype, shape and every byte). A CPU tensor's bytes go through SHA-256 in chunks
-  without a copy (about 0.05 s for 10^7 float32 values on one core with SHA extensions). A tensor on an
-  accelerator is reduced on its device, chunk by chunk, to a 192-bit integer sketch (three sums, modulo 2^64, of
-  its 32-bit words times pseudo-random weights drawn from the word's index), so that only 24 bytes cross to the
-  host: any change of one value changes the sketch; it is not a defence against a crafted collision.
+* **Tensors** enter by content (dtype, shape and every byte). A CPU tensor's bytes go through SHA-256 in chunks without
+  a copy. A tensor on an accelerator is reduced on its device, chunk by chunk, to a 192-bit integer sketch (three sums,
+  modulo 2^64, of its 32-bit words times pseudo-random weights drawn from the word's index), so that only 24 bytes cross
+  to the host: any change of one value changes the sketch; it is not a defence against a crafted collision.
 * **Functions** enter by their code: the bytecode, constants (nested functions' code included), names and local
   names, the defaults, the values in the closure, and every global the code reads: functions and classes of the
   user's code by their code, tensors, numpy arrays, modules and plain objects (a configuration dataclass) by value.

@@ -16,43 +16,41 @@ L-BFGS (two-loop recursion, weak-Wolfe line search by bisection; Nocedal & Wrigh
    full-data steps are already close to Newton steps.
 
 **The start.** The search starts at the point it is given or at another (``also``: the control variate's search
-is also given a draw from the prior), whichever has the highest log joint on one chunk's random points: L-BFGS
-from a point where a network's tanh units are saturated (``init_to_uniform``'s ±2 in every weight) crawled for 180
-full-data passes on a 90,701-weight MLP, and took 17 from a draw of its fan-in-scaled prior.
+is also given a draw from the prior), whichever has the highest log joint on one chunk's random points: where a
+network's tanh units are saturated (``init_to_uniform``'s ±2 in every weight) the gradient is nearly flat and L-BFGS
+crawls, for many times the full-data passes it takes from a draw of a fan-in-scaled prior.
 
-**Stopping rule.** At an iterate with gradient :math:`g` of :math:`f` and the L-BFGS inverse Hessian :math:`H^{-1}`
-(per point), :math:`\lambda^2 = N\,g^\top H^{-1} g` is twice the Newton decrement of :math:`\ell` in nats and the
-squared length of the next quasi-Newton step in the posterior's metric, i.e. in posterior standard deviations
-(:math:`N H` is the posterior precision at the mode). The search stops at the first iterate with :math:`\lambda <`
+**Stopping rule.** At an iterate with gradient :math:`g` of :math:`f` and the L-BFGS inverse Hessian :math:`H^{-1}` (per
+point), :math:`\lambda^2 = N\,g^\top H^{-1} g` is twice the Newton decrement of :math:`\ell` in nats and the squared
+length of the next quasi-Newton step in the posterior's metric, i.e. in posterior standard deviations (:math:`N H` is
+the posterior precision at the mode). The search stops at the first iterate with :math:`\lambda <`
 :data:`MODE_TOLERANCE` :math:`\sqrt d` and returns the full-data log joint and gradient of that iterate, already
 computed: the control variate's, so no pass follows the search. The controlled noise grows with
 :math:`\lVert\theta-\hat\theta\rVert^2` (:mod:`~pyro_scalable.infer.sgmcmc.control_variates`), whose mean over the
 posterior, in its metric, is :math:`d` at the mode and :math:`d + \delta^2` at a centre :math:`\delta` standard
 deviations from it: a centre within :math:`0.1\sqrt d` adds at most 1% to it. On a Gaussian posterior the quasi-Newton
-step is the distance left up to its Hessian's error; L-BFGS converges superlinearly, and from the subsamples'
-curvature two or three full-data passes reach the rule on logistic regression at N = 10⁶ and 10⁷ (at most four:
+step is the distance left up to its Hessian's error; L-BFGS converges superlinearly, and from the subsamples' curvature
+a few full-data passes reach the rule on a logistic regression (at most four:
 ``tests/infer/sgmcmc/test_control_variates.py``). Before the first curvature pair :math:`\lambda` means nothing (no
-Hessian is known), and with a few it measures the step in a metric learned along a few directions only: on the full
-data the rule waits for :data:`_TRUSTED` pairs (d, where fewer; the subsamples' pairs count, and a subsample's stage,
-which only hands its point and pairs on, trusts its first). On a 90,701-weight MLP started from a prior draw, a search
-trusting its third pair stopped after 3 full-data passes at a point the chains then left (the controlled noise
-0.60–0.67 of the plain noise at their final draws); waiting for ten, it took 17 passes and left 0.013–0.015
-(``benchmarks/diagnose_control_variate_size.py``). Logistic regression took one pass more at N = 10⁴ (19), two more at
-N = 10⁶ (4, after its subsamples: ``benchmarks/diagnose_fixed_cost.py``).
+Hessian is known), and with a few it measures the step in a metric learned along a few directions only: on the full data
+the rule waits for :data:`_TRUSTED` pairs (d, where fewer; the subsamples' pairs count, and a subsample's stage, which
+only hands its point and pairs on, trusts its first). Trusted too early, the rule can call a point the mode that is not
+one: on a network, a centre that the chains then leave, where the controlled noise is nearly the plain noise. Waiting
+for more pairs costs a pass or two where the early stop would have been right.
 
-**The exact check.** The quasi-Newton metric is learnt along the path, and where the path crossed a stiff direction
-only (a noise scale) it can overstate the curvature of the directions it has not explored: from a draw of a vague
-prior (Normal(0, 1000) coefficients, a HalfNormal(1000) noise scale) the search reached the plateau where the noise
-scale has grown to the residuals' size, λ by the metric under 0.1 while the exact Newton step was 24 posterior sds
-(and the Hessian indefinite: a ridge, not a mode), and a control variate centred there made warm-up's step collapse
-to 1e-100. Up to :data:`EXACT_NEWTON` latents a claimed stop is therefore checked on the exact Hessian (one pass of
-d Hessian-vector products per chunk): λ² = N gᵀH⁻¹g must be under the tolerance, or Newton steps (Levenberg–Marquardt
+**The exact check.** The quasi-Newton metric is learnt along the path, and where the path crossed a stiff direction only
+(a noise scale) it can overstate the curvature of the directions it has not explored: from a draw of a vague prior
+(Normal(0, 1000) coefficients, a HalfNormal(1000) noise scale) the search can reach the plateau where the noise scale
+has grown to the residuals' size, λ by the metric under the tolerance while the exact Newton step is many posterior sds
+long (and the Hessian indefinite: a ridge, not a mode), and a control variate centred there makes warm-up's step
+collapse. Up to :data:`EXACT_NEWTON` latents a claimed stop is therefore checked on the exact Hessian (one pass of d
+Hessian-vector products per chunk): λ² = N gᵀH⁻¹g must be under the tolerance, or Newton steps (Levenberg–Marquardt
 shifted where H is not positive definite, the shift taken in coordinates where H's diagonal is 1, with the same line
 search) go on until it is. The same steps take over where L-BFGS's line search finds no way up or its iterations run
-out: from a prior draw 35 posterior sds off on an unscaled regression (posteriordb's earn_height with weakly
-informative priors: curvatures 10¹⁰ apart) L-BFGS stalled, and an identity shift moved the point by a few sds in 100
-steps; scaled, 9 steps reach the mode. From that prior draw the
-search then ends at the mode (5 seeds of 5); from a start near the mode the check costs the one Hessian pass.
+out, as on a regression with unscaled predictors, whose curvatures can be many orders of magnitude apart: there L-BFGS
+stalls far from the mode, a shift of the identity would move the point little per step, and the shift in the coordinates
+where H's diagonal is 1 reaches the mode in a few steps. From a start near the mode the check costs the one Hessian
+pass.
 
 The values are sums of float32 chunks whose rounding (about :math:`10^{-7}` of :math:`\lvert\ell\rvert`) can exceed
 the decrease a step near the mode achieves; the line search's sufficient-decrease test allows for it, and its

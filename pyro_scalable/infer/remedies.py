@@ -8,11 +8,12 @@ divergences); this module says *what to do*, and the same symptom has different 
   them (a prior far wider than the posterior starts it where the minibatch noise is extreme; a control variate
   centred far from the chains adds more) or the user did; more steps do not help either way.
 * **a run too short**: the chains agree within their Monte-Carlo error but have too few effective draws. Split
-  :math:`\hat R` of a short run is high even for well-mixing chains (50 draws give 1.1-1.4 on a 3-weight
-  regression), so a high :math:`\hat R` alone does not mean the chains disagree. Their means are compared with their
-  Monte-Carlo standard errors instead: for chains that sample one distribution, the spread of the chain means over
-  the root-mean-square of their standard errors :math:`\mathrm{sd}_c/\sqrt{\mathrm{ESS}_c}` is about 1
-  (:math:`\sqrt{\chi^2_{C-1}/(C-1)}`). The remedy is the length to run, from the ESS per draw.
+  :math:`\hat R` of a short run is high even for well-mixing chains (:math:`\hat R - 1` scatters as one over the
+  effective draws per chain: :mod:`~pyro_scalable.infer.health`), so a high :math:`\hat R` alone does not mean the
+  chains disagree. Their means are compared with their Monte-Carlo standard errors instead: for chains that sample one
+  distribution, the spread of the chain means over the root-mean-square of their standard errors
+  :math:`\mathrm{sd}_c/\sqrt{\mathrm{ESS}_c}` is about 1 (:math:`\sqrt{\chi^2_{C-1}/(C-1)}`). The remedy is the length
+  to run, from the ESS per draw.
 * **chains in different modes**: that spread is above :data:`CHAINS_APART` while each chain agrees with itself (its
   own split :math:`\hat R` at most :data:`WITHIN_MIXED`): a longer run of the same chains will not join them.
 * **a hierarchy**: the sites with a high :math:`\hat R` have a prior that depends on other latents, or are those

@@ -84,8 +84,8 @@ def resolve(value: ScalarOrSchedule, step_count: Tensor, like: Tensor) -> Tensor
 def constant(value: float, like: Tensor) -> Tensor:
     """``value`` as a 0-d tensor of ``like``'s dtype and device, made once and shared (read it, never write to it).
 
-    A kernel's constant hyperparameters enter every step as tensors; making them anew would add a few operations per
-    step (about 2 µs each on a CPU, where a small model's whole step is a few dozen).
+    A kernel's constant hyperparameters enter every step as tensors; making them anew would add a few tensor
+    constructions per step, each a noticeable share of a small model's whole step on a CPU.
 
     Example:
         >>> import torch
