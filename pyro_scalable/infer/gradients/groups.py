@@ -28,12 +28,12 @@ Latents = dict[str, Tensor]
 def per_group(log_posterior_fn: Any, latents: Latents, examples: Any, in_dims: Any) -> tuple:
     """Each group's gradient and value: one vmapped density and one backward pass, outside a transform.
 
-    Each group evaluates the density at its own leaf of the latents, so the gradient of the sum with respect to
-    the leaves is the groups' gradients, the numbers ``vmap(grad_and_value(...))`` gives without its gradient
-    transform around every operation (a third of the noise-measuring step, logistic regression at B = 1,000). The
-    leaves are one expanded view of the latents, not copies: no copy per group, and a layer's batched product
-    reads one weight matrix (a sixth less time on a 90,701-weight MLP's noise step). A model that writes to its
-    latents in place cannot take them so and gets each group's own gradient below.
+    Each group evaluates the density at its own leaf of the latents, so the gradient of the sum with respect to the
+    leaves is the groups' gradients, the numbers ``vmap(grad_and_value(...))`` gives without its gradient transform
+    around every operation (on a small model, a large share of the noise-measuring step). The leaves are one expanded
+    view of the latents, not copies: no copy per group, and a layer's batched product reads one weight matrix rather
+    than one per group. A model that writes to its latents in place cannot take them so and gets each group's own
+    gradient below.
     """
     dims = in_dims.indices if isinstance(in_dims, Batch) else None  # the bridge's: the groups along a plate's indices
     split = [i for i, d in zip(examples.indices.values(), dims.values(), strict=True) if d == 0] if dims else []
@@ -61,9 +61,9 @@ def own_storage(tensors: Latents) -> set[str]:
 def spread(per_grads: Tensor, mean: Tensor, own: bool = False) -> Tensor:
     """``per_grads.var(0, correction=1)`` as a centred sum of squares; ``own``: ``per_grads`` may be overwritten.
 
-    torch's ``var`` over a leading dimension is an order of magnitude slower (6.7 ms against 0.4 ms, 50 x 30,000).
-    Centring in place spares a copy the size of every group's gradient, whose fresh pages the allocator may take
-    from the system on every call (on a CPU, several times the arithmetic's cost at 25 x 90,701 weights).
+    torch's ``var`` over a leading dimension is much slower. Centring in place spares a copy the size of every group's
+    gradient, whose fresh pages the allocator may take from the system on every call (on a CPU, for a network's
+    gradients, at a cost above the arithmetic's).
     """
     centred = per_grads.sub_(mean) if own and per_grads.is_contiguous() else per_grads - mean
     return centred.mul_(centred).sum(0) / (per_grads.shape[0] - 1)
