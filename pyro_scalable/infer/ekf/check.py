@@ -12,10 +12,10 @@ filter started from, :math:`E` the passes (``num_epochs``: the data counted :mat
 
 :math:`s = H^{-1}b` is the Newton step to the mode of the (Gauss-Newton) posterior, and by Cauchy-Schwarz
 :math:`|s_j| = |e_j^\top H^{-1} b| \le \sqrt{(H^{-1})_{jj}}\,\lambda`: **λ bounds every latent's distance from the
-mode, in its marginal posterior sd**. The bound is loose where the latents are strongly correlated (a softmax's
-logits, defined up to a constant: λ = 0.46 where no latent is 0.04 sd off), so the warning reads the step itself,
-:math:`\max_j |s_j|/\sqrt{\Sigma_{jj}}`, with :math:`s \approx \alpha\Sigma b`, conjugate gradients' first iterate
-preconditioned by the filter's :math:`\Sigma` (:math:`\alpha = b^\top\Sigma b / b^\top\Sigma H\Sigma b`; exact
+mode, in its marginal posterior sd**. The bound is loose where the latents are strongly correlated (a softmax's logits,
+defined up to a constant: λ can be many times any latent's distance from the mode), so the warning reads the step
+itself, :math:`\max_j |s_j|/\sqrt{\Sigma_{jj}}`, with :math:`s \approx \alpha\Sigma b`, conjugate gradients' first
+iterate preconditioned by the filter's :math:`\Sigma` (:math:`\alpha = b^\top\Sigma b / b^\top\Sigma H\Sigma b`; exact
 where :math:`\Sigma = H^{-1}`), and λ itself where the spread check finds :math:`\Sigma` off. λ comes from the MAP
 check's conjugate gradients (:func:`~pyro_scalable.infer.linearized.map_check.gauss_newton_gain`, a lower bound on
 :math:`\lambda^2/2`) continued from that iterate, stopped early by its upper bound through :math:`\Lambda_0^{-1}`.

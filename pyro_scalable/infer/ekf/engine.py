@@ -6,12 +6,12 @@ minibatch's mode, is in :mod:`~pyro_scalable.infer.ekf.filter`). After the pass 
 full data (:mod:`~pyro_scalable.infer.ekf.check`) and warns where the mean or the sds are off.
 
 **Defaults.** The GGN curvature (the Kalman filter's own; the empirical Fisher, ``curvature="ef"``, collapses the
-variance where the first minibatch's residuals are large, at the prior's mean: on a linear-Gaussian model with
-N = 2,000 it left the mean over 100 sds off), Gauss-Newton iterations per minibatch until the step is under
-``tolerance`` = 0.01 posterior sds (at most 10), and a **dense** covariance up to :data:`DENSE_UP_TO` latents: a
-diagonal one ignores the posterior's correlations, and with the posterior's mean a hundred of its sds from the
-prior's, a correlation of :math:`1/\sqrt N` moves the mean several sds. Above it (networks) the diagonal
-(``DiagonalEKF``). With the dense filter, a linear-Gaussian model's pass is the Kalman filter, exact; two
+variance where the first minibatch's residuals are large, at the prior's mean, and the later minibatches then move the
+mean too little: it can end many posterior sds off, even on a linear-Gaussian model), Gauss-Newton iterations per
+minibatch until the step is under ``tolerance`` = 0.01 posterior sds (at most 10), and a **dense** covariance up to
+:data:`DENSE_UP_TO` latents: a diagonal one ignores the posterior's correlations, and with the posterior's mean a
+hundred of its sds from the prior's, a correlation of :math:`1/\sqrt N` moves the mean several sds. Above it (networks)
+the diagonal (``DiagonalEKF``). With the dense filter, a linear-Gaussian model's pass is the Kalman filter, exact; two
 episodes through ``as_prior`` are one filter over both data sets.
 
 **The prior** is the starting state: in unconstrained space, the mode of each site's prior (diagonal Newton steps
