@@ -104,8 +104,8 @@ class AutoLinearizedLaplace(AutoLaplaceApproximation):
                 search (:func:`~pyro_scalable.infer.mode_search.find_mode`: L-BFGS from the point, exact Newton
                 steps up to 64 latents) and fit there; ``posterior.map_search`` records the search (``None`` where
                 the point was a MAP). SVI's minibatch steps stop short of the mode where the posterior is narrow in
-                one direction and wide in another (a regression on unscaled predictors: 0.04-180 posterior sds
-                off after 3,000 Adam steps on posteriordb's regressions). ``False``, or ``map_latents`` given: fit
+                one direction and wide in another (a regression on unscaled predictors, where a fixed budget of Adam
+                steps can leave the point many posterior sds off). ``False``, or ``map_latents`` given: fit
                 at the point as it is, and warn.
             seed: seeds the random probes of ``"low_rank"``.
 
