@@ -145,7 +145,7 @@ def _verified(plans: list[LayerPlan], out, theta: Tensor, batch) -> list[LayerPl
 def pullback(output: Tensor, inputs: list[Tensor], cotangent: Tensor) -> tuple[Tensor, ...]:
     """``cotangentᵀ ∂output/∂inputs`` by reverse mode, keeping the graph for the next column."""
     # Differentiating a scalar: torch.autograd.grad with explicit grad_outputs imports sympy on its first call
-    # in a process (about 1.5 s and 300 MB), a one-off that the inner product avoids.
+    # in a process, a one-off cost in time and memory that the inner product avoids.
     return torch.autograd.grad((output * cotangent).sum(), inputs, retain_graph=True)
 
 

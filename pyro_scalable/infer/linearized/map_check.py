@@ -22,8 +22,8 @@ threshold: no warning could follow, whatever further iterations found (at :math:
 :math:`\tfrac12 b^\top P^{-1} b` is at most the threshold, it takes no GGN product at all); once the lower bound
 is above it, the warning is certain. With both bounds the iterations go on past the usual :data:`ITERATIONS` until
 one of them decides, up to :data:`DECIDING_ITERATIONS`: a fixed count of three would stay quiet at a point whose
-gain it had not yet reached (a network trained by Adam and L-BFGS: 0.84 nats after three iterations, 1.24 after
-four, at least 2.4 after eight). The returned lower bound is where the iterations stopped.
+gain it had not yet reached (the lower bound grows with the iterations, and on a network trained by Adam and L-BFGS it
+can pass the threshold only after several more). The returned lower bound is where the iterations stopped.
 
 The Laplace guide, whatever its structure, and sample-then-optimise thus give one verdict on one point.
 

@@ -25,13 +25,13 @@ carries its samples' coupling to the other groups through :math:`M`, so it is no
 :math:`\alpha`) and this M-step alternate; the samples' prior draws are kept and rescaled
 (:math:`\theta^0 = A^{-1/2}\varepsilon` with fixed :math:`\varepsilon`), and each solve starts from the last.
 
-**Damping where the iteration oscillates.** With several groups the update is a coupled map whose slope at the
-fixed point (in :math:`\log\alpha`) can be near or below :math:`-1`: on a 64-300-200-10 MLP the first layer's
-:math:`\alpha` went 13.1, 2.7, 8.0, 3.9, 6.5, 4.5 and the second's 2.0, 1.5, 2.3, 1.4, 2.3 (a period-2 cycle). Each
-group's step in :math:`\log\alpha` is therefore scaled by :math:`2^{-c}`, :math:`c` the number of sign changes of
-that group's steps so far: a monotone run is MacKay's iteration unchanged, and a slope :math:`s < 0` becomes
-:math:`1 - 2^{-c}(1 - s)`, which stops the sign changes once :math:`2^{-c} \le 1/(1-s)`. The fixed point is the
-same. :math:`c` is read from the history of :math:`\alpha`, so a resumed run needs no more state.
+**Damping where the iteration oscillates.** With several groups the update is a coupled map whose slope at the fixed
+point (in :math:`\log\alpha`) can be near or below :math:`-1`, and on a multi-layer network the layers' :math:`\alpha`
+can then alternate about the fixed point (a period-2 cycle) rather than settle. Each group's step in :math:`\log\alpha`
+is therefore scaled by :math:`2^{-c}`, :math:`c` the number of sign changes of that group's steps so far: a monotone run
+is MacKay's iteration unchanged, and a slope :math:`s < 0` becomes :math:`1 - 2^{-c}(1 - s)`, which stops the sign
+changes once :math:`2^{-c} \le 1/(1-s)`. The fixed point is the same. :math:`c` is read from the history of
+:math:`\alpha`, so a resumed run needs no more state.
 
 **The noise precision** (``em_noise=True``; a Normal likelihood with one scalar scale :math:`\sigma`,
 :math:`\beta = \sigma^{-2}`): the evidence is stationary in :math:`\beta` where (MacKay 1992)

@@ -3,10 +3,9 @@ r"""Conjugate-gradient refinement of every row on the full data, and an error es
 Every row :math:`z_k` of a solve (each draw and the mean) minimises a quadratic with Hessian :math:`H = M + A` and
 solves :math:`Hz_k = A\theta^n_k`. Minibatch SGD moves along an eigenvector of :math:`P^{-1}H` with eigenvalue
 :math:`\lambda` by a factor :math:`1 - \eta\lambda` per step, with :math:`\eta` bounded by a *minibatch's* largest
-eigenvalue; when the features are correlated, the diagonal preconditioner :math:`P` leaves small eigenvalues
-(measured: :math:`\kappa(P^{-1}H) \approx 1{,}900` on a d = 200 regression) and the draws stay several posterior sds
-off after 50 epochs. Its gradient norm does not show it: a residual :math:`g = Hz - A\theta^n` is small in a
-direction of small curvature even where the error :math:`e = H^{-1}g` is large.
+eigenvalue; when the features are correlated, the diagonal preconditioner :math:`P` leaves small eigenvalues, and the
+draws can stay several posterior sds off after many epochs. Its gradient norm does not show it: a residual
+:math:`g = Hz - A\theta^n` is small in a direction of small curvature even where the error :math:`e = H^{-1}g` is large.
 
 **The error in posterior sds.** For any direction :math:`u`, the error of a row along :math:`u` in units of the
 posterior sd along :math:`u` is at most the row's error in the energy norm,
@@ -189,11 +188,11 @@ def warn_unconverged(
 ) -> None:
     """Warn when the draws have not converged (full-data gradients of the last solve).
 
-    After the conjugate-gradient refinement: when it ended before every row was within ``tolerance`` posterior sds
-    in every direction (CG's energy-error estimate, :mod:`.krylov`). Without it, with the preconditioner: the
-    median RMS error of a draw in posterior sds above 0.1, estimated as ``sqrt(gᵀ P⁻¹ g / d)`` (blind to the
-    directions the correlations slow down: it read 0.05 while the mean was 7.5 sds off). Without either: the median
-    relative gradient norm above 0.1 (blind to the directions the prior dominates).
+    After the conjugate-gradient refinement: when it ended before every row was within ``tolerance`` posterior sds in
+    every direction (CG's energy-error estimate, :mod:`.krylov`). Without it, with the preconditioner: the median RMS
+    error of a draw in posterior sds above 0.1, estimated as ``sqrt(gᵀ P⁻¹ g / d)`` (blind to the directions the
+    correlations slow down: it can read small while the mean is several sds off). Without either: the median relative
+    gradient norm above 0.1 (blind to the directions the prior dominates).
 
     ``cause``: the noise-scale warning fired; a σ near zero (an interpolating MAP) makes :math:`H` so
     ill-conditioned that no number of passes is the remedy, and the warning says so.
