@@ -15,15 +15,14 @@ square and logarithm; ``group[idx]`` is indexed once per use. A replay pays for 
 3. **common subexpressions**: a deterministic operation repeated with the same inputs is computed once;
 4. **Python bindings** (:func:`bind_python`): the recording calls each operation as ``torch.ops.aten.<op>.<overload>``,
    whose boxed call converts every argument through the operation's schema; ``torch.<op>``, the tensor method or
-   ``x[indices]`` reach the same kernel through torch's generated bindings, several microseconds sooner per
-   operation, and sooner again for its backward. A node is rebound only where, on the recording's own inputs, the
-   binding dispatches exactly that one overload and returns the same result bit for bit (dtype, shape, strides,
-   values); anything else keeps its ATen call;
+   ``x[indices]`` reach the same kernel through torch's generated bindings, sooner per operation, and sooner again for
+   its backward. A node is rebound only where, on the recording's own inputs, the binding dispatches exactly that one
+   overload and returns the same result bit for bit (dtype, shape, strides, values); anything else keeps its ATen call;
 5. **row lookups** (:func:`gather_rows`): ``x[idx]``, a data matrix's rows at a minibatch's indices, becomes
-   ``torch.embedding(x, idx)`` (a vector's: ``x.index_select(0, idx)``), the same copy of the same rows: ATen's
-   advanced indexing costs 2.5-3.5x as much on the CPU (54 against 16 us for 1,000 rows of 100 floats), and as much
-   again under ``vmap`` over chains. Only where ``idx`` is the plate's subsample (never negative, which a lookup
-   would refuse) and ``x`` is not a latent (no gradient flows back through it).
+   ``torch.embedding(x, idx)`` (a vector's: ``x.index_select(0, idx)``), the same copy of the same rows: ATen's advanced
+   indexing costs several times as much on the CPU, and more again under ``vmap`` over chains. Only where ``idx`` is the
+   plate's subsample (never negative, which a lookup would refuse) and ``x`` is not a latent (no gradient flows back
+   through it).
 
 Folding and common subexpressions are skipped in a graph that mutates a tensor in place, where two equal-looking
 operations need not give equal results; an operation that mutates or draws at random is never rebound.

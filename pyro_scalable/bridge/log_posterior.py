@@ -1,16 +1,15 @@
 r"""A bridge's log posterior as an engine's ``log_posterior_fn``, able to split a minibatch into groups of examples.
 
-The gradient-noise estimate needs the spread of the minibatch gradient. With :math:`B` examples split into
-:math:`G` groups of :math:`m = B/G` (consecutive positions of a minibatch drawn in random order, so a random
-partition), each group's estimate :math:`\log p(\theta) + \frac{N}{m}\sum_{i\in g}\log p(y_i\mid\theta)` has
-gradient :math:`h_g`, the mean of its :math:`g_i`. Over random partitions
-:math:`\mathbb{E}[\sum_g (h_g - \bar h)^2] = (G - 1)\,s^2/m` (:math:`s^2` the sample variance of the
-:math:`B` per-example gradients), so :math:`m\,\mathrm{var}_G(h_g)` estimates :math:`s^2` without bias from
-:math:`G` gradients instead of :math:`B`. Per example (:math:`m = 1`) costs :math:`B` gradients of one example
-each, on a network about a hundred times the minibatch gradient at :math:`B = 1000`; :math:`G` groups cost a few
-times it. The fewer degrees of freedom (:math:`G - 1` instead of :math:`B - 1`) are averaged away by the engines'
-moving average of the noise over about 50 steps. A minibatch of at most :data:`MAX_GROUPS` examples, or one whose
-size has no divisor between :data:`MIN_GROUPS` and :data:`MAX_GROUPS`, is split into single examples.
+The gradient-noise estimate needs the spread of the minibatch gradient. With :math:`B` examples split into :math:`G`
+groups of :math:`m = B/G` (consecutive positions of a minibatch drawn in random order, so a random partition), each
+group's estimate :math:`\log p(\theta) + \frac{N}{m}\sum_{i\in g}\log p(y_i\mid\theta)` has gradient :math:`h_g`, the
+mean of its :math:`g_i`. Over random partitions :math:`\mathbb{E}[\sum_g (h_g - \bar h)^2] = (G - 1)\,s^2/m`
+(:math:`s^2` the sample variance of the :math:`B` per-example gradients), so :math:`m\,\mathrm{var}_G(h_g)` estimates
+:math:`s^2` without bias from :math:`G` gradients instead of :math:`B`. Per example (:math:`m = 1`) costs :math:`B`
+gradients of one example each, on a network many times the cost of the minibatch gradient; :math:`G` groups cost a few
+times it. The fewer degrees of freedom (:math:`G - 1` instead of :math:`B - 1`) are averaged away by the engines' moving
+average of the noise over about 50 steps. A minibatch of at most :data:`MAX_GROUPS` examples, or one whose size has no
+divisor between :data:`MIN_GROUPS` and :data:`MAX_GROUPS`, is split into single examples.
 """
 
 from __future__ import annotations

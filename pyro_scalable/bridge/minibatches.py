@@ -30,7 +30,7 @@ from pyro_scalable.bridge.records import DataPlate
 
 __all__ = ["CHUNK_BYTES", "CHUNK_SIZE", "EpochSampler", "chunks", "data_passes", "permutations", "points_per_chunk"]
 
-CHUNK_SIZE = 2**16  # data points per chunk of a full-data pass (per chunk the bridge costs about a millisecond)
+CHUNK_SIZE = 2**16  # data points per chunk of a full-data pass (enough that the bridge's cost per chunk is small)
 CHUNK_BYTES = 2**26  # ... and fewer where the data's rows of a chunk would take more than this
 
 
@@ -109,10 +109,9 @@ def permutations(
 ) -> Tensor:
     """``count`` independent uniform random permutations of ``range(size)``: the rows of a ``(count, size)`` tensor.
 
-    On a GPU (``batched`` by default) one argsort of random 62-bit keys makes them all: a ``randperm`` per chain
-    costs a few milliseconds of host time each there (N = 10⁶). On the CPU a ``randperm`` each is cheaper than a
-    sort. Ties among the keys, which would make the order depend on the sort, have probability below
-    size² / 2⁶² per row.
+    On a GPU (``batched`` by default) one argsort of random 62-bit keys makes them all, where a ``randperm`` per chain
+    would cost host time for each chain. On the CPU a ``randperm`` each is cheaper than a sort. Ties among the keys,
+    which would make the order depend on the sort, have probability below size² / 2⁶² per row.
 
     Example:
         >>> import torch

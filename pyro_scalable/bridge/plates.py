@@ -19,12 +19,12 @@ were not imported (``tests/bridge/test_plates.py`` compares the two in fresh pro
 the package that patches Pyro.
 
 A plate Pyro subsamples itself inside these contexts (the bridge's checking traces) draws its B indices as Pyro's
-``torch.randperm(N)[:B]`` does, without the permutation of all N (0.5 s at N = 10⁷): the CPU ``randperm`` is a
-Fisher-Yates shuffle whose step :math:`i` swaps position :math:`i` with :math:`i + (u_i \bmod (N - i))` for the
-generator's next 32-bit number :math:`u_i`, and positions before :math:`i` never change again, so the first B
-steps alone give the first B indices. ``torch.randint(0, N - i)`` draws exactly :math:`u_i \bmod (N - i)`, and
-N - 1 - B further 32-bit draws leave the global generator where ``randperm`` leaves it: the indices and the random
-state after them are Pyro's bit for bit (``tests/bridge/test_plate_draws.py``).
+``torch.randperm(N)[:B]`` does, without the permutation of all N: the CPU ``randperm`` is a Fisher-Yates shuffle whose
+step :math:`i` swaps position :math:`i` with :math:`i + (u_i \bmod (N - i))` for the generator's next 32-bit number
+:math:`u_i`, and positions before :math:`i` never change again, so the first B steps alone give the first B indices.
+``torch.randint(0, N - i)`` draws exactly :math:`u_i \bmod (N - i)`, and N - 1 - B further 32-bit draws leave the global
+generator where ``randperm`` leaves it: the indices and the random state after them are Pyro's bit for bit
+(``tests/bridge/test_plate_draws.py``).
 """
 
 from __future__ import annotations

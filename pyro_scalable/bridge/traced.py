@@ -1,14 +1,14 @@
 r"""The model's log density recorded once as a graph of torch operations and replayed without Pyro.
 
-Each evaluation of :meth:`ModelBridge.log_posterior` runs the user's model in Python: every ``pyro.sample``
-builds a message and passes it through the handler stack, and the bridge's handler substitutes the latents and sums
-the log densities. On small models that is most of a step (about 0.3 ms per sample site under ``torch.func.vmap``
-on a 2-core CPU, against microseconds for the arithmetic). For one *signature* of the call — the shapes, dtypes and
-devices of the latents, the minibatch indices and the data tensors, and the values of every other argument — a
-model that does not branch on tensor values runs the same sequence of tensor operations on every call.
-:func:`torch.fx.experimental.proxy_tensor.make_fx` records that sequence below autograd, as ATen operations on the
-call's tensors; replaying it gives the same value and, through autograd or ``torch.func``, the same gradients,
-without running the model's Python. Data the model reads from its closure are held by reference.
+Each evaluation of :meth:`ModelBridge.log_posterior` runs the user's model in Python: every ``pyro.sample`` builds a
+message and passes it through the handler stack, and the bridge's handler substitutes the latents and sums the log
+densities. On small models that is most of a step: each sample site's trip through the handlers costs far more than its
+arithmetic. For one *signature* of the call — the shapes, dtypes and devices of the latents, the minibatch indices and
+the data tensors, and the values of every other argument — a model that does not branch on tensor values runs the same
+sequence of tensor operations on every call. :func:`torch.fx.experimental.proxy_tensor.make_fx` records that sequence
+below autograd, as ATen operations on the call's tensors; replaying it gives the same value and, through autograd or
+``torch.func``, the same gradients, without running the model's Python. Data the model reads from its closure are held
+by reference.
 
 A signature is recorded after :data:`TRACE_AFTER` calls (short evaluations never pay for the recording), outside any
 ``torch.func`` transform (in a separate thread, where no transform is active) and with the random number generator
