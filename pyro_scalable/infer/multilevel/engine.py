@@ -105,6 +105,7 @@ class MultilevelMCMC(Draws):
         self.progress_bar = check_flag("progress_bar", progress_bar)
         self.kernel = FullDataKernel(FullDataModel(model))
         self.step_sizes: dict[str, list[float]] = {}  # each chain's, for the local and the global moves
+        self.restarted = torch.zeros(self.num_chains, dtype=torch.long)  # per chain: warm-up's restarts
         self.data_passes = 0.0
         self.results = None
 
@@ -117,6 +118,7 @@ class MultilevelMCMC(Draws):
         seed = self.seed if self.seed is not None else int(torch.randint(2**31, ()).item())
         generator = torch.Generator(device=bridge.device).manual_seed(seed)
         latents = bridge.init_latents(self.num_chains, self.init_strategy, seed=seed)
+        self.restarted = torch.zeros(self.num_chains, dtype=torch.long)
         theta, b = sweep.layout.split(latents)
         sweep.adapt_to(theta[:, None], b, window=False)
         self.results = RunRecord(bridge, bridge, args, kwargs)
@@ -131,7 +133,9 @@ class MultilevelMCMC(Draws):
             window_theta.append(theta)
             window_b += b
             if t + 1 in windows:
-                sweep.adapt_to(torch.stack(window_theta, 1), window_b / len(window_theta), window=True)
+                window, b_mean = torch.stack(window_theta, 1), window_b / len(window_theta)
+                theta, b, window, b_mean = self._restart_stuck(sweep, theta, b, window, b_mean)
+                sweep.adapt_to(window, b_mean, window=True)
                 window_theta, window_b = [], torch.zeros_like(b)
         sweep.fix_steps()
         self.results.allocate(sweep.layout.join(theta, b), self.num_samples, self.draws_device)
@@ -147,3 +151,36 @@ class MultilevelMCMC(Draws):
         self.seconds = time.perf_counter() - start
         warn_unhealthy(self.results.draws, {}, data_passes=self.data_passes)
         return self
+
+    def _restart_stuck(self, sweep: Sweep, theta: Tensor, b: Tensor, window: Tensor, b_mean: Tensor):
+        """Restart, at a window's end, each chain whose steps warm-up shrank below a tenth of the yardstick chain's.
+
+        A chain that wandered into a region far narrower than the posterior's bulk (a centred funnel's neck, where
+        the group scale is near zero) adapts its steps to that region and can stay there for the rest of the run.
+        The yardstick is the upper middle chain by step (the larger of two); a stuck chain takes its state, its
+        window and its steps. Only in warm-up: the draws kept are still each chain's own Markov chain from wherever
+        warm-up left it.
+        """
+        chains = theta.shape[0]
+        if chains < 2:
+            return theta, b, window, b_mean
+        stuck = torch.zeros(chains, dtype=torch.bool, device=theta.device)
+        kinds = [sweep.local_step] + ([sweep.global_step] if theta.shape[-1] else [])
+        order = None
+        for kind in kinds:
+            steps = kind.final
+            order = steps.argsort()
+            stuck |= steps < 0.1 * steps[order[chains // 2]]
+        if not stuck.any():
+            return theta, b, window, b_mean
+        donor = order[chains // 2]
+        restarted = [torch.where(_along(stuck, x), x[donor], x) for x in (theta, b, window, b_mean)]
+        for kind in kinds:
+            kind.step = torch.where(stuck, kind.step[donor], kind.step)
+        self.restarted += stuck.long().cpu()
+        return tuple(restarted)
+
+
+def _along(mask: Tensor, x: Tensor) -> Tensor:
+    """A per-chain ``mask`` shaped to broadcast over ``x``'s trailing dimensions."""
+    return mask.reshape(mask.shape + (1,) * (x.dim() - 1))

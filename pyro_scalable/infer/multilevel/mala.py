@@ -156,6 +156,6 @@ def hmc(
         torch.where(taken.unsqueeze(-1), position, x),
         torch.where(taken, value, log_density),
         torch.where(taken.unsqueeze(-1), grad, gradient),
-        log_alpha.clamp_max(0.0).exp(),
+        log_alpha.clamp_max(0.0).exp().to(x.dtype),
         tuple(_where(taken, new, old) for new, old in zip(more, extra, strict=True)),
     )

@@ -80,6 +80,17 @@ __all__ = ["MAP_ROWS", "Sweep", "SweepInfo"]
 MAP_ROWS = 32  # rows of each group (at most) that its Laplace map reads, weighted to all of them
 
 
+def _wide(x: Tensor) -> Tensor:
+    """``x`` in double precision, where its device has it: sums of many rows' terms then lose nothing that matters."""
+    return x if x.device.type == "mps" else x.double()
+
+
+def _sums(terms: Tensor, group: Tensor, size: int) -> Tensor:
+    """The sums of ``terms`` by ``group`` (``size`` of them), accumulated in double precision (:func:`_wide`)."""
+    terms = _wide(terms)
+    return terms.new_zeros(size).index_add(0, group, terms)
+
+
 class _Rows:
     """The data rows of each group, in one index sorted by group: a set of groups' rows is a gather, not a copy."""
 
@@ -167,20 +178,33 @@ class Sweep:
 
     def _local(self, b: Tensor, theta: Tensor, drawn: Tensor, rows: Tensor, slot: Tensor):
         terms = self._terms(theta, b, rows)
-        per_group = terms.groups[drawn] + terms.rows.new_zeros(len(drawn)).index_add(0, slot, terms.rows)
+        per_group = _wide(terms.groups[drawn]) + _sums(terms.rows, slot, len(drawn))
         return per_group.sum(), per_group
 
     def _joint(self, theta: Tensor, b: Tensor):
         """The log joint on all rows, with every group's conditional (its terms and its rows') beside it."""
         terms = self._terms(theta, b, self.rows.all)
-        per_group = terms.groups + terms.rows.new_zeros(self.num_groups).index_add(0, self.rows.group, terms.rows)
-        return terms.globals + per_group.sum(), per_group
+        per_group = _wide(terms.groups) + _sums(terms.rows, self.rows.group, self.num_groups)
+        return _wide(terms.globals) + per_group.sum(), per_group
 
-    def _map_conditionals(self, theta: Tensor, b: Tensor) -> Tensor:
-        """Each group's conditional on the map's rows (at most :data:`MAP_ROWS` of its rows, weighted to all)."""
-        terms = self._terms(theta, b, self.map_rows)
-        rows = terms.rows if self.map_weight is None else terms.rows * self.map_weight
-        return terms.groups + rows.new_zeros(self.num_groups).index_add(0, self.map_group, rows)
+    def _changes(self, theta: Tensor, b_ref: Tensor, width: Tensor) -> Tensor:
+        """Each group's conditional at the stencil's points less its value at the centre: ``(S - 1, G)``, wide.
+
+        On the map's rows (at most :data:`MAP_ROWS` of each group's, weighted to all). Each row's change is taken
+        before the rows are summed: a large group's conditional is a sum of thousands of terms, and the difference
+        of two such sums in single precision would lose the change to rounding (noise in the map that the globals'
+        acceptance would pay for).
+        """
+
+        def at(step: Tensor) -> tuple[Tensor, Tensor]:
+            terms = self._terms(theta, b_ref + width * step, self.map_rows)
+            return terms.groups, terms.rows
+
+        groups, rows = vmap(at)(self.stencil)
+        rows = _wide(rows[1:] - rows[:1])
+        if self.map_weight is not None:
+            rows = rows * self.map_weight
+        return _wide(groups[1:] - groups[:1]) + vmap(lambda r: _sums(r, self.map_group, self.num_groups))(rows)
 
     def _curvature(self, theta: Tensor, b: Tensor) -> Tensor:
         """Each group's ``(p, p)`` negative Hessian of its conditional in ``b`` by autodiff: p products."""
@@ -198,24 +222,26 @@ class Sweep:
 
         By central differences of widths ``width`` (``(G, p)``), every point of the stencil in one batched evaluation.
         """
-        values = vmap(lambda step: self._map_conditionals(theta, b_ref + width * step))(self.stencil)  # (S, G)
-        centre, single, pair = values[0], values[1 : 1 + 2 * self.p], values[1 + 2 * self.p :]
+        changes = self._changes(theta, b_ref, width)  # (S - 1, G): from the centre to each other point
+        single, pair = changes[: 2 * self.p], changes[2 * self.p :]
         plus, minus = single[0::2].T, single[1::2].T  # (G, p): moved up and down along each coordinate
+        width = _wide(width)
         gradient = (plus - minus) / (2 * width)
-        hessian = torch.diag_embed((plus + minus - 2 * centre[:, None]) / width**2)
+        hessian = torch.diag_embed((plus + minus) / width**2)
         for n, (j, k) in enumerate(self.pairs):
-            both = pair[2 * n] + pair[2 * n + 1] - plus[:, j] - minus[:, j] - plus[:, k] - minus[:, k] + 2 * centre
+            both = pair[2 * n] + pair[2 * n + 1] - plus[:, j] - minus[:, j] - plus[:, k] - minus[:, k]
             unit = torch.zeros_like(hessian[0])  # the symmetric pair (j, k), (k, j)
             unit[j, k] = unit[k, j] = 1.0
             hessian = hessian + (both / (2 * width[:, j] * width[:, k]))[:, None, None] * unit
-        return gradient, -hessian
+        return gradient, -hessian  # wide: the Laplace map is formed in double precision, then narrowed
 
     def _laplace(self, theta: Tensor, b_ref: Tensor, width: Tensor, fallback: Tensor) -> tuple[Tensor, Tensor]:
         """Each group's Laplace map at ``theta`` (one chain): its centre ``m_k`` and factor ``L_k`` (docstring)."""
         gradient, precision = self._differences(theta, b_ref, width)
         factor, info = torch.linalg.cholesky_ex(precision)
-        factor = torch.where((info == 0)[:, None, None], factor, fallback)
-        return b_ref + torch.cholesky_solve(gradient.unsqueeze(-1), factor).squeeze(-1), factor
+        factor = torch.where((info == 0)[:, None, None], factor, _wide(fallback))
+        shift = torch.cholesky_solve(gradient.unsqueeze(-1), factor).squeeze(-1)
+        return b_ref + shift.to(b_ref.dtype), factor.to(b_ref.dtype)
 
     def _transformed(self, x, offset, eps, b_ref, width, fallback):
         """The log density of the globals ``x`` at fixed standardised locals ``eps`` (module docstring, 2).

@@ -156,3 +156,26 @@ def test_the_guides_radon_example_runs_healthy():
     samples = namespace["mcmc"].get_samples(group_by_chain=True)
     worst = max(float(rank_r_hat(v.reshape(*v.shape[:2], -1).double()).max()) for v in samples.values())
     assert worst <= 1.01
+
+
+def test_warm_up_restarts_a_chain_whose_steps_collapsed_from_the_yardstick_chain():
+    from types import SimpleNamespace
+
+    from pyro_scalable.infer.multilevel.mala import DualAveraging
+
+    engine = MultilevelMCMC(conjugate, num_chains=4, seed=0)
+    sweep = SimpleNamespace(
+        local_step=DualAveraging(torch.tensor([1.0, 1.1, 0.9, 1.2])),
+        global_step=DualAveraging(torch.tensor([0.5, 0.6, 1e-4, 0.55])),
+    )
+    theta, b = torch.arange(4.0)[:, None], torch.arange(8.0).reshape(4, 2, 1)
+    window, b_mean = theta[:, None].expand(4, 3, 1), b + 0.5
+    theta2, b2, window2, b_mean2 = engine._restart_stuck(sweep, theta, b, window, b_mean)
+    donor = 3  # the upper middle chain by global step (0.5, 0.55, 0.6: the third smallest of four)
+    assert engine.restarted.tolist() == [0, 0, 1, 0]
+    for new, old in ((theta2, theta), (b2, b), (window2, window), (b_mean2, b_mean)):
+        assert torch.equal(new[2], old[donor]) and torch.equal(new[[0, 1, 3]], old[[0, 1, 3]])
+    assert sweep.global_step.step[2] == sweep.global_step.step[donor]
+    # no chain far behind: nothing changes
+    assert engine._restart_stuck(sweep, theta2, b2, window2, b_mean2)[0] is not None
+    assert engine.restarted.tolist() == [0, 0, 1, 0]
