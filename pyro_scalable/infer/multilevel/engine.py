@@ -120,7 +120,7 @@ class MultilevelMCMC(Draws):
         latents = bridge.init_latents(self.num_chains, self.init_strategy, seed=seed)
         self.restarted = torch.zeros(self.num_chains, dtype=torch.long)
         theta, b = sweep.layout.split(latents)
-        sweep.adapt_to(theta[:, None], b, window=False)
+        sweep.adapt_to(theta[:, None], b)
         self.results = RunRecord(bridge, bridge, args, kwargs)
         windows = sorted({int(f * self.num_warmup) for f in WINDOWS if int(f * self.num_warmup) >= 10})
         start = time.perf_counter()
@@ -135,7 +135,7 @@ class MultilevelMCMC(Draws):
             if t + 1 in windows:
                 window, b_mean = torch.stack(window_theta, 1), window_b / len(window_theta)
                 theta, b, window, b_mean = self._restart_stuck(sweep, theta, b, window, b_mean)
-                sweep.adapt_to(window, b_mean, window=True)
+                sweep.adapt_to(window, b_mean)
                 window_theta, window_b = [], torch.zeros_like(b)
         sweep.fix_steps()
         self.results.allocate(sweep.layout.join(theta, b), self.num_samples, self.draws_device)

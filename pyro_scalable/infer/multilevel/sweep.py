@@ -53,9 +53,11 @@ costs one pass for the locals and ``global_steps + 1`` such evaluations for the 
 **Warm-up** (``num_warmup`` sweeps): each chain's steps for its two kinds of block are set by dual averaging of their
 acceptance. At the start, and at the ends of windows of 10%, 10%, 15% and 25% of warm-up, each chain's reference
 point becomes its window's mean, with each group's conditional curvature there (by autodiff) for the differences'
-widths and the fallback factor; the globals' mass matrix becomes the inverse of their window covariance, pooled over
-the chains and regularised towards the identity as Stan regularises its metric (at the start: the transformed
-density's negative Hessian at each chain's point). The steps are fixed at their averages for sampling.
+widths and the fallback factor, and the globals' mass matrix becomes the transformed density's negative Hessian at
+the chain's point (where the conditionals are Gaussian, the globals' marginal posterior's curvature: a window's
+covariance pooled over chains that have not yet met would stretch it). A chain whose steps fell below a tenth of the
+upper middle chain's at a window's end is restarted from that chain by the driver (:mod:`.engine`). The
+steps are fixed at their averages for sampling.
 
 **What it does not do** (yet): move the globals with a minibatch estimate (each global step reads every row), or
 read a group plate that the model writes as one vector site (``.to_event(1)``) rather than a ``pyro.plate``.
@@ -256,28 +258,20 @@ class Sweep:
         return value - log_det, (per_group, b, centre, factor)
 
     # ---------------------------------------------------------------- warm-up
-    def adapt_to(self, theta: Tensor, b_mean: Tensor, window: bool) -> None:
-        """Each chain's reference point and the curvatures there; the globals' mass matrix.
+    def adapt_to(self, theta: Tensor, b_mean: Tensor) -> None:
+        """Each chain's reference point and the curvatures there: the locals', and the globals' mass matrix.
 
-        ``theta``: each chain's globals over a window (``(C, T, d)``); ``b_mean``: its locals' mean there
-        (``(C, G, p)``); ``window``: whether they are a window of draws (else each chain's starting point). The
-        reference and its curvatures are each chain's own: a chain far from the others (a start in a narrow corner)
-        is preconditioned where it is. The globals' mass matrix is the inverse of their window covariance, pooled
-        over the chains (at the start: each chain's curvature of the transformed density where it is).
+        ``theta``: each chain's globals over a window (``(C, T, d)``, ``T = 1`` at the start); ``b_mean``: its
+        locals' mean there (``(C, G, p)``). Everything is each chain's own, read where the chain is: a chain far from
+        the others (a start in a narrow corner, a chain not yet converged) is preconditioned where it is, and no
+        chain's metric is stretched by the others' distance from it.
         """
         chains, d = theta.shape[0], self.layout.global_size
         self.theta_ref, self.b_ref = theta.mean(1), b_mean
         self.fallback = precision_factor(vmap(self._curvature)(self.theta_ref, self.b_ref))
         self.width = (self.fallback @ self.fallback.transpose(-1, -2)).diagonal(dim1=-2, dim2=-1).rsqrt()
         passes = self.p * 3
-        if d and window:
-            pooled = theta.reshape(-1, d)
-            n = pooled.shape[0]
-            covariance = torch.cov(pooled.T).reshape(d, d) * (n - 1) / n
-            covariance = n / (n + 5) * covariance + 1e-3 * 5 / (n + 5) * torch.eye(d, dtype=theta.dtype)
-            self.global_factor = precision_factor(torch.linalg.inv(covariance.double())).to(theta.dtype)
-            self.global_factor = self.global_factor.expand(chains, d, d)
-        elif d:
+        if d:  # the transformed density's curvature at the chain's point: where the map is exact, the marginal's
             centre, factor = vmap(self._laplace)(self.theta_ref, self.b_ref, self.width, self.fallback)
             eps = (factor.transpose(-1, -2) @ (self.b_ref - centre).unsqueeze(-1)).squeeze(-1)
             offset = torch.zeros_like(self.b_ref[0])
