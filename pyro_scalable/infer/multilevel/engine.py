@@ -54,7 +54,8 @@ class MultilevelMCMC(Draws):
 
     After ``run``, the result surface is ``pyro.infer.MCMC``'s (``get_samples``, ``summary``, ``diagnostics``,
     ``to_inference_data``); ``sample_stats`` has each chain's mean acceptance of its local moves (``accept_prob``) and
-    of its global ones (``accept_global``); ``step_sizes`` the steps warm-up chose; ``data_passes`` the passes made.
+    of its global ones (``accept_global``); ``step_sizes`` the steps warm-up chose; ``data_passes`` the passes made;
+    ``restarted`` how often warm-up restarted each chain from another (:meth:`_restart_stuck`).
 
     Example:
         >>> import pyro, pyro.distributions as dist, torch
