@@ -267,17 +267,17 @@ class Sweep:
         chain's metric is stretched by the others' distance from it.
         """
         chains, d = theta.shape[0], self.layout.global_size
-        self.theta_ref, self.b_ref = theta.mean(1), b_mean
-        self.fallback = precision_factor(vmap(self._curvature)(self.theta_ref, self.b_ref))
+        theta_ref, self.b_ref = theta.mean(1), b_mean
+        self.fallback = precision_factor(vmap(self._curvature)(theta_ref, self.b_ref))
         self.width = (self.fallback @ self.fallback.transpose(-1, -2)).diagonal(dim1=-2, dim2=-1).rsqrt()
         passes = self.p * 3
         if d:  # the transformed density's curvature at the chain's point: where the map is exact, the marginal's
-            centre, factor = vmap(self._laplace)(self.theta_ref, self.b_ref, self.width, self.fallback)
+            centre, factor = vmap(self._laplace)(theta_ref, self.b_ref, self.width, self.fallback)
             eps = (factor.transpose(-1, -2) @ (self.b_ref - centre).unsqueeze(-1)).squeeze(-1)
             offset = torch.zeros_like(self.b_ref[0])
             density = lambda x, *fixed: self._transformed(x, offset, *fixed)[0]  # noqa: E731
             hessian = vmap(torch.func.jacrev(torch.func.jacrev(density)))(
-                self.theta_ref, eps, self.b_ref, self.width, self.fallback
+                theta_ref, eps, self.b_ref, self.width, self.fallback
             )
             self.global_factor = precision_factor(-hessian).to(theta.dtype)
             passes += d * 3 * (len(self.stencil) * self.map_share + 1)
