@@ -115,6 +115,23 @@ def test_no_page_loads_anything_from_another_host(site):
     assert "fonts.googleapis.com" not in index and "fonts.gstatic.com" not in index
 
 
+# A guide a user reads: every page at the top of docs/ but the benchmark results, which are rendered tables.
+GUIDE_WORDS = 4000
+GUIDES = sorted(p for p in (ROOT / "docs").glob("*.md") if p.name != "benchmarks.md")
+
+
+@pytest.mark.parametrize("path", GUIDES, ids=[p.stem for p in GUIDES])
+def test_guide_is_short(path):
+    """A guide is at most 4,000 words: whitespace-separated tokens of the whole Markdown file, code blocks, formulas
+    and tables included (what ``wc -w`` counts, as tests/test_readme.py counts the README). It leads with how to use
+    the engine and what to expect; measurements go to docs/benchmarks.md, and the guide links to them."""
+    words = len(path.read_text(encoding="utf-8").split())
+    assert words <= GUIDE_WORDS, (
+        f"docs/{path.name} has {words} words; at most {GUIDE_WORDS} (`wc -w`): move measurements to "
+        "docs/benchmarks.md and link them, and keep the maths in the module docstrings"
+    )
+
+
 def _render_module():
     return _load(ROOT / "scripts" / "render_tutorials.py", "_render_tutorials")
 
