@@ -29,6 +29,7 @@ from pyro_scalable.infer.results import Draws, FullDataKernel
 __all__ = ["MultilevelMCMC"]
 
 WINDOWS = (0.10, 0.20, 0.35, 0.60)  # fractions of warm-up at which the reference and the preconditioners are renewed
+REFIT = 5  # with the proxy, sweeps between renewals before the first window's end
 
 
 class MultilevelMCMC(Draws):
@@ -47,6 +48,9 @@ class MultilevelMCMC(Draws):
             per sweep; they are drawn uniformly without replacement, the same for every chain.
         global_steps: leapfrog steps of the globals' HMC trajectory per sweep (default 3; each reads every row).
         local_steps: leapfrog steps of each group's move per sweep (default 1: MALA).
+        proxy: move on a second-order proxy of the rows' log-likelihood and correct to the exact density in a
+            delayed-acceptance stage (:mod:`.proxy`): a sweep then reads every row twice, forward only, instead of
+            about ten times with gradients. Default: on from :data:`~.sweep.PROXY_ROWS` rows.
         seed: the run's random seed (default: drawn from torch's generator).
         init_strategy: Pyro's initialisation strategy for the chains' starting points.
         draws_device: where draws are kept (default CPU).
@@ -84,6 +88,7 @@ class MultilevelMCMC(Draws):
         groups_per_step: int | None = None,
         global_steps: int | None = None,
         local_steps: int | None = None,
+        proxy: bool | None = None,
         seed: int | None = None,
         init_strategy: Callable = init_to_uniform,
         draws_device: torch.device | str = "cpu",
@@ -100,6 +105,9 @@ class MultilevelMCMC(Draws):
         self.groups_per_step = check_count("groups_per_step", groups_per_step, optional=True)
         self.global_steps = check_count("global_steps", global_steps, optional=True)
         self.local_steps = check_count("local_steps", local_steps, optional=True)
+        if proxy is not None:
+            proxy = check_flag("proxy", proxy)
+        self.proxy = proxy
         self.seed = check_seed("seed", seed)
         self.init_strategy = init_strategy
         self.draws_device = check_device("draws_device", draws_device)
@@ -124,6 +132,8 @@ class MultilevelMCMC(Draws):
         sweep.adapt_to(theta[:, None], b)
         self.results = RunRecord(bridge, bridge, args, kwargs)
         windows = sorted({int(f * self.num_warmup) for f in WINDOWS if int(f * self.num_warmup) >= 10})
+        # the proxy is a local expansion: until the first window's end it is renewed every REFIT sweeps
+        refits = set(range(REFIT, windows[0], REFIT)) if sweep.proxy and windows else set()
         start = time.perf_counter()
         bar = tqdm(total=self.num_warmup + self.num_samples, desc="Warmup", disable=not self.progress_bar)
         window_theta: list[Tensor] = []
@@ -133,9 +143,10 @@ class MultilevelMCMC(Draws):
             bar.update()
             window_theta.append(theta)
             window_b += b
-            if t + 1 in windows:
+            if t + 1 in windows or t + 1 in refits:
                 window, b_mean = torch.stack(window_theta, 1), window_b / len(window_theta)
-                theta, b, window, b_mean = self._restart_stuck(sweep, theta, b, window, b_mean)
+                if t + 1 in windows:
+                    theta, b, window, b_mean = self._restart_stuck(sweep, theta, b, window, b_mean)
                 sweep.adapt_to(window, b_mean)
                 window_theta, window_b = [], torch.zeros_like(b)
         sweep.fix_steps()

@@ -114,6 +114,7 @@ def hmc(
     density: Callable[[Tensor], tuple[Tensor, ...]],
     generator: torch.Generator,
     extra: tuple[Tensor, ...] = (),
+    correct: Callable[[Tensor, list[Tensor]], tuple[Tensor, list[Tensor]]] | None = None,
 ) -> Move:
     r"""One Hamiltonian Monte Carlo trajectory of ``steps`` leapfrog steps for each block (MALA is one step).
 
@@ -131,6 +132,13 @@ def hmc(
     ``density(x')`` gives :math:`\ell` and :math:`\nabla\ell` at a point, and may give more (``extra``: tensors whose
     leading dimensions are the blocks'), which the move keeps from where each block ends (``extra`` given: their
     values at ``x``). Draws from ``generator``: the steps' jitter, the momentum, then one uniform per block.
+
+    ``correct`` makes the move a delayed-acceptance one (Christen & Fox 2005) when ``density`` is a proxy
+    :math:`\tilde\ell` of the target :math:`\ell`: ``correct(x', extra')`` gives each block's
+    :math:`(\ell - \tilde\ell)(x') - (\ell - \tilde\ell)(x)` (and ``extra'`` updated), and a proposal the first
+    stage took is kept with probability :math:`\min(1, e^{\text{that}})`, from a second uniform per block. The
+    two stages' product satisfies detailed balance for :math:`e^{\ell}`, so the move is exact for the target while
+    its trajectory costs only the proxy's evaluations; the acceptance returned is the product of the two.
     """
     step = torch.as_tensor(step, dtype=x.dtype, device=x.device).expand(x.shape[:-1]).unsqueeze(-1)
     jitter = torch.rand(step.shape, generator=generator, dtype=x.dtype, device=x.device)
@@ -152,10 +160,17 @@ def hmc(
     log_alpha = torch.where(torch.isfinite(log_alpha), log_alpha, torch.full_like(log_alpha, -math.inf))
     uniform = torch.rand(log_alpha.shape, generator=generator, dtype=x.dtype, device=x.device)
     taken = uniform.log() < log_alpha
+    accept = log_alpha.clamp_max(0.0).exp()
+    if correct is not None:
+        log_ratio, more = correct(position, more)
+        log_ratio = torch.where(torch.isfinite(log_ratio), log_ratio, torch.full_like(log_ratio, -math.inf))
+        second = torch.rand(log_alpha.shape, generator=generator, dtype=x.dtype, device=x.device)
+        taken = taken & (second.log() < log_ratio)
+        accept = accept * log_ratio.clamp_max(0.0).exp()
     return Move(
         torch.where(taken.unsqueeze(-1), position, x),
         torch.where(taken, value, log_density),
         torch.where(taken.unsqueeze(-1), grad, gradient),
-        log_alpha.clamp_max(0.0).exp().to(x.dtype),
+        accept.to(x.dtype),
         tuple(_where(taken, new, old) for new, old in zip(more, extra, strict=True)),
     )

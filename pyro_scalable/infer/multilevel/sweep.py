@@ -76,58 +76,13 @@ from pyro_scalable.bridge.model import ModelBridge
 from pyro_scalable.bridge.row_groups import RowGroups
 from pyro_scalable.infer.multilevel.layout import Layout
 from pyro_scalable.infer.multilevel.mala import DualAveraging, hmc, precision_factor
+from pyro_scalable.infer.multilevel.proxy import Taylor, fit
+from pyro_scalable.infer.multilevel.rows import Rows, sums, wide
 
-__all__ = ["MAP_ROWS", "Sweep", "SweepInfo"]
+__all__ = ["MAP_ROWS", "PROXY_ROWS", "Sweep", "SweepInfo"]
 
 MAP_ROWS = 32  # rows of each group (at most) that its Laplace map reads, weighted to all of them
-
-
-def _wide(x: Tensor) -> Tensor:
-    """``x`` in double precision, where its device has it: sums of many rows' terms then lose nothing that matters."""
-    return x if x.device.type == "mps" else x.double()
-
-
-def _sums(terms: Tensor, group: Tensor, size: int) -> Tensor:
-    """The sums of ``terms`` by ``group`` (``size`` of them), accumulated in double precision (:func:`_wide`)."""
-    terms = _wide(terms)
-    return terms.new_zeros(size).index_add(0, group, terms)
-
-
-class _Rows:
-    """The data rows of each group, in one index sorted by group: a set of groups' rows is a gather, not a copy."""
-
-    def __init__(self, groups: RowGroups):
-        self.group = groups.group
-        self.sizes = groups.sizes
-        self.order = torch.argsort(groups.group, stable=True)
-        self.starts = torch.cumsum(groups.sizes, 0) - groups.sizes
-        self.num_groups = groups.num_groups
-        self.all = torch.arange(len(groups.group), device=groups.group.device)
-
-    def of(self, drawn: Tensor) -> tuple[Tensor, Tensor]:
-        """The rows of the groups ``drawn`` and, for each row, its group's position in ``drawn``."""
-        if drawn.shape[0] == self.num_groups:
-            return self.all, self.group
-        lengths = self.sizes[drawn]
-        offsets = torch.cumsum(lengths, 0) - lengths
-        slot = torch.repeat_interleave(torch.arange(len(drawn), device=drawn.device), lengths)
-        within = torch.arange(int(lengths.sum()), device=drawn.device) - offsets[slot]
-        return self.order[self.starts[drawn][slot] + within], slot
-
-    def sample(self, most: int, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor | None]:
-        """At most ``most`` rows of each group, fixed once (a seeded shuffle within each group).
-
-        Returns the rows, their groups, and each row's weight ``n_k / m_k`` (``None`` where no group has more than
-        ``most`` rows: then the rows are all rows).
-        """
-        if int(self.sizes.max()) <= most:
-            return self.all, self.group, None
-        shuffle = torch.randperm(len(self.group), generator=torch.Generator().manual_seed(0)).to(self.all.device)
-        order = shuffle[torch.argsort(self.group[shuffle], stable=True)]  # by group, shuffled within each
-        rank = self.all - self.starts.repeat_interleave(self.sizes)  # each sorted row's place within its group
-        kept = order[rank < most]
-        weight = self.sizes / self.sizes.clamp(max=most)
-        return kept, self.group[kept], weight[self.group[kept]].to(dtype)
+PROXY_ROWS = 50_000  # from this many rows, the moves run on the rows' proxy (:mod:`.proxy`) by default
 
 
 class SweepInfo(NamedTuple):
@@ -144,6 +99,7 @@ class _Where(NamedTuple):
     gradient: Tensor  # (C, G, p)
     centre: Tensor  # (C, G, p): m_k(theta)
     factor: Tensor  # (C, G, p, p): L_k(theta)
+    gap: Tensor | None = None  # (C, G): with the proxy, each group's rows' log-likelihood less its proxy
 
 
 class Sweep:
@@ -153,7 +109,7 @@ class Sweep:
         self.bridge, self.groups = bridge, groups
         self.layout = Layout(bridge, groups)
         self.terms = GroupTermsOf(bridge, groups)
-        self.rows = _Rows(groups)
+        self.rows = Rows(groups)
         self.num_groups = groups.num_groups
         self.per_step = min(engine.groups_per_step or self.num_groups, self.num_groups)
         self.global_steps = engine.global_steps or 3
@@ -173,6 +129,10 @@ class Sweep:
         self.stencil = torch.stack(steps)
         self.map_rows, self.map_group, self.map_weight = self.rows.sample(MAP_ROWS, ones.dtype)
         self.map_share = self.map_rows.shape[0] / self.rows.all.shape[0]  # of a data pass, per point of the stencil
+        self.proxy = engine.proxy if engine.proxy is not None else len(groups.group) >= PROXY_ROWS
+        if self.proxy:  # the map reads no rows: the priors' terms on one row (ignored) and the proxy's quadratic
+            self.map_rows, self.map_group, self.map_share = self.rows.all[:1], self.rows.group[:1], 0.0
+        self.taylor: Taylor | tuple = ()  # each chain's proxy at its reference point; () without (vmap takes it)
 
     # ---------------------------------------------------------------- densities (one chain; vmapped over chains)
     def _terms(self, theta: Tensor, b: Tensor, rows: Tensor):
@@ -180,14 +140,30 @@ class Sweep:
 
     def _local(self, b: Tensor, theta: Tensor, drawn: Tensor, rows: Tensor, slot: Tensor):
         terms = self._terms(theta, b, rows)
-        per_group = _wide(terms.groups[drawn]) + _sums(terms.rows, slot, len(drawn))
+        per_group = wide(terms.groups[drawn]) + sums(terms.rows, slot, len(drawn))
         return per_group.sum(), per_group
 
-    def _joint(self, theta: Tensor, b: Tensor):
-        """The log joint on all rows, with every group's conditional (its terms and its rows') beside it."""
+    def _joint(self, theta: Tensor, b: Tensor, taylor: Taylor | tuple = ()):
+        """The log joint on all rows, with every group's conditional (its terms and its rows') beside it.
+
+        With ``taylor``, the rows' terms are the proxy's (:mod:`.proxy`) and no row is read.
+        """
+        if taylor:
+            terms = self._terms(theta, b, self.map_rows)
+            per_group = wide(terms.groups) + taylor.groups(theta, b)
+            return wide(terms.globals) + taylor.globals(theta) + per_group.sum(), per_group
         terms = self._terms(theta, b, self.rows.all)
-        per_group = _wide(terms.groups) + _sums(terms.rows, self.rows.group, self.num_groups)
-        return _wide(terms.globals) + per_group.sum(), per_group
+        per_group = wide(terms.groups) + sums(terms.rows, self.rows.group, self.num_groups)
+        return wide(terms.globals) + per_group.sum(), per_group
+
+    def _local_proxy(self, b: Tensor, theta: Tensor, drawn: Tensor, taylor: Taylor):
+        """The drawn groups' conditionals with the rows' terms by the proxy: no row read."""
+        per_group = wide(self._terms(theta, b, self.map_rows).groups[drawn]) + taylor.subset(drawn).groups(theta, b[drawn])
+        return per_group.sum(), per_group
+
+    def _rows_by_group(self, theta: Tensor, b: Tensor, rows: Tensor, slot: Tensor, size: int) -> Tensor:
+        """The rows' log-likelihood summed by group (``slot``: each row's place among ``size`` groups)."""
+        return sums(self._terms(theta, b, rows).rows, slot, size)
 
     def _changes(self, theta: Tensor, b_ref: Tensor, width: Tensor) -> Tensor:
         """Each group's conditional at the stencil's points less its value at the centre: ``(S - 1, G)``, wide.
@@ -203,10 +179,12 @@ class Sweep:
             return terms.groups, terms.rows
 
         groups, rows = vmap(at)(self.stencil)
-        rows = _wide(rows[1:] - rows[:1])
+        if self.proxy:
+            return wide(groups[1:] - groups[:1])
+        rows = wide(rows[1:] - rows[:1])
         if self.map_weight is not None:
             rows = rows * self.map_weight
-        return _wide(groups[1:] - groups[:1]) + vmap(lambda r: _sums(r, self.map_group, self.num_groups))(rows)
+        return wide(groups[1:] - groups[:1]) + vmap(lambda r: sums(r, self.map_group, self.num_groups))(rows)
 
     def _curvature(self, theta: Tensor, b: Tensor) -> Tensor:
         """Each group's ``(p, p)`` negative Hessian of its conditional in ``b`` by autodiff: p products."""
@@ -219,15 +197,18 @@ class Sweep:
             columns.append(-grad(along)(b))
         return torch.stack(columns, -1)
 
-    def _differences(self, theta: Tensor, b_ref: Tensor, width: Tensor) -> tuple[Tensor, Tensor]:
+    def _differences(
+        self, theta: Tensor, b_ref: Tensor, width: Tensor, taylor: Taylor | tuple = ()
+    ) -> tuple[Tensor, Tensor]:
         """Each group's conditional's gradient ``(G, p)`` and negative Hessian ``(G, p, p)`` at ``b_ref`` (one chain).
 
-        By central differences of widths ``width`` (``(G, p)``), every point of the stencil in one batched evaluation.
+        By central differences of widths ``width`` (``(G, p)``), every point of the stencil in one batched evaluation;
+        with ``taylor``, the differences read the priors' terms only and the proxy's quadratic adds its own exactly.
         """
         changes = self._changes(theta, b_ref, width)  # (S - 1, G): from the centre to each other point
         single, pair = changes[: 2 * self.p], changes[2 * self.p :]
         plus, minus = single[0::2].T, single[1::2].T  # (G, p): moved up and down along each coordinate
-        width = _wide(width)
+        width = wide(width)
         gradient = (plus - minus) / (2 * width)
         hessian = torch.diag_embed((plus + minus) / width**2)
         for n, (j, k) in enumerate(self.pairs):
@@ -235,25 +216,27 @@ class Sweep:
             unit = torch.zeros_like(hessian[0])  # the symmetric pair (j, k), (k, j)
             unit[j, k] = unit[k, j] = 1.0
             hessian = hessian + (both / (2 * width[:, j] * width[:, k]))[:, None, None] * unit
+        if taylor:
+            gradient, hessian = gradient + taylor.gradient_b(theta, b_ref), hessian + taylor.h
         return gradient, -hessian  # wide: the Laplace map is formed in double precision, then narrowed
 
-    def _laplace(self, theta: Tensor, b_ref: Tensor, width: Tensor, fallback: Tensor) -> tuple[Tensor, Tensor]:
+    def _laplace(self, theta: Tensor, b_ref: Tensor, width: Tensor, fallback: Tensor, taylor: Taylor | tuple = ()):
         """Each group's Laplace map at ``theta`` (one chain): its centre ``m_k`` and factor ``L_k`` (docstring)."""
-        gradient, precision = self._differences(theta, b_ref, width)
+        gradient, precision = self._differences(theta, b_ref, width, taylor)
         factor, info = torch.linalg.cholesky_ex(precision)
-        factor = torch.where((info == 0)[:, None, None], factor, _wide(fallback))
+        factor = torch.where((info == 0)[:, None, None], factor, wide(fallback))
         shift = torch.cholesky_solve(gradient.unsqueeze(-1), factor).squeeze(-1)
         return b_ref + shift.to(b_ref.dtype), factor.to(b_ref.dtype)
 
-    def _transformed(self, x, offset, eps, b_ref, width, fallback):
+    def _transformed(self, x, offset, eps, b_ref, width, fallback, taylor=()):
         """The log density of the globals ``x`` at fixed standardised locals ``eps`` (module docstring, 2).
 
         ``offset`` (zero) is added to the locals so that its gradient is the joint's in the locals.
         """
-        centre, factor = self._laplace(x, b_ref, width, fallback)
+        centre, factor = self._laplace(x, b_ref, width, fallback, taylor)
         spread = torch.linalg.solve_triangular(factor.transpose(-1, -2), eps.unsqueeze(-1), upper=True).squeeze(-1)
         b = centre + spread + offset
-        value, per_group = self._joint(x, b)
+        value, per_group = self._joint(x, b, taylor)
         log_det = factor.diagonal(dim1=-2, dim2=-1).log().sum()
         return value - log_det, (per_group, b, centre, factor)
 
@@ -271,16 +254,22 @@ class Sweep:
         self.fallback = precision_factor(vmap(self._curvature)(theta_ref, self.b_ref))
         self.width = (self.fallback @ self.fallback.transpose(-1, -2)).diagonal(dim1=-2, dim2=-1).rsqrt()
         passes = self.p * 3
+        if self.proxy:
+            every = (self.rows.all, self.rows.group, self.num_groups)
+            self.taylor = vmap(lambda t, x: fit(lambda u, y: self._rows_by_group(u, y, *every), t, x))(
+                theta_ref, self.b_ref
+            )
+            passes += 3 * (d + self.p + 1)
         if d:  # the transformed density's curvature at the chain's point: where the map is exact, the marginal's
-            centre, factor = vmap(self._laplace)(theta_ref, self.b_ref, self.width, self.fallback)
+            fixed = (self.b_ref, self.width, self.fallback, self.taylor)
+            centre, factor = vmap(self._laplace)(theta_ref, *fixed)
             eps = (factor.transpose(-1, -2) @ (self.b_ref - centre).unsqueeze(-1)).squeeze(-1)
             offset = torch.zeros_like(self.b_ref[0])
             density = lambda x, *fixed: self._transformed(x, offset, *fixed)[0]  # noqa: E731
-            hessian = vmap(torch.func.jacrev(torch.func.jacrev(density)))(
-                theta_ref, eps, self.b_ref, self.width, self.fallback
-            )
+            hessian = vmap(torch.func.jacrev(torch.func.jacrev(density)))(theta_ref, eps, *fixed)
             self.global_factor = precision_factor(-hessian).to(theta.dtype)
-            passes += d * 3 * (len(self.stencil) * self.map_share + 1)
+            if not self.proxy:
+                passes += d * 3 * (len(self.stencil) * self.map_share + 1)
         self.rows_read += chains * passes * self.rows.all.shape[0]
         self.local_step.restart(self.local_step.step)
         self.global_step.restart(self.global_step.step)
@@ -295,9 +284,9 @@ class Sweep:
         chains = b.shape[0]
         if self.where is None:
             joint = vmap(grad_and_value(self._joint, argnums=1, has_aux=True))
-            gradient_b, (_, per_group) = joint(theta, b)
-            centre, factor = vmap(self._laplace)(theta, self.b_ref, self.width, self.fallback)
-            self.where = _Where(per_group, gradient_b, centre, factor)
+            gradient_b, (_, per_group) = joint(theta, b, self.taylor)
+            centre, factor = vmap(self._laplace)(theta, self.b_ref, self.width, self.fallback, self.taylor)
+            self.where = _Where(per_group, gradient_b, centre, factor, self._gap(theta, b))
             self.rows_read += chains * self.rows.all.shape[0] * (1 + len(self.stencil) * self.map_share)
         b, accept_local = self._move_locals(theta, b, generator, adapt)
         accept_global = torch.ones(chains, dtype=b.dtype, device=b.device)
@@ -305,23 +294,46 @@ class Sweep:
             theta, b, accept_global = self._move_globals(theta, b, generator, adapt)
         return theta, b, SweepInfo(accept_local, accept_global)
 
+    @torch.no_grad()
+    def _gap(self, theta: Tensor, b: Tensor, drawn: Tensor | None = None) -> Tensor | None:
+        """With the proxy: each (drawn) group's rows' log-likelihood less its proxy, ``(C, G)``; one forward pass."""
+        if not self.proxy:
+            return None
+        drawn = torch.arange(self.num_groups, device=b.device) if drawn is None else drawn
+        rows, slot = self.rows.of(drawn)
+        self.rows_read += b.shape[0] * rows.shape[0]
+        exact = vmap(self._rows_by_group, in_dims=(0, 0, None, None, None))(theta, b, rows, slot, len(drawn))
+        return exact - vmap(lambda taylor, t, x: taylor.subset(drawn).groups(t, x[drawn]))(self.taylor, theta, b)
+
     def _move_locals(self, theta: Tensor, b: Tensor, generator: torch.Generator, adapt: bool):
         """One MALA move of each drawn group's block on its own rows (module docstring, 1)."""
         if self.per_step == self.num_groups:
             drawn = torch.arange(self.num_groups, device=b.device)
         else:
             drawn = torch.randperm(self.num_groups, generator=generator, device=b.device)[: self.per_step]
-        rows, slot = self.rows.of(drawn)
-        self.rows_read += b.shape[0] * rows.shape[0]
-        local = vmap(grad_and_value(self._local, has_aux=True), in_dims=(0, 0, None, None, None))
+        where = self.where
+        if self.proxy:
+            local = vmap(grad_and_value(self._local_proxy, has_aux=True), in_dims=(0, 0, None, 0))
+            arguments: tuple = (drawn, self.taylor)
+        else:
+            rows, slot = self.rows.of(drawn)
+            self.rows_read += b.shape[0] * rows.shape[0]
+            local = vmap(grad_and_value(self._local, has_aux=True), in_dims=(0, 0, None, None, None))
+            arguments = (drawn, rows, slot)
 
-        def density(x: Tensor) -> tuple[Tensor, Tensor]:
+        def place(x: Tensor) -> Tensor:
             moved = b.clone()
             moved[:, drawn] = x
-            gradient, (_, per_group) = local(moved, theta, drawn, rows, slot)
+            return moved
+
+        def density(x: Tensor) -> tuple[Tensor, Tensor]:
+            gradient, (_, per_group) = local(place(x), theta, *arguments)
             return per_group, gradient[:, drawn]
 
-        where = self.where
+        def correct(x: Tensor, more: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
+            gap = self._gap(theta, place(x), drawn)
+            return gap - where.gap[:, drawn], [*more, gap]
+
         step = self.local_step.step[:, None]
         move = hmc(
             b[:, drawn],
@@ -332,10 +344,16 @@ class Sweep:
             self.local_steps,
             density,
             generator,
+            (where.gap[:, drawn],) if self.proxy else (),
+            correct if self.proxy else None,
         )
         b, per_group, gradient = b.clone(), where.per_group.clone(), where.gradient.clone()
         b[:, drawn], per_group[:, drawn], gradient[:, drawn] = move.x, move.log_density, move.gradient
         self.where = where._replace(per_group=per_group, gradient=gradient)
+        if self.proxy:
+            gap = where.gap.clone()
+            gap[:, drawn] = move.extra[0]
+            self.where = self.where._replace(gap=gap)
         accept = move.accept.mean(-1)
         if adapt:
             self.local_step.update(accept)
@@ -345,7 +363,7 @@ class Sweep:
         """One HMC trajectory of the globals, the locals following their Laplace map (module docstring, 2)."""
         chains = b.shape[0]
         eps = (self.where.factor.transpose(-1, -2) @ (b - self.where.centre).unsqueeze(-1)).squeeze(-1)
-        fixed = (eps, self.b_ref, self.width, self.fallback)
+        fixed = (eps, self.b_ref, self.width, self.fallback, self.taylor)
         transformed = vmap(grad_and_value(self._transformed, argnums=(0, 1), has_aux=True))
         offset = torch.zeros_like(b)
 
@@ -353,9 +371,18 @@ class Sweep:
             (gradient_theta, gradient_b), (value, (per_group, moved, centre, factor)) = transformed(x, offset, *fixed)
             return value, gradient_theta, per_group, gradient_b, moved, centre, factor
 
+        def correct(x: Tensor, more: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
+            gap = self._gap(x, more[2])
+            change = gap.sum(-1) - self.where.gap.sum(-1)
+            return change - vmap(Taylor.globals)(self.taylor, x) + vmap(Taylor.globals)(self.taylor, theta), [
+                *more,
+                gap,
+            ]
+
         value, gradient, *extra = density(theta)
         passes = (1 + self.global_steps) * (1 + len(self.stencil) * self.map_share)
-        self.rows_read += chains * self.rows.all.shape[0] * passes
+        if not self.proxy:
+            self.rows_read += chains * self.rows.all.shape[0] * passes
         move = hmc(
             theta,
             value,
@@ -365,10 +392,11 @@ class Sweep:
             self.global_steps,
             density,
             generator,
-            tuple(extra),
+            (*extra, self.where.gap) if self.proxy else tuple(extra),
+            correct if self.proxy else None,
         )
         if adapt:
             self.global_step.update(move.accept)
-        per_group, gradient_b, b, centre, factor = move.extra
-        self.where = _Where(per_group, gradient_b, centre, factor)
+        per_group, gradient_b, b, centre, factor, *gap = move.extra
+        self.where = _Where(per_group, gradient_b, centre, factor, gap[0] if gap else None)
         return move.x, b, move.accept

@@ -13,7 +13,8 @@ from torch.func import grad, jacrev, vmap
 from pyro_scalable.bridge import ModelBridge
 from pyro_scalable.bridge.hierarchy import irregular_point
 from pyro_scalable.bridge.row_groups import RowGroups, row_groups
-from pyro_scalable.infer.multilevel.sweep import Sweep, _Rows
+from pyro_scalable.infer.multilevel.rows import Rows
+from pyro_scalable.infer.multilevel.sweep import Sweep
 
 from .test_group_terms import data
 
@@ -44,7 +45,7 @@ def heavy_tailed(x, g, y, num_groups):
 
 def sweep_at(model):
     bridge = ModelBridge(model, data())
-    engine = SimpleNamespace(groups_per_step=None, global_steps=None, local_steps=None, num_chains=1)
+    engine = SimpleNamespace(groups_per_step=None, global_steps=None, local_steps=None, num_chains=1, proxy=False)
     sweep = Sweep(bridge, row_groups(bridge), engine)
     theta, b = sweep.layout.split({k: v[None] for k, v in irregular_point(bridge).items()})
     return sweep, theta[0], b[0]
@@ -80,7 +81,7 @@ def test_the_maps_rows_are_a_fixed_weighted_sample_of_each_group():
     sizes = torch.tensor([1, 5, 40, 7])
     shuffle = torch.randperm(53, generator=torch.Generator().manual_seed(1))
     group = torch.repeat_interleave(torch.arange(4), sizes)[shuffle]
-    rows = _Rows(RowGroups(plate="g", data_plate="d", sites=("b",), group=group, sizes=sizes))
+    rows = Rows(RowGroups(plate="g", data_plate="d", sites=("b",), group=group, sizes=sizes))
     assert rows.sample(40, torch.float64)[2] is None  # no group over the limit: every row, unweighted
     kept, kept_group, weight = rows.sample(6, torch.float64)
     assert torch.equal(kept_group, group[kept]) and len(set(kept.tolist())) == len(kept)
