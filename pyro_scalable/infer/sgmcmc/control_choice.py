@@ -2,7 +2,7 @@ r"""Which control variate a run uses, and where its centre is: ``control_variate
 
 The controlled density is :class:`~pyro_scalable.infer.gradients.ControlledDensity`, its centre
 :mod:`.control_variates`; this module is the driver's policy. ``"auto"`` chooses from the model
-and the run (:func:`choose`, with the measurements behind each threshold); :func:`attach` wraps the run's log
+and the run (:func:`choose`, with the reason for each threshold); :func:`attach` wraps the run's log
 posterior in the chosen estimate, finding a ``"map"`` centre once (a resumed run reads it back); with ``"warmup"``
 the driver calls :func:`recentre` at the end of each of warm-up's metric windows (one full-data pass each) and
 steps burn-in on the plain density (:func:`~.run_state.step_densities`): a chain far from the centre sees noise
