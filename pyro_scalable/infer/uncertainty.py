@@ -43,6 +43,7 @@ expectations over :math:`f` have no closed form (the probit approximation gives 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
@@ -94,10 +95,11 @@ def decompose_probabilities(probs: Tensor) -> Uncertainty:
     """
     if not isinstance(probs, Tensor) or probs.dim() < 2:
         raise ValueError("probs must be a tensor (draws, ..., classes).")
-    mean = probs.mean(0)
     aleatoric = torch.special.entr(probs).sum(-1).mean(0)
-    # E KL(p_s || mean): 0 log 0 = 0, and mean > 0 wherever some p_s > 0
-    log_ratio = torch.log(probs) - torch.log(mean)
+    # E KL(p_s || mean): 0 log 0 = 0, and mean > 0 wherever some p_s > 0. log mean as a logsumexp: a subnormal p_s
+    # (a saturated softmax in float32) would round the mean itself to 0 and make log_ratio infinite
+    log_probs = torch.log(probs)
+    log_ratio = log_probs - (torch.logsumexp(log_probs, 0) - math.log(probs.shape[0]))
     epistemic = torch.where(probs > 0, probs * log_ratio, 0.0).sum(-1).mean(0).clamp_min(0.0)
     return Uncertainty(aleatoric + epistemic, aleatoric, epistemic, "entropy")
 

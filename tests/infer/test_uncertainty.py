@@ -47,6 +47,18 @@ def test_agreeing_draws_have_no_epistemic_part_and_certain_draws_no_aleatoric():
     assert u.aleatoric.item() == 0.0 and u.epistemic.item() == pytest.approx(math.log(2), abs=1e-15)
 
 
+def test_a_saturated_float32_softmax_gives_finite_parts():
+    # a subnormal probability rounds the draws' mean to 0 in float32: the split stays finite (it was inf)
+    probs = torch.tensor([[[1e-45, 1.0]]] + [[[0.0, 1.0]]] * 9)
+    u = decompose_probabilities(probs)
+    assert torch.isfinite(u.total).all() and torch.isfinite(u.epistemic).all()
+    assert u.total.item() == pytest.approx(0.0, abs=1e-40)
+    mixed = torch.tensor([[0.3, 0.7], [0.6, 0.4], [0.5, 0.5]], dtype=D).unsqueeze(1)
+    mean = mixed.mean(0)
+    expected = (mixed * (mixed.log() - mean.log())).sum(-1).mean(0)
+    assert decompose_probabilities(mixed).epistemic.item() == pytest.approx(expected.item(), rel=1e-12)
+
+
 def test_law_of_total_variance_of_draws():
     means = torch.tensor([[1.0, -2.0], [3.0, 0.0], [2.0, 5.0]], dtype=D)
     variances = torch.tensor([[0.5, 1.0], [1.5, 1.0], [1.0, 4.0]], dtype=D)
