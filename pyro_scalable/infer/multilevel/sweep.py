@@ -50,16 +50,21 @@ the kept draws are exact MCMC draws of the posterior, with no step-size bias and
 of the globals' density reads every row once and the map's rows :math:`1 + p + p^2` times; a sweep with all groups
 costs one pass for the locals and ``global_steps + 1`` such evaluations for the globals.
 
+3. **On tall data, the proxy** (from :data:`PROXY_ROWS` rows, or ``proxy=True``): both moves run on the rows'
+   second-order proxy (:mod:`.proxy`, exact priors, no row read; the map then reads no rows either) and a
+   delayed-acceptance stage corrects each proposal to the exact density, reading every row once, forward only: a
+   sweep costs two passes instead of about ten with gradients, and stays exact. The proxy is each chain's own,
+   fitted at its reference point; a local expansion, it is renewed every few sweeps until warm-up's first window ends.
+
 **Warm-up** (``num_warmup`` sweeps): each chain's steps for its two kinds of block are set by dual averaging of their
 acceptance. At the start, and at the ends of windows of 10%, 10%, 15% and 25% of warm-up, each chain's reference
 point becomes its window's mean, with each group's conditional curvature there (by autodiff) for the differences'
 widths and the fallback factor, and the globals' mass matrix becomes the transformed density's negative Hessian at
-the chain's point (where the conditionals are Gaussian, the globals' marginal posterior's curvature: a window's
-covariance pooled over chains that have not yet met would stretch it). A chain whose steps fell below a tenth of the
-upper middle chain's at a window's end is restarted from that chain by the driver (:mod:`.engine`). The
-steps are fixed at their averages for sampling.
+the chain's point (a window's covariance pooled over chains that have not yet met would stretch it). A chain whose
+steps fell below a tenth of the upper middle chain's at a window's end is restarted from that chain by the driver
+(:mod:`.engine`). The steps are fixed at their averages for sampling.
 
-**What it does not do** (yet): move the globals with a minibatch estimate (each global step reads every row), or
+**What it does not do** (yet): estimate the exact stage from a subsample of rows (each sweep reads every row), or
 read a group plate that the model writes as one vector site (``.to_event(1)``) rather than a ``pyro.plate``.
 """
 
@@ -78,6 +83,7 @@ from pyro_scalable.infer.multilevel.layout import Layout
 from pyro_scalable.infer.multilevel.mala import DualAveraging, hmc, precision_factor
 from pyro_scalable.infer.multilevel.proxy import Taylor, fit
 from pyro_scalable.infer.multilevel.rows import Rows, sums, wide
+from pyro_scalable.infer.multilevel.stencil import derivatives, stencil
 
 __all__ = ["MAP_ROWS", "PROXY_ROWS", "Sweep", "SweepInfo"]
 
@@ -120,13 +126,8 @@ class Sweep:
         self.global_step = DualAveraging(ones, target=0.6 if self.global_steps == 1 else 0.7)
         self.rows_read = 0
         self.where: _Where | None = None
-        # the central differences' stencil: the centre, +-e_j, then +-(e_j + e_k) for j < k
         self.p = self.layout.local_size
-        eye = torch.eye(self.p, dtype=ones.dtype, device=ones.device)
-        self.pairs = [(j, k) for j in range(self.p) for k in range(j + 1, self.p)]
-        steps = [eye[0] * 0] + [s * eye[j] for j in range(self.p) for s in (1, -1)]
-        steps += [s * (eye[j] + eye[k]) for j, k in self.pairs for s in (1, -1)]
-        self.stencil = torch.stack(steps)
+        self.stencil, self.pairs = stencil(self.p, ones)  # the central differences' points
         self.map_rows, self.map_group, self.map_weight = self.rows.sample(MAP_ROWS, ones.dtype)
         self.map_share = self.map_rows.shape[0] / self.rows.all.shape[0]  # of a data pass, per point of the stencil
         self.proxy = engine.proxy if engine.proxy is not None else len(groups.group) >= PROXY_ROWS
@@ -206,16 +207,7 @@ class Sweep:
         with ``taylor``, the differences read the priors' terms only and the proxy's quadratic adds its own exactly.
         """
         changes = self._changes(theta, b_ref, width)  # (S - 1, G): from the centre to each other point
-        single, pair = changes[: 2 * self.p], changes[2 * self.p :]
-        plus, minus = single[0::2].T, single[1::2].T  # (G, p): moved up and down along each coordinate
-        width = wide(width)
-        gradient = (plus - minus) / (2 * width)
-        hessian = torch.diag_embed((plus + minus) / width**2)
-        for n, (j, k) in enumerate(self.pairs):
-            both = pair[2 * n] + pair[2 * n + 1] - plus[:, j] - minus[:, j] - plus[:, k] - minus[:, k]
-            unit = torch.zeros_like(hessian[0])  # the symmetric pair (j, k), (k, j)
-            unit[j, k] = unit[k, j] = 1.0
-            hessian = hessian + (both / (2 * width[:, j] * width[:, k]))[:, None, None] * unit
+        gradient, hessian = derivatives(changes, wide(width), self.pairs)
         if taylor:
             gradient, hessian = gradient + taylor.gradient_b(theta, b_ref), hessian + taylor.h
         return gradient, -hessian  # wide: the Laplace map is formed in double precision, then narrowed

@@ -122,9 +122,11 @@ def test_a_conjugate_hierarchy_is_exact():
 
 
 @pytest.mark.parametrize("num_samples", [400, pytest.param(2000, marks=pytest.mark.slow)])
-def test_latent_scales_match_quadrature(num_samples):
+@pytest.mark.parametrize("proxy", [False, True], ids=["exact", "proxy"])
+def test_latent_scales_match_quadrature(num_samples, proxy):
+    """With the rows' proxy (delayed acceptance) as without: the noise scale makes the rows not quadratic."""
     g, y = data()
-    mcmc = MultilevelMCMC(latent_scales, num_samples=num_samples, num_warmup=200, seed=2).run(g, y)
+    mcmc = MultilevelMCMC(latent_scales, num_samples=num_samples, num_warmup=200, seed=2, proxy=proxy).run(g, y)
     s = mcmc.get_samples(group_by_chain=True)
     draws = torch.cat([s["mu"][..., None], s["tau"][..., None], s["sigma"][..., None], s["b"]], -1)
     check(draws, *quadrature(g, y))

@@ -77,3 +77,41 @@ def test_hmc_keeps_a_gaussian_with_a_wrong_mass_matrix():
     sample = torch.cov(x.T)
     var_se = ((covariance**2 + covariance.diagonal()[:, None] * covariance.diagonal()[None, :]) / blocks).sqrt()
     assert ((sample - covariance).abs() < 5 * var_se).all()
+
+
+def test_delayed_acceptance_on_a_wrong_proxy_keeps_the_target():
+    """The trajectory runs on a proxy Gaussian (mean and covariance both wrong); the second stage makes it exact."""
+    gen = torch.Generator().manual_seed(2)
+    mean = torch.tensor([1.0, -2.0], dtype=torch.float64)
+    covariance = torch.tensor([[2.0, 0.9], [0.9, 0.6]], dtype=torch.float64)
+    precision = torch.linalg.inv(covariance)
+    proxy_mean, proxy_precision = mean + 0.4, torch.diag(torch.tensor([0.4, 2.5], dtype=torch.float64))
+    blocks = 20_000
+    x = mean + torch.randn(blocks, 2, generator=gen, dtype=torch.float64) @ torch.linalg.cholesky(covariance).T
+
+    def log_gaussian(z, centre, curvature):
+        r = z - centre
+        return -0.5 * ((r @ curvature) * r).sum(-1)
+
+    def proxy(z):
+        return log_gaussian(z, proxy_mean, proxy_precision), -((z - proxy_mean) @ proxy_precision)
+
+    def gap(z):  # the target less the proxy
+        return log_gaussian(z, mean, precision) - log_gaussian(z, proxy_mean, proxy_precision)
+
+    def correct(z, more):
+        return gap(z) - gap(x), more
+
+    factor = precision_factor(proxy_precision).expand(blocks, 2, 2)
+    accepted = 0.0
+    for _ in range(5):
+        value, gradient = proxy(x)
+        move = hmc(x, value, gradient, factor, 0.9, 3, proxy, gen, (), correct)
+        x = move.x
+        accepted += float(move.accept.mean()) / 5
+    assert 0.1 < accepted < 0.9
+    se = (covariance.diagonal() / blocks).sqrt()
+    assert ((x.mean(0) - mean).abs() < 5 * se).all()
+    sample = torch.cov(x.T)
+    var_se = ((covariance**2 + covariance.diagonal()[:, None] * covariance.diagonal()[None, :]) / blocks).sqrt()
+    assert ((sample - covariance).abs() < 5 * var_se).all()
