@@ -70,9 +70,9 @@ if wants sto; then
 fi
 if wants diagnose; then
     echo "== diagnoses: the compiled step (dynamo's counters, a profile), then where 16 vectorised chains spend a step"
-    timeout 120 "$PYTHON" benchmarks/diagnose_compiled_step.py --device cuda > "$OUT/compiled_step_gpu.txt" 2>&1
+    timeout 120 "$PYTHON" benchmarks/studies/diagnose_compiled_step.py --device cuda > "$OUT/compiled_step_gpu.txt" 2>&1
     status=$((status | $?))
-    (cd benchmarks && timeout 90 "$PYTHON" diagnose_chains_gpu.py > "$OUT/chains_gpu_profile.txt" 2>&1)
+    (timeout 90 "$PYTHON" benchmarks/studies/diagnose_chains_gpu.py > "$OUT/chains_gpu_profile.txt" 2>&1)
     status=$((status | $?))
 fi
 exit $status

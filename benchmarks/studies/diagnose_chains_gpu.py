@@ -1,6 +1,6 @@
 """Where 16 vectorised SGHMC chains spend a step on a GPU: a torch.profiler table of one run.
 
-    python benchmarks/diagnose_chains_gpu.py            # needs CUDA; about 30 seconds
+    python benchmarks/studies/diagnose_chains_gpu.py            # needs CUDA; about 30 seconds
 
 bench_sgmcmc.py part 2 measures the throughput; this shows the operations behind it for problem (a), logistic
 regression (N = 10⁶, d = 100, B = 1,000): 1 chain and 16 vectorised chains, 200 steps each after a warm-up run,
@@ -11,8 +11,13 @@ host-device synchronisations (``cudaStreamSynchronize``, ``aten::item``, device-
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
-import bench_sgmcmc as bench  # benchmarks/ is on sys.path when a script runs
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: harness and the bench_* scripts
+
+import sys
+
+import bench_sgmcmc as bench
 import torch
 from torch.profiler import ProfilerActivity, profile
 

@@ -1,8 +1,8 @@
 """Why the compiled SG-MCMC step costs what it does: dynamo's counters and a profile of the eager and compiled steps.
 
-    python benchmarks/diagnose_compiled_step.py                  # the CPU: a minute
-    python benchmarks/diagnose_compiled_step.py --device cuda    # a GPU, where the compiled step was slower (3.3 ms
-                                                                 # against 1.4 ms eager on an H200)
+    python benchmarks/studies/diagnose_compiled_step.py                  # the CPU: a minute
+    python benchmarks/studies/diagnose_compiled_step.py --device cuda    # a GPU, where the compiled step was slower
+                                                                         # (3.3 ms against 1.4 ms eager on an H200)
 
 The step of ``bench_step_blackjax.py`` (logistic regression, N = 10⁵, B = 1,000, one chain, noise-corrected SGHMC):
 eager, then under ``model_tracing(compile=True)``; for each, the time per step over blocks of 200 steps, then a
@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import bench_sgmcmc as bench  # noqa: E402  (benchmarks/ is on sys.path when a script runs)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the bench_* scripts
+import bench_sgmcmc as bench  # noqa: E402
 import bench_step_blackjax as step_bench  # noqa: E402
 
 STEPS = 50

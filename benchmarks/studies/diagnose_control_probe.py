@@ -1,6 +1,6 @@
 """The share of the plain gradient noise a control variate ``"auto"`` chose leaves, per model and seed.
 
-    python benchmarks/diagnose_control_probe.py --out benchmarks/results/control_probe.md
+    python benchmarks/studies/diagnose_control_probe.py --out benchmarks/results/control_probe.md
 
 After a run whose control variate ``"auto"`` centred at the mode, the driver measures at the chains' final draws
 the spread of the controlled minibatch gradient as a share of the plain one's
@@ -14,6 +14,11 @@ not check) and how many runs warned.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: harness and the bench_* scripts
+
 import argparse
 import sys
 import time
@@ -21,10 +26,10 @@ import warnings
 from pathlib import Path
 
 import torch
-from bench_accuracy import make  # benchmarks/ is on sys.path
+from bench_accuracy import make
 from harness import load_average, log, machine, write_report
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from pyro_scalable.bridge import ModelBridge  # noqa: E402
 from pyro_scalable.infer import SGHMC, StochasticMCMC  # noqa: E402
@@ -84,7 +89,7 @@ def main() -> None:
         chosen = "/".join(sorted({c for _, _, c in results if c is not None}))
         rows.append(f"| {name} | `{chosen}` | {shares} | {sum(w for _, w, _ in results)}/{args.seeds} |")
         log(rows[-1])
-    command = "python benchmarks/diagnose_control_probe.py " + " ".join(sys.argv[1:])
+    command = "python benchmarks/studies/diagnose_control_probe.py " + " ".join(sys.argv[1:])
     text = "\n".join(
         [
             '# The share of the plain gradient noise left by the control variate "auto" chose',

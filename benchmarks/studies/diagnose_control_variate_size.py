@@ -1,6 +1,6 @@
 """What the control variate at the mode buys, against the number of weights per data point and where the chains are.
 
-    python benchmarks/diagnose_control_variate_size.py --out benchmarks/results/control_variate_size.md
+    python benchmarks/studies/diagnose_control_variate_size.py --out benchmarks/results/control_variate_size.md
 
 A control variate at the mode replaces the minibatch gradient's noise by the noise of its *difference* from the
 gradient at the mode, θ̂. Where the posterior is concentrated (its sd, about 1/√(N·I), small against the scale on
@@ -20,6 +20,11 @@ that found their own way (on a network, other modes). The gradients are hand-wri
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: harness and the bench_* scripts
+
 import argparse
 import math
 import sys
@@ -34,7 +39,7 @@ import torch
 from harness import load_average, log, machine, write_report
 from torch import Tensor
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from pyro_scalable.infer import SGHMC, StochasticMCMC  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "control_variate_size.md"
@@ -181,7 +186,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    command = "python benchmarks/diagnose_control_variate_size.py " + " ".join(sys.argv[1:])
+    command = "python benchmarks/studies/diagnose_control_variate_size.py " + " ".join(sys.argv[1:])
     began = time.perf_counter()
     table = run(args)
     text = "\n".join(

@@ -1,6 +1,6 @@
 """Why the hierarchies mixed badly: warm-up's metric against the exact posterior covariance, two rules side by side.
 
-    python benchmarks/diagnose_metric.py          # about 8 minutes on 2 CPU cores (two NUTS references first)
+    python benchmarks/studies/diagnose_metric.py          # about 8 minutes on 2 CPU cores (two NUTS references first)
 
 For the partial-pooling and the non-centred hierarchical logistic regressions of ``bench_conditioning.py``: a
 reference covariance Σ of the unconstrained latents from Pyro's NUTS (1,000 warm-up, 2,000 draws, full batch), then
@@ -21,6 +21,11 @@ compared. Writes ``benchmarks/results/metric.md``.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: harness and the bench_* scripts
+
 import argparse
 import sys
 import warnings
@@ -28,11 +33,11 @@ from pathlib import Path
 
 import pyro
 import torch
-from bench_conditioning import diagnose, hierarchical_logistic, partial_pooling, unconstrained  # benchmarks/ on path
+from bench_conditioning import diagnose, hierarchical_logistic, partial_pooling, unconstrained
 from harness import log, machine, write_report
 from pyro.infer import MCMC, NUTS
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from pyro_scalable.infer import SGHMC, StochasticMCMC  # noqa: E402
 from pyro_scalable.infer.sgmcmc import metric  # noqa: E402
 
@@ -119,7 +124,7 @@ def main() -> None:
     report = [
         "# Warm-up's dense metric against the exact posterior covariance",
         "",
-        "Command: `python benchmarks/diagnose_metric.py`",
+        "Command: `python benchmarks/studies/diagnose_metric.py`",
         "",
         *machine(args.threads),
         "",

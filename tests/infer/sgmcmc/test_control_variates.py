@@ -755,8 +755,8 @@ def test_the_mode_search_starts_at_the_candidate_with_the_highest_log_joint():
 
 def test_the_control_variates_search_on_a_network_starts_from_a_prior_draw_not_saturated_units(monkeypatch):
     """init_to_uniform's ±2 in every weight saturates a tanh network's units, where L-BFGS crawls; from a draw of the
-    fan-in-scaled prior it converges in a few passes (benchmarks/diagnose_control_variate_size.py's 20-50-50-1 network:
-    81 full-data passes against 14). Asked for at most a third of the passes here."""
+    fan-in-scaled prior it converges in a few passes (benchmarks/studies/diagnose_control_variate_size.py's 20-50-50-1
+    network: 81 full-data passes against 14). Asked for at most a third of the passes here."""
     dims = (20, 50, 50, 1)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(10_000, dims[0], generator=g)

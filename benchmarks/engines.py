@@ -1,0 +1,263 @@
+"""The engines a suite runs: ours at the defaults, and each peer set up as a user would, its set-up counted.
+
+Each :class:`Engine` names the optional packages it imports (``needs``); :func:`missing` says which are absent, and
+the runner then writes a *skipped* cell with that reason, never nothing. An engine's ``run(cell)`` returns its
+figures; the runner adds the time stamps, the load and the memory.
+
+**MCMC engines** (problems with a posterior reference): ours is ``StochasticMCMC(SGHMC(model))`` with every default
+(warm-up 500 steps, 4 vectorised chains, minibatch B = 1,000), re-run with twice the draws (same seed) until it is
+accurate or its next run would pass the budget; its time is the accurate run's wall clock from the constructor on.
+The NUTS peers (Pyro's ``NUTS``, NumPyro's ``NUTS``, BlackJAX's window adaptation + ``nuts``) and NumPyro's
+``HMCECS`` (Taylor proxy at the posterior mode, subsample B = 1,000) run one chain of 500 warm-up iterations and
+500 draws on the full data; their time is that run's, compilation included (a user's first run).
+
+**Laplace engines** (the digits MLP, scored on held-out data): fit at the shared MAP, tune a scalar prior
+precision by the evidence, the linearised (GLM) predictive with the probit link on the test set.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from benchmarks import metrics, problems
+
+__all__ = ["ENGINES", "Cell", "Engine", "missing"]
+
+BATCH, CHAINS, WARMUP, DRAWS = 1000, 4, 500, 500
+
+
+@dataclass
+class Cell:
+    """What an engine is handed: the problem, its data and reference (shared by the suite's cells), seed, budget."""
+
+    problem: problems.Problem | None
+    n: int
+    seed: int
+    budget: float
+    shared: dict = field(default_factory=dict)  # per-suite cache: data, reference, the digits MAP
+
+    @property
+    def data(self) -> problems.Data:
+        key = ("data", self.problem.name, self.n, self.seed)
+        if key not in self.shared:
+            self.shared[key] = self.problem.data(self.n, self.seed)
+        return self.shared[key]
+
+    @property
+    def reference(self) -> dict:
+        key = ("reference", self.problem.name, self.n, self.seed)
+        if key not in self.shared:
+            self.shared[key] = problems.reference(self.problem, self.data)
+        return self.shared[key]
+
+    @property
+    def digits(self) -> dict:
+        if "digits" not in self.shared:
+            self.shared["digits"] = problems.digits(self.seed)
+        return self.shared["digits"]
+
+
+@dataclass(frozen=True)
+class Engine:
+    name: str
+    family: str  # the page's section: "sgmcmc", "laplace"
+    run: Callable[[Cell], dict]
+    needs: tuple[str, ...] = ()
+    description: str = ""
+
+
+def missing(engine: Engine) -> list[str]:
+    return [name for name in engine.needs if importlib.util.find_spec(name) is None]
+
+
+def _scored(cell: Cell, draws: torch.Tensor, seconds: float) -> dict:
+    ref = cell.reference
+    scored = {**metrics.accuracy(draws, ref["mean"], ref["sd"]), **metrics.mixing(draws, seconds)}
+    return {**scored, "reference_ess": round(ref["ess"])}
+
+
+# ---------------------------------------------------------------------------------------------- MCMC
+def _ours_sghmc(cell: Cell) -> dict:
+    from pyro_scalable.infer import SGHMC, StochasticMCMC
+
+    draws, spent = 250, 0.0
+    while True:
+        start = time.perf_counter()
+        mcmc = StochasticMCMC(
+            SGHMC(cell.problem.pyro_model(BATCH)),
+            num_samples=draws,
+            num_warmup=WARMUP,
+            num_chains=CHAINS,
+            seed=cell.seed,
+            progress_bar=False,
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the HealthWarning is judged here against the reference instead
+            mcmc.run(cell.data.x, cell.data.y)
+        seconds = time.perf_counter() - start
+        spent += seconds
+        flat = cell.problem.flatten(mcmc.get_samples(group_by_chain=True))
+        scored = _scored(cell, flat, seconds)
+        if scored["accurate"] or spent + 2 * seconds > cell.budget:
+            break
+        draws *= 2
+    return {"seconds": round(seconds, 2), "draws": f"{draws} × {CHAINS}", "seconds_all_runs": round(spent, 2), **scored}
+
+
+def _pyro_nuts(cell: Cell) -> dict:
+    from pyro.infer import MCMC, NUTS
+
+    pyro_seed(cell.seed)
+    start = time.perf_counter()
+    mcmc = MCMC(NUTS(cell.problem.pyro_model()), num_samples=DRAWS, warmup_steps=WARMUP, disable_progbar=True)
+    mcmc.run(cell.data.x, cell.data.y)
+    seconds = time.perf_counter() - start
+    flat = cell.problem.flatten(mcmc.get_samples(group_by_chain=True))
+    return {"seconds": round(seconds, 2), "draws": f"{DRAWS} × 1", **_scored(cell, flat, seconds)}
+
+
+def pyro_seed(seed: int) -> None:
+    import pyro
+
+    pyro.set_rng_seed(seed)
+
+
+def _jax_data(cell: Cell) -> tuple:
+    import jax.numpy as jnp
+
+    return jnp.asarray(cell.data.x.numpy()), jnp.asarray(cell.data.y.numpy())
+
+
+def _numpyro_run(cell: Cell, kernel, extra: dict) -> dict:
+    import jax
+    from numpyro.infer import MCMC
+
+    start = time.perf_counter()
+    mcmc = MCMC(kernel, num_warmup=WARMUP, num_samples=DRAWS, num_chains=1, progress_bar=False)
+    mcmc.run(jax.random.PRNGKey(cell.seed), *_jax_data(cell))
+    samples = jax.device_get(mcmc.get_samples(group_by_chain=True))
+    seconds = time.perf_counter() - start
+    flat = cell.problem.flatten({k: torch.from_numpy(v.copy()) for k, v in samples.items()})
+    return {"seconds": round(seconds, 2), "draws": f"{DRAWS} × 1", **extra, **_scored(cell, flat, seconds)}
+
+
+def _numpyro_nuts(cell: Cell) -> dict:
+    from numpyro.infer import NUTS
+
+    return _numpyro_run(cell, NUTS(cell.problem.numpyro_model()), {})
+
+
+def _hmcecs(cell: Cell) -> dict:
+    import jax.numpy as jnp
+    from numpyro.infer import HMCECS, NUTS
+    from numpyro.infer.hmc_gibbs import taylor_proxy
+
+    mode = cell.reference["mode"] if "mode" in cell.reference else cell.reference["mean"]
+    reference = {"w": jnp.asarray(mode[: cell.problem.d].float().numpy())}
+    if "scale" in cell.problem.sites:
+        reference["scale"] = jnp.exp(jnp.asarray(float(mode[-1])))
+    kernel = HMCECS(NUTS(cell.problem.numpyro_model(BATCH)), num_blocks=100, proxy=taylor_proxy(reference, degree=2))
+    return _numpyro_run(cell, kernel, {"subsample": BATCH})
+
+
+def _blackjax_nuts(cell: Cell) -> dict:
+    import blackjax
+    import jax
+    from numpyro.infer.util import initialize_model
+
+    start = time.perf_counter()
+    key = jax.random.PRNGKey(cell.seed)
+    init_key, warm_key, sample_key = jax.random.split(key, 3)
+    info = initialize_model(init_key, cell.problem.numpyro_model(), model_args=_jax_data(cell), dynamic_args=False)
+
+    def logdensity(position):
+        return -info.potential_fn(position)
+
+    adaptation = blackjax.window_adaptation(blackjax.nuts, logdensity)
+    (state, parameters), _ = adaptation.run(warm_key, info.param_info.z, num_steps=WARMUP)
+    kernel = blackjax.nuts(logdensity, **parameters)
+
+    def one_step(state, step_key):
+        state, _ = kernel.step(step_key, state)
+        return state, state.position
+
+    _, positions = jax.lax.scan(one_step, state, jax.random.split(sample_key, DRAWS))
+    positions = jax.device_get(positions)
+    seconds = time.perf_counter() - start
+    latents = {k: torch.from_numpy(v.copy())[None] for k, v in positions.items()}  # one chain
+    flat = cell.problem.flatten(latents, constrained=False)
+    return {"seconds": round(seconds, 2), "draws": f"{DRAWS} × 1", **_scored(cell, flat, seconds)}
+
+
+# ---------------------------------------------------------------------------------------------- Laplace
+def _laplace_ours(structure: str) -> Callable[[Cell], dict]:
+    def run(cell: Cell) -> dict:
+        from pyro_scalable.infer import AutoLinearizedLaplace
+
+        digits = cell.digits
+        start = time.perf_counter()
+        guide = AutoLinearizedLaplace(problems.pyro_network())
+        posterior = guide.laplace_approximation(
+            digits["x"], digits["y"], structure=structure, map_latents=digits["latents"], chunk_size=256
+        )
+        posterior.optimize_prior_precision("scalar")
+        probs = posterior.predict(digits["x_test"], link_approx="probit").distribution.probs.detach()
+        seconds = time.perf_counter() - start
+        prior = float(posterior.prior_precision.flatten()[0])
+        return {"seconds": round(seconds, 2), "prior_precision": round(prior, 4), **_calibrated(probs, digits)}
+
+    return run
+
+
+def _laplace_torch(structure: str) -> Callable[[Cell], dict]:
+    def run(cell: Cell) -> dict:
+        import laplace
+        from torch.utils.data import DataLoader, TensorDataset
+
+        digits = cell.digits
+        net = problems.network()
+        net.load_state_dict(digits["net"].state_dict())
+        start = time.perf_counter()
+        la = laplace.Laplace(net, "classification", hessian_structure=structure, prior_precision=problems.DIGITS_PRIOR)
+        la.fit(DataLoader(TensorDataset(digits["x"], digits["y"]), batch_size=256))
+        la.optimize_prior_precision(pred_type="glm", method="marglik", prior_structure="scalar")
+        probs = torch.cat([la(x, pred_type="glm", link_approx="probit") for x in digits["x_test"].split(256)])
+        seconds = time.perf_counter() - start
+        prior = float(la.prior_precision.flatten()[0])
+        return {"seconds": round(seconds, 2), "prior_precision": round(prior, 4), **_calibrated(probs, digits)}
+
+    return run
+
+
+def _map(cell: Cell) -> dict:
+    digits = cell.digits
+    with torch.no_grad():
+        probs = torch.softmax(digits["net"](digits["x_test"]), -1)
+    return {"seconds": 0.0, **_calibrated(probs, digits)}
+
+
+def _calibrated(probs: torch.Tensor, digits: dict) -> dict:
+    return metrics.calibration(probs.detach(), digits["y_test"])
+
+
+ENGINES: dict[str, Engine] = {
+    e.name: e
+    for e in (
+        Engine("ours-sghmc", "sgmcmc", _ours_sghmc, (), "StochasticMCMC(SGHMC(model)), defaults, 4 chains"),
+        Engine("pyro-nuts", "sgmcmc", _pyro_nuts, (), "pyro.infer.NUTS, full batch, no JIT"),
+        Engine("numpyro-nuts", "sgmcmc", _numpyro_nuts, ("numpyro", "jax"), "numpyro.infer.NUTS, jitted"),
+        Engine("blackjax-nuts", "sgmcmc", _blackjax_nuts, ("blackjax", "numpyro", "jax"), "window adaptation + nuts"),
+        Engine("numpyro-hmcecs", "sgmcmc", _hmcecs, ("numpyro", "jax"), "HMCECS, Taylor proxy, B = 1,000"),
+        Engine("map", "laplace", _map, ("sklearn",), "the MAP network alone"),
+        Engine("ours-laplace-kron", "laplace", _laplace_ours("kron"), ("sklearn",), "AutoLinearizedLaplace, kron"),
+        Engine("ours-laplace-diag", "laplace", _laplace_ours("diag"), ("sklearn",), "AutoLinearizedLaplace, diag"),
+        Engine("laplace-torch-kron", "laplace", _laplace_torch("kron"), ("laplace", "sklearn"), "Laplace, kron"),
+        Engine("laplace-torch-diag", "laplace", _laplace_torch("diag"), ("laplace", "sklearn"), "Laplace, diag"),
+    )
+}

@@ -1,0 +1,93 @@
+"""The page's tables, made from the latest records: ``python -m benchmarks render`` rewrites them in place.
+
+A table sits between ``<!-- table: <suite> -->`` and ``<!-- end table -->`` in ``docs/benchmarks.md``; a filter
+such as ``<!-- table: peers problem=logistic -->`` keeps the rows whose field has that value (``where`` is the
+record's device). ``tests/test_benchmarks_page.py`` fails when a table on the page is not what this renders.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from benchmarks import records
+from benchmarks.suites import SUITES
+
+__all__ = ["PAGE", "render_page", "table"]
+
+PAGE = records.ROOT / "docs" / "benchmarks.md"
+MARK = re.compile(r"(<!-- table: ([\w-]+)((?: [\w-]+=[^\s>]+)*) -->\n)(.*?)(<!-- end table -->)", flags=re.S)
+
+
+def _matches(record: dict, filters: dict[str, str]) -> bool:
+    for key, value in filters.items():
+        found = record.get("machine", {}).get("device", "cpu") if key == "where" else record.get(key)
+        if str(found) != value:
+            return False
+    return True
+
+
+def _order(suite, record: dict) -> tuple:
+    engines = list(suite.engines)
+    base = record["engine"].removesuffix(" (compiled)")  # a transcribed second run sits under its first
+    rank = engines.index(base) + 0.5 * (base != record["engine"]) if base in engines else len(engines)
+    device = record.get("machine", {}).get("device", "cpu")
+    return str(record["problem"]), record["n"], device != "cpu", device, rank
+
+
+def posteriordb_totals() -> str:
+    """Verdicts per engine and priors over ``benchmarks/bench_posteriordb.py``'s latest cells (its own record shape)."""
+    cells: dict[tuple, dict] = {}
+    for record in records.load("posteriordb"):
+        cells[record["posterior"], record["engine"], record["priors"], record["seed"]] = record
+    engines = list(dict.fromkeys(key[1] for key in cells))
+    groups = (("the 26 regressions", ("regression",)), ("the other 6", ("time-series", "hmm", "gp")))
+    verdicts = ("PASS", "WARNED", "SILENT", "REFUSED", "ERROR")
+    lines = [
+        "| engine | priors | posteriors | seeds | " + " | ".join(verdicts) + " |",
+        "|---|---|---|---|" + "---:|" * 5,
+    ]
+    for engine in engines:
+        for priors in ("stated", "weak"):
+            for label, kinds in groups:
+                chosen = [r for k, r in cells.items() if k[1] == engine and k[2] == priors and r["kind"] in kinds]
+                if chosen:
+                    found = [r["verdict"] for r in chosen]
+                    seeds = ", ".join(str(seed) for seed in sorted({r["seed"] for r in chosen}))
+                    counts = " | ".join(str(found.count(v)) for v in verdicts)
+                    lines.append(f"| {engine} | {priors} | {label} | {seeds} | {counts} |")
+    return "\n".join(lines) + "\n"
+
+
+def table(name: str, filters: dict[str, str] | None = None) -> str:
+    """The Markdown table of suite ``name``'s latest records (those matching ``filters``)."""
+    if name == "posteriordb":
+        return posteriordb_totals()
+    suite = SUITES[name]
+    rows = [r for r in records.latest(name) if _matches(r, filters or {})]
+    rows.sort(key=lambda r: _order(suite, r))
+    lines = ["| " + " | ".join(c.title for c in suite.columns) + " |", "|" + "---|" * len(suite.columns)]
+    lines += ["| " + " | ".join(c.show(r).replace("|", "\\|") for c in suite.columns) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def render_page(text: str) -> str:
+    def replace(match: re.Match) -> str:
+        filters = dict(item.split("=", 1) for item in match.group(3).split())
+        return match.group(1) + table(match.group(2), filters) + match.group(5)
+
+    return MARK.sub(replace, text)
+
+
+def tables_on(text: str) -> list[tuple[str, str, str]]:
+    """(suite, filter text, table as the page has it) for each marked table of ``text``."""
+    return [(m.group(2), m.group(3).strip(), m.group(4)) for m in MARK.finditer(text)]
+
+
+def write(page: Path = PAGE) -> bool:
+    """Rewrite the page's tables; whether anything changed."""
+    text = page.read_text(encoding="utf-8")
+    new = render_page(text)
+    if new != text:
+        page.write_text(new, encoding="utf-8")
+    return new != text

@@ -1,0 +1,132 @@
+"""The suites: named cells of the grid problems × sizes × engines, and the columns of the table each renders.
+
+A suite has a ``smoke`` size (a minute or two on 2 CPU cores: what ``python -m benchmarks run <suite>`` does) and a
+``full`` size (``--size full``: the sizes the page's claims are about, tens of minutes on a CPU). Records of either
+go to ``benchmarks/results/<suite>/cells.jsonl``; the page shows the latest record of each cell.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+__all__ = ["SUITES", "Column", "Suite"]
+
+MCMC_ENGINES = ("ours-sghmc", "numpyro-nuts", "blackjax-nuts", "numpyro-hmcecs", "pyro-nuts")
+LAPLACE_ENGINES = ("map", "ours-laplace-kron", "laplace-torch-kron", "ours-laplace-diag", "laplace-torch-diag")
+
+
+@dataclass(frozen=True)
+class Column:
+    title: str
+    show: Callable[[dict], str]
+
+
+@dataclass(frozen=True)
+class Suite:
+    name: str
+    title: str
+    sizes: dict[str, tuple[tuple[str | None, int], ...]]  # size name -> (problem, n) pairs
+    engines: tuple[str, ...]
+    columns: tuple[Column, ...]
+    budget: float = 120.0  # seconds for ours' doubling runs, per cell
+
+    def cells(self, size: str) -> list[tuple[str | None, int, str]]:
+        return [(problem, n, engine) for problem, n in self.sizes[size] for engine in self.engines]
+
+
+def _m(key: str, spec: str = "", scale: float = 1.0, suffix: str = "") -> Callable[[dict], str]:
+    def show(record: dict) -> str:
+        value = record.get("metrics", {}).get(key)
+        if value is None:
+            return "–"
+        if isinstance(value, bool):
+            return "yes" if value else "**no**"
+        if isinstance(value, str):
+            return value
+        return f"{value * scale:{spec}}{suffix}"
+
+    return show
+
+
+def _seconds(record: dict) -> str:
+    if record["status"] != "ok":
+        return f"{record['status']}: {record.get('reason', '')}"
+    return _m("seconds", ",.1f")(record)
+
+
+def _n(record: dict) -> str:
+    n = record["n"]
+    if not n:
+        return "–"
+    exponent = len(str(n)) - 1
+    return f"10{str(exponent).translate(str.maketrans('0123456789', '⁰¹²³⁴⁵⁶⁷⁸⁹'))}" if n == 10**exponent else f"{n:,}"
+
+
+def _where(record: dict) -> str:
+    machine = record.get("machine", {})
+    return f"{machine.get('device', 'cpu')}, {machine.get('threads', '?')} thr."
+
+
+def _load(record: dict) -> str:
+    load = record.get("load", {})
+    start, end = load.get("start"), load.get("end")
+    return "–" if start is None else f"{start[0]:.1f} → {end[0]:.1f}" if end else f"{start[0]:.1f}"
+
+
+def _source(record: dict) -> str:
+    return "transcribed" if record.get("provenance", "measured") != "measured" else record.get("date", "")[:10]
+
+
+MCMC_COLUMNS = (
+    Column("problem", lambda r: r["problem"]),
+    Column("N", _n),
+    Column("engine", lambda r: r["engine"]),
+    Column("where", _where),
+    Column("seconds", _seconds),
+    Column("draws", _m("draws")),
+    Column("accurate", _m("accurate")),
+    Column("mean error (sd)", _m("mean_error_sd", ".2f")),
+    Column("sd error", _m("sd_error", ".0%")),
+    Column("least ESS", _m("ess_min", ",.0f")),
+    Column("ESS/s", _m("ess_per_s", ",.1f")),
+    Column("r_hat", _m("r_hat_max", ".3f")),
+    Column("load", _load),
+    Column("record", _source),
+)
+
+LAPLACE_COLUMNS = (
+    Column("engine", lambda r: r["engine"]),
+    Column("where", _where),
+    Column("seconds (fit + tune + predict)", _seconds),
+    Column("extra memory (MB)", lambda r: "–" if r.get("peak_mb") is None else f"{r['peak_mb']:.0f}"),
+    Column("prior precision", _m("prior_precision", ".3g")),
+    Column("test NLL", _m("nll", ".3f")),
+    Column("ECE", _m("ece", ".3f")),
+    Column("accuracy", _m("test_accuracy", ".1%")),
+    Column("load", _load),
+    Column("record", _source),
+)
+
+SUITES: dict[str, Suite] = {
+    s.name: s
+    for s in (
+        Suite(
+            "peers",
+            "SG-MCMC against NUTS (Pyro, NumPyro, BlackJAX) and NumPyro's HMCECS: time to accuracy",
+            {
+                "smoke": (("logistic", 10**4), ("regression", 10**4)),
+                "full": (("logistic", 10**5), ("regression", 10**5), ("logistic", 10**6), ("regression", 10**6)),
+            },
+            MCMC_ENGINES,
+            MCMC_COLUMNS,
+        ),
+        Suite(
+            "laplace",
+            "Linearised Laplace against laplace-torch on digits: cost, memory, calibration",
+            {"smoke": ((None, 0),), "full": ((None, 0),)},
+            LAPLACE_ENGINES,
+            LAPLACE_COLUMNS,
+        ),
+    )
+}
