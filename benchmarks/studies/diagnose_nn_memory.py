@@ -7,8 +7,8 @@ copies of the network would need at least. For contrast, the same network with e
 copies are the point). Each cell runs in its own process with every block of 128 KB or more mapped on its own
 (``MALLOC_MMAP_THRESHOLD_=131072``), so that resident memory is memory in use; one torch thread.
 
-    python benchmarks/diagnose_nn_memory.py                 # width 2048, K = 1, 2, 4, 8: ~2 min
-    python benchmarks/diagnose_nn_memory.py --width 1024 --chains 1 4
+    python benchmarks/studies/diagnose_nn_memory.py                 # width 2048, K = 1, 2, 4, 8: ~2 min
+    python benchmarks/studies/diagnose_nn_memory.py --width 1024 --chains 1 4
 
 Prints a Markdown table (docs/nn.md quotes it).
 """
