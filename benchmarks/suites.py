@@ -52,7 +52,8 @@ def _m(key: str, spec: str = "", scale: float = 1.0, suffix: str = "") -> Callab
 def _seconds(record: dict) -> str:
     if record["status"] != "ok":
         return f"{record['status']}: {record.get('reason', '')}"
-    return _m("seconds", ",.1f")(record)
+    mark = " †" if record.get("provenance", "measured") != "measured" else ""  # † transcribed from an older file
+    return _m("seconds", ",.1f")(record) + mark
 
 
 def _n(record: dict) -> str:
@@ -88,11 +89,9 @@ MCMC_COLUMNS = (
     Column("accurate", _m("accurate")),
     Column("mean error (sd)", _m("mean_error_sd", ".2f")),
     Column("sd error", _m("sd_error", ".0%")),
-    Column("least ESS", _m("ess_min", ",.0f")),
     Column("ESS/s", _m("ess_per_s", ",.1f")),
     Column("r_hat", _m("r_hat_max", ".3f")),
     Column("load", _load),
-    Column("record", _source),
 )
 
 LAPLACE_COLUMNS = (
@@ -105,7 +104,7 @@ LAPLACE_COLUMNS = (
     Column("ECE", _m("ece", ".3f")),
     Column("accuracy", _m("test_accuracy", ".1%")),
     Column("load", _load),
-    Column("record", _source),
+    Column("measured", _source),
 )
 
 SUITES: dict[str, Suite] = {
@@ -119,6 +118,13 @@ SUITES: dict[str, Suite] = {
                 "full": (("logistic", 10**5), ("regression", 10**5), ("logistic", 10**6), ("regression", 10**6)),
             },
             MCMC_ENGINES,
+            MCMC_COLUMNS,
+        ),
+        Suite(
+            "exact",
+            "Every engine against an exact Gaussian posterior (linear regression, d = 100, known noise)",
+            {"smoke": (("linear", 10**4),), "full": (("linear", 10**5),)},
+            ("ours-sto", "ours-sghmc", "numpyro-nuts", "blackjax-nuts", "pyro-nuts"),
             MCMC_COLUMNS,
         ),
         Suite(
