@@ -3,9 +3,9 @@
 A ``BayesianNetwork`` over an MLP whose hidden layers are fixed (d_F parameters) and whose last layer is random
 (d_R), sampled by ``StochasticMCMC(SGHMC(model), num_chains=K)`` (one ``torch.func.vmap`` over chains): the peak
 resident memory of ``run`` above the memory before it, against the fixed part's size × K, which a run holding K
-copies of the network would need at least. For contrast, the same network with every parameter random (where K
-copies are the point). Each cell runs in its own process with every block of 128 KB or more mapped on its own
-(``MALLOC_MMAP_THRESHOLD_=131072``), so that resident memory is memory in use; one torch thread.
+copies of the network would need at least. For contrast (``--all-random``), the same network with every parameter
+random, where K copies are the point. Each cell runs in its own process with every block of 128 KB or more mapped
+on its own (``MALLOC_MMAP_THRESHOLD_=131072``), so that resident memory is memory in use; one torch thread.
 
     python benchmarks/studies/diagnose_nn_memory.py                 # width 2048, K = 1, 2, 4, 8: ~2 min
     python benchmarks/studies/diagnose_nn_memory.py --width 1024 --chains 1 4
@@ -73,6 +73,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--chains", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument(
+        "--all-random", type=int, nargs="*", default=[], metavar="K",
+        help="also these K with every parameter random (GBs at width 2048: e.g. --width 1024 --all-random 1 4)",
+    )  # fmt: skip
     parser.add_argument("--worker", nargs=4, metavar=("WIDTH", "K", "RANDOM", "SAMPLES"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -83,16 +87,16 @@ def main() -> None:
     print(f"width {args.width}, minibatch 32, SGHMC, 5 warm-up steps; MB = 2^20 bytes\n")
     print("| random | K | draws kept | fixed part × K (MB) | random part × K (MB) | peak above before `run` (MB) |")
     print("|---|---|---|---|---|---|")
-    for random, samples in (("last_layer", 20), ("all", 1)):
-        for chains in args.chains:
-            command = [sys.executable, __file__, "--worker", str(args.width), str(chains), random, str(samples)]
-            out = subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout
-            cell = json.loads(out.strip().splitlines()[-1])
-            print(
-                f"| {random} | {chains} | {samples} | {cell['fixed_mb'] * chains:.1f} | "
-                f"{cell['random_mb'] * chains:.2f} | {cell['peak_above_mb']:.1f} |",
-                flush=True,
-            )
+    cells = [("last_layer", 20, k) for k in args.chains] + [("all", 1, k) for k in args.all_random]
+    for random, samples, chains in cells:
+        command = [sys.executable, __file__, "--worker", str(args.width), str(chains), random, str(samples)]
+        out = subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout
+        cell = json.loads(out.strip().splitlines()[-1])
+        print(
+            f"| {random} | {chains} | {samples} | {cell['fixed_mb'] * chains:.1f} | "
+            f"{cell['random_mb'] * chains:.2f} | {cell['peak_above_mb']:.1f} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":
