@@ -60,6 +60,13 @@ class Cell:
             self.shared[key] = problems.reference(self.problem, self.data)
         return self.shared[key]
 
+    def prepare(self, family: str) -> None:
+        """Make the shared inputs before the cell is timed: its time and memory are then the engine's alone."""
+        if self.problem is not None:
+            self.reference  # noqa: B018 (the data and the reference, cached in ``shared``)
+        if family == "laplace":
+            self.digits  # noqa: B018
+
     @property
     def digits(self) -> dict:
         if "digits" not in self.shared:
@@ -243,7 +250,13 @@ def _laplace_torch(structure: str) -> Callable[[Cell], dict]:
         net = problems.network()
         net.load_state_dict(digits["net"].state_dict())
         start = time.perf_counter()
-        la = laplace.Laplace(net, "classification", hessian_structure=structure, prior_precision=problems.DIGITS_PRIOR)
+        la = laplace.Laplace(  # its default subset is the last layer; ours fits all weights, and so must it
+            net,
+            "classification",
+            subset_of_weights="all",
+            hessian_structure=structure,
+            prior_precision=problems.DIGITS_PRIOR,
+        )
         la.fit(DataLoader(TensorDataset(digits["x"], digits["y"]), batch_size=256))
         la.optimize_prior_precision(pred_type="glm", method="marglik", prior_structure="scalar")
         probs = torch.cat([la(x, pred_type="glm", link_approx="probit") for x in digits["x_test"].split(256)])
@@ -258,7 +271,7 @@ def _map(cell: Cell) -> dict:
     digits = cell.digits
     with torch.no_grad():
         probs = torch.softmax(digits["net"](digits["x_test"]), -1)
-    return {"seconds": 0.0, **_calibrated(probs, digits)}
+    return _calibrated(probs, digits)  # the MAP is trained before the cell: no time of its own here
 
 
 def _calibrated(probs: torch.Tensor, digits: dict) -> dict:

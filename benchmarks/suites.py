@@ -49,11 +49,14 @@ def _m(key: str, spec: str = "", scale: float = 1.0, suffix: str = "") -> Callab
     return show
 
 
-def _seconds(record: dict) -> str:
-    if record["status"] != "ok":
-        return f"{record['status']}: {record.get('reason', '')}"
-    mark = " †" if record.get("provenance", "measured") != "measured" else ""  # † transcribed from an older file
-    return _m("seconds", ",.1f")(record) + mark
+def _seconds(spec: str) -> Callable[[dict], str]:
+    def show(record: dict) -> str:
+        if record["status"] != "ok":
+            return f"{record['status']}: {record.get('reason', '')}"
+        mark = " †" if record.get("provenance", "measured") != "measured" else ""  # † transcribed from an older file
+        return _m("seconds", spec)(record) + mark
+
+    return show
 
 
 def _n(record: dict) -> str:
@@ -84,7 +87,7 @@ MCMC_COLUMNS = (
     Column("N", _n),
     Column("engine", lambda r: r["engine"]),
     Column("where", _where),
-    Column("seconds", _seconds),
+    Column("seconds", _seconds(",.1f")),
     Column("draws", _m("draws")),
     Column("accurate", _m("accurate")),
     Column("mean error (sd)", _m("mean_error_sd", ".2f")),
@@ -97,7 +100,7 @@ MCMC_COLUMNS = (
 LAPLACE_COLUMNS = (
     Column("engine", lambda r: r["engine"]),
     Column("where", _where),
-    Column("seconds (fit + tune + predict)", _seconds),
+    Column("seconds (fit + tune + predict)", _seconds(",.2f")),
     Column("extra memory (MB)", lambda r: "–" if r.get("peak_mb") is None else f"{r['peak_mb']:.0f}"),
     Column("prior precision", _m("prior_precision", ".3g")),
     Column("test NLL", _m("nll", ".3f")),
