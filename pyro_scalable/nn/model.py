@@ -160,7 +160,13 @@ class BayesianNetwork:
         """The number of random scalars (the random parameters' elements, without the noise scale)."""
         return sum(prior.event_shape.numel() for prior in self.priors.values())
 
-    def __call__(self, x: Tensor | Mapping[str, Tensor], y: Tensor | None = None, *, batch_size: Any = "default"):
+    def __call__(
+        self,
+        x: Tensor | Mapping[str, Tensor],
+        y: Tensor | None = None,
+        *,
+        batch_size: int | None | Literal["default"] = "default",
+    ) -> Tensor:
         """Run the model on ``x`` (a tensor, or a dict passed as keyword arguments) and condition on ``y``.
 
         ``batch_size`` overrides the constructor's for this call (``None``: every row; e.g. a MAP search by SVI).
