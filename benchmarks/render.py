@@ -66,8 +66,11 @@ def table(name: str, filters: dict[str, str] | None = None) -> str:
     suite = SUITES[name]
     rows = [r for r in records.latest(name) if _matches(r, filters or {})]
     rows.sort(key=lambda r: _order(suite, r))
-    lines = ["| " + " | ".join(c.title for c in suite.columns) + " |", "|" + "---|" * len(suite.columns)]
-    lines += ["| " + " | ".join(c.show(r).replace("|", "\\|") for c in suite.columns) + " |" for r in rows]
+    columns = [
+        c for c in suite.columns if not (c.collapsible and len(rows) > 1 and len({c.show(r) for r in rows}) == 1)
+    ]
+    lines = ["| " + " | ".join(c.title for c in columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(c.show(r).replace("|", "\\|") for c in columns) + " |" for r in rows]
     return "\n".join(lines) + "\n"
 
 

@@ -20,6 +20,7 @@ LAPLACE_ENGINES = ("map", "ours-laplace-kron", "laplace-torch-kron", "ours-lapla
 class Column:
     title: str
     show: Callable[[dict], str]
+    collapsible: bool = False  # left out of a table in which every row shows the same (a filter already says it)
 
 
 @dataclass(frozen=True)
@@ -83,15 +84,15 @@ def _source(record: dict) -> str:
 
 
 MCMC_COLUMNS = (
-    Column("problem", lambda r: r["problem"]),
-    Column("N", _n),
+    Column("problem", lambda r: r["problem"], collapsible=True),
+    Column("N", _n, collapsible=True),
     Column("engine", lambda r: r["engine"]),
-    Column("where", _where),
+    Column("where", _where, collapsible=True),
     Column("seconds", _seconds(",.1f")),
     Column("draws", _m("draws")),
     Column("accurate", _m("accurate")),
-    Column("mean error (sd)", _m("mean_error_sd", ".2f")),
-    Column("sd error", _m("sd_error", ".0%")),
+    Column("mean err. (sd)", _m("mean_error_sd", ".2f")),
+    Column("sd err.", _m("sd_error", ".0%")),
     Column("ESS/s", _m("ess_per_s", ",.1f")),
     Column("r_hat", _m("r_hat_max", ".3f")),
     Column("load", _load),
@@ -99,7 +100,7 @@ MCMC_COLUMNS = (
 
 LAPLACE_COLUMNS = (
     Column("engine", lambda r: r["engine"]),
-    Column("where", _where),
+    Column("where", _where, collapsible=True),
     Column("seconds (fit + tune + predict)", _seconds(",.2f")),
     Column("extra memory (MB)", lambda r: "–" if r.get("peak_mb") is None else f"{r['peak_mb']:.0f}"),
     Column("prior precision", _m("prior_precision", ".3g")),
