@@ -62,3 +62,24 @@ def test_a_changed_record_makes_the_page_stale(tmp_path, monkeypatch):
     (tmp_path / suite / "cells.jsonl").write_text("\n".join([*lines[:-1], json.dumps(last)]) + "\n")
     monkeypatch.setattr(records, "RESULTS", tmp_path)
     assert render.render_page(PAGE) != PAGE
+
+
+def test_a_missing_peer_is_a_skipped_cell_not_a_silent_one():
+    from benchmarks.__main__ import _run_cell
+    from benchmarks.engines import Cell, Engine
+
+    engine = Engine("absent-peer", "sgmcmc", lambda cell: {}, needs=("no_such_package_here",))
+    record = _run_cell(engine, Cell(PROBLEMS["logistic"], 100, 0, 1.0), {"commit": "x"})
+    assert record["status"] == "skipped" and "no_such_package_here" in record["reason"], record
+
+
+def test_a_failing_engine_is_a_failed_cell_with_its_reason():
+    from benchmarks.__main__ import _run_cell
+    from benchmarks.engines import Cell, Engine
+
+    def broken(cell):
+        raise RuntimeError("the peer broke")
+
+    record = _run_cell(Engine("broken", "sgmcmc", broken), Cell(None, 0, 0, 1.0), {"commit": "x"})
+    assert record["status"] == "failed" and "the peer broke" in record["reason"], record
+    assert {"start", "end"} <= set(record["load"])
