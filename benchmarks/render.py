@@ -59,6 +59,12 @@ def posteriordb_totals() -> str:
     return "\n".join(lines) + "\n"
 
 
+def _collapsed(column, rows: list[dict]) -> bool:
+    """Whether to leave ``column`` out: no row has a figure in it, or (if collapsible) every row shows the same."""
+    shown = {column.show(r) for r in rows}
+    return bool(rows) and (shown == {"–"} or (column.collapsible and len(rows) > 1 and len(shown) == 1))
+
+
 def table(name: str, filters: dict[str, str] | None = None) -> str:
     """The Markdown table of suite ``name``'s latest records (those matching ``filters``)."""
     if name == "posteriordb":
@@ -66,9 +72,7 @@ def table(name: str, filters: dict[str, str] | None = None) -> str:
     suite = SUITES[name]
     rows = [r for r in records.latest(name) if _matches(r, filters or {})]
     rows.sort(key=lambda r: _order(suite, r))
-    columns = [
-        c for c in suite.columns if not (c.collapsible and len(rows) > 1 and len({c.show(r) for r in rows}) == 1)
-    ]
+    columns = [c for c in suite.columns if not _collapsed(c, rows)]
     lines = ["| " + " | ".join(c.title for c in columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(c.show(r).replace("|", "\\|") for c in columns) + " |" for r in rows]
     return "\n".join(lines) + "\n"

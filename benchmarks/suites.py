@@ -44,7 +44,7 @@ def _m(key: str, spec: str = "", scale: float = 1.0, suffix: str = "") -> Callab
         if isinstance(value, bool):
             return "yes" if value else "**no**"
         if isinstance(value, str):
-            return value
+            return value.replace(" × ", "\u00a0×\u00a0")  # "1000 × 4" stays on one line
         return f"{value * scale:{spec}}{suffix}"
 
     return show
@@ -54,7 +54,8 @@ def _seconds(spec: str) -> Callable[[dict], str]:
     def show(record: dict) -> str:
         if record["status"] != "ok":
             return f"{record['status']}: {record.get('reason', '')}"
-        mark = " †" if record.get("provenance", "measured") != "measured" else ""  # † transcribed from an older file
+        # † transcribed from an older file
+        mark = "\u00a0†" if record.get("provenance", "measured") != "measured" else ""
         return _m("seconds", spec)(record) + mark
 
     return show
@@ -70,13 +71,13 @@ def _n(record: dict) -> str:
 
 def _where(record: dict) -> str:
     machine = record.get("machine", {})
-    return f"{machine.get('device', 'cpu')}, {machine.get('threads', '?')} thr."
+    return f"{machine.get('device', 'cpu')}, {machine.get('threads', '?')}\u00a0thr."
 
 
 def _load(record: dict) -> str:
     load = record.get("load", {})
     start, end = load.get("start"), load.get("end")
-    return "–" if start is None else f"{start[0]:.1f} → {end[0]:.1f}" if end else f"{start[0]:.1f}"
+    return "–" if start is None else f"{start[0]:.1f}\u00a0→\u00a0{end[0]:.1f}" if end else f"{start[0]:.1f}"
 
 
 def _source(record: dict) -> str:
