@@ -20,10 +20,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: harness and the bench_* scripts
 
 import argparse
-import sys
 import time
 import warnings
-from pathlib import Path
 
 import torch
 from bench_accuracy import make

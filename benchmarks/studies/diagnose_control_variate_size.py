@@ -27,11 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: har
 
 import argparse
 import math
-import sys
 import time
 import warnings
 from collections.abc import Callable
-from pathlib import Path
 
 import pyro
 import pyro.distributions as dist

@@ -27,9 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: harness and the bench_* scripts
 
 import argparse
-import sys
 import warnings
-from pathlib import Path
 
 import pyro
 import torch

@@ -9,28 +9,31 @@ sampler moved them.
 ``git archive <commit> pyro_scalable | tar -x -C .base``), so that before and after run the same script on the same
 machine:
 
-    python benchmarks/bench_friction.py --out benchmarks/results/friction.md                       # this tree
-    python benchmarks/bench_friction.py --package .base --commit <commit> \
+    python benchmarks/studies/bench_friction.py --out benchmarks/results/friction.md                       # this tree
+    python benchmarks/studies/bench_friction.py --package .base --commit <commit> \
         --out benchmarks/results/friction_before.md
-    python benchmarks/bench_friction.py --kernels SGHMC --draws 5000   # longer runs, in about NUTS's time
-    python benchmarks/bench_friction.py --kernels SGHMC --draws 10000 --models hierarchical_logistic
+    python benchmarks/studies/bench_friction.py --kernels SGHMC --draws 5000   # longer runs, in about NUTS's time
+    python benchmarks/studies/bench_friction.py --kernels SGHMC --draws 10000 --models hierarchical_logistic
 
 About four minutes each on 2 CPU cores. NUTS is not run (its figures are in ``conditioning.md``).
 """
 
 from __future__ import annotations
 
-import argparse
-import statistics
 import sys
-import time
-import warnings
 from pathlib import Path
 
-import torch
-from harness import add_package_arguments, log, machine, use_package, write_report  # benchmarks/ is on sys.path
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: harness and the bench_* scripts
 
-HERE = Path(__file__).resolve().parent
+import argparse
+import statistics
+import time
+import warnings
+
+import torch
+from harness import add_package_arguments, log, machine, use_package, write_report
+
+HERE = Path(__file__).resolve().parents[1]  # benchmarks/
 SEEDS = (0, 1, 2)
 
 
@@ -60,7 +63,7 @@ def main() -> None:
         f"# The hierarchies under three seeds, warm-up's defaults: {args.kernels.replace(',', ' and ')}, "
         f"{args.draws:,} draws per chain, models {args.models}, package {args.commit or 'of this checkout'}",
         "",
-        f"Command: `python benchmarks/bench_friction.py{option}` (package from `{package}`{origin})",
+        f"Command: `python benchmarks/studies/bench_friction.py{option}` (package from `{package}`{origin})",
         "",
         *machine(args.threads),
         "",

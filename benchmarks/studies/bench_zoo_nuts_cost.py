@@ -1,10 +1,9 @@
 """What full-batch NUTS costs on the zoo's models: full-data gradients per effective draw.
 
-``python benchmarks/bench_zoo_nuts_cost.py`` runs Pyro's NUTS (one chain, 500 warm-up steps and 1,000 draws, float64)
-on the full data of a few models of ``tests/model_zoo.py`` and counts the model's evaluations (one per leapfrog
-step's gradient, warm-up included) per effective draw (the least ESS over the sites). The HealthWarning's advice to
-use NUTS (``pyro_scalable.infer.health.NUTS_PASSES_PER_ESS``) is the most this measured.
-"""
+``python benchmarks/studies/bench_zoo_nuts_cost.py`` runs Pyro's NUTS (one chain, 500 warm-up steps and 1,000 draws,
+float64) on the full data of a few models of ``tests/model_zoo.py`` and counts the model's evaluations (one per
+leapfrog step's gradient, warm-up included) per effective draw (the least ESS over the sites). The HealthWarning's
+advice to use NUTS (``pyro_scalable.infer.health.NUTS_PASSES_PER_ESS``) is the most this measured."""
 
 from __future__ import annotations
 
@@ -17,7 +16,7 @@ import pyro
 import torch
 from pyro.infer import MCMC, NUTS
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pyro_scalable.bridge.plates import FullDataModel  # noqa: E402
 from tests.model_zoo import zoo_model  # noqa: E402

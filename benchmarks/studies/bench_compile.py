@@ -1,7 +1,7 @@
 """Does ``torch.compile`` pay for the SG-MCMC step on a CPU? The gradient of the minibatch log joint, compiled and not.
 
-    python benchmarks/bench_compile.py              # about 3 minutes on 2 CPU cores (most of it compiling)
-    python benchmarks/bench_compile.py --quick      # fewer rounds
+    python benchmarks/studies/bench_compile.py              # about 3 minutes on 2 CPU cores (most of it compiling)
+    python benchmarks/studies/bench_compile.py --quick      # fewer rounds
 
 The step's cost is its gradient (the update is a few element-wise ops; ``docs/benchmarks.md``, the profile). This
 times, on logistic regression (N = 10⁶, d = 100, B = 1,000, float32) and on the Bayesian MLP 100-300-200-1 (90,701
@@ -18,18 +18,21 @@ time (the first calls) is reported separately. Prints a markdown table and write
 
 from __future__ import annotations
 
-import argparse
-import statistics
 import sys
-import time
-import warnings
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: harness and the bench_* scripts
+
+import argparse
+import statistics
+import time
+import warnings
+
 import torch
-from bench_sgmcmc import make_logistic, make_mlp  # benchmarks/ is on sys.path
+from bench_sgmcmc import make_logistic, make_mlp
 from harness import machine, write_report
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from pyro_scalable.bridge.model import Batch, ModelBridge  # noqa: E402
 
 
@@ -101,7 +104,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "compile.md")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "results" / "compile.md")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", category=UserWarning, module="torch._dynamo")
@@ -109,7 +112,7 @@ def main() -> None:
     report = [
         "# `torch.compile` and the SG-MCMC step's gradient (CPU)",
         "",
-        f"Command: `python benchmarks/bench_compile.py{' --quick' if args.quick else ''}` (median of {rounds} "
+        f"Command: `python benchmarks/studies/bench_compile.py{' --quick' if args.quick else ''}` (median of {rounds} "
         "rounds of 16 calls; ms per minibatch value + gradient; in brackets, against ours uncompiled)",
         "",
         *machine(args.threads),
