@@ -83,3 +83,27 @@ def test_a_failing_engine_is_a_failed_cell_with_its_reason():
     record = _run_cell(Engine("broken", "sgmcmc", broken), Cell(None, 0, 0, 1.0), {"commit": "x"})
     assert record["status"] == "failed" and "the peer broke" in record["reason"], record
     assert {"start", "end"} <= set(record["load"])
+
+
+def test_the_readme_nuts_table_quotes_the_records():
+    """The README's "when to use NUTS instead" table holds the latest peers records' seconds (logistic, d = 10), so it
+    cannot drift from the benchmarks page again."""
+    import re
+
+    readme = (records.ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme.split("**When to use NUTS instead**", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if re.match(r"\| 10[⁰¹²³⁴⁵⁶⁷⁸⁹]+ \|", line)]
+    assert len(rows) >= 3, section
+    latest = {
+        (r["n"], r["machine"]["device"], r["engine"]): r for r in records.latest("peers") if r["problem"] == "logistic"
+    }
+    exponents = str.maketrans("⁰¹²³⁴⁵⁶⁷⁸⁹", "0123456789")
+    for row in rows:
+        n, machine, ours, nuts = (cell.strip() for cell in row.strip("|").split("|"))
+        n = 10 ** int(n[2:].translate(exponents))
+        device = "H200" if "H200" in machine else "cpu"
+
+        quoted = [ours, *(part.strip().rstrip("*") for part in nuts.split("/"))]
+        engines = ("ours-sghmc", "numpyro-nuts", "numpyro-nuts (compiled)")
+        recorded = [f"{latest[n, device, engine]['metrics']['seconds']:,.1f}" for engine in engines]
+        assert quoted == recorded, row
