@@ -29,7 +29,6 @@ from pyro_scalable.infer.results import Draws, FullDataKernel
 __all__ = ["MultilevelMCMC"]
 
 WINDOWS = (0.10, 0.20, 0.35, 0.60)  # fractions of warm-up at which the reference and the preconditioners are renewed
-REFIT = 5  # with the proxy, sweeps between renewals before the first window's end
 
 
 class MultilevelMCMC(Draws):
@@ -129,11 +128,9 @@ class MultilevelMCMC(Draws):
         latents = bridge.init_latents(self.num_chains, self.init_strategy, seed=seed)
         self.restarted = torch.zeros(self.num_chains, dtype=torch.long)
         theta, b = sweep.layout.split(latents)
-        sweep.adapt_to(theta[:, None], b)
+        sweep.adapt_to(theta[:, None], b, b)
         self.results = RunRecord(bridge, bridge, args, kwargs)
         windows = sorted({int(f * self.num_warmup) for f in WINDOWS if int(f * self.num_warmup) >= 10})
-        # the proxy is a local expansion: until the first window's end it is renewed every REFIT sweeps
-        refits = set(range(REFIT, windows[0], REFIT)) if sweep.proxy and windows else set()
         start = time.perf_counter()
         bar = tqdm(total=self.num_warmup + self.num_samples, desc="Warmup", disable=not self.progress_bar)
         window_theta: list[Tensor] = []
@@ -143,12 +140,13 @@ class MultilevelMCMC(Draws):
             bar.update()
             window_theta.append(theta)
             window_b += b
-            if t + 1 in windows or t + 1 in refits:
+            if t + 1 in windows:
                 window, b_mean = torch.stack(window_theta, 1), window_b / len(window_theta)
-                if t + 1 in windows:
-                    theta, b, window, b_mean = self._restart_stuck(sweep, theta, b, window, b_mean)
-                sweep.adapt_to(window, b_mean)
+                theta, b, window, b_mean = self._restart_stuck(sweep, theta, b, window, b_mean)
+                sweep.adapt_to(window, b_mean, b, proxy=True)
                 window_theta, window_b = [], torch.zeros_like(b)
+            elif t + 1 < self.num_warmup:
+                sweep.refit_if_stale(theta, b)
         sweep.fix_steps()
         self.results.allocate(sweep.layout.join(theta, b), self.num_samples, self.draws_device)
         bar.set_description("Sample")

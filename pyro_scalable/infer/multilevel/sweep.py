@@ -9,17 +9,9 @@ p(b_k \mid \theta) \prod_i p(y_i \mid \theta, b_{g(i)})` (:mod:`~pyro_scalable.b
 data plate's subsample), with no :math:`N/B` scale. Each iteration is a sweep of two kinds of exact
 Metropolis-Hastings move (:mod:`.mala`), both built on each group's **Laplace map at the current globals**.
 
-**The Laplace map.** From a reference point :math:`\bar b_k` (fixed in sampling), central differences of
-:math:`\ell_k(\cdot\,; \theta)` at :math:`\bar b_k \pm w_{kj} e_j` and :math:`\bar b_k \pm (w_{kj} e_j + w_{kl} e_l)`
-(:math:`1 + p + p^2` evaluations, all in one batched pass; :math:`w_k` the group's conditional spread at the reference)
-give its gradient :math:`g_k(\theta)` and negative Hessian :math:`P_k(\theta) = L_k(\theta) L_k(\theta)^\top`, and
-one Newton step gives the conditional's centre :math:`m_k(\theta) = \bar b_k + P_k(\theta)^{-1} g_k(\theta)`. Both
-are exact for a conditional that is Gaussian in :math:`b_k` (a Gaussian likelihood and group prior, centred or not,
-whatever :math:`\theta` is), and both are smooth functions of :math:`\theta` alone for any model (where the
-differences give no positive-definite :math:`P_k`, the reference point's curvature factor stands in). The map reads
-at most :data:`MAP_ROWS` of each group's rows (a fixed sample, each row weighted by :math:`n_k / m_k`): it need only
-be a deterministic function of :math:`\theta`, not the exact conditional, so a large group's map costs no more
-than a small one's, while the moves' densities read every row.
+**The Laplace map** (:mod:`.conditionals`) gives each group's conditional centre :math:`m_k(\theta)` and a factor
+:math:`L_k(\theta)` of its curvature :math:`P_k(\theta) = L_k L_k^\top`, smooth functions of :math:`\theta`
+alone, exact where the conditional is Gaussian in :math:`b_k`.
 
 1. **The locals.** :math:`M` groups drawn uniformly without replacement (all of them by default), independently of
    the state, each take one preconditioned MALA move (``local_steps`` leapfrog steps of HMC; default 1, which is
@@ -70,25 +62,22 @@ read a group plate that the model writes as one vector site (``.to_event(1)``) r
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
-from torch.func import grad, grad_and_value, vmap
+from torch.func import grad_and_value, vmap
 
-from pyro_scalable.bridge.group_terms import GroupTermsOf
 from pyro_scalable.bridge.model import ModelBridge
 from pyro_scalable.bridge.row_groups import RowGroups
-from pyro_scalable.infer.multilevel.layout import Layout
+from pyro_scalable.infer.multilevel.conditionals import Conditionals
 from pyro_scalable.infer.multilevel.mala import DualAveraging, hmc, precision_factor
-from pyro_scalable.infer.multilevel.proxy import Taylor, fit
-from pyro_scalable.infer.multilevel.rows import Rows, sums, wide
-from pyro_scalable.infer.multilevel.stencil import derivatives, stencil
+from pyro_scalable.infer.multilevel.proxy import Taylor
 
-__all__ = ["MAP_ROWS", "PROXY_ROWS", "Sweep", "SweepInfo"]
+__all__ = ["Sweep", "SweepInfo"]
 
-MAP_ROWS = 32  # rows of each group (at most) that its Laplace map reads, weighted to all of them
-PROXY_ROWS = 50_000  # from this many rows, the moves run on the rows' proxy (:mod:`.proxy`) by default
+STALE = 3.0  # in warm-up, the proxy is fitted again where a chain is once this many sds farther than a draw would be
 
 
 class SweepInfo(NamedTuple):
@@ -108,150 +97,40 @@ class _Where(NamedTuple):
     gap: Tensor | None = None  # (C, G): with the proxy, each group's rows' log-likelihood less its proxy
 
 
-class Sweep:
+class Sweep(Conditionals):
     """One Metropolis-within-Gibbs sweep of every chain, and the warm-up that sets its preconditioners and steps."""
 
     def __init__(self, bridge: ModelBridge, groups: RowGroups, engine: Any):
-        self.bridge, self.groups = bridge, groups
-        self.layout = Layout(bridge, groups)
-        self.terms = GroupTermsOf(bridge, groups)
-        self.rows = Rows(groups)
-        self.num_groups = groups.num_groups
+        dtype = bridge.sites[groups.sites[0]].dtype
+        super().__init__(bridge, groups, dtype, engine.proxy)
         self.per_step = min(engine.groups_per_step or self.num_groups, self.num_groups)
         self.global_steps = engine.global_steps or 3
         self.local_steps = engine.local_steps or 1
-        ones = torch.ones(engine.num_chains, dtype=bridge.sites[groups.sites[0]].dtype, device=bridge.device)
+        ones = torch.ones(engine.num_chains, dtype=dtype, device=bridge.device)
         # MALA's optimal acceptance is about 0.57, HMC's (several steps) about 0.65-0.8
         self.local_step = DualAveraging(ones, target=0.6 if self.local_steps == 1 else 0.7)
         self.global_step = DualAveraging(ones, target=0.6 if self.global_steps == 1 else 0.7)
-        self.rows_read = 0
         self.where: _Where | None = None
-        self.p = self.layout.local_size
-        self.stencil, self.pairs = stencil(self.p, ones)  # the central differences' points
-        self.map_rows, self.map_group, self.map_weight = self.rows.sample(MAP_ROWS, ones.dtype)
-        self.map_share = self.map_rows.shape[0] / self.rows.all.shape[0]  # of a data pass, per point of the stencil
-        self.proxy = engine.proxy if engine.proxy is not None else len(groups.group) >= PROXY_ROWS
-        if self.proxy:  # the map reads no rows: the priors' terms on one row (ignored) and the proxy's quadratic
-            self.map_rows, self.map_group, self.map_share = self.rows.all[:1], self.rows.group[:1], 0.0
-        self.taylor: Taylor | tuple = ()  # each chain's proxy at its reference point; () without (vmap takes it)
-
-    # ---------------------------------------------------------------- densities (one chain; vmapped over chains)
-    def _terms(self, theta: Tensor, b: Tensor, rows: Tensor):
-        return self.terms(self.layout.join(theta, b), rows)
-
-    def _local(self, b: Tensor, theta: Tensor, drawn: Tensor, rows: Tensor, slot: Tensor):
-        terms = self._terms(theta, b, rows)
-        per_group = wide(terms.groups[drawn]) + sums(terms.rows, slot, len(drawn))
-        return per_group.sum(), per_group
-
-    def _joint(self, theta: Tensor, b: Tensor, taylor: Taylor | tuple = ()):
-        """The log joint on all rows, with every group's conditional (its terms and its rows') beside it.
-
-        With ``taylor``, the rows' terms are the proxy's (:mod:`.proxy`) and no row is read.
-        """
-        if taylor:
-            terms = self._terms(theta, b, self.map_rows)
-            per_group = wide(terms.groups) + taylor.groups(theta, b)
-            return wide(terms.globals) + taylor.globals(theta) + per_group.sum(), per_group
-        terms = self._terms(theta, b, self.rows.all)
-        per_group = wide(terms.groups) + sums(terms.rows, self.rows.group, self.num_groups)
-        return wide(terms.globals) + per_group.sum(), per_group
-
-    def _local_proxy(self, b: Tensor, theta: Tensor, drawn: Tensor, taylor: Taylor):
-        """The drawn groups' conditionals with the rows' terms by the proxy: no row read."""
-        per_group = wide(self._terms(theta, b, self.map_rows).groups[drawn]) + taylor.subset(drawn).groups(theta, b[drawn])
-        return per_group.sum(), per_group
-
-    def _rows_by_group(self, theta: Tensor, b: Tensor, rows: Tensor, slot: Tensor, size: int) -> Tensor:
-        """The rows' log-likelihood summed by group (``slot``: each row's place among ``size`` groups)."""
-        return sums(self._terms(theta, b, rows).rows, slot, size)
-
-    def _changes(self, theta: Tensor, b_ref: Tensor, width: Tensor) -> Tensor:
-        """Each group's conditional at the stencil's points less its value at the centre: ``(S - 1, G)``, wide.
-
-        On the map's rows (at most :data:`MAP_ROWS` of each group's, weighted to all). Each row's change is taken
-        before the rows are summed: a large group's conditional is a sum of thousands of terms, and the difference
-        of two such sums in single precision would lose the change to rounding (noise in the map that the globals'
-        acceptance would pay for).
-        """
-
-        def at(step: Tensor) -> tuple[Tensor, Tensor]:
-            terms = self._terms(theta, b_ref + width * step, self.map_rows)
-            return terms.groups, terms.rows
-
-        groups, rows = vmap(at)(self.stencil)
-        if self.proxy:
-            return wide(groups[1:] - groups[:1])
-        rows = wide(rows[1:] - rows[:1])
-        if self.map_weight is not None:
-            rows = rows * self.map_weight
-        return wide(groups[1:] - groups[:1]) + vmap(lambda r: sums(r, self.map_group, self.num_groups))(rows)
-
-    def _curvature(self, theta: Tensor, b: Tensor) -> Tensor:
-        """Each group's ``(p, p)`` negative Hessian of its conditional in ``b`` by autodiff: p products."""
-        columns = []
-        for j in range(b.shape[-1]):
-            tangent = torch.zeros_like(b)
-            tangent[..., j] = 1.0
-            # reverse over reverse: torch's forward mode runs its decompositions in Python, many times slower here
-            along = lambda x, v=tangent: (grad(lambda y: self._joint(theta, y)[0])(x) * v).sum()  # noqa: E731
-            columns.append(-grad(along)(b))
-        return torch.stack(columns, -1)
-
-    def _differences(
-        self, theta: Tensor, b_ref: Tensor, width: Tensor, taylor: Taylor | tuple = ()
-    ) -> tuple[Tensor, Tensor]:
-        """Each group's conditional's gradient ``(G, p)`` and negative Hessian ``(G, p, p)`` at ``b_ref`` (one chain).
-
-        By central differences of widths ``width`` (``(G, p)``), every point of the stencil in one batched evaluation;
-        with ``taylor``, the differences read the priors' terms only and the proxy's quadratic adds its own exactly.
-        """
-        changes = self._changes(theta, b_ref, width)  # (S - 1, G): from the centre to each other point
-        gradient, hessian = derivatives(changes, wide(width), self.pairs)
-        if taylor:
-            gradient, hessian = gradient + taylor.gradient_b(theta, b_ref), hessian + taylor.h
-        return gradient, -hessian  # wide: the Laplace map is formed in double precision, then narrowed
-
-    def _laplace(self, theta: Tensor, b_ref: Tensor, width: Tensor, fallback: Tensor, taylor: Taylor | tuple = ()):
-        """Each group's Laplace map at ``theta`` (one chain): its centre ``m_k`` and factor ``L_k`` (docstring)."""
-        gradient, precision = self._differences(theta, b_ref, width, taylor)
-        factor, info = torch.linalg.cholesky_ex(precision)
-        factor = torch.where((info == 0)[:, None, None], factor, wide(fallback))
-        shift = torch.cholesky_solve(gradient.unsqueeze(-1), factor).squeeze(-1)
-        return b_ref + shift.to(b_ref.dtype), factor.to(b_ref.dtype)
-
-    def _transformed(self, x, offset, eps, b_ref, width, fallback, taylor=()):
-        """The log density of the globals ``x`` at fixed standardised locals ``eps`` (module docstring, 2).
-
-        ``offset`` (zero) is added to the locals so that its gradient is the joint's in the locals.
-        """
-        centre, factor = self._laplace(x, b_ref, width, fallback, taylor)
-        spread = torch.linalg.solve_triangular(factor.transpose(-1, -2), eps.unsqueeze(-1), upper=True).squeeze(-1)
-        b = centre + spread + offset
-        value, per_group = self._joint(x, b, taylor)
-        log_det = factor.diagonal(dim1=-2, dim2=-1).log().sum()
-        return value - log_det, (per_group, b, centre, factor)
 
     # ---------------------------------------------------------------- warm-up
-    def adapt_to(self, theta: Tensor, b_mean: Tensor) -> None:
+    def adapt_to(self, theta: Tensor, b_mean: Tensor, b_now: Tensor, proxy: bool = False) -> None:
         """Each chain's reference point and the curvatures there: the locals', and the globals' mass matrix.
 
         ``theta``: each chain's globals over a window (``(C, T, d)``, ``T = 1`` at the start); ``b_mean``: its
-        locals' mean there (``(C, G, p)``). Everything is each chain's own, read where the chain is: a chain far from
-        the others (a start in a narrow corner, a chain not yet converged) is preconditioned where it is, and no
-        chain's metric is stretched by the others' distance from it.
+        locals' mean there (``(C, G, p)``); ``b_now``: where its locals are now. Everything is each chain's own, read
+        where the chain is: a chain far from the others (a start in a narrow corner, a chain not yet converged) is
+        preconditioned where it is, and no chain's metric is stretched by the others' distance from it. The proxy is
+        fitted where the chain is now (``theta[:, -1]``, ``b_now``), not at the window's mean, a point a chain still
+        drifting has left. With ``proxy`` (and the proxy wanted), the moves run on it from now on.
         """
         chains, d = theta.shape[0], self.layout.global_size
         theta_ref, self.b_ref = theta.mean(1), b_mean
         self.fallback = precision_factor(vmap(self._curvature)(theta_ref, self.b_ref))
         self.width = (self.fallback @ self.fallback.transpose(-1, -2)).diagonal(dim1=-2, dim2=-1).rsqrt()
         passes = self.p * 3
-        if self.proxy:
-            every = (self.rows.all, self.rows.group, self.num_groups)
-            self.taylor = vmap(lambda t, x: fit(lambda u, y: self._rows_by_group(u, y, *every), t, x))(
-                theta_ref, self.b_ref
-            )
-            passes += 3 * (d + self.p + 1)
+        self.taylor = ()
+        if proxy and self.wants_proxy:
+            passes += self._fit(theta[:, -1], b_now)
         if d:  # the transformed density's curvature at the chain's point: where the map is exact, the marginal's
             fixed = (self.b_ref, self.width, self.fallback, self.taylor)
             centre, factor = vmap(self._laplace)(theta_ref, *fixed)
@@ -260,12 +139,27 @@ class Sweep:
             density = lambda x, *fixed: self._transformed(x, offset, *fixed)[0]  # noqa: E731
             hessian = vmap(torch.func.jacrev(torch.func.jacrev(density)))(theta_ref, eps, *fixed)
             self.global_factor = precision_factor(-hessian).to(theta.dtype)
-            if not self.proxy:
-                passes += d * 3 * (len(self.stencil) * self.map_share + 1)
+            passes += d * 3 * (len(self.stencil) * self._map_share + 1) if not self.proxy else 0
         self.rows_read += chains * passes * self.rows.all.shape[0]
         self.local_step.restart(self.local_step.step)
         self.global_step.restart(self.global_step.step)
         self.where = None
+
+    def refit_if_stale(self, theta: Tensor, b: Tensor) -> bool:
+        r"""In warm-up: fit the proxy again where the chains are if one has left its reference far behind.
+
+        Far: :data:`STALE` sds beyond the :math:`\sqrt{2d}` two draws are apart, in the globals' metric (about the
+        posterior's sds). A proxy is a local expansion; a chain still travelling to the posterior's bulk leaves it
+        behind, and its moves' second stage then rejects.
+        """
+        if not self.proxy or not self.layout.global_size:
+            return False
+        delta = (theta - self.taylor.theta).to(theta.dtype).unsqueeze(-1)
+        limit = STALE + math.sqrt(2 * theta.shape[-1])  # two draws' distance is about sqrt(2 d) sds
+        if not bool(((self.global_factor.transpose(-1, -2) @ delta).norm(dim=(-2, -1)) > limit).any()):
+            return False
+        self.rows_read += theta.shape[0] * self._fit(theta, b) * self.rows.all.shape[0]
+        return True
 
     def fix_steps(self) -> None:
         self.local_step.step = self.local_step.final
@@ -279,23 +173,12 @@ class Sweep:
             gradient_b, (_, per_group) = joint(theta, b, self.taylor)
             centre, factor = vmap(self._laplace)(theta, self.b_ref, self.width, self.fallback, self.taylor)
             self.where = _Where(per_group, gradient_b, centre, factor, self._gap(theta, b))
-            self.rows_read += chains * self.rows.all.shape[0] * (1 + len(self.stencil) * self.map_share)
+            self.rows_read += chains * self.rows.all.shape[0] * (1 + len(self.stencil) * self._map_share)
         b, accept_local = self._move_locals(theta, b, generator, adapt)
         accept_global = torch.ones(chains, dtype=b.dtype, device=b.device)
         if self.layout.global_size:
             theta, b, accept_global = self._move_globals(theta, b, generator, adapt)
         return theta, b, SweepInfo(accept_local, accept_global)
-
-    @torch.no_grad()
-    def _gap(self, theta: Tensor, b: Tensor, drawn: Tensor | None = None) -> Tensor | None:
-        """With the proxy: each (drawn) group's rows' log-likelihood less its proxy, ``(C, G)``; one forward pass."""
-        if not self.proxy:
-            return None
-        drawn = torch.arange(self.num_groups, device=b.device) if drawn is None else drawn
-        rows, slot = self.rows.of(drawn)
-        self.rows_read += b.shape[0] * rows.shape[0]
-        exact = vmap(self._rows_by_group, in_dims=(0, 0, None, None, None))(theta, b, rows, slot, len(drawn))
-        return exact - vmap(lambda taylor, t, x: taylor.subset(drawn).groups(t, x[drawn]))(self.taylor, theta, b)
 
     def _move_locals(self, theta: Tensor, b: Tensor, generator: torch.Generator, adapt: bool):
         """One MALA move of each drawn group's block on its own rows (module docstring, 1)."""
@@ -372,7 +255,7 @@ class Sweep:
             ]
 
         value, gradient, *extra = density(theta)
-        passes = (1 + self.global_steps) * (1 + len(self.stencil) * self.map_share)
+        passes = (1 + self.global_steps) * (1 + len(self.stencil) * self._map_share)
         if not self.proxy:
             self.rows_read += chains * self.rows.all.shape[0] * passes
         move = hmc(

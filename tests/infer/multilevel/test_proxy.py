@@ -8,7 +8,7 @@ from torch.autograd.functional import hessian, jacobian
 
 from pyro_scalable.infer.multilevel.proxy import fit
 
-from .test_group_terms import data, slopes
+from .test_group_terms import slopes
 from .test_sweep import sweep_at
 
 
@@ -40,8 +40,16 @@ def test_the_proxys_coefficients_are_the_blocks_of_the_rows_hessian():
     torch.testing.assert_close(taylor.gamma, gradient[:d])
     torch.testing.assert_close(taylor.g, gradient[d:].reshape(num_groups, p))
     torch.testing.assert_close(taylor.big_gamma, full[:d, :d])
+
+    # T: the derivative in theta of each group's block of the Hessian
+    def local_hessian(t):
+        return hessian(lambda x: rows(t, x.reshape(num_groups, p)).sum(), b.reshape(-1), create_graph=True)
+
+    third = jacobian(local_hessian, theta)
     for k in range(num_groups):
         block = slice(d + k * p, d + (k + 1) * p)
+        local = slice(k * p, (k + 1) * p)
+        torch.testing.assert_close(taylor.t[k], third[local, local])
         torch.testing.assert_close(taylor.h[k], full[block, block])
         torch.testing.assert_close(taylor.c[k], full[block, :d])
         other = torch.ones(num_groups * p, dtype=torch.bool)
@@ -60,6 +68,7 @@ def test_the_proxy_is_exact_where_the_rows_are_quadratic():
         change = rows(t, x) - rows(theta, b)  # each group's rows, exactly
         q = taylor.groups(t, x)
         torch.testing.assert_close(change.sum(), q.sum() + taylor.globals(t))
-        torch.testing.assert_close(taylor.gradient_b(t, x), torch.func.grad(lambda y: rows(t, y).sum())(x))
+        exact = torch.func.grad(lambda y, t=t: rows(t, y).sum())(x)
+        torch.testing.assert_close(taylor.gradient_b(t, x), exact)
         # the locals alone moved: each group's own rows, group by group
         torch.testing.assert_close(rows(theta, x) - rows(theta, b), taylor.groups(theta, x))
