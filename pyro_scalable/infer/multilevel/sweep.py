@@ -77,6 +77,7 @@ from pyro_scalable.infer.multilevel.proxy import Taylor
 
 __all__ = ["Sweep", "SweepInfo"]
 
+SECOND_STAGE = 0.75  # a window's mean second-stage acceptance below which warm-up gives the proxy up
 STALE = 3.0  # in warm-up, the proxy is fitted again where a chain is once this many sds farther than a draw would be
 
 
@@ -111,6 +112,7 @@ class Sweep(Conditionals):
         self.local_step = DualAveraging(ones, target=0.6 if self.local_steps == 1 else 0.7)
         self.global_step = DualAveraging(ones, target=0.6 if self.global_steps == 1 else 0.7)
         self.where: _Where | None = None
+        self.seconds: dict[str, list[Tensor]] = {"local": [], "global": []}  # in warm-up: the second stage's acceptance
 
     # ---------------------------------------------------------------- warm-up
     def adapt_to(self, theta: Tensor, b_mean: Tensor, b_now: Tensor, proxy: bool = False) -> None:
@@ -128,6 +130,10 @@ class Sweep(Conditionals):
         self.fallback = precision_factor(vmap(self._curvature)(theta_ref, self.b_ref))
         self.width = (self.fallback @ self.fallback.transpose(-1, -2)).diagonal(dim1=-2, dim2=-1).rsqrt()
         passes = self.p * 3
+        seconds = [float(torch.stack(kind).mean()) for kind in self.seconds.values() if kind]
+        if self.proxy and seconds and min(seconds) < SECOND_STAGE:
+            self.wants_proxy = False  # the proxy ran a window and was poor: the exact moves from now on
+        self.seconds = {"local": [], "global": []}
         self.taylor = ()
         if proxy and self.wants_proxy:
             passes += self._fit(theta[:, -1], b_now)
@@ -160,6 +166,13 @@ class Sweep(Conditionals):
             return False
         self.rows_read += theta.shape[0] * self._fit(theta, b) * self.rows.all.shape[0]
         return True
+
+    def _second(self, log_ratio: Tensor, kind: str, adapt: bool) -> Tensor:
+        """Record, in warm-up, the mean acceptance of the second stage of one kind of move; return ``log_ratio``."""
+        if adapt:
+            accept = torch.where(torch.isfinite(log_ratio), log_ratio.clamp_max(0.0).exp(), 0.0)
+            self.seconds[kind].append(accept.mean())
+        return log_ratio
 
     def fix_steps(self) -> None:
         self.local_step.step = self.local_step.final
@@ -207,7 +220,7 @@ class Sweep(Conditionals):
 
         def correct(x: Tensor, more: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
             gap = self._gap(theta, place(x), drawn)
-            return gap - where.gap[:, drawn], [*more, gap]
+            return self._second(gap - where.gap[:, drawn], "local", adapt), [*more, gap]
 
         step = self.local_step.step[:, None]
         move = hmc(
@@ -249,10 +262,8 @@ class Sweep(Conditionals):
         def correct(x: Tensor, more: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
             gap = self._gap(x, more[2])
             change = gap.sum(-1) - self.where.gap.sum(-1)
-            return change - vmap(Taylor.globals)(self.taylor, x) + vmap(Taylor.globals)(self.taylor, theta), [
-                *more,
-                gap,
-            ]
+            change = change - vmap(Taylor.globals)(self.taylor, x) + vmap(Taylor.globals)(self.taylor, theta)
+            return self._second(change, "global", adapt), [*more, gap]
 
         value, gradient, *extra = density(theta)
         passes = (1 + self.global_steps) * (1 + len(self.stencil) * self._map_share)

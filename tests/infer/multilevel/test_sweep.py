@@ -43,9 +43,9 @@ def heavy_tailed(x, g, y, num_groups):
         pyro.sample("obs", dist.StudentT(5.0, a[g[idx]] + s[g[idx]] * x[idx], 1.0), obs=y[idx])
 
 
-def sweep_at(model):
+def sweep_at(model, proxy=False):
     bridge = ModelBridge(model, data())
-    engine = SimpleNamespace(groups_per_step=None, global_steps=None, local_steps=None, num_chains=1, proxy=False)
+    engine = SimpleNamespace(groups_per_step=None, global_steps=None, local_steps=None, num_chains=1, proxy=proxy)
     sweep = Sweep(bridge, row_groups(bridge), engine)
     theta, b = sweep.layout.split({k: v[None] for k, v in irregular_point(bridge).items()})
     return sweep, theta[0], b[0]
@@ -90,3 +90,16 @@ def test_the_maps_rows_are_a_fixed_weighted_sample_of_each_group():
     full = torch.zeros(4, dtype=torch.float64).index_add(0, kept_group, weight)
     torch.testing.assert_close(full, sizes.double())
     assert torch.equal(rows.sample(6, torch.float64)[0], kept)  # fixed: the same sample every time
+
+
+def test_warm_up_gives_the_proxy_up_after_a_window_whose_second_stage_rejected_too_often():
+    sweep, theta, b = sweep_at(gaussian, proxy=True)
+    chain = (theta[None, None], b[None], b[None])
+    sweep.adapt_to(*chain, proxy=True)
+    assert sweep.proxy
+    sweep.seconds = {"local": [torch.tensor(0.99)], "global": [torch.tensor(0.9), torch.tensor(0.8)]}
+    sweep.adapt_to(*chain, proxy=True)
+    assert sweep.proxy  # a good window keeps it
+    sweep.seconds = {"local": [torch.tensor(0.99)], "global": [torch.tensor(0.6), torch.tensor(0.7)]}
+    sweep.adapt_to(*chain, proxy=True)
+    assert not sweep.proxy and not sweep.wants_proxy  # a poor one: the exact moves for the rest of the run
