@@ -58,7 +58,8 @@ class MultilevelMCMC(Draws):
     After ``run``, the result surface is ``pyro.infer.MCMC``'s (``get_samples``, ``summary``, ``diagnostics``,
     ``to_inference_data``); ``sample_stats`` has each chain's mean acceptance of its local moves (``accept_prob``) and
     of its global ones (``accept_global``); ``step_sizes`` the steps warm-up chose; ``data_passes`` the passes made;
-    ``restarted`` how often warm-up restarted each chain from another (:meth:`_restart_stuck`).
+    ``restarted`` how often warm-up restarted each chain from another (:meth:`_restart_stuck`); ``proxy_used``
+    whether sampling ran on the rows' proxy.
 
     Example:
         >>> import pyro, pyro.distributions as dist, torch
@@ -115,6 +116,7 @@ class MultilevelMCMC(Draws):
         self.step_sizes: dict[str, list[float]] = {}  # each chain's, for the local and the global moves
         self.restarted = torch.zeros(self.num_chains, dtype=torch.long)  # per chain: warm-up's restarts
         self.data_passes = 0.0
+        self.proxy_used = False  # whether sampling ran on the rows' proxy (warm-up may give it up)
         self.results = None
 
     # ------------------------------------------------------------------ running
@@ -158,6 +160,7 @@ class MultilevelMCMC(Draws):
         self.results.settle()
         self.step_sizes = {"local": sweep.local_step.step.tolist(), "global": sweep.global_step.step.tolist()}
         self.data_passes = sweep.rows_read / groups.group.shape[0]
+        self.proxy_used = sweep.proxy
         self.seconds = time.perf_counter() - start
         warn_unhealthy(self.results.draws, {}, data_passes=self.data_passes)
         return self

@@ -127,6 +127,7 @@ def test_latent_scales_match_quadrature(num_samples, proxy):
     """With the rows' proxy (delayed acceptance) as without: the noise scale makes the rows not quadratic."""
     g, y = data()
     mcmc = MultilevelMCMC(latent_scales, num_samples=num_samples, num_warmup=200, seed=2, proxy=proxy).run(g, y)
+    assert mcmc.proxy_used is proxy  # the draws checked are the proxy's, not the exact moves' after giving it up
     s = mcmc.get_samples(group_by_chain=True)
     draws = torch.cat([s["mu"][..., None], s["tau"][..., None], s["sigma"][..., None], s["b"]], -1)
     check(draws, *quadrature(g, y))
