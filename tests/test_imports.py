@@ -9,6 +9,8 @@ means two layers that each need the other: the architecture (docs/developer/arch
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "pyro_scalable"
@@ -82,3 +84,21 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_no_import_circle():
     cycles = _cycles(_graph())
     assert not cycles, "import circles: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def test_no_module_imports_torch_dynamo():
+    """Importing every module leaves ``torch._dynamo`` unimported: its import costs a process about a second.
+
+    torch imports it itself at a process's first ``torch.func`` gradient or ``make_fx`` recording (so a run pays it
+    once); a ``torch.compile`` or ``torch._dynamo`` reference at import time would make every import pay it.
+    """
+    script = (
+        "import importlib, pkgutil, sys, pyro_scalable\n"
+        "for m in pkgutil.walk_packages(pyro_scalable.__path__, 'pyro_scalable.'):\n"
+        "    importlib.import_module(m.name)\n"
+        "    if 'torch._dynamo' in sys.modules:\n"
+        "        sys.exit(m.name)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT.parent)
+    last = (done.stderr.strip().splitlines() or [""])[-1]  # the module that imported it, or the error
+    assert done.returncode == 0, f"torch._dynamo imported by: {last}"
