@@ -92,21 +92,21 @@ class Conditionals:
         """The rows' log-likelihood summed by group (``slot``: each row's place among ``size`` groups)."""
         return sums(self._terms(theta, b, rows).rows, slot, size)
 
-    def _changes(self, theta: Tensor, b_ref: Tensor, width: Tensor) -> Tensor:
+    def _changes(self, theta: Tensor, b_ref: Tensor, width: Tensor, prior_only: bool = False) -> Tensor:
         """Each group's conditional at the stencil's points less its value at the centre: ``(S - 1, G)``, wide.
 
         On the map's rows (at most :data:`MAP_ROWS` of each group's, weighted to all). Each row's change is taken
         before the rows are summed: a large group's conditional is a sum of thousands of terms, and the difference
         of two such sums in single precision would lose the change to rounding (noise in the map that the globals'
-        acceptance would pay for).
+        acceptance would pay for). With ``prior_only``, the groups' prior terms alone (the proxy adds the rows').
         """
 
         def at(step: Tensor) -> tuple[Tensor, Tensor]:
-            terms = self._terms(theta, b_ref + width * step, self.one_row if self.proxy else self.map_rows)
+            terms = self._terms(theta, b_ref + width * step, self.one_row if prior_only else self.map_rows)
             return terms.groups, terms.rows
 
         groups, rows = vmap(at)(self.stencil)
-        if self.proxy:
+        if prior_only:
             return wide(groups[1:] - groups[:1])
         rows = wide(rows[1:] - rows[:1])
         if self.map_weight is not None:
@@ -132,7 +132,7 @@ class Conditionals:
         By central differences of widths ``width`` (``(G, p)``), every point of the stencil in one batched evaluation;
         with ``taylor``, the differences read the priors' terms only and the proxy's quadratic adds its own exactly.
         """
-        changes = self._changes(theta, b_ref, width)  # (S - 1, G): from the centre to each other point
+        changes = self._changes(theta, b_ref, width, bool(taylor))  # (S - 1, G): from the centre to each other point
         gradient, hessian = derivatives(changes, wide(width), self.pairs)
         if taylor:
             gradient, hessian = gradient + taylor.gradient_b(theta, b_ref), hessian + taylor.curvature(theta)
@@ -184,8 +184,11 @@ class Conditionals:
         """With the proxy: each (drawn) group's rows' log-likelihood less its proxy, ``(C, G)``; one forward pass."""
         if not self.proxy:
             return None
-        drawn = torch.arange(self.num_groups, device=b.device) if drawn is None else drawn
+        every = drawn is None
+        drawn = torch.arange(self.num_groups, device=b.device) if every else drawn
         rows, slot = self.rows.of(drawn)
         self.rows_read += b.shape[0] * rows.shape[0]
         exact = vmap(self._rows_by_group, in_dims=(0, 0, None, None, None))(theta, b, rows, slot, len(drawn))
+        if every:  # the globals' move, every sweep: no copy of the proxy's coefficients
+            return exact - vmap(Taylor.groups)(self.taylor, theta, b)
         return exact - vmap(lambda taylor, t, x: taylor.subset(drawn).groups(t, x[drawn]))(self.taylor, theta, b)
