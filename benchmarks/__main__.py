@@ -62,7 +62,8 @@ def run(args: argparse.Namespace) -> None:
         harness.log(f"{suite.name}: {problem_name} n={n} {engine_name} ...")
         record = _run_cell(engines.ENGINES[engine_name], cell, base)
         records.append(suite.name, record)
-        summary = record.get("reason") or {k: record["metrics"].get(k) for k in ("seconds", "accurate", "nll")}
+        keys = ("seconds", "accurate", "mean_error_sd", "nll")
+        summary = record.get("reason") or {k: record["metrics"][k] for k in keys if k in record["metrics"]}
         harness.log(f"    {record['status']} in {time.perf_counter() - start:.1f} s: {summary}")
     harness.log(f"written to {records.path(suite.name).relative_to(records.ROOT)}")
 

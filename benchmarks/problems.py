@@ -10,7 +10,8 @@ approximation at the float64 mode of Pyro's own potential energy (L-BFGS, then N
 Hessian), corrected by self-normalised importance sampling with that Gaussian as the proposal. On these posteriors
 (d ≤ 12, N ≥ 10³) the weights' ESS is above 90% of the draws, so the reference's Monte-Carlo error (about 0.02 sd in
 a mean with 4,000 draws) is a fifth of the accuracy criterion (0.1 sd); the record keeps the ESS. The digits problem
-has no posterior reference: it is scored on held-out data.
+has no posterior reference: it is scored on held-out data. The EKF's GLM problems (``glm-<family>``) take their
+data and exact reference from ``tests/infer/ekf/glms.py``, where the EKF's tests define them.
 """
 
 from __future__ import annotations
@@ -44,8 +45,9 @@ class Data:
 class Problem:
     """A model and a data generator.
 
-    ``kind``: "logistic" (Bernoulli), "regression" (a latent noise scale) or "linear" (noise sd 0.7 known, so the
-    posterior is Gaussian and :func:`reference` gives it exactly).
+    ``kind``: "logistic" (Bernoulli), "regression" (a latent noise scale), "linear" (noise sd 0.7 known, so the
+    posterior is Gaussian and :func:`reference` gives it exactly) or "glm" (a case of ``tests/infer/ekf/glms.py``,
+    N = 2,000 and three features, the family after ``glm-`` in the name, its data and exact reference there).
     """
 
     name: str
@@ -54,10 +56,18 @@ class Problem:
     description: str
 
     @property
+    def family(self) -> str:
+        return self.name.removeprefix("glm-")
+
+    @property
     def sites(self) -> tuple[str, ...]:
         return ("w", "scale") if self.kind == "regression" else ("w",)
 
     def data(self, n: int, seed: int = 0) -> Data:
+        if self.kind == "glm":
+            glms = glm_cases()
+            assert n == glms.N, f"the GLM cases have N = {glms.N}"
+            return Data(*glms.data(self.family, seed))
         gen = torch.Generator().manual_seed(seed)
         x = torch.randn(n, self.d, generator=gen)
         w = torch.randn(self.d, generator=gen) * (1.5 / math.sqrt(self.d))
@@ -115,18 +125,30 @@ class Problem:
         return torch.cat(parts, -1)
 
 
+_GLM_FAMILIES = ("linear-gaussian", "logistic", "poisson", "categorical")  # tests/infer/ekf/glms.py's FAMILIES
+
 PROBLEMS: dict[str, Problem] = {
     p.name: p
     for p in (
         Problem("logistic", "logistic", 10, "logistic regression, d = 10, w ~ N(0, I)"),
         Problem("regression", "regression", 10, "linear regression, d = 10, latent noise scale σ ~ HalfNormal(1)"),
         Problem("linear", "linear", 100, "linear regression, d = 100, noise sd 0.7 known: a Gaussian posterior"),
+        *(Problem(f"glm-{f}", "glm", 3, f"{f} GLM, N = 2,000, 3 features") for f in _GLM_FAMILIES),
     )
 }
 
 
+def glm_cases():
+    from tests.infer.ekf import glms  # the EKF's test cases, defined once there (the repository root is on sys.path)
+
+    return glms
+
+
 def reference(problem: Problem, data: Data, draws: int = 4000, seed: int = 0) -> dict:
     """Posterior means and sds (unconstrained, flattened) by importance-corrected Laplace (module docstring)."""
+    if problem.kind == "glm":  # closed form, or importance sampling with 20,000 draws (ESS > 10,000)
+        mean, sd = glm_cases().exact(problem.family, data.x, data.y)
+        return {"mean": mean, "sd": sd, "mode": mean, "ess": None, "draws": 20_000}
     x, y = data.x.double(), data.y.double()
     if problem.kind == "linear":  # N(A⁻¹Xᵀy/σ², A⁻¹), A = XᵀX/σ² + I: exact
         precision = x.T @ x / NOISE**2 + torch.eye(problem.d, dtype=torch.float64)
@@ -237,6 +259,16 @@ def network() -> nn.Sequential:
     for k, (fan_in, fan_out) in enumerate(zip(DIGITS_SIZES[:-1], DIGITS_SIZES[1:])):
         layers += [nn.Linear(fan_in, fan_out)] + ([nn.ReLU()] if k < len(DIGITS_SIZES) - 2 else [])
     return nn.Sequential(*layers)
+
+
+def network_probs(latents: dict[str, Tensor], x: Tensor) -> Tensor:
+    """The predictive mean of :func:`network` over draws ``latents`` (each site ``(draws, ...)``): class probabilities."""
+    layers = len(DIGITS_SIZES) - 1
+    f = x
+    for k in range(layers):
+        f = f @ latents[f"layers.{k}.weight"].transpose(-1, -2) + latents[f"layers.{k}.bias"].unsqueeze(-2)
+        f = torch.relu(f) if k < layers - 1 else f
+    return torch.softmax(f.double(), -1).mean(0)
 
 
 def pyro_network(chunk: int = 256):

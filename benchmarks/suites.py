@@ -13,6 +13,7 @@ from dataclasses import dataclass
 __all__ = ["SUITES", "Column", "Suite"]
 
 MCMC_ENGINES = ("ours-sghmc", "numpyro-nuts", "blackjax-nuts", "numpyro-hmcecs", "pyro-nuts")
+GLMS = tuple((f"glm-{family}", 2000) for family in ("linear-gaussian", "logistic", "poisson", "categorical"))
 LAPLACE_ENGINES = ("map", "ours-laplace-kron", "laplace-torch-kron", "ours-laplace-diag", "laplace-torch-diag")
 
 
@@ -112,6 +113,29 @@ LAPLACE_COLUMNS = (
     Column("measured", _source),
 )
 
+DIGITS_COLUMNS = (
+    Column("engine", lambda r: r["engine"]),
+    Column("where", _where, collapsible=True),
+    Column("seconds (the call, predictive included)", _seconds(",.2f")),
+    Column("draws", _m("draws")),
+    Column("test NLL", _m("nll", ".3f")),
+    Column("ECE", _m("ece", ".3f")),
+    Column("accuracy", _m("test_accuracy", ".1%")),
+    Column("load", _load),
+    Column("measured", _source),
+)
+
+EKF_COLUMNS = (
+    Column("problem", lambda r: r["problem"]),
+    Column("engine", lambda r: r["engine"]),
+    Column("where", _where, collapsible=True),
+    Column("seconds", _seconds(",.2f")),
+    Column("mean err. (sd)", _m("mean_error_sd", ".2f")),
+    Column("sd / exact sd", _m("sd_ratio")),
+    Column("warned", lambda r: "–" if r["status"] != "ok" else "yes" if r["metrics"]["warned"] else "no"),
+    Column("load", _load),
+)
+
 SUITES: dict[str, Suite] = {
     s.name: s
     for s in (
@@ -138,6 +162,20 @@ SUITES: dict[str, Suite] = {
             {"smoke": ((None, 0),), "full": ((None, 0),)},
             LAPLACE_ENGINES,
             LAPLACE_COLUMNS,
+        ),
+        Suite(
+            "swag",
+            "SWAG and SGHMC from the digits MAP, beside the Laplace fit: cost for a test NLL",
+            {"smoke": ((None, 0),), "full": ((None, 0),)},
+            ("map", "ours-laplace-kron", "swag-5", "swag-20", "swag-50", "ours-sghmc-1000", "ours-sghmc-4000"),
+            DIGITS_COLUMNS,
+        ),
+        Suite(
+            "ekf",
+            "The EKF on four GLMs streamed once in minibatches of B, against their exact posteriors",
+            {"smoke": GLMS, "full": GLMS},
+            tuple(f"{kind}-b{b}" for b in (1000, 100, 10) for kind in ("ekf", "diagonal-ekf")),
+            EKF_COLUMNS,
         ),
     )
 }
