@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> None:
         if only and engine_name not in only and str(problem_name) not in only:
             continue
         problem = PROBLEMS[problem_name] if problem_name else None
-        cell = engines.Cell(problem, n, args.seed, args.budget or suite.budget, shared)
+        cell = engines.Cell(problem, n, args.seed, args.budget or suite.budget, shared, args.size)
         start = time.perf_counter()
         harness.log(f"{suite.name}: {problem_name} n={n} {engine_name} ...")
         record = _run_cell(engines.ENGINES[engine_name], cell, base)

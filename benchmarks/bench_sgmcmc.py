@@ -1,4 +1,4 @@
-"""Benchmark of the SG-MCMC engines: cost per step and vectorised chains (time to accuracy: bench_accuracy.py).
+"""Benchmark of the SG-MCMC engines: cost per step and vectorised chains (time to accuracy: the peers suite).
 
     python benchmarks/bench_sgmcmc.py            # full run (about 15 minutes on 2 quiet CPU cores)
     python benchmarks/bench_sgmcmc.py --quick    # smoke-sized run (about 2 minutes)

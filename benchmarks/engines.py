@@ -21,6 +21,11 @@ precision by the evidence, the linearised (GLM) predictive with the probit link 
 learning rate for E epochs, and ``SGHMC`` at its defaults with 4 vectorised chains from the MAP for S steps in all
 (half warm-up); each predicts with the mean over 50 draws. Time: the call, the predictive included.
 
+**Fixed-length runs** (the hierarchies, no reference): ``ours-sghmc-fixed`` is ``StochasticMCMC(SGHMC(model))`` at
+every default with 4 chains, ``pyro-nuts-fixed`` Pyro's ``NUTS`` on the full data with one chain; both 1,000 warm-up
+steps and 1,000 draws per chain (300 and 300 at the smoke size), scored by the smallest ESS over the unconstrained
+coordinates, ESS per second of the whole run and the largest split r_hat (one chain: its two halves).
+
 **EKF engines** (the GLM problems, N = 2,000 streamed once in minibatches of B): ``EKF(model)`` and
 ``DiagonalEKF(model)`` at their defaults, scored by the posterior's mean and sd against the exact ones.
 """
@@ -52,6 +57,7 @@ class Cell:
     seed: int
     budget: float
     shared: dict = field(default_factory=dict)  # per-suite cache: data, reference, the digits MAP
+    size: str = "smoke"  # the suite's size: engines of a fixed length run longer at "full"
 
     @property
     def data(self) -> problems.Data:
@@ -69,10 +75,20 @@ class Cell:
 
     def prepare(self, family: str) -> None:
         """Make the shared inputs before the cell is timed: its time and memory are then the engine's alone."""
-        if self.problem is not None:
+        if self.problem is not None and self.problem.kind == "hierarchy":
+            self.built  # noqa: B018
+        elif self.problem is not None:
             self.reference  # noqa: B018 (the data and the reference, cached in ``shared``)
         if family in ("laplace", "digits"):
             self.digits  # noqa: B018
+
+    @property
+    def built(self) -> tuple:
+        """A hierarchy's (title, model, data): :data:`problems.HIERARCHIES`."""
+        key = ("built", self.problem.name, self.n, self.seed)
+        if key not in self.shared:
+            self.shared[key] = problems.HIERARCHIES[self.problem.name](self.n, self.seed)
+        return self.shared[key]
 
     @property
     def digits(self) -> dict:
@@ -337,6 +353,60 @@ def _digits_sghmc(steps: int) -> Callable[[Cell], dict]:
     return run
 
 
+# ---------------------------------------------------------------------------------------------- hierarchies
+FIXED_STEPS = {"smoke": 300, "full": 1000}  # warm-up steps and draws per chain of the fixed-length runs
+
+
+def _fixed_scored(cell: Cell, model: Callable, samples: dict, chains: int, seconds: float, extra: dict) -> dict:
+    _, _, data = cell.built
+    flat = {k: v.reshape(-1, *v.shape[2:]) for k, v in samples.items()}
+    ess, r_hat = metrics.diagnose(problems.unconstrained(model, data, flat, chains))
+    steps = FIXED_STEPS[cell.size]
+    return {
+        "seconds": round(seconds, 2),
+        "draws": f"({steps} + {steps}) × {chains}",
+        "ess_min": round(ess, 1),
+        "ess_per_s": round(ess / seconds, 2),
+        "r_hat_max": round(r_hat, 4),
+        **extra,
+    }
+
+
+def _ours_fixed(cell: Cell) -> dict:
+    from pyro_scalable.infer import SGHMC, StochasticMCMC
+
+    _, model, data = cell.built
+    steps = FIXED_STEPS[cell.size]
+    start = time.perf_counter()
+    mcmc = StochasticMCMC(
+        SGHMC(model), num_samples=steps, num_warmup=steps, num_chains=CHAINS, seed=cell.seed, progress_bar=False
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # judged here by ESS and r_hat
+        mcmc.run(*data)
+    seconds = time.perf_counter() - start
+    cv = "off" if mcmc.control_variate is None else "at the mode" if mcmc.mode_search is not None else "window means"
+    samples = mcmc.get_samples(group_by_chain=True)
+    return _fixed_scored(cell, model, samples, CHAINS, seconds, {"control_variate": cv})
+
+
+def _nuts_fixed(cell: Cell) -> dict:
+    from pyro.infer import MCMC, NUTS
+
+    _, model, data = cell.built
+
+    def full(*args):
+        return model(*args, batch=None)
+
+    steps = FIXED_STEPS[cell.size]
+    pyro_seed(cell.seed)
+    start = time.perf_counter()
+    mcmc = MCMC(NUTS(full), num_samples=steps, warmup_steps=steps, disable_progbar=True)
+    mcmc.run(*data)
+    seconds = time.perf_counter() - start
+    return _fixed_scored(cell, full, mcmc.get_samples(group_by_chain=True), 1, seconds, {})
+
+
 # ---------------------------------------------------------------------------------------------- EKF
 EKF_BATCHES = (1000, 100, 10)
 
@@ -388,6 +458,8 @@ ENGINES: dict[str, Engine] = {
             Engine(f"ours-sghmc-{s}", "digits", _digits_sghmc(s), ("sklearn",), f"SGHMC from the MAP, {s} steps")
             for s in (1000, 4000)
         ),
+        Engine("ours-sghmc-fixed", "hierarchy", _ours_fixed, (), "StochasticMCMC(SGHMC(model)), 4 chains, fixed"),
+        Engine("pyro-nuts-fixed", "hierarchy", _nuts_fixed, (), "pyro.infer.NUTS, full batch, one chain, fixed"),
         *(Engine(f"ekf-b{b}", "ekf", _ekf(False, b), (), f"EKF(model), B = {b}") for b in EKF_BATCHES),
         *(Engine(f"diagonal-ekf-b{b}", "ekf", _ekf(True, b), (), f"DiagonalEKF(model), B = {b}") for b in EKF_BATCHES),
     )

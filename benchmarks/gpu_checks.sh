@@ -56,7 +56,7 @@ fi
 
 if wants peers; then
     echo "== time to accuracy on the GPU: ours against NumPyro NUTS on the same GPU (logistic, d = 10)"
-    timeout 170 "$PYTHON" benchmarks/bench_peers.py --device cuda --threads 8 --problems logistic10 \
+    timeout 170 "$PYTHON" benchmarks/studies/bench_peers.py --device cuda --threads 8 --problems logistic10 \
         --sizes 1e6,1e7 --samplers ours,nuts --budget 60 --nuts-budget 60 --total-budget 2.7 \
         --out "$OUT/peers_gpu.md" 2> "$OUT/peers_gpu.err" | tail -14
     status=$((status | $?))

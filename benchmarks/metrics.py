@@ -18,7 +18,7 @@ import torch
 from pyro.ops.stats import effective_sample_size, split_gelman_rubin
 from torch import Tensor
 
-__all__ = ["TOLERANCE_MEAN", "TOLERANCE_SD", "accuracy", "calibration", "mixing"]
+__all__ = ["TOLERANCE_MEAN", "TOLERANCE_SD", "accuracy", "calibration", "diagnose", "mixing"]
 
 TOLERANCE_MEAN, TOLERANCE_SD = 0.1, 0.10
 
@@ -45,6 +45,16 @@ def mixing(draws: Tensor, seconds: float) -> dict:
     if draws.shape[0] > 1:
         out["r_hat_max"] = round(float(split_gelman_rubin(draws, chain_dim=0, sample_dim=1).max()), 4)
     return out
+
+
+def diagnose(draws: Tensor) -> tuple[float, float]:
+    """Smallest ESS and largest split r_hat of (chains, draws, d); one chain is split into its two halves for r_hat."""
+    draws = draws.double()
+    ess = float(effective_sample_size(draws, chain_dim=0, sample_dim=1).min())
+    if draws.shape[0] == 1:
+        half = draws.shape[1] // 2
+        draws = torch.stack([draws[0, :half], draws[0, half : 2 * half]])
+    return ess, float(split_gelman_rubin(draws, chain_dim=0, sample_dim=1).max())
 
 
 def calibration(probs: Tensor, y: Tensor, bins: int = 15) -> dict:

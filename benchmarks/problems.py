@@ -11,7 +11,8 @@ Hessian), corrected by self-normalised importance sampling with that Gaussian as
 (d ≤ 12, N ≥ 10³) the weights' ESS is above 90% of the draws, so the reference's Monte-Carlo error (about 0.02 sd in
 a mean with 4,000 draws) is a fifth of the accuracy criterion (0.1 sd); the record keeps the ESS. The digits problem
 has no posterior reference: it is scored on held-out data. The EKF's GLM problems (``glm-<family>``) take their
-data and exact reference from ``tests/infer/ekf/glms.py``, where the EKF's tests define them.
+data and exact reference from ``tests/infer/ekf/glms.py``, where the EKF's tests define them. The hierarchies
+(kind "hierarchy": :data:`HIERARCHIES`) have no reference: they are scored by ESS per second and r_hat.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 from pyro.infer.mcmc.util import initialize_model
 from torch import Tensor, nn
 
-__all__ = ["PROBLEMS", "Data", "Problem", "digits", "reference"]
+__all__ = ["HIERARCHIES", "PROBLEMS", "Data", "Problem", "digits", "reference", "unconstrained"]
 
 NOISE = 0.7  # the noise sd that generates the regressions' data (and the "linear" model's known one)
 
@@ -134,8 +135,95 @@ PROBLEMS: dict[str, Problem] = {
         Problem("regression", "regression", 10, "linear regression, d = 10, latent noise scale σ ~ HalfNormal(1)"),
         Problem("linear", "linear", 100, "linear regression, d = 100, noise sd 0.7 known: a Gaussian posterior"),
         *(Problem(f"glm-{f}", "glm", 3, f"{f} GLM, N = 2,000, 3 features") for f in _GLM_FAMILIES),
+        Problem("ill-conditioned", "hierarchy", 10, "linear regression, d = 10, condition number about 5,000"),
+        Problem("partial-pooling", "hierarchy", 27, "centred partial pooling, 11 groups, latent scales"),
+        Problem("hierarchical-logistic", "hierarchy", 65, "non-centred hierarchical logistic regression, 60 groups"),
     )
 }
+
+
+# ---------------------------------------------------------------------------------------------- hierarchies
+# An ill-conditioned regression and two hierarchies (the ``hierarchies`` suite; ``benchmarks/studies/`` uses them
+# too): each builder returns (title, model, data) with ``model(*data, batch=B)``, ``batch=None`` for the full data.
+def ill_conditioned(n: int = 5000, seed: int = 0) -> tuple[str, Callable, tuple]:
+    """y = Xw + ε, d = 10 correlated features whose scales span 300× (condition number about 5,000), B = 100."""
+    g = torch.Generator().manual_seed(seed)
+    d = 10
+    u, _, v = torch.linalg.svd(torch.randn(d, d, generator=g))
+    x = torch.randn(n, d, generator=g) @ (u @ torch.diag(torch.logspace(0, -2.5, d)) @ v)
+    y = x @ torch.randn(d, generator=g) + torch.randn(n, generator=g)
+    eig = torch.linalg.eigvalsh(x.double().T @ x.double() + torch.eye(d, dtype=torch.float64))
+
+    def model(x, y, batch=100):
+        w = pyro.sample("w", dist.Normal(x.new_zeros(d), 1.0).to_event(1))
+        with pyro.plate("data", len(y), subsample_size=batch) as idx:
+            pyro.sample("obs", dist.Normal(x[idx] @ w, 1.0), obs=y[idx])
+
+    return f"ill-conditioned regression (d = 10, condition number {float(eig.max() / eig.min()):,.0f})", model, (x, y)
+
+
+def partial_pooling(n: int = 220, seed: int = 0) -> tuple[str, Callable, tuple]:
+    """Centred partial pooling: 11 groups (n / 11 rows each), group intercepts and slopes, latent scales, B = 44."""
+    g = torch.Generator().manual_seed(seed + 1)
+    groups, years = 11, n // 11
+    group = torch.arange(groups).repeat_interleave(years)
+    x = torch.randn(groups * years, generator=g)
+    a = 1.0 + 0.8 * torch.randn(groups, generator=g)
+    b = 0.5 + 0.3 * torch.randn(groups, generator=g)
+    y = a[group] + b[group] * x + 0.5 * torch.randn(groups * years, generator=g)
+
+    def model(x, group, y, batch=44):
+        mu_a = pyro.sample("mu_a", dist.Normal(x.new_zeros(()), 5.0))
+        mu_b = pyro.sample("mu_b", dist.Normal(x.new_zeros(()), 5.0))
+        tau_a = pyro.sample("tau_a", dist.HalfNormal(x.new_ones(())))
+        tau_b = pyro.sample("tau_b", dist.HalfNormal(x.new_ones(())))
+        sigma = pyro.sample("sigma", dist.HalfNormal(x.new_ones(())))
+        with pyro.plate("groups", groups):
+            a = pyro.sample("a", dist.Normal(mu_a, tau_a))
+            b = pyro.sample("b", dist.Normal(mu_b, tau_b))
+        with pyro.plate("data", len(y), subsample_size=batch) as idx:
+            pyro.sample("obs", dist.Normal(a[group[idx]] + b[group[idx]] * x[idx], sigma), obs=y[idx])
+
+    return f"partial-pooling regression (11 groups × {years}, centred)", model, (x, group, y)
+
+
+def hierarchical_logistic(n: int = 6366, seed: int = 0) -> tuple[str, Callable, tuple]:
+    """Non-centred: n rows in 60 groups, 3 covariates, α_g = μ + τ z_g with z_g ~ N(0, 1), B = 256."""
+    g = torch.Generator().manual_seed(seed + 2)
+    groups, k = 60, 3
+    group = torch.randint(groups, (n,), generator=g)
+    x = torch.randn(n, k, generator=g)
+    alpha = -0.5 + 0.7 * torch.randn(groups, generator=g)
+    y = torch.bernoulli(torch.sigmoid(alpha[group] + x @ torch.tensor([0.8, -0.4, 0.2])), generator=g)
+
+    def model(x, group, y, batch=256):
+        mu = pyro.sample("mu", dist.Normal(x.new_zeros(()), 5.0))
+        tau = pyro.sample("tau", dist.HalfNormal(x.new_ones(())))
+        beta = pyro.sample("beta", dist.Normal(x.new_zeros(k), 2.0).to_event(1))
+        with pyro.plate("groups", groups):
+            z = pyro.sample("z", dist.Normal(x.new_zeros(()), 1.0))
+        alpha = mu + tau * z
+        with pyro.plate("data", len(y), subsample_size=batch) as idx:
+            pyro.sample("obs", dist.Bernoulli(logits=alpha[group[idx]] + x[idx] @ beta), obs=y[idx])
+
+    return f"hierarchical logistic regression ({n:,} rows, 60 groups, non-centred)", model, (x, group, y)
+
+
+HIERARCHIES = {
+    "ill-conditioned": ill_conditioned,
+    "partial-pooling": partial_pooling,
+    "hierarchical-logistic": hierarchical_logistic,
+}
+
+
+def unconstrained(model: Callable, data: tuple, samples: dict[str, Tensor], chains: int) -> Tensor:
+    """Draws ``(chains * draws, ...)`` per site as ``(chains, draws, coordinates)``, unconstrained (log of a scale)."""
+    trace = pyro.poutine.trace(model).get_trace(*data)
+    parts = []
+    for name, value in samples.items():
+        u = torch.distributions.biject_to(trace.nodes[name]["fn"].support).inv(value)
+        parts.append(u.reshape(chains, u.shape[0] // chains, -1))
+    return torch.cat(parts, -1).double()
 
 
 def glm_cases():

@@ -125,6 +125,19 @@ DIGITS_COLUMNS = (
     Column("measured", _source),
 )
 
+HIERARCHY_COLUMNS = (
+    Column("problem", lambda r: r["problem"]),
+    Column("N", _n),
+    Column("engine", lambda r: r["engine"]),
+    Column("where", _where, collapsible=True),
+    Column("seconds", _seconds(",.1f")),
+    Column("steps × chains", _m("draws")),
+    Column("least ESS", _m("ess_min", ",.0f")),
+    Column("ESS/s", _m("ess_per_s", ",.1f")),
+    Column("r_hat", _m("r_hat_max", ".3f")),
+    Column("load", _load),
+)
+
 EKF_COLUMNS = (
     Column("problem", lambda r: r["problem"]),
     Column("engine", lambda r: r["engine"]),
@@ -169,6 +182,16 @@ SUITES: dict[str, Suite] = {
             {"smoke": ((None, 0),), "full": ((None, 0),)},
             ("map", "ours-laplace-kron", "swag-5", "swag-20", "swag-50", "ours-sghmc-1000", "ours-sghmc-4000"),
             DIGITS_COLUMNS,
+        ),
+        Suite(
+            "hierarchies",
+            "SGHMC at the defaults against Pyro's NUTS on an ill-conditioned regression and two hierarchies: ESS/s",
+            {
+                "smoke": (("ill-conditioned", 1000), ("partial-pooling", 110), ("hierarchical-logistic", 2000)),
+                "full": (("ill-conditioned", 5000), ("partial-pooling", 220), ("hierarchical-logistic", 6366)),
+            },
+            ("ours-sghmc-fixed", "pyro-nuts-fixed"),
+            HIERARCHY_COLUMNS,
         ),
         Suite(
             "ekf",

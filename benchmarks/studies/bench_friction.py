@@ -1,6 +1,6 @@
 """The hierarchies under several seeds: warm-up's defaults for SGHMC and BAOAB, for one copy of the package.
 
-The three models of ``bench_conditioning.py`` (an ill-conditioned regression, a partial-pooling regression and a
+The three models of the ``hierarchies`` suite (``benchmarks/problems.py``: an ill-conditioned regression, a partial-pooling regression and a
 non-centred hierarchical logistic regression), each run with every default (4 vectorised chains, 1,000 warm-up
 steps, 1,000 draws) under seeds 0, 1 and 2, for ``SGHMC(model)`` and ``BAOAB(model)`` (``--kernels`` to choose).
 One seed's ESS and r_hat on a slowly mixing posterior move a lot between seeds; three show whether a change of the
@@ -15,7 +15,7 @@ machine:
     python benchmarks/studies/bench_friction.py --kernels SGHMC --draws 5000   # longer runs, in about NUTS's time
     python benchmarks/studies/bench_friction.py --kernels SGHMC --draws 10000 --models hierarchical_logistic
 
-About four minutes each on 2 CPU cores. NUTS is not run (its figures are in ``conditioning.md``).
+About four minutes each on 2 CPU cores. NUTS is not run (its figures are in the ``hierarchies`` suite's records).
 """
 
 from __future__ import annotations
@@ -52,8 +52,9 @@ def main() -> None:
     from pyro_scalable.infer import StochasticMCMC
     from pyro_scalable.infer.health import HealthWarning
 
-    sys.path.insert(1, str(HERE.parent))
-    import bench_conditioning as conditioning  # its own import of pyro_scalable finds the one above
+    sys.path.insert(1, str(HERE.parent))  # the repository root, after the package chosen above
+    from benchmarks import metrics
+    from benchmarks import problems as conditioning  # the hierarchies suite's models (no pyro_scalable import)
 
     warnings.simplefilter("ignore", HealthWarning)  # judged here
     for name in ("kernels", "draws", "models"):
@@ -68,7 +69,7 @@ def main() -> None:
         *machine(args.threads),
         "",
         f"Every default, 4 vectorised chains, 1,000 warm-up steps and {args.draws:,} draws per chain. Min ESS over "
-        "every unconstrained coordinate and max split-r_hat, as in `bench_conditioning.py`; uncorrected: the share of "
+        "every unconstrained coordinate and max split-r_hat, as in the `hierarchies` suite; uncorrected: the share of "
         "coordinates × kept steps where the gradient noise alone exceeded the noise the sampler should inject "
         "(`sample_stats.uncorrected`; a run warns above 1%); seconds for the whole run.",
         "",
@@ -89,7 +90,7 @@ def main() -> None:
                 seconds = time.perf_counter() - start
                 samples = mcmc.get_samples(group_by_chain=True)
                 flat = {k: v.reshape(-1, *v.shape[2:]) for k, v in samples.items()}
-                ess, r_hat = conditioning.diagnose(conditioning.unconstrained(model, data, flat, 4))
+                ess, r_hat = metrics.diagnose(conditioning.unconstrained(model, data, flat, 4))
                 # the share of coordinates × kept steps whose gradient noise alone exceeded the wanted noise
                 uncorrected = 100 * float(mcmc.sample_stats["uncorrected"].double().mean())
                 log(f"{kernel_name} {name} seed {seed}: ESS {ess:.0f} r_hat {r_hat:.3f} {seconds:.1f} s")

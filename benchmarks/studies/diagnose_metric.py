@@ -2,7 +2,7 @@
 
     python benchmarks/studies/diagnose_metric.py          # about 8 minutes on 2 CPU cores (two NUTS references first)
 
-For the partial-pooling and the non-centred hierarchical logistic regressions of ``bench_conditioning.py``: a
+For the partial-pooling and the non-centred hierarchical logistic regressions of the ``hierarchies`` suite: a
 reference covariance Σ of the unconstrained latents from Pyro's NUTS (1,000 warm-up, 2,000 draws, full batch), then
 ``StochasticMCMC(SGHMC(model, control_variate=None), metric="dense")``, 4 chains × (1,000 + 1,000), with warm-up's
 dense metric chosen by
@@ -31,11 +31,12 @@ import warnings
 
 import pyro
 import torch
-from bench_conditioning import diagnose, hierarchical_logistic, partial_pooling, unconstrained
 from harness import log, machine, write_report
 from pyro.infer import MCMC, NUTS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks.metrics import diagnose  # noqa: E402
+from benchmarks.problems import hierarchical_logistic, partial_pooling, unconstrained  # noqa: E402
 from pyro_scalable.infer import SGHMC, StochasticMCMC  # noqa: E402
 from pyro_scalable.infer.sgmcmc import metric  # noqa: E402
 

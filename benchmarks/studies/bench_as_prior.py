@@ -1,6 +1,6 @@
 """Sample-then-optimise's posterior as the next prior: the shrunk covariance against the diagonal.
 
-    python benchmarks/bench_as_prior.py     # about a minute on 2 CPU cores
+    python benchmarks/studies/bench_as_prior.py     # about a minute on 2 CPU cores
 
 A linear-Gaussian model with d = 200 correlated features of scales spanning 30x (N = 2,000 per episode; the second
 episode's inputs are shifted), in float64. For K = 32 ... 2,048 exact draws of episode 1's posterior, the prior the
@@ -13,7 +13,7 @@ engine on episode 1 alone (K = 64) with the minibatch epochs only (``refine_pass
 with the conjugate-gradient refinement (budgets 100 and 200): the worst coordinate of the mean in posterior sds
 against the exact one, the engine's diagnostics, and whether it warned.
 
-    python benchmarks/bench_as_prior.py --convergence     # about 30 s
+    python benchmarks/studies/bench_as_prior.py --convergence     # about 30 s
 
 Prints a markdown table (accuracy, not speed: one run each, no timing).
 """

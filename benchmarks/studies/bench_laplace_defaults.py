@@ -1,6 +1,6 @@
 """The linearised Laplace defaults on a small network that can interpolate its training data.
 
-``python benchmarks/bench_laplace_defaults.py`` fits a 10-50-1 tanh network (601 weights, ``Normal(0, s)`` priors,
+``python benchmarks/studies/bench_laplace_defaults.py`` fits a 10-50-1 tanh network (601 weights, ``Normal(0, s)`` priors,
 ``sigma ~ HalfNormal(1)``) to 300 rows of scikit-learn's diabetes data (standardised; 142 rows held out), trains
 its MAP (full-batch Adam, then L-BFGS), and for each Laplace variant reports, at the MAP's prior and σ and after
 ``optimize_prior_precision()``: σ, the effective parameters γ and the N − γ observations left to measure σ, and on
@@ -104,7 +104,7 @@ def main() -> None:
     torch.set_num_threads(2)
     x, y, xt, yt = data()
     print("# Linearised Laplace defaults on a 10-50-1 network for the diabetes data\n")
-    print("`python benchmarks/bench_laplace_defaults.py > benchmarks/results/laplace_defaults.md`\n")
+    print("`python benchmarks/studies/bench_laplace_defaults.py > benchmarks/results/laplace_defaults.md`\n")
     print(
         "| prior sd | Laplace sites | structure | when | σ | γ | N − γ | test RMSE | test NLL | 95% cover | warnings |"
     )

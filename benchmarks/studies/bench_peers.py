@@ -1,8 +1,8 @@
 """Time to accuracy against the fastest peers: NumPyro's jitted NUTS and BlackJAX's SGLD/SGHMC with control variates.
 
-    python benchmarks/bench_peers.py --threads 1        # every problem at N = 1e4 … 1e7 within --total-budget
-    python benchmarks/bench_peers.py --problems logistic10 --sizes 1e4 --out /tmp/peers.md   # one cell
-    python benchmarks/bench_peers.py --device cuda --sizes 1e6,1e7 --out /tmp/peers_gpu.md   # on a GPU (JAX too)
+    python benchmarks/studies/bench_peers.py --threads 1        # every problem at N = 1e4 … 1e7 within --total-budget
+    python benchmarks/studies/bench_peers.py --problems logistic10 --sizes 1e4 --out /tmp/peers.md   # one cell
+    python benchmarks/studies/bench_peers.py --device cuda --sizes 1e6,1e7 --out /tmp/peers_gpu.md   # on a GPU (JAX too)
 
 Needs the benchmark-only peers (``pip install -e ".[peers]"``: jax[cpu], numpyro, blackjax); without them the run
 stops with the import error. Writes a markdown report to ``benchmarks/results/peers.md`` after every problem and
@@ -61,8 +61,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from bench_accuracy import accurate, errors, laplace, make, ours_to_accuracy  # benchmarks/ is on sys.path
-from harness import ForeignLoad, log, machine, write_report
+from bench_accuracy import accurate, errors, laplace, make, ours_to_accuracy  # benchmarks/studies/ is on sys.path
+from harness import ForeignLoad, log, machine, write_report  # bench_accuracy put benchmarks/ on sys.path
 from peers_models import (
     BATCH,
     CHAINS,
@@ -219,7 +219,7 @@ def render(args, sizes, results, notes, elapsed, header) -> str:
     report = [
         "# Time to accuracy: SGHMC(model) at the defaults against NumPyro NUTS and BlackJAX SGLD/SGHMC",
         "",
-        f"Command: `python {' '.join(['benchmarks/bench_peers.py', *sys.argv[1:]])}` ({elapsed / 60:.1f} minutes so "
+        f"Command: `python {' '.join(['benchmarks/studies/bench_peers.py', *sys.argv[1:]])}` ({elapsed / 60:.1f} minutes so "
         f"far; NUTS budget {args.nuts_budget:.0f} s a run, total budget {args.total_budget:.0f} minutes)",
         "",
         *header,
@@ -257,7 +257,7 @@ def main() -> None:
     parser.add_argument("--total-budget", type=float, default=90.0, help="minutes the whole run may take")
     parser.add_argument("--samplers", default="ours,nuts,blackjax", help="a subset of ours,nuts,blackjax")
     parser.add_argument("--device", default="cpu", help="where ours runs ('cuda'); the peers on JAX's default device")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "peers.md")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "results" / "peers.md")
     args = parser.parse_args()
     flags = f"--xla_cpu_multi_thread_eigen={'false' if args.threads == 1 else 'true'}"
     os.environ["XLA_FLAGS"] = f"{flags} intra_op_parallelism_threads={args.threads}"

@@ -1,7 +1,11 @@
 """Time to accuracy against full-batch NUTS at large N: SG-MCMC with and without control variates.
 
-    python benchmarks/bench_accuracy.py            # full run (about 40 minutes on 2 quiet CPU cores, 12 GB)
-    python benchmarks/bench_accuracy.py --quick    # N = 10^4 and 10^5 only (a few minutes)
+The ``peers`` suite (``python -m benchmarks run peers``) is this benchmark in the harness; this script stays as a study
+for what the suite does not run: N = 10^7, the control variate at the mode, ``bench_peers.py``'s problems and GPU
+run, and the studies that import ``make``.
+
+    python benchmarks/studies/bench_accuracy.py            # full run (about 40 minutes on 2 quiet CPU cores, 12 GB)
+    python benchmarks/studies/bench_accuracy.py --quick    # N = 10^4 and 10^5 only (a few minutes)
 
 Prints a markdown report and writes it to ``benchmarks/results/accuracy.md`` (``--out`` to change).
 
@@ -45,12 +49,14 @@ from pathlib import Path
 import pyro
 import pyro.distributions as dist
 import torch
-from harness import ForeignLoad, _code_version, load_average, log, machine, write_report  # benchmarks/ is on sys.path
 from pyro.infer import MCMC, NUTS
 from pyro.infer.mcmc.util import initialize_model
 from torch import Tensor
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: harness
+from harness import ForeignLoad, _code_version, load_average, log, machine, write_report  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from pyro_scalable.infer import SGHMC, StochasticMCMC  # noqa: E402
 from pyro_scalable.infer.health import HealthWarning  # noqa: E402
 
@@ -337,7 +343,7 @@ def main() -> None:
         help="largest N at which NUTS runs in full "
         "(and logistic regression with d = 10 at N = 10^6, which checks the extrapolation)",
     )
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "accuracy.md")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "results" / "accuracy.md")
     parser.add_argument(
         "--problems", default="logistic10,logistic100,regression10", help="a subset, e.g. 'logistic100,regression10'"
     )
@@ -360,7 +366,7 @@ def main() -> None:
         f"# Time to accuracy against full-batch Pyro NUTS: {', '.join(args.problems.split(','))} at N = "
         f"{', '.join(f'{n:.0e}' for n in sizes)} ({_code_version()})",
         "",
-        f"Command: `python {' '.join(['benchmarks/bench_accuracy.py', *sys.argv[1:]])}`",
+        f"Command: `python {' '.join(['benchmarks/studies/bench_accuracy.py', *sys.argv[1:]])}`",
         "",
         *machine(args.threads),
         "",
