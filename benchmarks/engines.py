@@ -26,6 +26,11 @@ every default with 4 chains, ``pyro-nuts-fixed`` Pyro's ``NUTS`` on the full dat
 steps and 1,000 draws per chain (300 and 300 at the smoke size), scored by the smallest ESS over the unconstrained
 coordinates, ESS per second of the whole run and the largest split r_hat (one chain: its two halves).
 
+**Calibration** (the conjugate regression, exact sds): ``<kernel>-b<B>`` is ``StochasticMCMC(<kernel>(model))`` at
+every default with minibatches of B (``bN``: the full data), many chains from ``init_to_uniform``;
+``posteriors-<sgld|sghmc>-b<B>`` is posteriors 0.1.3's update at hand-picked settings (SGLD ε = 10⁻⁴; SGHMC
+ε = 0.005, α = 100), no noise correction, the same chains and steps, driven by a plain loop.
+
 **EKF engines** (the GLM problems, N = 2,000 streamed once in minibatches of B): ``EKF(model)`` and
 ``DiagonalEKF(model)`` at their defaults, scored by the posterior's mean and sd against the exact ones.
 """
@@ -407,6 +412,101 @@ def _nuts_fixed(cell: Cell) -> dict:
     return _fixed_scored(cell, full, mcmc.get_samples(group_by_chain=True), 1, seconds, {})
 
 
+# ---------------------------------------------------------------------------------------------- calibration
+CALIBRATION = {"smoke": (32, 16, 100, 100), "full": (256, 128, 300, 600)}  # chains (at B = N), warm-up, kept
+CALIBRATION_BATCHES = (10, 30, 100, None)  # None: the full data, exact gradients
+HAND = {"sgld": {"step_size": 1e-4}, "sghmc": {"step_size": 5e-3, "friction": 100.0}}  # posteriors' hand settings
+
+
+def _sd_scored(cell: Cell, draws: torch.Tensor, seconds: float, extra: dict) -> dict:
+    """Per coordinate the sd of the draws (chains, draws, d) over the exact sd, its Monte-Carlo error, the mean error."""
+    from pyro.ops.stats import effective_sample_size
+
+    ref = cell.reference
+    draws = draws.double()
+    ratio = draws.reshape(-1, draws.shape[-1]).std(0) / ref["sd"]
+    ess = effective_sample_size(draws, chain_dim=0, sample_dim=1).clamp_min(1.0)
+    error = ((draws.reshape(-1, draws.shape[-1]).mean(0) - ref["mean"]) / ref["sd"]).abs().max()
+    return {
+        "seconds": round(seconds, 2),
+        "sd_ratios": [round(float(r), 3) for r in ratio],
+        "mcse": round(float((ratio / (2 * ess).sqrt()).max()), 3),
+        "mean_error_sd": round(float(error), 4),
+        "sd_error": round(float((ratio - 1).abs().max()), 4),
+        **extra,
+    }
+
+
+def _calibration_chains(cell: Cell, batch: int | None) -> tuple[int, int, int]:
+    chains, chains_full, warmup, kept = CALIBRATION[cell.size]
+    return (chains if batch else chains_full), warmup, kept
+
+
+def _kernel_at(kernel: str, batch: int | None) -> Callable[[Cell], dict]:
+    def run(cell: Cell) -> dict:
+        from pyro_scalable import infer
+
+        chains, warmup, kept = _calibration_chains(cell, batch)
+        start = time.perf_counter()
+        mcmc = infer.StochasticMCMC(
+            getattr(infer, kernel)(cell.problem.pyro_model(batch)),
+            num_samples=kept,
+            num_warmup=warmup,
+            num_chains=chains,
+            seed=cell.seed,
+            progress_bar=False,
+            minibatches="independent",  # what a noise-estimating kernel gets by default
+        )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            mcmc.run(cell.data.x, cell.data.y)
+        seconds = time.perf_counter() - start
+        stats = mcmc.sample_stats
+        extra = {"draws": f"{kept} × {chains}", "step_size": float(stats["step_size"].float().median())}
+        if "friction" in stats:
+            extra["friction"] = float(stats["friction"].float().median())
+        extra["warnings"] = sorted({str(w.message).split(":")[0][:90] for w in caught})
+        return _sd_scored(cell, cell.problem.flatten(mcmc.get_samples(group_by_chain=True)), seconds, extra)
+
+    return run
+
+
+def _posteriors_at(method: str, batch: int | None) -> Callable[[Cell], dict]:
+    """posteriors' ``sgld``/``sghmc`` update (``beta=0``) at the hand settings, C chains as the rows of one tensor."""
+
+    def run(cell: Cell) -> dict:
+        import posteriors
+
+        module = getattr(posteriors.sgmcmc, method)
+        chains, warmup, kept = _calibration_chains(cell, batch)
+        x, y, n, hyper = cell.data.x, cell.data.y, cell.n, HAND[method]
+        torch.manual_seed(cell.seed)  # posteriors draws its noise from torch's global generator
+        gen = torch.Generator().manual_seed(cell.seed)
+        params = {"w": torch.rand(chains, cell.problem.d, generator=gen, dtype=x.dtype) * 4.0 - 2.0}  # U(-2, 2)
+
+        def log_posterior(params: dict, idx: torch.Tensor | None) -> tuple:  # the N/B scaling written by hand
+            w = params["w"]
+            residual = y - w @ x.T if idx is None else y[idx] - (x[idx] @ w.unsqueeze(-1)).squeeze(-1)
+            value = -0.5 * w.square().sum() - 0.5 * (n / residual.shape[-1]) * residual.square().sum()
+            return value, value.detach()
+
+        state = module.init(params) if method == "sgld" else module.init(params, momenta=None)
+        options = {"lr": hyper["step_size"], "beta": 0.0, "inplace": True}
+        if method == "sghmc":
+            options["alpha"] = hyper["friction"]
+        draws = torch.empty(chains, kept, cell.problem.d, dtype=x.dtype)
+        start = time.perf_counter()
+        for t in range(warmup + kept):
+            idx = torch.randint(n, (chains, batch), generator=gen) if batch else None
+            state, _ = module.update(state, idx, log_posterior, **options)
+            if t >= warmup:
+                draws[:, t - warmup] = state.params["w"]
+        seconds = time.perf_counter() - start
+        return _sd_scored(cell, draws, seconds, {"draws": f"{kept} × {chains}", **hyper})
+
+    return run
+
+
 # ---------------------------------------------------------------------------------------------- EKF
 EKF_BATCHES = (1000, 100, 10)
 
@@ -460,6 +560,16 @@ ENGINES: dict[str, Engine] = {
         ),
         Engine("ours-sghmc-fixed", "hierarchy", _ours_fixed, (), "StochasticMCMC(SGHMC(model)), 4 chains, fixed"),
         Engine("pyro-nuts-fixed", "hierarchy", _nuts_fixed, (), "pyro.infer.NUTS, full batch, one chain, fixed"),
+        *(
+            Engine(f"{k.lower()}-b{b or 'N'}", "calibration", _kernel_at(k, b), (), f"{k}(model) at its defaults, B {b}")
+            for k in ("SGLD", "SGHMC", "PSGLD", "SGNHT", "BAOAB")
+            for b in CALIBRATION_BATCHES
+        ),
+        *(
+            Engine(f"posteriors-{m}-b{b or 'N'}", "calibration", _posteriors_at(m, b), ("posteriors",), f"{m}, hand")
+            for m in ("sgld", "sghmc")
+            for b in CALIBRATION_BATCHES
+        ),
         *(Engine(f"ekf-b{b}", "ekf", _ekf(False, b), (), f"EKF(model), B = {b}") for b in EKF_BATCHES),
         *(Engine(f"diagonal-ekf-b{b}", "ekf", _ekf(True, b), (), f"DiagonalEKF(model), B = {b}") for b in EKF_BATCHES),
     )

@@ -47,7 +47,8 @@ class Problem:
     """A model and a data generator.
 
     ``kind``: "logistic" (Bernoulli), "regression" (a latent noise scale), "linear" (noise sd 0.7 known, so the
-    posterior is Gaussian and :func:`reference` gives it exactly) or "glm" (a case of ``tests/infer/ekf/glms.py``,
+    posterior is Gaussian and :func:`reference` gives it exactly), "conjugate" (the same with noise sd 1,
+    ``w`` drawn from its prior, float64: the calibration suite's) or "glm" (a case of ``tests/infer/ekf/glms.py``,
     N = 2,000 and three features, the family after ``glm-`` in the name, its data and exact reference there).
     """
 
@@ -55,6 +56,11 @@ class Problem:
     kind: str
     d: int
     description: str
+
+    @property
+    def noise(self) -> float:
+        """The known noise sd of the "linear" and "conjugate" kinds."""
+        return 1.0 if self.kind == "conjugate" else NOISE
 
     @property
     def family(self) -> str:
@@ -70,14 +76,16 @@ class Problem:
             assert n == glms.N, f"the GLM cases have N = {glms.N}"
             return Data(*glms.data(self.family, seed))
         gen = torch.Generator().manual_seed(seed)
-        x = torch.randn(n, self.d, generator=gen)
-        w = torch.randn(self.d, generator=gen) * (1.5 / math.sqrt(self.d))
+        dtype = torch.float64 if self.kind == "conjugate" else torch.float32
+        x = torch.randn(n, self.d, generator=gen, dtype=dtype)
+        scale = 1.0 if self.kind == "conjugate" else 1.5 / math.sqrt(self.d)
+        w = torch.randn(self.d, generator=gen, dtype=dtype) * scale
         if self.kind == "logistic":
             return Data(x, torch.bernoulli(torch.sigmoid(x @ w), generator=gen))
-        return Data(x, x @ w + NOISE * torch.randn(n, generator=gen))
+        return Data(x, x @ w + self.noise * torch.randn(n, generator=gen, dtype=dtype))
 
     def pyro_model(self, batch_size: int | None = None) -> Callable:
-        kind = self.kind
+        kind, noise = self.kind, self.noise
 
         def model(x: Tensor, y: Tensor) -> None:
             w = pyro.sample("w", dist.Normal(x.new_zeros(x.shape[1]), 1.0).to_event(1))
@@ -87,7 +95,7 @@ class Problem:
                 if kind == "logistic":
                     likelihood = dist.Bernoulli(logits=mean)
                 else:
-                    likelihood = dist.Normal(mean, NOISE if scale is None else scale)
+                    likelihood = dist.Normal(mean, noise if scale is None else scale)
                 pyro.sample("obs", likelihood, obs=y[idx])
 
         return model
@@ -134,6 +142,7 @@ PROBLEMS: dict[str, Problem] = {
         Problem("logistic", "logistic", 10, "logistic regression, d = 10, w ~ N(0, I)"),
         Problem("regression", "regression", 10, "linear regression, d = 10, latent noise scale σ ~ HalfNormal(1)"),
         Problem("linear", "linear", 100, "linear regression, d = 100, noise sd 0.7 known: a Gaussian posterior"),
+        Problem("conjugate", "conjugate", 2, "linear regression, d = 2, noise sd 1 known, float64: Gaussian"),
         *(Problem(f"glm-{f}", "glm", 3, f"{f} GLM, N = 2,000, 3 features") for f in _GLM_FAMILIES),
         Problem("ill-conditioned", "hierarchy", 10, "linear regression, d = 10, condition number about 5,000"),
         Problem("partial-pooling", "hierarchy", 27, "centred partial pooling, 11 groups, latent scales"),
@@ -238,9 +247,9 @@ def reference(problem: Problem, data: Data, draws: int = 4000, seed: int = 0) ->
         mean, sd = glm_cases().exact(problem.family, data.x, data.y)
         return {"mean": mean, "sd": sd, "mode": mean, "ess": None, "draws": 20_000}
     x, y = data.x.double(), data.y.double()
-    if problem.kind == "linear":  # N(A⁻¹Xᵀy/σ², A⁻¹), A = XᵀX/σ² + I: exact
-        precision = x.T @ x / NOISE**2 + torch.eye(problem.d, dtype=torch.float64)
-        mean = torch.linalg.solve(precision, x.T @ y / NOISE**2)
+    if problem.kind in ("linear", "conjugate"):  # N(A⁻¹Xᵀy/σ², A⁻¹), A = XᵀX/σ² + I: exact
+        precision = x.T @ x / problem.noise**2 + torch.eye(problem.d, dtype=torch.float64)
+        mean = torch.linalg.solve(precision, x.T @ y / problem.noise**2)
         sd = torch.linalg.inv(precision).diagonal().sqrt()
         return {"mean": mean, "sd": sd, "mode": mean, "ess": None, "draws": 0}
     _, potential_fn, _, _ = initialize_model(problem.pyro_model(), (x, y))

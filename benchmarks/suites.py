@@ -138,6 +138,26 @@ HIERARCHY_COLUMNS = (
     Column("load", _load),
 )
 
+def _ratios(record: dict) -> str:
+    found = record.get("metrics", {})
+    if "sd_ratios" not in found:
+        return "–"
+    shown = "/".join(f"{r:.2f}" for r in found["sd_ratios"]) + f" ±{found['mcse']:.2f}"
+    return f"**{shown}**" if found["sd_error"] > 0.1 else shown
+
+
+CALIBRATION_COLUMNS = (
+    Column("N", _n, collapsible=True),
+    Column("engine", lambda r: r["engine"]),
+    Column("where", _where, collapsible=True),
+    Column("sd / exact sd (w₁/w₂ ± MCSE)", _ratios),
+    Column("mean err. (sd)", _m("mean_error_sd", ".2f")),
+    Column("step size", _m("step_size", ".3g")),
+    Column("draws × chains", _m("draws")),
+    Column("seconds", _seconds(",.1f")),
+    Column("load", _load),
+)
+
 EKF_COLUMNS = (
     Column("problem", lambda r: r["problem"]),
     Column("engine", lambda r: r["engine"]),
@@ -192,6 +212,17 @@ SUITES: dict[str, Suite] = {
             },
             ("ours-sghmc-fixed", "pyro-nuts-fixed"),
             HIERARCHY_COLUMNS,
+        ),
+        Suite(
+            "calibration",
+            "Posterior sd against the minibatch size on a conjugate regression: ours at the defaults and posteriors",
+            {"smoke": (("conjugate", 500),), "full": (("conjugate", 1000),)},
+            tuple(
+                f"{k}-b{b}"
+                for k in ("sgld", "sghmc", "psgld", "sgnht", "baoab", "posteriors-sgld", "posteriors-sghmc")
+                for b in (10, 30, 100, "N")
+            ),
+            CALIBRATION_COLUMNS,
         ),
         Suite(
             "ekf",
