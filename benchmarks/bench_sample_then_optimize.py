@@ -782,7 +782,14 @@ def part_b(cfg: dict, threads: int, max_wait: float, report: list[str], summary:
 
 # ====================================================================================== part c
 def part_c(cfg: dict, report: list[str], summary: dict) -> None:
-    from bench_laplace import latents_of, network, nll_ece_accuracy, train_map
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: benchmarks.problems
+    from benchmarks.metrics import calibration
+    from benchmarks.problems import latents_of, network, train_map
+
+    def nll_ece_accuracy(probs: torch.Tensor, y: torch.Tensor) -> tuple[float, float, float]:
+        found = calibration(probs, y)
+        return found["nll"], found["ece"], found["test_accuracy"]
+
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 

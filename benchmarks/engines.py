@@ -82,6 +82,8 @@ class Cell:
         """Make the shared inputs before the cell is timed: its time and memory are then the engine's alone."""
         if self.problem is not None and self.problem.kind == "hierarchy":
             self.built  # noqa: B018
+        elif self.problem is not None and self.problem.kind == "teacher":
+            self.teacher  # noqa: B018
         elif self.problem is not None:
             self.reference  # noqa: B018 (the data and the reference, cached in ``shared``)
         if family in ("laplace", "digits"):
@@ -93,6 +95,15 @@ class Cell:
         key = ("built", self.problem.name, self.n, self.seed)
         if key not in self.shared:
             self.shared[key] = problems.HIERARCHIES[self.problem.name](self.n, self.seed)
+        return self.shared[key]
+
+    @property
+    def teacher(self) -> dict:
+        """The teacher problem's data and MAP (20 Adam epochs and 100 L-BFGS steps; 3 and 50 at the smoke size)."""
+        key = ("teacher", self.n, self.seed, self.size)
+        if key not in self.shared:
+            epochs, lbfgs = (20, 100) if self.size == "full" else (3, 50)
+            self.shared[key] = problems.teacher(self.n, self.seed, epochs, lbfgs)
         return self.shared[key]
 
     @property
@@ -304,6 +315,86 @@ def _map(cell: Cell) -> dict:
 
 def _calibrated(probs: torch.Tensor, digits: dict) -> dict:
     return metrics.calibration(probs.detach(), digits["y_test"])
+
+
+# ---------------------------------------------------------------------------------------------- Laplace cost
+def _laplace_call(impl: str, operation: str, structure: str) -> Callable[[Cell], dict]:
+    """One call on the teacher MLP (all weights), timed and its extra memory measured, after the same call on a tiny
+    net (imports and lazy initialisation untimed). ``impl``: "ours", "laplace-torch" (its default backend,
+    ``CurvlinopsGGN``) or "laplace-torch-backpack"; ``operation``: "fit" (the posterior and one evidence evaluation),
+    "fit-checked" (ours with ``check_map=True``, the default) or "predict" (the probit GLM predictive on the test
+    points, after an untimed fit)."""
+
+    def fit(problem: dict):
+        if impl == "ours":
+            from pyro_scalable.infer import AutoLinearizedLaplace
+
+            guide = AutoLinearizedLaplace(problems.pyro_network(1000, problem["sizes"]))
+            return guide.laplace_approximation(
+                problem["x"], problem["y"], structure=structure, map_latents=problem["latents"],
+                check_map=operation == "fit-checked", chunk_size=1000,
+            )
+        import laplace
+        from laplace import curvature
+        from torch.utils.data import DataLoader, TensorDataset
+
+        net = problems.network(problem["sizes"])
+        net.load_state_dict(problem["net"].state_dict())
+        backend = curvature.BackPackGGN if impl.endswith("backpack") else curvature.CurvlinopsGGN
+        la = laplace.Laplace(
+            net, "classification", subset_of_weights="all", hessian_structure=structure,
+            prior_precision=problems.DIGITS_PRIOR, backend=backend,
+        )
+        la.fit(DataLoader(TensorDataset(problem["x"], problem["y"]), batch_size=1000))
+        return la
+
+    def predict(posterior, x: torch.Tensor) -> torch.Tensor:
+        if impl == "ours":
+            return posterior.predict(x, link_approx="probit").distribution.probs.detach()
+        return torch.cat([posterior(chunk, pred_type="glm", link_approx="probit") for chunk in x.split(100)])
+
+    def once(problem: dict) -> dict:
+        from benchmarks import harness
+
+        found: dict = {}
+        if operation == "predict":
+            posterior = fit(problem)
+            float(posterior.log_marginal_likelihood())
+        harness.release_free_memory()
+        harness.reset_peak()
+        base = harness.rss_mb()
+        start = time.perf_counter()
+        if operation == "predict":
+            predict(posterior, problem["x_test"])
+        else:
+            found["log_evidence"] = round(float(fit(problem).log_marginal_likelihood()), 1)
+        found["seconds"] = round(time.perf_counter() - start, 3)
+        found["call_mb"] = round(harness.peak_mb() - base, 1)
+        return found
+
+    def run(cell: Cell) -> dict:
+        big = cell.teacher
+        torch.manual_seed(0)
+        tiny_sizes = (big["sizes"][0], 8, 8, big["sizes"][-1])
+        net = problems.network(tiny_sizes)
+        x = torch.randn(40, tiny_sizes[0])
+        tiny = {"sizes": tiny_sizes, "net": net, "latents": problems.latents_of(net), "x": x, "x_test": x[:20]}
+        tiny["y"] = torch.randint(0, tiny_sizes[-1], (40,))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            once(tiny)
+            return once(big)
+
+    return run
+
+
+LAPLACE_CALLS = (
+    ("ours", "fit", "diag"), ("ours", "fit-checked", "diag"), ("laplace-torch-backpack", "fit", "diag"),
+    ("ours", "fit", "kron"), ("ours", "fit-checked", "kron"), ("laplace-torch", "fit", "kron"),
+    ("laplace-torch-backpack", "fit", "kron"),
+    ("ours", "predict", "kron"), ("laplace-torch", "predict", "kron"), ("laplace-torch-backpack", "predict", "kron"),
+    ("ours", "predict", "diag"), ("laplace-torch-backpack", "predict", "diag"),
+)
 
 
 # ---------------------------------------------------------------------------------------------- from the digits MAP
@@ -553,6 +644,10 @@ ENGINES: dict[str, Engine] = {
         Engine("ours-laplace-diag", "laplace", _laplace_ours("diag"), ("sklearn",), "AutoLinearizedLaplace, diag"),
         Engine("laplace-torch-kron", "laplace", _laplace_torch("kron"), ("laplace", "sklearn"), "Laplace, kron"),
         Engine("laplace-torch-diag", "laplace", _laplace_torch("diag"), ("laplace", "sklearn"), "Laplace, diag"),
+        *(
+            Engine(f"{i}-{o}-{s}", "teacher", _laplace_call(i, o, s), ("laplace",) * (i != "ours"), f"{i}: {o} {s}")
+            for i, o, s in LAPLACE_CALLS
+        ),
         *(Engine(f"swag-{e}", "digits", _swag(e), ("sklearn",), f"SWAG, rank 20, {e} epochs") for e in (5, 20, 50)),
         *(
             Engine(f"ours-sghmc-{s}", "digits", _digits_sghmc(s), ("sklearn",), f"SGHMC from the MAP, {s} steps")

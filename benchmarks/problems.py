@@ -10,9 +10,11 @@ approximation at the float64 mode of Pyro's own potential energy (L-BFGS, then N
 Hessian), corrected by self-normalised importance sampling with that Gaussian as the proposal. On these posteriors
 (d ≤ 12, N ≥ 10³) the weights' ESS is above 90% of the draws, so the reference's Monte-Carlo error (about 0.02 sd in
 a mean with 4,000 draws) is a fifth of the accuracy criterion (0.1 sd); the record keeps the ESS. The digits problem
-has no posterior reference: it is scored on held-out data. The EKF's GLM problems (``glm-<family>``) take their
-data and exact reference from ``tests/infer/ekf/glms.py``, where the EKF's tests define them. The hierarchies
-(kind "hierarchy": :data:`HIERARCHIES`) have no reference: they are scored by ESS per second and r_hat.
+has no posterior reference: it is scored on held-out data. The ``teacher`` problem (a ReLU MLP 784-128-64-10 at
+its MAP on inputs labelled by a random teacher network) is the Laplace cost suite's. The EKF's GLM problems
+(``glm-<family>``) take their data and exact reference from ``tests/infer/ekf/glms.py``, where the EKF's tests
+define them. The hierarchies (kind "hierarchy": :data:`HIERARCHIES`) have no reference: they are scored by ESS per
+second and r_hat.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch
 from pyro.infer.mcmc.util import initialize_model
 from torch import Tensor, nn
 
-__all__ = ["HIERARCHIES", "PROBLEMS", "Data", "Problem", "digits", "reference", "unconstrained"]
+__all__ = ["HIERARCHIES", "PROBLEMS", "Data", "Problem", "digits", "reference", "teacher", "train_map", "unconstrained"]
 
 NOISE = 0.7  # the noise sd that generates the regressions' data (and the "linear" model's known one)
 
@@ -142,6 +144,7 @@ PROBLEMS: dict[str, Problem] = {
         Problem("logistic", "logistic", 10, "logistic regression, d = 10, w ~ N(0, I)"),
         Problem("regression", "regression", 10, "linear regression, d = 10, latent noise scale σ ~ HalfNormal(1)"),
         Problem("linear", "linear", 100, "linear regression, d = 100, noise sd 0.7 known: a Gaussian posterior"),
+        Problem("teacher", "teacher", 109_386, "ReLU MLP 784-128-64-10 at its MAP, labels from a teacher MLP"),
         Problem("conjugate", "conjugate", 2, "linear regression, d = 2, noise sd 1 known, float64: Gaussian"),
         *(Problem(f"glm-{f}", "glm", 3, f"{f} GLM, N = 2,000, 3 features") for f in _GLM_FAMILIES),
         Problem("ill-conditioned", "hierarchy", 10, "linear regression, d = 10, condition number about 5,000"),
@@ -320,8 +323,15 @@ def digits(seed: int = 0) -> dict:
     y_train, y_test = torch.tensor(y_train), torch.tensor(y_test)
     torch.manual_seed(seed)
     net = network()
+    train_map(net, x_train, y_train, epochs=100, batch_size=64, lbfgs=500, seed=seed)
+    latents = latents_of(net)
+    return {"net": net, "latents": latents, "x": x_train, "y": y_train, "x_test": x_test, "y_test": y_test}
+
+
+def train_map(net: nn.Module, x: Tensor, y: Tensor, epochs: int, batch_size: int, lbfgs: int, seed: int) -> None:
+    """Adam on the negative log joint (cross-entropy summed, the minibatch's scaled by N/B, + ½ prior |θ|²), L-BFGS."""
     params = list(net.parameters())
-    n = len(y_train)
+    n = len(y)
 
     def loss(xb: Tensor, yb: Tensor, scale: float) -> Tensor:
         penalty = 0.5 * DIGITS_PRIOR * sum(p.square().sum() for p in params)
@@ -329,32 +339,56 @@ def digits(seed: int = 0) -> dict:
 
     optimizer = torch.optim.Adam(params, lr=1e-3)
     gen = torch.Generator().manual_seed(seed)
-    for _ in range(100):
-        for idx in torch.randperm(n, generator=gen).split(64):
+    for _ in range(epochs):
+        for idx in torch.randperm(n, generator=gen).split(batch_size):
             optimizer.zero_grad()
-            loss(x_train[idx], y_train[idx], n / len(idx)).backward()
+            loss(x[idx], y[idx], n / len(idx)).backward()
             optimizer.step()
-    lbfgs = torch.optim.LBFGS(params, max_iter=500, line_search_fn="strong_wolfe", tolerance_grad=1e-9)
+    if not lbfgs:
+        return
+    search = torch.optim.LBFGS(params, max_iter=lbfgs, line_search_fn="strong_wolfe", tolerance_grad=1e-9)
 
     def closure() -> Tensor:
-        lbfgs.zero_grad()
-        value = loss(x_train, y_train, 1.0)
+        search.zero_grad()
+        value = loss(x, y, 1.0)
         value.backward()
         return value
 
-    lbfgs.step(closure)
-    linear = [m for m in net if isinstance(m, nn.Linear)]
+    search.step(closure)
+
+
+def latents_of(net: nn.Sequential) -> dict[str, Tensor]:
+    """The network's weights under the Pyro model's site names (``layers.<k>.weight``, ``layers.<k>.bias``)."""
     latents = {}
-    for k, layer in enumerate(linear):
+    for k, layer in enumerate(m for m in net if isinstance(m, nn.Linear)):
         latents[f"layers.{k}.weight"] = layer.weight.detach().clone()
         latents[f"layers.{k}.bias"] = layer.bias.detach().clone()
-    return {"net": net, "latents": latents, "x": x_train, "y": y_train, "x_test": x_test, "y_test": y_test}
+    return latents
 
 
-def network() -> nn.Sequential:
+TEACHER_SIZES = (784, 128, 64, 10)  # 109,386 weights
+
+
+def teacher(n: int, seed: int = 0, epochs: int = 20, lbfgs: int = 100) -> dict:
+    """Inputs N(0, I) labelled by a random teacher MLP, n training and n / 10 test points; the student's MAP."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    torch.manual_seed(seed + 1)
+    teacher_net = network(TEACHER_SIZES)
+    x = torch.randn(n + n // 10, TEACHER_SIZES[0], generator=gen)
+    with torch.no_grad():
+        logits = 3.0 * teacher_net(x) / teacher_net(x).std()
+    y = torch.distributions.Categorical(logits=logits).sample()
+    torch.manual_seed(seed + 2)
+    net = network(TEACHER_SIZES)
+    train_map(net, x[:n], y[:n], epochs=epochs, batch_size=200, lbfgs=lbfgs, seed=seed + 3)
+    return {"sizes": TEACHER_SIZES, "net": net, "latents": latents_of(net), "x": x[:n], "y": y[:n], "x_test": x[n:]}
+
+
+def network(sizes: tuple[int, ...] = DIGITS_SIZES) -> nn.Sequential:
+    """A ReLU MLP of layer widths ``sizes``."""
     layers: list[nn.Module] = []
-    for k, (fan_in, fan_out) in enumerate(zip(DIGITS_SIZES[:-1], DIGITS_SIZES[1:])):
-        layers += [nn.Linear(fan_in, fan_out)] + ([nn.ReLU()] if k < len(DIGITS_SIZES) - 2 else [])
+    for k, (fan_in, fan_out) in enumerate(zip(sizes[:-1], sizes[1:])):
+        layers += [nn.Linear(fan_in, fan_out)] + ([nn.ReLU()] if k < len(sizes) - 2 else [])
     return nn.Sequential(*layers)
 
 
@@ -368,7 +402,7 @@ def network_probs(latents: dict[str, Tensor], x: Tensor) -> Tensor:
     return torch.softmax(f.double(), -1).mean(0)
 
 
-def pyro_network(chunk: int = 256):
+def pyro_network(chunk: int = 256, sizes: tuple[int, ...] = DIGITS_SIZES):
     """The same MLP as a Pyro model (weights ~ N(0, 1/prior)), its data plate subsampled in chunks."""
     from pyro.nn import PyroModule, PyroSample
 
@@ -378,7 +412,7 @@ def pyro_network(chunk: int = 256):
         def __init__(self) -> None:
             super().__init__()
             layers = []
-            for fan_in, fan_out in zip(DIGITS_SIZES[:-1], DIGITS_SIZES[1:]):
+            for fan_in, fan_out in zip(sizes[:-1], sizes[1:]):
                 layer = PyroModule[nn.Linear](fan_in, fan_out)
                 layer.weight = PyroSample(dist.Normal(0.0, scale).expand((fan_out, fan_in)).to_event(2))
                 layer.bias = PyroSample(dist.Normal(0.0, scale).expand((fan_out,)).to_event(1))

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from benchmarks.engines import LAPLACE_CALLS
+
 __all__ = ["SUITES", "Column", "Suite"]
 
 MCMC_ENGINES = ("ours-sghmc", "numpyro-nuts", "blackjax-nuts", "numpyro-hmcecs", "pyro-nuts")
@@ -146,6 +148,17 @@ def _ratios(record: dict) -> str:
     return f"**{shown}**" if found["sd_error"] > 0.1 else shown
 
 
+LAPLACE_COST_COLUMNS = (
+    Column("N", _n, collapsible=True),
+    Column("engine", lambda r: r["engine"]),
+    Column("where", _where, collapsible=True),
+    Column("seconds", _seconds(",.2f")),
+    Column("extra memory (MB)", _m("call_mb", ",.0f")),
+    Column("log evidence", _m("log_evidence", ",.1f")),
+    Column("load", _load),
+    Column("measured", _source),
+)
+
 CALIBRATION_COLUMNS = (
     Column("N", _n, collapsible=True),
     Column("engine", lambda r: r["engine"]),
@@ -195,6 +208,13 @@ SUITES: dict[str, Suite] = {
             {"smoke": ((None, 0),), "full": ((None, 0),)},
             LAPLACE_ENGINES,
             LAPLACE_COLUMNS,
+        ),
+        Suite(
+            "laplace-cost",
+            "Linearised Laplace against laplace-torch on a 109,386-weight MLP: fit, predictive, memory",
+            {"smoke": (("teacher", 2000),), "full": (("teacher", 10_000),)},
+            tuple(f"{i}-{o}-{s}" for i, o, s in LAPLACE_CALLS),
+            LAPLACE_COST_COLUMNS,
         ),
         Suite(
             "swag",
