@@ -331,8 +331,12 @@ def _laplace_call(impl: str, operation: str, structure: str) -> Callable[[Cell],
 
             guide = AutoLinearizedLaplace(problems.pyro_network(1000, problem["sizes"]))
             return guide.laplace_approximation(
-                problem["x"], problem["y"], structure=structure, map_latents=problem["latents"],
-                check_map=operation == "fit-checked", chunk_size=1000,
+                problem["x"],
+                problem["y"],
+                structure=structure,
+                map_latents=problem["latents"],
+                check_map=operation == "fit-checked",
+                chunk_size=1000,
             )
         import laplace
         from laplace import curvature
@@ -342,8 +346,12 @@ def _laplace_call(impl: str, operation: str, structure: str) -> Callable[[Cell],
         net.load_state_dict(problem["net"].state_dict())
         backend = curvature.BackPackGGN if impl.endswith("backpack") else curvature.CurvlinopsGGN
         la = laplace.Laplace(
-            net, "classification", subset_of_weights="all", hessian_structure=structure,
-            prior_precision=problems.DIGITS_PRIOR, backend=backend,
+            net,
+            "classification",
+            subset_of_weights="all",
+            hessian_structure=structure,
+            prior_precision=problems.DIGITS_PRIOR,
+            backend=backend,
         )
         la.fit(DataLoader(TensorDataset(problem["x"], problem["y"]), batch_size=1000))
         return la
@@ -389,11 +397,18 @@ def _laplace_call(impl: str, operation: str, structure: str) -> Callable[[Cell],
 
 
 LAPLACE_CALLS = (
-    ("ours", "fit", "diag"), ("ours", "fit-checked", "diag"), ("laplace-torch-backpack", "fit", "diag"),
-    ("ours", "fit", "kron"), ("ours", "fit-checked", "kron"), ("laplace-torch", "fit", "kron"),
+    ("ours", "fit", "diag"),
+    ("ours", "fit-checked", "diag"),
+    ("laplace-torch-backpack", "fit", "diag"),
+    ("ours", "fit", "kron"),
+    ("ours", "fit-checked", "kron"),
+    ("laplace-torch", "fit", "kron"),
     ("laplace-torch-backpack", "fit", "kron"),
-    ("ours", "predict", "kron"), ("laplace-torch", "predict", "kron"), ("laplace-torch-backpack", "predict", "kron"),
-    ("ours", "predict", "diag"), ("laplace-torch-backpack", "predict", "diag"),
+    ("ours", "predict", "kron"),
+    ("laplace-torch", "predict", "kron"),
+    ("laplace-torch-backpack", "predict", "kron"),
+    ("ours", "predict", "diag"),
+    ("laplace-torch-backpack", "predict", "diag"),
 )
 
 
@@ -408,7 +423,11 @@ def _swag(epochs: int) -> Callable[[Cell], dict]:
         digits = cell.digits
         start = time.perf_counter()
         engine = SWAG(
-            problems.pyro_network(), start=digits["latents"], num_epochs=epochs, rank=20, seed=cell.seed,
+            problems.pyro_network(),
+            start=digits["latents"],
+            num_epochs=epochs,
+            rank=20,
+            seed=cell.seed,
             progress_bar=False,
         )
         with warnings.catch_warnings():  # lr="auto" capped by the stability bound: its lr is in the record
@@ -510,7 +529,7 @@ HAND = {"sgld": {"step_size": 1e-4}, "sghmc": {"step_size": 5e-3, "friction": 10
 
 
 def _sd_scored(cell: Cell, draws: torch.Tensor, seconds: float, extra: dict) -> dict:
-    """Per coordinate the sd of the draws (chains, draws, d) over the exact sd, its Monte-Carlo error, the mean error."""
+    """Per coordinate the sd of the draws (chains, draws, d) over the exact sd, its Monte-Carlo error; mean error."""
     from pyro.ops.stats import effective_sample_size
 
     ref = cell.reference
@@ -656,7 +675,7 @@ ENGINES: dict[str, Engine] = {
         Engine("ours-sghmc-fixed", "hierarchy", _ours_fixed, (), "StochasticMCMC(SGHMC(model)), 4 chains, fixed"),
         Engine("pyro-nuts-fixed", "hierarchy", _nuts_fixed, (), "pyro.infer.NUTS, full batch, one chain, fixed"),
         *(
-            Engine(f"{k.lower()}-b{b or 'N'}", "calibration", _kernel_at(k, b), (), f"{k}(model) at its defaults, B {b}")
+            Engine(f"{k.lower()}-b{b or 'N'}", "calibration", _kernel_at(k, b), (), f"{k}(model), defaults, B {b}")
             for k in ("SGLD", "SGHMC", "PSGLD", "SGNHT", "BAOAB")
             for b in CALIBRATION_BATCHES
         ),

@@ -393,7 +393,7 @@ def network(sizes: tuple[int, ...] = DIGITS_SIZES) -> nn.Sequential:
 
 
 def network_probs(latents: dict[str, Tensor], x: Tensor) -> Tensor:
-    """The predictive mean of :func:`network` over draws ``latents`` (each site ``(draws, ...)``): class probabilities."""
+    """The predictive mean of :func:`network` over draws ``latents`` (each site ``(draws, ...)``): probabilities."""
     layers = len(DIGITS_SIZES) - 1
     f = x
     for k in range(layers):

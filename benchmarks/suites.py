@@ -140,6 +140,7 @@ HIERARCHY_COLUMNS = (
     Column("load", _load),
 )
 
+
 def _ratios(record: dict) -> str:
     found = record.get("metrics", {})
     if "sd_ratios" not in found:

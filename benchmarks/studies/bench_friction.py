@@ -1,10 +1,10 @@
 """The hierarchies under several seeds: warm-up's defaults for SGHMC and BAOAB, for one copy of the package.
 
-The three models of the ``hierarchies`` suite (``benchmarks/problems.py``: an ill-conditioned regression, a partial-pooling regression and a
-non-centred hierarchical logistic regression), each run with every default (4 vectorised chains, 1,000 warm-up
-steps, 1,000 draws) under seeds 0, 1 and 2, for ``SGHMC(model)`` and ``BAOAB(model)`` (``--kernels`` to choose).
-One seed's ESS and r_hat on a slowly mixing posterior move a lot between seeds; three show whether a change of the
-sampler moved them.
+The three models of the ``hierarchies`` suite (``benchmarks/problems.py``: an ill-conditioned regression, a
+partial-pooling regression and a non-centred hierarchical logistic regression), each run with every default (4
+vectorised chains, 1,000 warm-up steps, 1,000 draws) under seeds 0, 1 and 2, for ``SGHMC(model)`` and ``BAOAB(model)``
+(``--kernels`` to choose). One seed's ESS and r_hat on a slowly mixing posterior move a lot between seeds; three show
+whether a change of the sampler moved them.
 ``--package`` runs another copy of ``pyro_scalable`` (e.g. an earlier commit,
 ``git archive <commit> pyro_scalable | tar -x -C .base``), so that before and after run the same script on the same
 machine:

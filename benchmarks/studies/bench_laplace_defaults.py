@@ -1,11 +1,11 @@
 """The linearised Laplace defaults on a small network that can interpolate its training data.
 
-``python benchmarks/studies/bench_laplace_defaults.py`` fits a 10-50-1 tanh network (601 weights, ``Normal(0, s)`` priors,
-``sigma ~ HalfNormal(1)``) to 300 rows of scikit-learn's diabetes data (standardised; 142 rows held out), trains
+``python benchmarks/studies/bench_laplace_defaults.py`` fits a 10-50-1 tanh network (601 weights, ``Normal(0, s)``
+priors, ``sigma ~ HalfNormal(1)``) to 300 rows of scikit-learn's diabetes data (standardised; 142 rows held out), trains
 its MAP (full-batch Adam, then L-BFGS), and for each Laplace variant reports, at the MAP's prior and σ and after
-``optimize_prior_precision()``: σ, the effective parameters γ and the N − γ observations left to measure σ, and on
-the held-out rows the RMSE, the mean negative log predictive density and the 95% interval coverage — with the
-warnings the run gave. A model-free Normal(0, 1) scores NLL 1.42 on standardised targets.
+``optimize_prior_precision()``: σ, the effective parameters γ and the N − γ observations left to measure σ, and on the
+held-out rows the RMSE, the mean negative log predictive density and the 95% interval coverage — with the warnings the
+run gave. A model-free Normal(0, 1) scores NLL 1.42 on standardised targets.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
     python benchmarks/studies/bench_peers.py --threads 1        # every problem at N = 1e4 … 1e7 within --total-budget
     python benchmarks/studies/bench_peers.py --problems logistic10 --sizes 1e4 --out /tmp/peers.md   # one cell
-    python benchmarks/studies/bench_peers.py --device cuda --sizes 1e6,1e7 --out /tmp/peers_gpu.md   # on a GPU (JAX too)
+    python benchmarks/studies/bench_peers.py --device cuda --sizes 1e6,1e7 --out /tmp/peers_gpu.md  # a GPU (JAX too)
 
 Needs the benchmark-only peers (``pip install -e ".[peers]"``: jax[cpu], numpyro, blackjax); without them the run
 stops with the import error. Writes a markdown report to ``benchmarks/results/peers.md`` after every problem and
@@ -219,7 +219,8 @@ def render(args, sizes, results, notes, elapsed, header) -> str:
     report = [
         "# Time to accuracy: SGHMC(model) at the defaults against NumPyro NUTS and BlackJAX SGLD/SGHMC",
         "",
-        f"Command: `python {' '.join(['benchmarks/studies/bench_peers.py', *sys.argv[1:]])}` ({elapsed / 60:.1f} minutes so "
+        f"Command: `python {' '.join(['benchmarks/studies/bench_peers.py', *sys.argv[1:]])}` "
+        f"({elapsed / 60:.1f} minutes so "
         f"far; NUTS budget {args.nuts_budget:.0f} s a run, total budget {args.total_budget:.0f} minutes)",
         "",
         *header,

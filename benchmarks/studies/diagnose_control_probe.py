@@ -2,14 +2,14 @@
 
     python benchmarks/studies/diagnose_control_probe.py --out benchmarks/results/control_probe.md
 
-After a run whose control variate ``"auto"`` centred at the mode, the driver measures at the chains' final draws
-the spread of the controlled minibatch gradient as a share of the plain one's
+After a run whose control variate ``"auto"`` centred at the mode, the driver measures at the chains' final draws the
+spread of the controlled minibatch gradient as a share of the plain one's
 (``pyro_scalable/infer/sgmcmc/control_probe.py``) and warns above one half. This runs ``StochasticMCMC(SGHMC(model))``
-at its defaults (4 chains × (300 + 200) steps) on every model of the test zoo (``tests/model_zoo.py``) where
-``"auto"`` chooses the mode, on the peers benchmark's 50-group hierarchy (``benchmarks/studies/bench_accuracy.py``)
-and on a 3-8-1 tanh network (``tests/infer/sgmcmc/test_control_probe.py``), and reports the share each seed's run measured
-(the same function, on the run's final draws; also for a centre at warm-up's window means, which the driver does
-not check) and how many runs warned.
+at its defaults (4 chains × (300 + 200) steps) on every model of the test zoo (``tests/model_zoo.py``) where ``"auto"``
+chooses the mode, on the peers benchmark's 50-group hierarchy (``benchmarks/studies/bench_accuracy.py``) and on a 3-8-1
+tanh network (``tests/infer/sgmcmc/test_control_probe.py``), and reports the share each seed's run measured (the same
+function, on the run's final draws; also for a centre at warm-up's window means, which the driver does not check) and
+how many runs warned.
 """
 
 from __future__ import annotations
