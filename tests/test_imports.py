@@ -102,3 +102,36 @@ def test_no_module_imports_torch_dynamo():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT.parent)
     last = (done.stderr.strip().splitlines() or [""])[-1]  # the module that imported it, or the error
     assert done.returncode == 0, f"torch._dynamo imported by: {last}"
+
+
+def test_a_default_run_loads_no_forward_mode_rules():
+    """A default SGHMC run, its mode search's exact Hessian included, never loads torch's forward-mode rules.
+
+    The Hessian is d backward passes over the gradient (plain autograd): ``torch.func.hessian``'s forward mode would
+    have torch script its jvp decompositions at the process's first call (``torch._decomp.decompositions_for_jvp``,
+    a few tenths of a second), and it is several times slower. ``torch._dynamo`` a run does import, from torch
+    itself: ``make_fx`` imports it at the first recording of the log joint, and ``torch.func``'s gradients (the
+    steps', vmapped over chains) enter ``torch._dynamo.compiled_autograd`` at their first call.
+    """
+    script = (
+        "import sys, warnings, torch, pyro, pyro.distributions as dist\n"
+        "from pyro_scalable.infer import SGHMC, StochasticMCMC\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "x = torch.randn(4000, 3, generator=g)\n"
+        "y = torch.bernoulli(torch.sigmoid(x @ torch.tensor([1.0, -0.5, 0.25])), generator=g)\n"
+        "def model(x, y):\n"
+        "    w = pyro.sample('w', dist.Normal(torch.zeros(3), 1.0).to_event(1))\n"
+        "    with pyro.plate('data', len(x), subsample_size=100) as i:\n"
+        "        pyro.sample('y', dist.Bernoulli(logits=x[i] @ w), obs=y[i])\n"
+        "mcmc = StochasticMCMC(SGHMC(model), num_samples=20, num_warmup=20, num_chains=2, seed=0, progress_bar=False)\n"
+        "with warnings.catch_warnings():\n"
+        "    warnings.simplefilter('ignore')\n"
+        "    mcmc.run(x, y)\n"
+        "if mcmc.mode_search is None or mcmc.mode_search.hessian_passes < 1:\n"
+        "    sys.exit(f'the run took no exact Hessian: {mcmc.mode_search}')\n"
+        "if 'torch._decomp.decompositions_for_jvp' in sys.modules:\n"
+        "    sys.exit('the forward-mode rules were loaded')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT.parent)
+    last = (done.stderr.strip().splitlines() or [""])[-1]
+    assert done.returncode == 0, last

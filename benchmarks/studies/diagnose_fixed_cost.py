@@ -13,15 +13,17 @@ first call in a process (within the part that triggered it; counted as fixed als
 rest is the steps. A second run in the same process shows what a repeat costs; ``--processes K`` repeats part 1 in
 K fresh processes and gives each figure's median and range. The table also gives the mode search's exact Hessian
 (where L-BFGS stopped, a pass over the data confirming the stop), torch's one-time import of the forward-mode
-rules it takes, and the mode search's full-data and subsample passes (``mcmc.mode_search``).
+rules (none since the Hessian is plain autograd, d backward passes over the gradient: forward over reverse loaded
+them), and the mode search's full-data and subsample passes (``mcmc.mode_search``).
 
 Where ``torch._dynamo`` comes from (torch 2.13): no module of the package imports it (``tests/test_imports.py``);
 torch imports it itself at the first gradient of any ``torch.func`` transform (``grad``, ``vjp``, ``jacrev``: its
 ``_autograd_grad`` enters ``torch._dynamo.compiled_autograd._disable()``), at the first ``make_fx`` recording
-(``_trace_inner`` imports it) and at the first forward-mode use of a Python reference decorated with
-``torch._disable_dynamo``. A run's steps take their gradients with ``torch.func``, so a process's first run pays
-the import wherever the graph recorder or the mode search do not: it is a fixed cost of torch's, not one a lazier
-import here can move.
+(``make_fx`` imports ``torch._inductor.config``, whose package imports it; ``_trace_inner`` imports it too) and at
+the first forward-mode use of a Python reference decorated with ``torch._disable_dynamo``. In a default run the
+first is the log joint's recording (``bridge/traced.py``'s ``make_fx``); without the recorder, the first step's
+gradients (``torch.func.grad_and_value`` vmapped over chains). So a process's first run pays the import whatever
+the mode search does: it is a fixed cost of torch's, not one a lazier import here can move.
 
 Part 2 times ``to_inference_data`` on a run of 4 chains x ``--export-draws`` draws at ``--export-n`` data points:
 its wall time and the peak resident memory above what the process held before (``VmHWM`` reset), with the size of
@@ -65,7 +67,7 @@ PARTS = {  # (module, attribute): what it is
     (bridge_model.ModelBridge, "init_latents"): "chains' initial values (one trace of the model through Pyro each)",
     (traced.TracedLogDensity, "_record"): "recording the log joint as a graph (each call signature once)",
     (phases, "attach"): "control variate: mode search and its full-data gradient",
-    (mode_search, "full_data_hessian"): "  of which the exact Hessian at the mode (forward over reverse)",
+    (mode_search, "full_data_hessian"): "  of which the exact Hessian at the mode (d backward passes, plain autograd)",
     (phases, "repeated_draws"): "health: repeated draws",
     (phases, "warn_unhealthy"): "health: r_hat, ESS, divergences",
     (phases, "probe_gradient_noise"): "noise probe",
