@@ -160,7 +160,7 @@ class Conditionals:
 
     @property
     def proxy(self) -> bool:
-        """Whether the moves now run on the rows' proxy (from warm-up's first window end, where wanted)."""
+        """Whether the moves now run on the rows' proxy (from warm-up's first sweep, where wanted)."""
         return bool(self.taylor)
 
     @property

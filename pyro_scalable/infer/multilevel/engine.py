@@ -1,6 +1,7 @@
 r"""Multilevel MCMC: the driver that runs :class:`~.sweep.Sweep` (its mathematics) through warm-up and sampling.
 
-Warm-up's windows end at 10%, 20%, 35% and 60% of ``num_warmup``; at each end the sweep takes each chain's window
+Warm-up starts each chain at a draw of the Laplace approximation of its globals' marginal (:mod:`.start`: a
+Newton climb from where Pyro's initialisation put it). Its windows end at 10%, 20%, 35% and 60% of ``num_warmup``; at each end the sweep takes each chain's window
 (its globals and its locals' mean) and renews its reference point, curvatures and the globals' mass matrix
 (:meth:`~.sweep.Sweep.adapt_to`). The draws go to a :class:`~pyro_scalable.infer.record.RunRecord`, so the result
 surface is ``pyro.infer.MCMC``'s, as every engine's.
@@ -22,6 +23,7 @@ from pyro_scalable.bridge import FullDataModel
 from pyro_scalable.bridge.model import ModelBridge
 from pyro_scalable.bridge.row_groups import row_groups
 from pyro_scalable.infer.health import warn_unhealthy
+from pyro_scalable.infer.multilevel.start import laplace_start
 from pyro_scalable.infer.multilevel.sweep import Sweep
 from pyro_scalable.infer.record import RunRecord
 from pyro_scalable.infer.results import Draws, FullDataKernel
@@ -131,6 +133,8 @@ class MultilevelMCMC(Draws):
         self.restarted = torch.zeros(self.num_chains, dtype=torch.long)
         theta, b = sweep.layout.split(latents)
         sweep.adapt_to(theta[:, None], b, b)
+        theta, b = laplace_start(sweep, theta, b, generator)
+        sweep.adapt_to(theta[:, None], b, b, proxy=True)
         self.results = RunRecord(bridge, bridge, args, kwargs)
         windows = sorted({int(f * self.num_warmup) for f in WINDOWS if int(f * self.num_warmup) >= 10})
         start = time.perf_counter()

@@ -45,14 +45,16 @@ costs one pass for the locals and ``global_steps + 1`` such evaluations for the 
 3. **On tall data, the proxy** (from :data:`PROXY_ROWS` rows, or ``proxy=True``): both moves run on the rows'
    second-order proxy (:mod:`.proxy`, exact priors, no row read; the map then reads no rows either) and a
    delayed-acceptance stage corrects each proposal to the exact density, reading every row once, forward only: a
-   sweep costs two passes instead of about ten with gradients, and stays exact. The proxy takes over at warm-up's
-   first window end (the exact moves bring the chains to the posterior's bulk), each chain's own, fitted where the
-   chain is; a local expansion, it is fitted again in warm-up where a chain has left it :data:`STALE` sds behind, and
+   sweep costs two passes instead of about ten with gradients, and stays exact. The proxy takes over from warm-up's
+   first sweep (the climb of :mod:`.start` has brought the chains to the posterior's bulk), each chain's own, fitted
+   where the chain is; a local expansion, it is fitted again in warm-up where a chain has left it :data:`STALE` sds behind, and
    given up for the exact moves after a window whose second stage accepted less than :data:`SECOND_STAGE` on
    average. In sampling it is fixed (a proxy that followed the chain would make the kernel depend on its past).
 
-**Warm-up** (``num_warmup`` sweeps): each chain's steps for its two kinds of block are set by dual averaging of their
-acceptance. At the start, and at the ends of windows of 10%, 10%, 15% and 25% of warm-up, each chain's reference
+**Warm-up** (``num_warmup`` sweeps) starts each chain from one draw of the Laplace approximation at the mode of
+its globals' marginal (:mod:`.start`), not where Pyro's initialisation put it: on tall data a start hundreds of sds
+from the bulk makes warm-up fit its steps to curvatures far above the bulk's, and they collapse. Each chain's steps
+for its two kinds of block are set by dual averaging of their acceptance. At the start, and at the ends of windows of 10%, 10%, 15% and 25% of warm-up, each chain's reference
 point becomes its window's mean, with each group's conditional curvature there (by autodiff) for the differences'
 widths and the fallback factor, and the globals' mass matrix becomes the transformed density's negative Hessian at
 the chain's point (a window's covariance pooled over chains that have not yet met would stretch it). A chain whose
