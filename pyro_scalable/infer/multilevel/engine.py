@@ -1,10 +1,10 @@
 r"""Multilevel MCMC: the driver that runs :class:`~.sweep.Sweep` (its mathematics) through warm-up and sampling.
 
 Warm-up starts each chain at a draw of the Laplace approximation of its globals' marginal (:mod:`.start`: a
-Newton climb from where Pyro's initialisation put it). Its windows end at 10%, 20%, 35% and 60% of ``num_warmup``; at each end the sweep takes each chain's window
-(its globals and its locals' mean) and renews its reference point, curvatures and the globals' mass matrix
-(:meth:`~.sweep.Sweep.adapt_to`). The draws go to a :class:`~pyro_scalable.infer.record.RunRecord`, so the result
-surface is ``pyro.infer.MCMC``'s, as every engine's.
+Newton climb from where Pyro's initialisation put it). Its windows end at 10%, 20%, 35% and 60% of
+``num_warmup``; at each end the sweep takes each chain's window (its globals and its locals' mean) and renews its
+reference point, curvatures and the globals' mass matrix (:meth:`~.sweep.Sweep.adapt_to`). The draws go to a
+:class:`~pyro_scalable.infer.record.RunRecord`, so the result surface is ``pyro.infer.MCMC``'s, as every engine's.
 """
 
 from __future__ import annotations

@@ -47,19 +47,20 @@ costs one pass for the locals and ``global_steps + 1`` such evaluations for the 
    delayed-acceptance stage corrects each proposal to the exact density, reading every row once, forward only: a
    sweep costs two passes instead of about ten with gradients, and stays exact. The proxy takes over from warm-up's
    first sweep (the climb of :mod:`.start` has brought the chains to the posterior's bulk), each chain's own, fitted
-   where the chain is; a local expansion, it is fitted again in warm-up where a chain has left it :data:`STALE` sds behind, and
-   given up for the exact moves after a window whose second stage accepted less than :data:`SECOND_STAGE` on
+   where the chain is; a local expansion, it is fitted again in warm-up where a chain has left it :data:`STALE` sds
+   behind, and given up for the exact moves after a window whose second stage accepted less than :data:`SECOND_STAGE` on
    average. In sampling it is fixed (a proxy that followed the chain would make the kernel depend on its past).
 
-**Warm-up** (``num_warmup`` sweeps) starts each chain from one draw of the Laplace approximation at the mode of
-its globals' marginal (:mod:`.start`), not where Pyro's initialisation put it: on tall data a start hundreds of sds
-from the bulk makes warm-up fit its steps to curvatures far above the bulk's, and they collapse. Each chain's steps
-for its two kinds of block are set by dual averaging of their acceptance. At the start, and at the ends of windows of 10%, 10%, 15% and 25% of warm-up, each chain's reference
-point becomes its window's mean, with each group's conditional curvature there (by autodiff) for the differences'
-widths and the fallback factor, and the globals' mass matrix becomes the transformed density's negative Hessian at
-the chain's point (a window's covariance pooled over chains that have not yet met would stretch it). A chain whose
-steps fell below a tenth of the upper middle chain's at a window's end is restarted from that chain by the driver
-(:mod:`.engine`). The steps are fixed at their averages for sampling.
+**Warm-up** (``num_warmup`` sweeps) starts each chain from one draw of the Laplace approximation at the mode of its
+globals' marginal (:mod:`.start`), not where Pyro's initialisation put it: on tall data a start hundreds of sds from
+the bulk makes warm-up fit its steps to curvatures far above the bulk's, and they collapse. Each chain's steps for
+its two kinds of block are set by dual averaging of their acceptance. At the start, and at the ends of windows of
+10%, 10%, 15% and 25% of warm-up, each chain's reference point becomes its window's mean, with each group's
+conditional curvature there (by autodiff) for the differences' widths and the fallback factor, and the globals' mass
+matrix becomes the transformed density's negative Hessian at the chain's point (a window's covariance pooled over
+chains that have not yet met would stretch it). A chain whose steps fell below a tenth of the upper middle chain's
+at a window's end is restarted from that chain by the driver (:mod:`.engine`). The steps are fixed at their averages
+for sampling.
 
 **What it does not do** (yet): estimate the exact stage from a subsample of rows (each sweep reads every row), or
 read a group plate that the model writes as one vector site (``.to_event(1)``) rather than a ``pyro.plate``.
