@@ -64,7 +64,7 @@ fi
 
 if wants sto; then
     echo "== sample-then-optimise on the GPU: the step against a forward + backward, memory per sample"
-    (cd benchmarks && timeout 170 "$PYTHON" bench_sample_then_optimize_gpu.py \
+    (cd benchmarks && timeout 170 "$PYTHON" studies/bench_sample_then_optimize_gpu.py \
         --out "$OUT/sample_then_optimize_gpu.md" 2> "$OUT/sto_gpu.err" | tail -14)
     status=$((status | $?))
 fi

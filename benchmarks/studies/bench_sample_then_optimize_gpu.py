@@ -1,9 +1,9 @@
 """Sample-then-optimise on a GPU: the step against a forward + backward, and the device memory per sample.
 
-    python benchmarks/bench_sample_then_optimize_gpu.py                        # CUDA (a few minutes on an H100)
-    python benchmarks/bench_sample_then_optimize_gpu.py --device cpu --quick   # smoke run of the same code
-    python benchmarks/bench_sample_then_optimize_gpu.py --device cpu --cells cnn:64 --k 5 --cnn-batch 16 --cnn-n 64 \
-        --out benchmarks/results/sample_then_optimize_cnn_cpu.md               # the CNN's memory on the CPU
+    python benchmarks/studies/bench_sample_then_optimize_gpu.py                       # CUDA (minutes on an H100)
+    python benchmarks/studies/bench_sample_then_optimize_gpu.py --device cpu --quick  # smoke run of the same code
+    python benchmarks/studies/bench_sample_then_optimize_gpu.py --device cpu --cells cnn:64 --k 5 --cnn-batch 16 \
+        --cnn-n 64 --out benchmarks/results/sample_then_optimize_cnn_cpu.md          # the CNN's memory on the CPU
 
 Issue 17's cost and memory targets on a lent GPU, float32, the network linearised at a random draw (no MAP search,
 ``refine_passes=0``: this measures the minibatch step):
@@ -38,7 +38,9 @@ from pathlib import Path
 import pyro
 import pyro.distributions as dist
 import torch
-from harness import (  # benchmarks/ is on sys.path when a script runs
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: harness
+from harness import (  # noqa: E402
     log,
     machine,
     peak_mb,
@@ -51,7 +53,7 @@ from pyro.nn import PyroModule, PyroSample
 from pyro.nn.module import to_pyro_module_
 from torch import nn
 
-RESULTS = Path(__file__).resolve().parent / "results" / "sample_then_optimize_gpu.md"
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "sample_then_optimize_gpu.md"
 INPUTS, NOISE = 100, 0.1
 
 
@@ -329,7 +331,7 @@ def main() -> None:
     report = [
         f"# Sample-then-optimise on {name}: step cost and memory per sample",
         "",
-        f"Command: `{' '.join([live + 'python benchmarks/bench_sample_then_optimize_gpu.py', *sys.argv[1:]])}`",
+        f"Command: `{' '.join([live + 'python benchmarks/studies/bench_sample_then_optimize_gpu.py', *sys.argv[1:]])}`",
         "",
         *machine(args.threads, f"device {name}, torch {torch.__version__}"),
         "",
