@@ -25,7 +25,7 @@ def _run_cell(engine: engines.Engine, cell: engines.Cell, base: dict) -> dict:
     harness.release_free_memory()
     before = harness.rss_mb()
     harness.reset_peak()
-    probe = harness.ForeignLoad()
+    probe = harness.ForeignLoad(children=True)  # an engine's own worker processes are not other processes
     start_load = [round(v, 2) for v in os.getloadavg()]
     try:
         found = engine.run(cell)
@@ -81,8 +81,17 @@ def main(argv: list[str] | None = None) -> int:
     show = commands.add_parser("render", help="rewrite docs/benchmarks.md's tables from the latest records")
     show.add_argument("--check", action="store_true", help="only say whether the page is current (exit 1 if not)")
     commands.add_parser("list", help="the suites and their cells")
+    worker = commands.add_parser("_data_parallel")  # one torchrun rank of the distributed suite (internal)
+    worker.add_argument("noise")
+    worker.add_argument("n", type=int)
+    worker.add_argument("steps")
+    worker.add_argument("reps", type=int)
+    worker.add_argument("out")
     args = parser.parse_args(argv)
-    if args.command == "run":
+    if args.command == "_data_parallel":
+        steps = tuple(int(s) for s in args.steps.split(","))
+        engines.data_parallel_worker(args.noise, args.n, steps, args.reps, args.out)
+    elif args.command == "run":
         run(args)
     elif args.command == "render":
         if args.check:

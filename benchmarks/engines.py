@@ -80,11 +80,12 @@ class Cell:
 
     def prepare(self, family: str) -> None:
         """Make the shared inputs before the cell is timed: its time and memory are then the engine's alone."""
-        if self.problem is not None and self.problem.kind == "hierarchy":
+        kind = self.problem.kind if self.problem is not None else None
+        if kind == "hierarchy":
             self.built  # noqa: B018
-        elif self.problem is not None and self.problem.kind == "teacher":
+        elif kind == "teacher":
             self.teacher  # noqa: B018
-        elif self.problem is not None:
+        elif kind not in (None, "mlp"):  # the mlp is timed, not scored: no reference
             self.reference  # noqa: B018 (the data and the reference, cached in ``shared``)
         if family in ("laplace", "digits"):
             self.digits  # noqa: B018
@@ -617,6 +618,89 @@ def _posteriors_at(method: str, batch: int | None) -> Callable[[Cell], dict]:
     return run
 
 
+# ---------------------------------------------------------------------------------------------- data-parallel
+DISTRIBUTED = {"smoke": ((5, 15), 1, 1), "full": ((10, 50), 2, 2)}  # steps short and long, launches, repetitions
+
+
+def _data_parallel(noise: str) -> Callable[[Cell], dict]:
+    """``SGLD(model, step_size=1e-5, gradient_noise=noise)``, 4 chains, ``distributed="data"`` under ``torchrun`` on 1
+    and 2 CPU ranks (gloo, one thread each), the two interleaved: time per step ``(T(long) - T(short)) / (long -
+    short)`` on rank 0 between barriers, so that setup cancels; the median over launches and repetitions."""
+
+    def run(cell: Cell) -> dict:
+        import json
+        import os
+        import statistics
+        import subprocess
+        import sys
+        import tempfile
+        from pathlib import Path
+
+        from benchmarks import records
+
+        steps, launches, reps = DISTRIBUTED[cell.size]
+        times: dict[int, list[float]] = {1: [], 2: []}
+        start = time.perf_counter()
+        for _ in range(launches):
+            for ranks in (1, 2):
+                with tempfile.TemporaryDirectory() as tmp:
+                    out = Path(tmp) / "times.json"
+                    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+                    command += [f"--nproc_per_node={ranks}", "-m", "benchmarks", "_data_parallel", noise]
+                    command += [str(cell.n), f"{steps[0]},{steps[1]}", str(reps), str(out)]
+                    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+                    subprocess.run(command, check=True, env=env, capture_output=True, cwd=records.ROOT)
+                    times[ranks] += json.loads(out.read_text())
+        t1, t2 = statistics.median(times[1]), statistics.median(times[2])
+        return {
+            "seconds": round(time.perf_counter() - start, 1),
+            "step_ms_1_rank": round(1e3 * t1, 1),
+            "step_ms_2_ranks": round(1e3 * t2, 1),
+            "speedup": round(t1 / t2, 2),
+            "efficiency": round(t1 / (2 * t2), 2),
+            "steps": f"{steps[0]} → {steps[1]}, {launches * reps} repetition{'s' * (launches * reps > 1)}",
+        }
+
+    return run
+
+
+def data_parallel_worker(noise: str, n: int, steps: tuple[int, int], reps: int, out: str) -> None:
+    """One ``torchrun`` rank of :func:`_data_parallel` (``python -m benchmarks _data_parallel ...``)."""
+    import json
+
+    import torch.distributed as tdist
+
+    from pyro_scalable.infer import SGLD, StochasticMCMC
+
+    torch.set_num_threads(1)
+    tdist.init_process_group("gloo")
+    problem = problems.PROBLEMS["mlp-regression"]
+    data = problem.data(n)
+    kernel = SGLD(problem.pyro_model(BATCH), step_size=1e-5, gradient_noise=noise)
+
+    def mcmc(num: int):
+        return StochasticMCMC(
+            kernel, num_samples=num, num_chains=CHAINS, seed=0, progress_bar=False, distributed="data"
+        )
+
+    mcmc(steps[0]).run(data.x, data.y)  # first calls (vmap, Pyro's tracing caches) are slower
+    times = []
+    for _ in range(reps):
+        per_run = []
+        for num in steps:
+            runner = mcmc(num)
+            tdist.barrier()
+            start = time.perf_counter()
+            runner.run(data.x, data.y)
+            tdist.barrier()
+            per_run.append(time.perf_counter() - start)
+        times.append((per_run[1] - per_run[0]) / (steps[1] - steps[0]))
+    if tdist.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump(times, f)
+    tdist.destroy_process_group()
+
+
 # ---------------------------------------------------------------------------------------------- EKF
 EKF_BATCHES = (1000, 100, 10)
 
@@ -684,6 +768,8 @@ ENGINES: dict[str, Engine] = {
             for m in ("sgld", "sghmc")
             for b in CALIBRATION_BATCHES
         ),
+        Engine("data-parallel-ignore", "distributed", _data_parallel("ignore"), (), "SGLD, minibatch mean, 1 vs 2"),
+        Engine("data-parallel-correct", "distributed", _data_parallel("correct"), (), "SGLD, noise corrected"),
         *(Engine(f"ekf-b{b}", "ekf", _ekf(False, b), (), f"EKF(model), B = {b}") for b in EKF_BATCHES),
         *(Engine(f"diagonal-ekf-b{b}", "ekf", _ekf(True, b), (), f"DiagonalEKF(model), B = {b}") for b in EKF_BATCHES),
     )

@@ -48,7 +48,8 @@ class Data:
 class Problem:
     """A model and a data generator.
 
-    ``kind``: "logistic" (Bernoulli), "regression" (a latent noise scale), "linear" (noise sd 0.7 known, so the
+    ``kind``: "logistic" (Bernoulli), "regression" (a latent noise scale), "mlp" (a tanh MLP 20-50-1 with N(0, 1)
+    weights, noise sd 0.5, on y = sin x₁ + x₂/2 + noise: the distributed suite's), "linear" (noise sd 0.7 known, so the
     posterior is Gaussian and :func:`reference` gives it exactly), "conjugate" (the same with noise sd 1,
     ``w`` drawn from its prior, float64: the calibration suite's) or "glm" (a case of ``tests/infer/ekf/glms.py``,
     N = 2,000 and three features, the family after ``glm-`` in the name, its data and exact reference there).
@@ -73,6 +74,10 @@ class Problem:
         return ("w", "scale") if self.kind == "regression" else ("w",)
 
     def data(self, n: int, seed: int = 0) -> Data:
+        if self.kind == "mlp":
+            gen = torch.Generator().manual_seed(seed)
+            x = torch.randn(n, MLP_SIZES[0], generator=gen)
+            return Data(x, torch.sin(x[:, 0]) + 0.5 * x[:, 1] + 0.5 * torch.randn(n, generator=gen))
         if self.kind == "glm":
             glms = glm_cases()
             assert n == glms.N, f"the GLM cases have N = {glms.N}"
@@ -88,6 +93,8 @@ class Problem:
 
     def pyro_model(self, batch_size: int | None = None) -> Callable:
         kind, noise = self.kind, self.noise
+        if kind == "mlp":
+            return _mlp_model(batch_size)
 
         def model(x: Tensor, y: Tensor) -> None:
             w = pyro.sample("w", dist.Normal(x.new_zeros(x.shape[1]), 1.0).to_event(1))
@@ -136,6 +143,24 @@ class Problem:
         return torch.cat(parts, -1)
 
 
+MLP_SIZES = (20, 50)  # the "mlp" kind: inputs, hidden units (one output)
+
+
+def _mlp_model(batch_size: int | None) -> Callable:
+    d, h = MLP_SIZES
+
+    def model(x: Tensor, y: Tensor) -> None:
+        w1 = pyro.sample("w1", dist.Normal(torch.zeros(d, h), 1.0).to_event(2))
+        b1 = pyro.sample("b1", dist.Normal(torch.zeros(h), 1.0).to_event(1))
+        w2 = pyro.sample("w2", dist.Normal(torch.zeros(h), 1.0).to_event(1))
+        b2 = pyro.sample("b2", dist.Normal(0.0, 1.0))
+        with pyro.plate("data", len(y), subsample_size=batch_size) as idx:
+            f = torch.tanh(x[idx] @ w1 + b1) @ w2 + b2
+            pyro.sample("obs", dist.Normal(f, 0.5), obs=y[idx])
+
+    return model
+
+
 _GLM_FAMILIES = ("linear-gaussian", "logistic", "poisson", "categorical")  # tests/infer/ekf/glms.py's FAMILIES
 
 PROBLEMS: dict[str, Problem] = {
@@ -144,6 +169,7 @@ PROBLEMS: dict[str, Problem] = {
         Problem("logistic", "logistic", 10, "logistic regression, d = 10, w ~ N(0, I)"),
         Problem("regression", "regression", 10, "linear regression, d = 10, latent noise scale σ ~ HalfNormal(1)"),
         Problem("linear", "linear", 100, "linear regression, d = 100, noise sd 0.7 known: a Gaussian posterior"),
+        Problem("mlp-regression", "mlp", 1101, "tanh MLP 20-50-1 regression, noise sd 0.5"),
         Problem("teacher", "teacher", 109_386, "ReLU MLP 784-128-64-10 at its MAP, labels from a teacher MLP"),
         Problem("conjugate", "conjugate", 2, "linear regression, d = 2, noise sd 1 known, float64: Gaussian"),
         *(Problem(f"glm-{f}", "glm", 3, f"{f} GLM, N = 2,000, 3 features") for f in _GLM_FAMILIES),

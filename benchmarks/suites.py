@@ -172,6 +172,19 @@ CALIBRATION_COLUMNS = (
     Column("load", _load),
 )
 
+DISTRIBUTED_COLUMNS = (
+    Column("N", _n, collapsible=True),
+    Column("engine", lambda r: r["engine"]),
+    Column("where", _where, collapsible=True),
+    Column("ms per step, 1 rank", _m("step_ms_1_rank", ",.1f")),
+    Column("2 ranks", _m("step_ms_2_ranks", ",.1f")),
+    Column("speed-up", _m("speedup", ".2f", suffix="×")),
+    Column("efficiency", _m("efficiency", ".2f")),
+    Column("steps", _m("steps")),
+    Column("load", _load),
+    Column("measured", _source),
+)
+
 EKF_COLUMNS = (
     Column("problem", lambda r: r["problem"]),
     Column("engine", lambda r: r["engine"]),
@@ -244,6 +257,13 @@ SUITES: dict[str, Suite] = {
                 for b in (10, 30, 100, "N")
             ),
             CALIBRATION_COLUMNS,
+        ),
+        Suite(
+            "distributed",
+            'Data-parallel SGLD (distributed="data") on 2 CPU ranks against 1: time per step',
+            {"smoke": (("mlp-regression", 2000),), "full": (("mlp-regression", 4000),)},
+            ("data-parallel-ignore", "data-parallel-correct"),
+            DISTRIBUTED_COLUMNS,
         ),
         Suite(
             "ekf",
