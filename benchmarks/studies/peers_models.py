@@ -9,16 +9,15 @@ regression: given the scales ``σ = e^s`` (and ``τ = e^t``) the coefficients ``
     log p(s, t | y) = −n s − yᵀy/(2σ²) + ½ μᵀAμ − ½ log|A| + ½ log|P| + log p(s) + log p(t),
 
 with ``log p(s) = −e^{2s}/2 + s`` (``σ ~ HalfNormal(1)`` in the log space, its Jacobian included). It needs only
-``X̃ᵀX̃``, ``X̃ᵀy`` and ``yᵀy`` (one float64 pass over the data). A uniform grid over ``s`` (and ``t``), 8 posterior
-sds either side of the mean (found in two refinements), gives the moments: ``E θ = Σ_g p_g μ_g``,
-``E θ² = Σ_g p_g (diag A_g⁻¹ + μ_g²)``, and those of ``s`` and ``t`` directly. A Riemann sum on a uniform grid of a
-smooth, rapidly decaying density is exact to far below the criterion (0.1 sd) at 0.2 sd spacing: the reference is
-numerically exact, from none of the samplers, with no Gaussian approximation in ``σ`` or ``τ``. Checked once
-against a long NumPyro NUTS run (``python benchmarks/peers_models.py``: the hierarchical model at N = 10⁴, 2 chains
-× 4,000 draws after 1,000 warm-up, smallest ESS 10,800): worst mean 0.021 sd off, worst sd 2.2% off, over 62
-coordinates, both within its Monte-Carlo error; the Laplace approximation in ``(w, log σ)`` at the joint mode is
-0.078 sd off the exact mean of ``log σ`` at N = 10⁴ (its mode ignores the d/2 degrees of freedom the weights take),
-0.008 sd at 10⁶.
+``X̃ᵀX̃``, ``X̃ᵀy`` and ``yᵀy`` (one float64 pass over the data). A uniform grid over ``s`` (and ``t``), 8 posterior sds
+either side of the mean (found in two refinements), gives the moments: ``E θ = Σ_g p_g μ_g``, ``E θ² = Σ_g p_g (diag
+A_g⁻¹ + μ_g²)``, and those of ``s`` and ``t`` directly. A Riemann sum on a uniform grid of a smooth, rapidly decaying
+density is exact to far below the criterion (0.1 sd) at 0.2 sd spacing: the reference is numerically exact, from none of
+the samplers, with no Gaussian approximation in ``σ`` or ``τ``. Checked once against a long NumPyro NUTS run (``python
+benchmarks/studies/peers_models.py``: the hierarchical model at N = 10⁴, 2 chains × 4,000 draws after 1,000 warm-up,
+smallest ESS 10,800): worst mean 0.021 sd off, worst sd 2.2% off, over 62 coordinates, both within its Monte-Carlo
+error; the Laplace approximation in ``(w, log σ)`` at the joint mode is 0.078 sd off the exact mean of ``log σ`` at N =
+10⁴ (its mode ignores the d/2 degrees of freedom the weights take), 0.008 sd at 10⁶.
 
 **NumPyro models**: the same priors and parameterisation as ``bench_accuracy.Problem.model`` (centred
 ``b_j ~ N(0, τ)``), handed the same float32 arrays.
