@@ -31,6 +31,7 @@ from torch.func import grad, vmap
 from pyro_scalable.bridge.group_terms import GroupTermsOf
 from pyro_scalable.bridge.model import ModelBridge
 from pyro_scalable.bridge.row_groups import RowGroups
+from pyro_scalable.infer.multilevel import small
 from pyro_scalable.infer.multilevel.layout import Layout
 from pyro_scalable.infer.multilevel.proxy import Taylor, fit
 from pyro_scalable.infer.multilevel.rows import Rows, sums, wide
@@ -141,9 +142,9 @@ class Conditionals:
     def _laplace(self, theta: Tensor, b_ref: Tensor, width: Tensor, fallback: Tensor, taylor: Taylor | tuple = ()):
         """Each group's Laplace map at ``theta`` (one chain): its centre ``m_k`` and factor ``L_k`` (docstring)."""
         gradient, precision = self._differences(theta, b_ref, width, taylor)
-        factor, info = torch.linalg.cholesky_ex(precision)
-        factor = torch.where((info == 0)[:, None, None], factor, wide(fallback))
-        shift = torch.cholesky_solve(gradient.unsqueeze(-1), factor).squeeze(-1)
+        factor, ok = small.cholesky(precision)
+        factor = torch.where(ok[:, None, None], factor, wide(fallback))
+        shift = small.cholesky_solve(gradient, factor)
         return b_ref + shift.to(b_ref.dtype), factor.to(b_ref.dtype)
 
     def _transformed(self, x, offset, eps, b_ref, width, fallback, taylor=()):
@@ -152,7 +153,7 @@ class Conditionals:
         ``offset`` (zero) is added to the locals so that its gradient is the joint's in the locals.
         """
         centre, factor = self._laplace(x, b_ref, width, fallback, taylor)
-        spread = torch.linalg.solve_triangular(factor.transpose(-1, -2), eps.unsqueeze(-1), upper=True).squeeze(-1)
+        spread = small.solve_lower_transposed(factor, eps)
         b = centre + spread + offset
         value, per_group = self._joint(x, b, taylor)
         log_det = factor.diagonal(dim1=-2, dim2=-1).log().sum()

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from pyro_scalable.infer.multilevel.small import cholesky_solve, matvec
+
 __all__ = ["DualAveraging", "Move", "hmc", "precision_factor"]
 
 TARGET = 0.6  # the acceptance the step aims at
@@ -144,16 +146,16 @@ def hmc(
     jitter = torch.rand(step.shape, generator=generator, dtype=x.dtype, device=x.device)
     step = step * (JITTER_LOW + (JITTER_HIGH - JITTER_LOW) * jitter)
     noise = torch.randn(x.shape, generator=generator, dtype=x.dtype, device=x.device)
-    momentum = (factor @ noise.unsqueeze(-1)).squeeze(-1)  # covariance L L^T = P
+    momentum = matvec(factor, noise)  # covariance L L^T = P
 
     def kinetic(rho: Tensor) -> Tensor:
-        return 0.5 * (rho * torch.cholesky_solve(rho.unsqueeze(-1), factor).squeeze(-1)).sum(-1)
+        return 0.5 * (rho * cholesky_solve(rho, factor)).sum(-1)
 
     start = -log_density + kinetic(momentum)
     position, value, grad, more = x, log_density, gradient, extra
     rho = momentum + 0.5 * step * grad
     for k in range(steps):
-        position = position + step * torch.cholesky_solve(rho.unsqueeze(-1), factor).squeeze(-1)
+        position = position + step * cholesky_solve(rho, factor)
         value, grad, *more = density(position)
         rho = rho + (0.5 if k == steps - 1 else 1.0) * step * grad
     log_alpha = start - (-value + kinetic(rho))

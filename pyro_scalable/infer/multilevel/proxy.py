@@ -38,6 +38,7 @@ from torch import Tensor
 from torch.func import grad
 
 from pyro_scalable.infer.multilevel.rows import wide
+from pyro_scalable.infer.multilevel.small import matvec
 
 __all__ = ["Taylor", "fit"]
 
@@ -61,7 +62,7 @@ class Taylor(NamedTuple):
     def groups(self, theta: Tensor, b: Tensor) -> Tensor:
         r"""Each group's :math:`q_k(\theta, b_k)` (``(G,)``; ``b`` may hold a subset's rows with this proxy's)."""
         delta, change = wide(theta) - self.theta, wide(b) - self.b
-        curvature = (self.curvature(theta) @ change.unsqueeze(-1)).squeeze(-1)  # (G, p): H_k(theta) Delta_k
+        curvature = matvec(self.curvature(theta), change)  # (G, p): H_k(theta) Delta_k
         return (change * (self.g + 0.5 * curvature + self.c @ delta)).sum(-1)
 
     def globals(self, theta: Tensor) -> Tensor:
@@ -72,7 +73,7 @@ class Taylor(NamedTuple):
     def gradient_b(self, theta: Tensor, b: Tensor) -> Tensor:
         r""":math:`\nabla_{b_k} q_k` at ``(theta, b)`` (``(G, p)``): the groups' proxy gradient in their locals."""
         delta, change = wide(theta) - self.theta, wide(b) - self.b
-        return self.g + (self.curvature(theta) @ change.unsqueeze(-1)).squeeze(-1) + self.c @ delta
+        return self.g + matvec(self.curvature(theta), change) + self.c @ delta
 
     def subset(self, drawn: Tensor) -> Taylor:
         """The proxy of the groups ``drawn`` only."""

@@ -48,8 +48,10 @@ costs one pass for the locals and ``global_steps + 1`` such evaluations for the 
    sweep costs two passes instead of about ten with gradients, and stays exact. The proxy takes over from warm-up's
    first sweep (the climb of :mod:`.start` has brought the chains to the posterior's bulk), each chain's own, fitted
    where the chain is; a local expansion, it is fitted again in warm-up where a chain has left it :data:`STALE` sds
-   behind, and given up for the exact moves after a window whose second stage accepted less than :data:`SECOND_STAGE` on
-   average. In sampling it is fixed (a proxy that followed the chain would make the kernel depend on its past).
+   behind, and given up for the exact moves after a window whose second stage accepted less than
+   :data:`SECOND_STAGE` on average (from the second window: the first one's proxy was fitted at the start's draw,
+   where a chain need not yet be typical). In sampling it is fixed (a proxy that followed the chain would make the
+   kernel depend on its past).
 
 **Warm-up** (``num_warmup`` sweeps) starts each chain from one draw of the Laplace approximation at the mode of its
 globals' marginal (:mod:`.start`), not where Pyro's initialisation put it: on tall data a start hundreds of sds from
@@ -80,6 +82,7 @@ from pyro_scalable.bridge.row_groups import RowGroups
 from pyro_scalable.infer.multilevel.conditionals import Conditionals
 from pyro_scalable.infer.multilevel.mala import DualAveraging, hmc, precision_factor
 from pyro_scalable.infer.multilevel.proxy import Taylor
+from pyro_scalable.infer.multilevel.small import matvec
 
 __all__ = ["Sweep", "SweepInfo"]
 
@@ -118,6 +121,7 @@ class Sweep(Conditionals):
         self.local_step = DualAveraging(ones, target=0.6 if self.local_steps == 1 else 0.7)
         self.global_step = DualAveraging(ones, target=0.6 if self.global_steps == 1 else 0.7)
         self.where: _Where | None = None
+        self.fits = 0  # the window ends (and the start) at which a proxy was fitted
         self.seconds: dict[str, list[Tensor]] = {"local": [], "global": []}  # in warm-up: the second stage's acceptance
 
     # ---------------------------------------------------------------- warm-up
@@ -137,16 +141,19 @@ class Sweep(Conditionals):
         self.width = (self.fallback @ self.fallback.transpose(-1, -2)).diagonal(dim1=-2, dim2=-1).rsqrt()
         passes = self.p * 3
         seconds = [float(torch.stack(kind).mean()) for kind in self.seconds.values() if kind]
-        if self.proxy and seconds and min(seconds) < SECOND_STAGE:
-            self.wants_proxy = False  # the proxy ran a window and was poor: the exact moves from now on
+        # the proxy ran a window and was poor: the exact moves from now on (the first window is not judged: its proxy
+        # was fitted at the start's draw, where a chain need not yet be typical)
+        if self.proxy and seconds and min(seconds) < SECOND_STAGE and self.fits > 1:
+            self.wants_proxy = False
         self.seconds = {"local": [], "global": []}
         self.taylor = ()
         if proxy and self.wants_proxy:
             passes += self._fit(theta[:, -1], b_now)
+            self.fits += 1
         if d:  # the transformed density's curvature at the chain's point: where the map is exact, the marginal's
             fixed = (self.b_ref, self.width, self.fallback, self.taylor)
             centre, factor = vmap(self._laplace)(theta_ref, *fixed)
-            eps = (factor.transpose(-1, -2) @ (self.b_ref - centre).unsqueeze(-1)).squeeze(-1)
+            eps = matvec(factor.transpose(-1, -2), self.b_ref - centre)
             offset = torch.zeros_like(self.b_ref[0])
             density = lambda x, *fixed: self._transformed(x, offset, *fixed)[0]  # noqa: E731
             hessian = vmap(torch.func.jacrev(torch.func.jacrev(density)))(theta_ref, eps, *fixed)
@@ -256,7 +263,7 @@ class Sweep(Conditionals):
     def _move_globals(self, theta: Tensor, b: Tensor, generator: torch.Generator, adapt: bool):
         """One HMC trajectory of the globals, the locals following their Laplace map (module docstring, 2)."""
         chains = b.shape[0]
-        eps = (self.where.factor.transpose(-1, -2) @ (b - self.where.centre).unsqueeze(-1)).squeeze(-1)
+        eps = matvec(self.where.factor.transpose(-1, -2), b - self.where.centre)
         fixed = (eps, self.b_ref, self.width, self.fallback, self.taylor)
         transformed = vmap(grad_and_value(self._transformed, argnums=(0, 1), has_aux=True))
         offset = torch.zeros_like(b)

@@ -123,8 +123,13 @@ def test_a_conjugate_hierarchy_is_exact():
 
 @pytest.mark.parametrize("num_samples", [400, pytest.param(2000, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("proxy", [False, True], ids=["exact", "proxy"])
-def test_latent_scales_match_quadrature(num_samples, proxy):
-    """With the rows' proxy (delayed acceptance) as without: the noise scale makes the rows not quadratic."""
+def test_latent_scales_match_quadrature(num_samples, proxy, monkeypatch):
+    """With the rows' proxy (delayed acceptance) as without: the noise scale makes the rows not quadratic.
+
+    The proxy is kept however its second stage accepts (on 60 rows it accepts about 0.8 of the shared moves, near
+    the give-up threshold): the draws checked are the proxy's, exact whatever its efficiency.
+    """
+    monkeypatch.setattr("pyro_scalable.infer.multilevel.sweep.SECOND_STAGE", 0.0)
     g, y = data()
     mcmc = MultilevelMCMC(latent_scales, num_samples=num_samples, num_warmup=200, seed=2, proxy=proxy).run(g, y)
     assert mcmc.proxy_used is proxy  # the draws checked are the proxy's, not the exact moves' after giving it up

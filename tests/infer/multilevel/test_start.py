@@ -103,6 +103,7 @@ def test_the_climb_reaches_the_closed_form_marginals_mode_from_far_away(monkeypa
     torch.testing.assert_close(gaps, gaps[:1].expand(3), rtol=0, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_a_start_far_out_in_the_tails_still_samples_the_posterior():
     """Pyro's initialisation puts chains anywhere in [-2, 2]; a user's init_to_value anywhere at all."""
     g, y = data()
