@@ -31,6 +31,13 @@ every default with minibatches of B (``bN``: the full data), many chains from ``
 ``posteriors-<sgld|sghmc>-b<B>`` is posteriors 0.1.3's update at hand-picked settings (SGLD ε = 10⁻⁴; SGHMC
 ε = 0.005, α = 100), no noise correction, the same chains and steps, driven by a plain loop.
 
+**Sample-then-optimise** (``sto-*`` suites): ``ours-sto-accuracy`` runs ``SampleThenOptimize(model, K,
+num_epochs=20)`` at every other default on a float64 linear-Gaussian model and scores its K draws against the exact
+solves of the same perturbed problems (``state.targets``: no Monte-Carlo error) beside the timed Cholesky solve;
+``ours-sto-cost`` times the engine's optimisation step (``core.step``, wrapped) against a hand-written forward +
+backward of the tanh MLP, and the peak memory per extra draw from runs with K draws and one, in one process; the
+``ours-sto-em-<groups>`` engines run EM for the prior precision from the digits MAP.
+
 **EKF engines** (the GLM problems, N = 2,000 streamed once in minibatches of B): ``EKF(model)`` and
 ``DiagonalEKF(model)`` at their defaults, scored by the posterior's mean and sd against the exact ones.
 """
@@ -85,9 +92,11 @@ class Cell:
             self.built  # noqa: B018
         elif kind == "teacher":
             self.teacher  # noqa: B018
+        elif kind in ("sto-linear", "sto-mlp"):  # the engine times the exact solve itself
+            self.data  # noqa: B018
         elif kind not in (None, "mlp"):  # the mlp is timed, not scored: no reference
             self.reference  # noqa: B018 (the data and the reference, cached in ``shared``)
-        if family in ("laplace", "digits"):
+        if family in ("laplace", "digits", "sto-em"):
             self.digits  # noqa: B018
 
     @property
@@ -701,6 +710,173 @@ def data_parallel_worker(noise: str, n: int, steps: tuple[int, int], reps: int, 
     tdist.destroy_process_group()
 
 
+# ---------------------------------------------------------------------------------------------- sample-then-optimise
+STO_ACCURACY = {"smoke": (8, 100), "full": (32, 500)}  # draws K, minibatch B
+STO_COST = {64: (64, 2), 280: (16, 2), 950: (8, 1)}  # hidden width: draws K, epochs
+STO_EM = {"smoke": (8, 5, 3, 4), "full": (16, 20, 10, 6)}  # draws, epochs, EM epochs, EM steps
+STO_BATCH, EM_TOLERANCE = 500, 0.05
+
+
+def _sto_accuracy(cell: Cell) -> dict:
+    """K draws against the exact solves H⁻¹Aθⁿ of the same regulariser centres θⁿ; the exact Cholesky solve timed."""
+    from pyro_scalable.infer import SampleThenOptimize
+
+    k, batch = STO_ACCURACY[cell.size]
+    x, y = cell.data.x, cell.data.y
+    start = time.perf_counter()  # the exact posterior: form H = XᵀX + I, Cholesky, the mean, K draws
+    h = x.T @ x
+    h.diagonal().add_(1.0)
+    chol = torch.linalg.cholesky(h)
+    mean = torch.cholesky_solve((x.T @ y).unsqueeze(-1), chol).squeeze(-1)
+    noise = torch.randn(cell.problem.d, k, generator=torch.Generator().manual_seed(1), dtype=x.dtype)
+    mean + torch.linalg.solve_triangular(chol.T, noise, upper=True).T
+    exact_seconds = time.perf_counter() - start
+    sd = torch.cholesky_inverse(chol).diagonal().sqrt()
+    engine = SampleThenOptimize(
+        problems.sto_linear_model(cell.problem.d, batch), num_samples=k, num_epochs=20, seed=2, progress_bar=False
+    )
+    start = time.perf_counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine.run(x, y)
+    seconds = time.perf_counter() - start
+    zeta = engine.state.samples[:-1].detach()  # the optimised zero-mean draws
+    same = torch.cholesky_solve(engine.state.targets[:-1].T, chol).T  # exact solves, the same centres (α = 1)
+    c_hat, c_same = zeta.T @ zeta / k, same.T @ same / k
+    return {
+        "seconds": round(seconds, 2),
+        "exact_seconds": round(exact_seconds, 3),
+        "slower": round(seconds / exact_seconds, 1),
+        "draws": k,
+        "cg_passes": engine.cg_passes[0] if engine.cg_passes else 0,
+        "mean_error_sd": round(float(((engine.mean_unconstrained - mean) / sd).abs().max()), 4),
+        "cov_error": round(float((c_hat - c_same).norm() / c_same.norm()), 4),
+        "sd_error": round(float(((c_hat.diagonal() / c_same.diagonal()).sqrt() - 1).abs().max()), 4),
+        "warned": any("not converged" in str(w.message) for w in caught),
+    }
+
+
+def _hand_step_seconds(weights: dict, x: torch.Tensor, y: torch.Tensor, reps: int = 20) -> float:
+    """Median time of a hand-written forward + ``torch.autograd.grad`` of the minibatch loss w.r.t. all weights."""
+    import statistics
+
+    params = {name: v.clone().requires_grad_(True) for name, v in weights.items()}
+    gen = torch.Generator().manual_seed(0)
+    times = []
+    for _ in range(reps + 3):
+        idx = torch.randperm(x.shape[0], generator=gen)[:STO_BATCH]
+        start = time.perf_counter()
+        loss = 0.5 * ((problems.sto_forward(params, x[idx]) - y[idx]) / problems.STO_NOISE).square().sum()
+        torch.autograd.grad(loss, list(params.values()))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[3:])
+
+
+def _sto_cost(cell: Cell) -> dict:
+    """The engine's step per draw against a hand-written forward + backward; peak memory per extra draw (K vs 1)."""
+    import statistics
+
+    from benchmarks import harness
+    from pyro_scalable.infer import SampleThenOptimize
+    from pyro_scalable.infer.linearized.sampling import core
+
+    width, d = cell.problem.width, cell.problem.d
+    k, epochs = STO_COST[width]
+    steps: list[float] = []
+    original = core.step
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        out = original(*args, **kwargs)
+        steps.append(time.perf_counter() - start)
+        return out
+
+    def run(num: int, data: problems.Data, w: int = width) -> tuple[float, float]:
+        model, sizes = problems.sto_mlp(w, STO_BATCH)
+        engine = SampleThenOptimize(
+            model,
+            num_samples=num,
+            num_epochs=epochs,
+            linearize_at=problems.sto_mlp_weights(sizes, 1),
+            chunk_size=STO_BATCH,
+            refine_passes=0,  # the minibatch step is measured; a refinement pass costs about an epoch
+            seed=0,
+            progress_bar=False,
+        )
+        harness.release_free_memory()
+        harness.reset_peak()
+        before = harness.rss_mb()
+        steps.clear()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            engine.run(data.x, data.y)
+        extra = harness.peak_mb() - before
+        del engine
+        return statistics.median(steps), extra
+
+    core.step = timed
+    try:
+        run(2, problems.Data(*problems.sto_mlp_data(4, 4 * STO_BATCH)), 4)  # warm-up: a 4-unit net, the same path
+        one, extra_one = run(1, cell.data)
+        step, extra_k = run(k, cell.data)
+    finally:
+        core.step = original
+    _, sizes = problems.sto_mlp(width, STO_BATCH)
+    hand = _hand_step_seconds(problems.sto_mlp_weights(sizes, 1), cell.data.x, cell.data.y)
+    per_draw_mb = (extra_k - extra_one) / (k - 1)
+    return {
+        "seconds": round(step, 4),
+        "draws": k,
+        "per_draw_vs_hand": round(step / k / hand, 2),
+        "marginal_vs_hand": round((step - one) / (k - 1) / hand, 2),
+        "hand_seconds": round(hand, 5),
+        "extra_mb": f"{extra_one:.0f} / {extra_k:.0f}",
+        # below 16 MB of difference the peak RSS does not resolve it (benchmarks/harness.py)
+        "floats_per_draw": None if extra_k - extra_one < 16 else round(per_draw_mb * 2**20 / 4 / d, 1),
+    }
+
+
+def _sto_em(groups: str) -> Callable[[Cell], dict]:
+    """EM for the prior precision (``em_groups``) from the digits MAP; the probit predictive on the test set."""
+
+    def run(cell: Cell) -> dict:
+        from pyro_scalable.infer import SampleThenOptimize
+
+        digits = cell.digits
+        k, epochs, em_epochs, em_steps = STO_EM[cell.size]
+        start = time.perf_counter()
+        engine = SampleThenOptimize(
+            problems.pyro_network(chunk=128),
+            num_samples=k,
+            num_epochs=epochs,
+            em_epochs=em_epochs,
+            em_steps=em_steps,
+            em_groups=groups,
+            linearize_at=digits["latents"],
+            seed=0,
+            progress_bar=False,
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            engine.run(digits["x"], digits["y"])
+        seconds = time.perf_counter() - start
+        alphas = engine.em_history["prior_precision"]  # (em_steps + 1, groups)
+        change = ((alphas[1:] - alphas[:-1]).abs() / alphas[:-1]).max(-1).values
+        settled = next((t + 1 for t in range(len(change)) if bool((change[t:] < EM_TOLERANCE).all())), None)
+        probs = engine.predict(digits["x_test"], link_approx="probit").distribution.probs.detach()
+        return {
+            "seconds": round(seconds, 1),
+            "em_steps": em_steps,
+            "settled": "not within the run" if settled is None else settled,
+            "changes": ", ".join(f"{float(c):.1%}" for c in change),
+            "prior_precision": ", ".join(f"{float(a):.3g}" for a in alphas[-1]),
+            "effective_dimension": round(float(engine.em_history["effective_dimension"][-1].sum()), 1),
+            **metrics.calibration(probs, digits["y_test"]),
+        }
+
+    return run
+
+
 # ---------------------------------------------------------------------------------------------- EKF
 EKF_BATCHES = (1000, 100, 10)
 
@@ -770,6 +946,12 @@ ENGINES: dict[str, Engine] = {
         ),
         Engine("data-parallel-ignore", "distributed", _data_parallel("ignore"), (), "SGLD, minibatch mean, 1 vs 2"),
         Engine("data-parallel-correct", "distributed", _data_parallel("correct"), (), "SGLD, noise corrected"),
+        Engine("ours-sto-accuracy", "sto", _sto_accuracy, (), "SampleThenOptimize(model, K, num_epochs=20)"),
+        Engine("ours-sto-cost", "sto", _sto_cost, (), "SampleThenOptimize(model, K, linearize_at=prior draw)"),
+        *(
+            Engine(f"ours-sto-em-{g}", "sto-em", _sto_em(g), ("sklearn",), f"SampleThenOptimize, EM, {g}")
+            for g in ("scalar", "site")
+        ),
         *(Engine(f"ekf-b{b}", "ekf", _ekf(False, b), (), f"EKF(model), B = {b}") for b in EKF_BATCHES),
         *(Engine(f"diagonal-ekf-b{b}", "ekf", _ekf(True, b), (), f"DiagonalEKF(model), B = {b}") for b in EKF_BATCHES),
     )

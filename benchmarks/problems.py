@@ -52,7 +52,8 @@ class Problem:
     weights, noise sd 0.5, on y = sin x₁ + x₂/2 + noise: the distributed suite's), "linear" (noise sd 0.7 known, so the
     posterior is Gaussian and :func:`reference` gives it exactly), "conjugate" (the same with noise sd 1,
     ``w`` drawn from its prior, float64: the calibration suite's) or "glm" (a case of ``tests/infer/ekf/glms.py``,
-    N = 2,000 and three features, the family after ``glm-`` in the name, its data and exact reference there).
+    N = 2,000 and three features, the family after ``glm-`` in the name, its data and exact reference there),
+    "sto-linear" (:func:`sto_linear`) or "sto-mlp" (:func:`sto_mlp`): the sample-then-optimise suites'.
     """
 
     name: str
@@ -66,6 +67,11 @@ class Problem:
         return 1.0 if self.kind == "conjugate" else NOISE
 
     @property
+    def width(self) -> int:
+        """The "sto-mlp" kind's hidden width (``sto-mlp-h<width>``)."""
+        return int(self.name.rsplit("-h", 1)[1])
+
+    @property
     def family(self) -> str:
         return self.name.removeprefix("glm-")
 
@@ -74,6 +80,10 @@ class Problem:
         return ("w", "scale") if self.kind == "regression" else ("w",)
 
     def data(self, n: int, seed: int = 0) -> Data:
+        if self.kind == "sto-linear":
+            return sto_linear(self.d, n, seed, correlated="correlated" in self.name)
+        if self.kind == "sto-mlp":
+            return Data(*sto_mlp_data(self.width, n, seed))
         if self.kind == "mlp":
             gen = torch.Generator().manual_seed(seed)
             x = torch.randn(n, MLP_SIZES[0], generator=gen)
@@ -176,6 +186,14 @@ PROBLEMS: dict[str, Problem] = {
         Problem("ill-conditioned", "hierarchy", 10, "linear regression, d = 10, condition number about 5,000"),
         Problem("partial-pooling", "hierarchy", 27, "centred partial pooling, 11 groups, latent scales"),
         Problem("hierarchical-logistic", "hierarchy", 65, "non-centred hierarchical logistic regression, 60 groups"),
+        *(
+            Problem(f"sto-{f}-d{d}", "sto-linear", d, f"linear-Gaussian, float64, {f} features over two decades")
+            for f, d in (("scaled", 100), ("correlated", 100), ("scaled", 1000), ("correlated", 1000), ("scaled", 2000))
+        ),
+        *(
+            Problem(f"sto-mlp-h{h}", "sto-mlp", h * h + 103 * h + 1, f"tanh MLP 100-{h}-{h}-1")
+            for h in (64, 280, 950)
+        ),
     )
 }
 
@@ -456,3 +474,88 @@ def pyro_network(chunk: int = 256, sizes: tuple[int, ...] = DIGITS_SIZES):
                 return pyro.sample("y", dist.Categorical(logits=f), obs=None if y is None else y[data.indices])
 
     return PyroMLP()
+
+
+# ---------------------------------------------------------------------------------------------- sample-then-optimise
+STO_INPUTS, STO_NOISE = 100, 0.1  # the "sto-mlp" kind: inputs of the tanh MLP 100-h-h-1, its likelihood's sd
+
+
+def sto_linear(d: int, n: int, seed: int = 0, correlated: bool = False) -> Data:
+    """Float64 features x_ij = z_ij s_j, s_j = (10/√d)·10^(−2j/(d−1)) (two decades; ``correlated``: each feature a
+    random mixture of all before scaling), y = Xw + ε with w, ε ~ N(0, 1): H = XᵀX + I spreads over about 10³."""
+    gen = torch.Generator().manual_seed(seed)
+    dtype = torch.float64
+    scales = 10.0 / math.sqrt(d) * torch.logspace(0, -2, d, dtype=dtype)
+    x = torch.randn(n, d, generator=gen, dtype=dtype)
+    if correlated:
+        x = x @ (torch.randn(d, d, generator=gen, dtype=dtype) / math.sqrt(d) + torch.eye(d, dtype=dtype))
+    x = x * scales
+    return Data(x, x @ torch.randn(d, generator=gen, dtype=dtype) + torch.randn(n, generator=gen, dtype=dtype))
+
+
+def sto_linear_model(d: int, batch: int) -> Callable:
+    """``w ~ N(0, I)``, ``y ~ Normal(x[idx] @ w, 1)`` in a plate subsampling ``batch``."""
+
+    def model(x: Tensor, y: Tensor | None = None) -> None:
+        w = pyro.sample("w", dist.Normal(torch.zeros(d, dtype=x.dtype), 1.0).to_event(1))
+        with pyro.plate("data", x.shape[0], subsample_size=batch) as idx:
+            pyro.sample("y", dist.Normal(x[idx] @ w, 1.0), obs=None if y is None else y[idx])
+
+    return model
+
+
+def sto_mlp(width: int, batch: int) -> tuple[nn.Module, tuple[int, ...]]:
+    """The tanh MLP 100-h-h-1 as a ``PyroModule``: N(0, 1/fan_in) weights, N(0, 1) biases, Normal(f, 0.1)."""
+    from pyro.nn import PyroModule, PyroSample
+
+    sizes = (STO_INPUTS, width, width, 1)
+
+    class MLP(PyroModule):
+        def __init__(self) -> None:
+            super().__init__()
+            layers = []
+            for fan_in, fan_out in zip(sizes[:-1], sizes[1:]):
+                layer = PyroModule[nn.Linear](fan_in, fan_out)
+                layer.weight = PyroSample(dist.Normal(0.0, fan_in**-0.5).expand((fan_out, fan_in)).to_event(2))
+                layer.bias = PyroSample(dist.Normal(0.0, 1.0).expand((fan_out,)).to_event(1))
+                layers.append(layer)
+            self.layers = PyroModule[nn.ModuleList](layers)
+
+        def forward(self, x: Tensor, y: Tensor | None = None) -> Tensor:
+            data = pyro.plate("data", x.shape[0], subsample_size=batch)
+            h = x[data.indices]
+            for k, layer in enumerate(self.layers):
+                h = layer(h)
+                h = torch.tanh(h) if k < len(self.layers) - 1 else h
+            with data:
+                observed = None if y is None else y[data.indices]
+                return pyro.sample("y", dist.Normal(h.squeeze(-1), STO_NOISE), obs=observed)
+
+    return MLP(), sizes
+
+
+def sto_mlp_weights(sizes: tuple[int, ...], seed: int) -> dict[str, Tensor]:
+    """A draw from the MLP's prior, by site name: the linearisation point (no MAP search) and the teacher."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for k, (fan_in, fan_out) in enumerate(zip(sizes[:-1], sizes[1:])):
+        out[f"layers.{k}.weight"] = torch.randn(fan_out, fan_in, generator=gen) * fan_in**-0.5
+        out[f"layers.{k}.bias"] = torch.randn(fan_out, generator=gen)
+    return out
+
+
+def sto_forward(weights: dict[str, Tensor], x: Tensor) -> Tensor:
+    layers = len(weights) // 2
+    for k in range(layers):
+        x = nn.functional.linear(x, weights[f"layers.{k}.weight"], weights[f"layers.{k}.bias"])
+        x = torch.tanh(x) if k < layers - 1 else x
+    return x.squeeze(-1)
+
+
+def sto_mlp_data(width: int, n: int, seed: int = 0) -> tuple[Tensor, Tensor]:
+    """Inputs N(0, I), responses of a random teacher of the same shape plus N(0, 0.1²) noise."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, STO_INPUTS, generator=gen)
+    teacher_weights = sto_mlp_weights((STO_INPUTS, width, width, 1), seed + 1)
+    with torch.no_grad():
+        return x, sto_forward(teacher_weights, x) + STO_NOISE * torch.randn(n, generator=gen)

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from benchmarks.engines import LAPLACE_CALLS
+from benchmarks.problems import PROBLEMS
 
 __all__ = ["SUITES", "Column", "Suite"]
 
@@ -185,6 +186,53 @@ DISTRIBUTED_COLUMNS = (
     Column("measured", _source),
 )
 
+SIZES = {name: p.d for name, p in PROBLEMS.items()}
+
+STO_ACCURACY_COLUMNS = (
+    Column("problem", lambda r: r["problem"]),
+    Column("where", _where, collapsible=True),
+    Column("draws", _m("draws", ".0f")),
+    Column("CG passes", _m("cg_passes", ".0f")),
+    Column("seconds", _seconds(",.1f")),
+    Column("exact (s)", _m("exact_seconds", ",.3f")),
+    Column("engine / exact", _m("slower", ".0f", suffix="×")),
+    Column("mean err. (sd)", _m("mean_error_sd", ".3f")),
+    Column("cov. error, same noise", _m("cov_error", ".3f")),
+    Column("sd err., same noise", _m("sd_error", ".3f")),
+    Column("warned", lambda r: "–" if r["status"] != "ok" else "yes" if r["metrics"]["warned"] else "no"),
+    Column("load", _load),
+    Column("measured", _source),
+)
+
+STO_COST_COLUMNS = (
+    Column("problem", lambda r: r["problem"]),
+    Column("d", lambda r: f"{SIZES.get(r['problem'], 0):,}"),
+    Column("where", _where, collapsible=True),
+    Column("draws K", _m("draws", ".0f")),
+    Column("step, K draws (s)", _seconds(".3f")),
+    Column("per draw / fwd+bwd", _m("per_draw_vs_hand", ".1f", suffix="×")),
+    Column("marginal / fwd+bwd", _m("marginal_vs_hand", ".1f", suffix="×")),
+    Column("extra RSS, 1 / K (MB)", _m("extra_mb")),
+    Column("memory per draw (d floats)", _m("floats_per_draw", ".1f")),
+    Column("load", _load),
+    Column("measured", _source),
+)
+
+STO_EM_COLUMNS = (
+    Column("network", lambda r: r["problem"] or "digits 64-100-10"),
+    Column("engine", lambda r: r["engine"]),
+    Column("where", _where, collapsible=True),
+    Column("seconds", _seconds(",.0f")),
+    Column("change of α by EM step", _m("changes")),
+    Column("settled after step", _m("settled", ".0f")),
+    Column("final α", _m("prior_precision")),
+    Column("test NLL (probit)", _m("nll", ".3f")),
+    Column("ECE", _m("ece", ".3f")),
+    Column("accuracy", _m("test_accuracy", ".1%")),
+    Column("load", _load),
+    Column("measured", _source),
+)
+
 EKF_COLUMNS = (
     Column("problem", lambda r: r["problem"]),
     Column("engine", lambda r: r["engine"]),
@@ -264,6 +312,33 @@ SUITES: dict[str, Suite] = {
             {"smoke": (("mlp-regression", 2000),), "full": (("mlp-regression", 4000),)},
             ("data-parallel-ignore", "data-parallel-correct"),
             DISTRIBUTED_COLUMNS,
+        ),
+        Suite(
+            "sto-accuracy",
+            "Sample-then-optimise against exact solves of the same perturbed problems (linear-Gaussian, float64)",
+            {
+                "smoke": (("sto-scaled-d100", 2000), ("sto-correlated-d100", 2000)),
+                "full": (("sto-scaled-d1000", 20_000), ("sto-correlated-d1000", 20_000), ("sto-scaled-d2000", 20_000)),
+            },
+            ("ours-sto-accuracy",),
+            STO_ACCURACY_COLUMNS,
+        ),
+        Suite(
+            "sto-cost",
+            "Sample-then-optimise on a tanh MLP: step per draw against a forward + backward, memory per draw",
+            {
+                "smoke": (("sto-mlp-h64", 2000),),
+                "full": (("sto-mlp-h64", 10_000), ("sto-mlp-h280", 10_000), ("sto-mlp-h950", 10_000)),
+            },
+            ("ours-sto-cost",),
+            STO_COST_COLUMNS,
+        ),
+        Suite(
+            "sto-em",
+            "Sample-then-optimise's EM for the prior precision from the digits MAP",
+            {"smoke": ((None, 0),), "full": ((None, 0),)},
+            ("ours-sto-em-scalar", "ours-sto-em-site"),
+            STO_EM_COLUMNS,
         ),
         Suite(
             "ekf",

@@ -8,7 +8,7 @@
 Issue 17's cost and memory targets on a lent GPU, float32, the network linearised at a random draw (no MAP search,
 ``refine_passes=0``: this measures the minibatch step):
 
-* the tanh MLP 100-h-h-1 of ``bench_sample_then_optimize.py`` part b (N = 10,000, B = 500, Normal likelihood) at
+* the tanh MLP 100-h-h-1 of the ``sto-cost`` suite (N = 10,000, B = 500, Normal likelihood) at
   d = 10⁴ … 10⁷;
 * a convolutional network of ResNet-18's size (the CIFAR variant: 3×3 stem, four stages of two basic blocks,
   64-128-256-512 channels, a 10-way linear head; 11.2M weights; no batch norm, whose running statistics a
