@@ -12,6 +12,8 @@ import traceback
 from benchmarks import engines, harness, records, render
 from benchmarks.suites import SUITES
 
+DEVICE_SUITES = ("sgmcmc-step", "step-blackjax")  # the suites whose engines run on --device
+
 
 def _run_cell(engine: engines.Engine, cell: engines.Cell, base: dict) -> dict:
     record = {**base, "problem": cell.problem.name if cell.problem else None, "n": cell.n, "engine": engine.name}
@@ -50,7 +52,12 @@ def run(args: argparse.Namespace) -> None:
     suite = SUITES[args.suite]
     torch.set_num_threads(args.threads)
     only = set(args.only.split(",")) if args.only else None
-    device = "cpu"
+    device = args.device
+    if device != "cpu":  # the step-cost engines put their problems on it; the others run on the CPU only
+        assert suite.name in DEVICE_SUITES, f"--device {device}: only the suites {', '.join(DEVICE_SUITES)}"
+        import benchmarks.problems
+
+        benchmarks.problems.DEVICE = torch.device(device)
     base = records.stamp(args.threads, device)
     shared: dict = {}
     for problem_name, n, engine_name in suite.cells(args.size):
@@ -78,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     go.add_argument("--only", default="", help="comma-separated engines or problems")
     go.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "2")))
     go.add_argument("--seed", type=int, default=0)
+    go.add_argument("--device", default="cpu", help=f"where {' and '.join(DEVICE_SUITES)} run, e.g. cuda")
     show = commands.add_parser("render", help="rewrite docs/benchmarks.md's tables from the latest records")
     show.add_argument("--check", action="store_true", help="only say whether the page is current (exit 1 if not)")
     commands.add_parser("list", help="the suites and their cells")

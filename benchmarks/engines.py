@@ -38,6 +38,15 @@ solves of the same perturbed problems (``state.targets``: no Monte-Carlo error) 
 backward of the tanh MLP, and the peak memory per extra draw from runs with K draws and one, in one process; the
 ``ours-sto-em-<groups>`` engines run EM for the prior precision from the digits MAP.
 
+**One step's cost** (``sgmcmc-step``, ``step-blackjax``; ``--device cuda`` runs them on a GPU): SGHMC at a hand
+step size and friction, one chain; a run of K steps minus a run of k, over K − k, is the time per step (set-up
+cancels), the implementations interleaved over repetitions (``harness.time_per_step``): ``ours-step`` against a
+hand-written ``torch.autograd`` loop on the same log density and posteriors' ``sghmc`` (CPU),
+``ours-step-corrected`` the same with ``gradient_noise="correct"``, ``ours-16-chains`` 16 vectorised chains
+against 16 sequential and a hand-written batched loop, in chain-steps per second; ``step-vs-blackjax`` our step
+(eager, noise-corrected, compiled) and the hand-written one (eager, compiled) in interleaved blocks against
+``jax.jit`` of a ``lax.scan`` of BlackJAX's SGLD steps.
+
 **EKF engines** (the GLM problems, N = 2,000 streamed once in minibatches of B): ``EKF(model)`` and
 ``DiagonalEKF(model)`` at their defaults, scored by the posterior's mean and sd against the exact ones.
 """
@@ -45,6 +54,7 @@ backward of the tanh MLP, and the peak memory per extra draw from runs with K dr
 from __future__ import annotations
 
 import importlib.util
+import math
 import time
 import warnings
 from collections.abc import Callable
@@ -92,6 +102,8 @@ class Cell:
             self.built  # noqa: B018
         elif kind == "teacher":
             self.teacher  # noqa: B018
+        elif kind == "step":
+            self.step  # noqa: B018
         elif kind in ("sto-linear", "sto-mlp"):  # the engine times the exact solve itself
             self.data  # noqa: B018
         elif kind not in (None, "mlp"):  # the mlp is timed, not scored: no reference
@@ -105,6 +117,14 @@ class Cell:
         key = ("built", self.problem.name, self.n, self.seed)
         if key not in self.shared:
             self.shared[key] = problems.HIERARCHIES[self.problem.name](self.n, self.seed)
+        return self.shared[key]
+
+    @property
+    def step(self) -> problems.StepProblem:
+        """A step-cost problem's model and hand-written log density (:func:`problems.make_step`)."""
+        key = ("step", self.problem.name, self.n, self.seed, str(problems.DEVICE))
+        if key not in self.shared:
+            self.shared[key] = problems.make_step(self.problem, self.n, self.seed)
         return self.shared[key]
 
     @property
@@ -877,6 +897,307 @@ def _sto_em(groups: str) -> Callable[[Cell], dict]:
     return run
 
 
+# ---------------------------------------------------------------------------------------------- one step's cost
+def run_ours(problem: problems.StepProblem, num_steps: int, seed: int, **options) -> tuple[float, float]:
+    """Our SGHMC at the problem's step size and friction (``gradient_noise`` "ignore" unless given)."""
+    from pyro_scalable.infer import SGHMC, StochasticMCMC
+
+    noise = options.pop("gradient_noise", "ignore")
+    kernel = SGHMC(problem.model, step_size=problem.step_size, friction=problem.friction, gradient_noise=noise)
+    mcmc = StochasticMCMC(kernel, num_samples=1, num_warmup=num_steps - 1, seed=seed, progress_bar=False, **options)
+    start = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a hand-set step with the noise ignored: the width warning is right
+        mcmc.run(problem.x, problem.y)
+    return problems.elapsed(start), float(mcmc.sample_stats["lp"].float().mean())
+
+
+def run_hand_written(problem: problems.StepProblem, num_steps: int, seed: int, chains: int = 0) -> tuple[float, float]:
+    """The loop a torch user writes (autograd, in-place updates); ``chains``: one vmapped density for all of them."""
+    start = time.perf_counter()
+    gen, noise_gen = torch.Generator().manual_seed(seed), problems.noise_generator(seed)
+    if chains:
+        inits = [problems.uniform_init(problem, gen) for _ in range(chains)]
+        latents = {name: torch.stack([i[name] for i in inits]).requires_grad_() for name in problem.shapes}
+    else:
+        latents = {name: value.requires_grad_() for name, value in problems.uniform_init(problem, gen).items()}
+    momenta = {name: torch.zeros_like(value) for name, value in latents.items()}
+    eps, alpha = problem.step_size, problem.friction
+    decay, noise_scale = 1.0 - eps * alpha, math.sqrt(2.0 * alpha * eps)
+    streams = [problems.epoch_batches(problem.num_data, problem.batch_size, gen) for _ in range(max(chains, 1))]
+    density = torch.func.vmap(problem.log_density) if chains else problem.log_density
+    x, y = problem.x, problem.y
+    for _ in range(num_steps):
+        idx = torch.stack([next(stream) for stream in streams]) if chains else next(streams[0])
+        log_post = density(latents, x[idx], y[idx])
+        grads = torch.autograd.grad(log_post.sum(), tuple(latents.values()))
+        with torch.no_grad():
+            for (name, value), grad in zip(latents.items(), grads):
+                noise = torch.randn(value.shape, generator=noise_gen, device=problems.DEVICE)
+                momenta[name].mul_(decay).add_(grad, alpha=eps).add_(noise, alpha=noise_scale)
+                value.add_(momenta[name], alpha=eps)
+    return problems.elapsed(start), float(log_post.detach().mean())
+
+
+def run_posteriors(problem: problems.StepProblem, num_steps: int, seed: int) -> tuple[float, float]:
+    """posteriors' SGHMC transform, in place, on the same log density and minibatches."""
+    import posteriors
+
+    start = time.perf_counter()
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)  # posteriors draws its noise from the global generator
+
+    def log_posterior(params: dict, batch: tuple) -> tuple:
+        value = problem.log_density(params, *batch)
+        return value, value
+
+    transform = posteriors.sgmcmc.sghmc.build(
+        log_posterior, lr=problem.step_size, alpha=problem.friction, sigma=1.0, temperature=1.0, momenta=0.0
+    )
+    state = transform.init(problems.uniform_init(problem, gen))
+    batches = problems.epoch_batches(problem.num_data, problem.batch_size, gen)
+    for _ in range(num_steps):
+        idx = next(batches)
+        state, _ = transform.update(state, (problem.x[idx], problem.y[idx]), inplace=True)
+    return time.perf_counter() - start, float(state.log_posterior)
+
+
+# (short, long) steps per problem kind, repetitions; vectorised and sequential chains' (short, long)
+STEP_RUNS = {
+    "smoke": {"logistic": (20, 520), "mlp": (20, 80), "reps": 3, "chains": {"logistic": ((20, 170), (3, 43))}},
+    "full": {"logistic": (50, 2050), "mlp": (20, 320), "reps": 5, "chains": {"logistic": ((20, 320), (5, 65))}},
+}
+STEP_RUNS["smoke"]["chains"]["mlp"], STEP_RUNS["full"]["chains"]["mlp"] = ((20, 30), (2, 8)), ((20, 60), (5, 25))
+
+
+def _step_timing(cell: Cell, variant: str) -> dict:
+    from benchmarks import harness
+    from pyro_scalable.bridge.traced import TRACE_AFTER
+    from pyro_scalable.infer.sgmcmc.base import NOISE_EVERY
+
+    problem, runs = cell.step, STEP_RUNS[cell.size]
+    kind = "mlp" if cell.problem.name == "step-mlp" else "logistic"
+    short, long = runs[kind]
+    harness.warm_up_torch()
+    if variant == "chains":
+        (short_v, long_v), (short_s, long_s) = runs["chains"][kind]
+        res = harness.time_per_step(
+            {
+                "vectorised": (lambda k, s: run_ours(problem, k, s, num_chains=16), short_v, long_v),
+                "sequential": (
+                    lambda k, s: run_ours(problem, k, s, num_chains=16, chain_method="sequential"),
+                    short_s,
+                    long_s,
+                ),
+                "hand-written batched": (lambda k, s: run_hand_written(problem, k, s, chains=16), short_v, long_v),
+            },
+            3,
+        )
+        vec, seq, batched = res["vectorised"], res["sequential"], res["hand-written batched"]
+        return {
+            "seconds": round(vec.median, 5),
+            "vectorised_per_s": round(16 / vec.median),
+            "sequential_per_s": round(16 / seq.median),
+            "batched_per_s": round(16 / batched.median),
+            "vs_sequential": round(harness.median_ratio(seq, vec), 2),
+            "vs_batched": round(harness.median_ratio(batched, vec), 2),
+            "clean": harness.clean_note(res),
+        }
+    runners = {"hand": (lambda k, s: run_hand_written(problem, k, s), short, long)}
+    if variant == "corrected":  # past the recording of the noise steps' densities (their 16th call)
+        ours = (
+            lambda k, s: run_ours(problem, k, s, gradient_noise="correct"),
+            max(short, NOISE_EVERY * TRACE_AFTER + 4),
+        )
+        runners["ours"] = (*ours, long)
+    else:
+        runners["ours"] = (lambda k, s: run_ours(problem, k, s), short, long)
+        if problems.DEVICE.type == "cpu" and importlib.util.find_spec("posteriors") is not None:
+            runners["posteriors"] = (lambda k, s: run_posteriors(problem, k, s), short, long)
+    res = harness.time_per_step(runners, runs["reps"])
+    ours, hand, post = res["ours"], res["hand"], res.get("posteriors")
+    out = {
+        "seconds": round(ours.median, 6),
+        "ours_ms": round(ours.median * 1e3, 3),
+        "hand_ms": round(hand.median * 1e3, 3),
+        "vs_hand": round(harness.median_ratio(ours, hand), 2),
+        "setup_s": round(ours.median_setup, 2),
+        "clean": harness.clean_note(res),
+    }
+    if post is not None:
+        out.update(posteriors_ms=round(post.median * 1e3, 3), vs_posteriors=round(harness.median_ratio(ours, post), 2))
+    return out
+
+
+class OursStepper:
+    """Our step alone: a short run, then its stepper stepped in blocks on its own sampler."""
+
+    def __init__(self, problem: problems.StepProblem, noise: str, compiled: bool) -> None:
+        from pyro_scalable import model_tracing
+        from pyro_scalable.infer import SGHMC, StochasticMCMC
+        from pyro_scalable.infer.sgmcmc import phases
+
+        if compiled:  # dynamo recompiles a function at most 8 times per process: each its own start
+            torch._dynamo.reset()
+        self.compiled, captured, original = compiled, {}, phases.step
+
+        def spy(run, state, t):
+            captured["state"] = state
+            return original(run, state, t)
+
+        kernel = SGHMC(problem.model, step_size=BLACKJAX_STEP, friction=BLACKJAX_FRICTION, gradient_noise=noise)
+        phases.step = spy
+        try:
+            with model_tracing(compile=compiled), warnings.catch_warnings():  # the stepper is built under the switch
+                warnings.simplefilter("ignore")
+                StochasticMCMC(kernel, num_samples=4, num_warmup=4, seed=0, progress_bar=False).run(
+                    problem.x, problem.y
+                )
+        finally:
+            phases.step = original
+        self.state, self.t = captured["state"], 8
+
+    def __call__(self, steps: int) -> float:
+        from pyro_scalable import model_tracing
+        from pyro_scalable.bridge import Batch
+
+        state = self.state
+        with model_tracing(compile=self.compiled):
+            start = time.perf_counter()
+            for _ in range(steps):
+                batch = Batch(next(state.sampler), state.bridge.args, state.bridge.kwargs)
+                state.stepper.step(batch, self.t, state.estimators.calibrated)
+                self.t += 1
+            return problems.elapsed(start)
+
+    def check(self) -> str:
+        """Why a step meant to be compiled is not ("" when it is, or is not meant to be)."""
+        compiled = self.state.stepper.compiled
+        if self.compiled and (compiled is None or compiled.refused or not compiled.steps):
+            return f"not compiled: {None if compiled is None else compiled.refused}"
+        return ""
+
+
+class _HandStepper:
+    """The hand-written SGHMC step, eager or as one compiled step (``graphs``: CUDA graphs)."""
+
+    def __init__(self, problem: problems.StepProblem, compiled: bool, graphs: bool = False) -> None:
+        gen = torch.Generator().manual_seed(0)
+        self.problem, self.graphs = problem, graphs
+        self.w = (torch.rand(problem.shapes["w"][0], generator=gen) * 4 - 2).to(problems.DEVICE)
+        self.m = torch.zeros_like(self.w)
+        self.batches = problems.epoch_batches(problem.num_data, problem.batch_size, gen)
+        decay, scale = 1.0 - BLACKJAX_STEP * BLACKJAX_FRICTION, math.sqrt(2.0 * BLACKJAX_FRICTION * BLACKJAX_STEP)
+
+        def step(w, m, idx):
+            grad = torch.func.grad(lambda w: problem.log_density({"w": w}, problem.x[idx], problem.y[idx]))(w)
+            m = decay * m + BLACKJAX_STEP * grad + scale * torch.randn_like(w)
+            return w + BLACKJAX_STEP * m, m
+
+        def eager(w, m, idx):  # autograd and in-place updates: the loop a torch user writes
+            w = w.detach().requires_grad_()
+            (grad,) = torch.autograd.grad(problem.log_density({"w": w}, problem.x[idx], problem.y[idx]), (w,))
+            with torch.no_grad():
+                m.mul_(decay).add_(grad, alpha=BLACKJAX_STEP).add_(torch.randn_like(m), alpha=scale)
+                return w.add_(m, alpha=BLACKJAX_STEP), m
+
+        mode = "reduce-overhead" if graphs else None  # CUDA graphs: the step's kernels replayed as one graph
+        self.step = torch.compile(step, dynamic=False, mode=mode) if compiled else eager
+
+    def __call__(self, steps: int) -> float:
+        w, m = self.w, self.m
+        start = time.perf_counter()
+        for _ in range(steps):
+            if self.graphs:  # the graph's outputs are overwritten by its next replay: the state is copied out
+                torch.compiler.cudagraph_mark_step_begin()
+                w, m = (t.clone() for t in self.step(w, m, next(self.batches)))
+            else:
+                w, m = self.step(w, m, next(self.batches))
+        self.w, self.m = w, m
+        return problems.elapsed(start)
+
+
+class _BlackJAXStepper:
+    """``jax.jit`` of a ``lax.scan`` over ``block`` steps of BlackJAX's SGLD, minibatches gathered inside the scan."""
+
+    def __init__(self, problem: problems.StepProblem, block: int) -> None:
+        import blackjax
+        import jax
+        import jax.numpy as jnp
+
+        self.jax, self.block = jax, block
+        x, y = jnp.asarray(problem.x.cpu().numpy()), jnp.asarray(problem.y.cpu().numpy())  # JAX's default device
+
+        def loglik(w, example):
+            logit = example[0] @ w
+            return example[1] * logit - jnp.logaddexp(0.0, logit)
+
+        grad = blackjax.sgmcmc.gradients.grad_estimator(lambda w: -0.5 * jnp.sum(w**2), loglik, problem.num_data)
+        algo = blackjax.sgld(grad)
+
+        def scan(key, w, idx):
+            def body(w, inputs):
+                k, i = inputs
+                return algo.step(k, w, (x[i], y[i]), BLACKJAX_STEP), None
+
+            return jax.lax.scan(body, w, (jax.random.split(key, idx.shape[0]), idx))[0]
+
+        self.run = jax.jit(scan)
+        gen = torch.Generator().manual_seed(0)
+        epochs = -(-block * problem.batch_size // problem.num_data)
+        order = torch.cat([torch.randperm(problem.num_data, generator=gen) for _ in range(epochs)])
+        self.idx = jnp.asarray(order[: block * problem.batch_size].reshape(block, problem.batch_size).numpy())
+        self.w, self.key = jnp.zeros(x.shape[1]), jax.random.PRNGKey(0)
+
+    def __call__(self, steps: int) -> float:
+        assert steps == self.block, "the scan is compiled for one block length"
+        self.key, key = self.jax.random.split(self.key)
+        start = time.perf_counter()
+        self.w = self.run(key, self.w, self.idx)
+        self.w.block_until_ready()
+        return time.perf_counter() - start
+
+
+BLACKJAX_STEP, BLACKJAX_FRICTION = 1e-4, 10.0
+BLACKJAX_ROUNDS = {"smoke": (3, 200), "full": (5, 300)}  # interleaved rounds, steps per block
+
+
+def _step_vs_blackjax(cell: Cell) -> dict:
+    """Each candidate built, its first block timed (compiling), then interleaved rounds: median ms per step."""
+    import statistics
+
+    problem, (rounds, block) = cell.step, BLACKJAX_ROUNDS[cell.size]
+    candidates = {
+        "ours_eager": lambda: OursStepper(problem, "ignore", False),
+        "ours_corrected": lambda: OursStepper(problem, "correct", False),
+        "ours_compiled": lambda: OursStepper(problem, "correct", True),
+        "hand": lambda: _HandStepper(problem, False),
+        "hand_compiled": lambda: _HandStepper(problem, True),
+        **({"hand_graphs": lambda: _HandStepper(problem, True, True)} if problems.DEVICE.type == "cuda" else {}),
+        "blackjax": lambda: _BlackJAXStepper(problem, block),
+    }
+    built, first = {}, {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name, make in candidates.items():
+            start = time.perf_counter()
+            built[name] = make()
+            first[name] = time.perf_counter() - start + built[name](block)  # set-up and the first block
+        times: dict[str, list[float]] = {name: [] for name in built}
+        for _ in range(rounds):
+            for name, run in built.items():
+                times[name].append(run(block) / block)
+    ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    return {
+        "seconds": round(ms["ours_corrected"] / 1e3, 7),
+        **{f"{name}_ms": round(value, 3) for name, value in ms.items()},
+        "eager_vs_blackjax": round(ms["ours_eager"] / ms["blackjax"], 1),
+        "compiled_vs_blackjax": round(ms["ours_compiled"] / ms["blackjax"], 1),
+        "compile_s": round(max(first["ours_compiled"] - block * ms["ours_compiled"] / 1e3, 0.0), 1),
+        "rounds": f"{rounds} × {block} steps",
+    }
+
+
 # ---------------------------------------------------------------------------------------------- EKF
 EKF_BATCHES = (1000, 100, 10)
 
@@ -946,6 +1267,10 @@ ENGINES: dict[str, Engine] = {
         ),
         Engine("data-parallel-ignore", "distributed", _data_parallel("ignore"), (), "SGLD, minibatch mean, 1 vs 2"),
         Engine("data-parallel-correct", "distributed", _data_parallel("correct"), (), "SGLD, noise corrected"),
+        Engine("ours-step", "step", lambda cell: _step_timing(cell, "plain"), (), "SGHMC, noise ignored, 1 chain"),
+        Engine("ours-step-corrected", "step", lambda c: _step_timing(c, "corrected"), (), "SGHMC, noise corrected"),
+        Engine("ours-16-chains", "step", lambda cell: _step_timing(cell, "chains"), (), "SGHMC, 16 chains"),
+        Engine("step-vs-blackjax", "step", _step_vs_blackjax, ("blackjax", "jax"), "one step against BlackJAX SGLD"),
         Engine("ours-sto-accuracy", "sto", _sto_accuracy, (), "SampleThenOptimize(model, K, num_epochs=20)"),
         Engine("ours-sto-cost", "sto", _sto_cost, (), "SampleThenOptimize(model, K, linearize_at=prior draw)"),
         *(

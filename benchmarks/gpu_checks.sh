@@ -4,9 +4,9 @@
 #     bash benchmarks/gpu_checks.sh [OUT]    # OUT: where the logs and reports go (default benchmarks/results/gpu)
 #     STEPS="tests part2 peers" bash benchmarks/gpu_checks.sh    # a subset of: tests part1 part2 step peers sto diagnose
 #
-# Needs pyro_scalable's dependencies and pytest importable (posteriors is not needed: bench_sgmcmc runs without its
-# column); the steps `step` and `peers` also need jax with CUDA, numpyro and blackjax (they compare with JAX on the
-# same GPU). Each step has its own time limit, so that one stuck step leaves the others' results. All steps take
+# Needs pyro_scalable's dependencies and pytest importable (posteriors is not needed: the sgmcmc-step suite runs
+# without its column on a GPU); the steps `step` and `peers` also need jax with CUDA, numpyro and blackjax (they
+# compare with JAX on the same GPU). Each step has its own time limit, so that one stuck step leaves the others' results. All steps take
 # about 12 minutes on an H100 or H200 (benchmarks/results/*_gpu*.md came from these steps).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -32,26 +32,30 @@ if wants tests; then
     status=$((status | $?))
 fi
 
+# the harness's step-cost suites on the GPU (posteriors is left out there); each record goes to
+# benchmarks/results/<suite>/cells.jsonl with the device in its machine field, and is copied to OUT
 if wants part1; then
-    echo "== SG-MCMC on the GPU: one chain against the hand-written loop (part 1, quick)"
-    (cd benchmarks && timeout 150 "$PYTHON" bench_sgmcmc.py --device cuda --quick --reps 3 --parts 1 \
-        --without-posteriors --out "$OUT/sgmcmc_gpu_quick.md" 2> "$OUT/sgmcmc_gpu_quick.err" | tail -16)
+    echo "== SG-MCMC on the GPU: one chain against the hand-written loop (the sgmcmc-step suite, smoke size)"
+    timeout 150 "$PYTHON" -m benchmarks run sgmcmc-step --device cuda --threads 2 --only ours-step,ours-step-corrected \
+        2> "$OUT/sgmcmc_step_gpu.err" | tail -16
     status=$((status | $?))
 fi
 
-# part 2 in its full size: the quick run's short and long runs are too few steps apart to time on a GPU
+# the chains at the full size: the smoke size's short and long runs are too few steps apart to time on a GPU
 if wants part2; then
-    echo "== SG-MCMC on the GPU: 16 vectorised chains against 16 sequential and a hand-written batched loop (part 2)"
-    (cd benchmarks && timeout 110 "$PYTHON" bench_sgmcmc.py --device cuda --parts 2 --without-posteriors \
-        --out "$OUT/sgmcmc_gpu_part2.md" 2> "$OUT/sgmcmc_gpu_part2.err" | tail -16)
+    echo "== SG-MCMC on the GPU: 16 vectorised chains against 16 sequential and a hand-written batched loop"
+    timeout 110 "$PYTHON" -m benchmarks run sgmcmc-step --device cuda --threads 2 --size full --only ours-16-chains \
+        2> "$OUT/sgmcmc_chains_gpu.err" | tail -16
     status=$((status | $?))
 fi
+cp benchmarks/results/sgmcmc-step/cells.jsonl "$OUT/sgmcmc-step.jsonl" 2> /dev/null
 
 if wants step; then
     echo "== one step, eager and compiled, against the hand-written loop and BlackJAX's jitted step on the same GPU"
-    timeout 150 "$PYTHON" benchmarks/bench_step_blackjax.py --device cuda --quick --chains 1 --dims 100 \
-        --out "$OUT/step_blackjax_gpu.md" 2> "$OUT/step_blackjax_gpu.err" | tail -14
+    timeout 150 "$PYTHON" -m benchmarks run step-blackjax --device cuda --threads 1 --only step-logistic \
+        2> "$OUT/step_blackjax_gpu.err" | tail -14
     status=$((status | $?))
+    cp benchmarks/results/step-blackjax/cells.jsonl "$OUT/step-blackjax.jsonl"
 fi
 
 if wants peers; then

@@ -20,6 +20,7 @@ second and r_hat.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -53,7 +54,8 @@ class Problem:
     posterior is Gaussian and :func:`reference` gives it exactly), "conjugate" (the same with noise sd 1,
     ``w`` drawn from its prior, float64: the calibration suite's) or "glm" (a case of ``tests/infer/ekf/glms.py``,
     N = 2,000 and three features, the family after ``glm-`` in the name, its data and exact reference there),
-    "sto-linear" (:func:`sto_linear`) or "sto-mlp" (:func:`sto_mlp`): the sample-then-optimise suites'.
+    "sto-linear" (:func:`sto_linear`) or "sto-mlp" (:func:`sto_mlp`): the sample-then-optimise suites'; "step"
+    (:func:`make_step`: a :class:`StepProblem`, the step-cost suites').
     """
 
     name: str
@@ -190,10 +192,10 @@ PROBLEMS: dict[str, Problem] = {
             Problem(f"sto-{f}-d{d}", "sto-linear", d, f"linear-Gaussian, float64, {f} features over two decades")
             for f, d in (("scaled", 100), ("correlated", 100), ("scaled", 1000), ("correlated", 1000), ("scaled", 2000))
         ),
-        *(
-            Problem(f"sto-mlp-h{h}", "sto-mlp", h * h + 103 * h + 1, f"tanh MLP 100-{h}-{h}-1")
-            for h in (64, 280, 950)
-        ),
+        Problem("step-logistic", "step", 100, "logistic regression, d = 100, B = 1,000: one step's cost"),
+        Problem("step-logistic-d10", "step", 10, "logistic regression, d = 10, B = 1,000: one step's cost"),
+        Problem("step-mlp", "step", 90_701, "Bayesian tanh MLP 100-300-200-1, B = 1,000: one step's cost"),
+        *(Problem(f"sto-mlp-h{h}", "sto-mlp", h * h + 103 * h + 1, f"tanh MLP 100-{h}-{h}-1") for h in (64, 280, 950)),
     )
 }
 
@@ -559,3 +561,114 @@ def sto_mlp_data(width: int, n: int, seed: int = 0) -> tuple[Tensor, Tensor]:
     teacher_weights = sto_mlp_weights((STO_INPUTS, width, width, 1), seed + 1)
     with torch.no_grad():
         return x, sto_forward(teacher_weights, x) + STO_NOISE * torch.randn(n, generator=gen)
+
+
+# ---------------------------------------------------------------------------------------------- one step's cost
+# A Pyro model with a subsampled plate and the same log density in plain torch (the hand-written loops' and the
+# peers'), on DEVICE (``python -m benchmarks run <suite> --device cuda``; the studies set it too).
+DEVICE = torch.device("cpu")
+STEP_BATCH, MLP_DIMS, MLP_NOISE = 1000, (100, 300, 200, 1), 0.5
+
+
+def elapsed(start: float) -> float:
+    """Seconds since ``start``, after the device's queued work has finished."""
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize(DEVICE)
+    return time.perf_counter() - start
+
+
+def noise_generator(seed: int) -> torch.Generator:
+    return torch.Generator(device=DEVICE).manual_seed(seed)
+
+
+@dataclass
+class StepProblem:
+    label: str
+    x: Tensor
+    y: Tensor
+    batch_size: int
+    shapes: dict[str, tuple[int, ...]]  # latent shapes, for the hand-written loops and posteriors
+    log_density: Callable[[dict[str, Tensor], Tensor, Tensor], Tensor]  # prior + N/B * minibatch log-likelihood
+    model: Callable  # Pyro model(x, y): pyro.plate(..., subsample_size=B)
+    step_size: float
+    friction: float
+
+    @property
+    def num_data(self) -> int:
+        return self.x.shape[0]
+
+
+def make_step(problem: Problem, n: int, seed: int = 0) -> StepProblem:
+    if problem.name == "step-mlp":
+        return make_mlp(n, STEP_BATCH, seed)
+    return make_logistic(n, problem.d, STEP_BATCH, seed)
+
+
+def make_logistic(n: int, d: int, batch_size: int, seed: int) -> StepProblem:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=gen)
+    y = torch.bernoulli(torch.sigmoid(x @ (torch.randn(d, generator=gen) * (1.5 / math.sqrt(d)))), generator=gen)
+    x, y = x.to(DEVICE), y.to(DEVICE)
+
+    def model(x: Tensor, y: Tensor) -> None:
+        w = pyro.sample("w", dist.Normal(x.new_zeros(x.shape[1]), 1.0).to_event(1))
+        with pyro.plate("data", x.shape[0], subsample_size=batch_size) as idx:
+            pyro.sample("obs", dist.Bernoulli(logits=x[idx] @ w), obs=y[idx])
+
+    def log_density(latents: dict[str, Tensor], xb: Tensor, yb: Tensor) -> Tensor:
+        w = latents["w"]
+        log_lik = -nn.functional.binary_cross_entropy_with_logits(xb @ w, yb, reduction="sum")
+        return -0.5 * w.square().sum() + (n / xb.shape[0]) * log_lik
+
+    label = f"(a) logistic regression, N={n:.0e}, d={d}, B={batch_size}"
+    return StepProblem(label, x, y, batch_size, {"w": (d,)}, log_density, model, step_size=1e-4, friction=100.0)
+
+
+def mlp_forward(latents: dict[str, Tensor], x: Tensor) -> Tensor:
+    h = x
+    for i in range(len(MLP_DIMS) - 1):
+        h = h @ latents[f"W{i}"] + latents[f"b{i}"]
+        h = torch.tanh(h) if i < len(MLP_DIMS) - 2 else h
+    return h.squeeze(-1)
+
+
+def make_mlp(n: int, batch_size: int, seed: int) -> StepProblem:
+    """A Bayesian tanh MLP 100-300-200-1 (90,701 weights, N(0, 1/fan_in) weights), Gaussian regression."""
+    shapes, scales = {}, {}
+    for i, (fan_in, fan_out) in enumerate(zip(MLP_DIMS[:-1], MLP_DIMS[1:])):
+        shapes[f"W{i}"], shapes[f"b{i}"] = (fan_in, fan_out), (fan_out,)
+        scales[f"W{i}"], scales[f"b{i}"] = fan_in**-0.5, 1.0
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, MLP_DIMS[0], generator=gen)
+    teacher = {k: torch.randn(shape, generator=gen) * scales[k] for k, shape in shapes.items()}
+    y = mlp_forward(teacher, x) + MLP_NOISE * torch.randn(n, generator=gen)
+    x, y = x.to(DEVICE), y.to(DEVICE)
+
+    def model(x: Tensor, y: Tensor) -> None:
+        latents = {}
+        for name, shape in shapes.items():
+            prior = dist.Normal(x.new_zeros(()), scales[name])  # on the data's device
+            latents[name] = pyro.sample(name, prior.expand(shape).to_event(len(shape)))
+        with pyro.plate("data", x.shape[0], subsample_size=batch_size) as idx:
+            pyro.sample("obs", dist.Normal(mlp_forward(latents, x[idx]), MLP_NOISE), obs=y[idx])
+
+    def log_density(latents: dict[str, Tensor], xb: Tensor, yb: Tensor) -> Tensor:
+        log_prior = sum(-0.5 * (value / scales[name]).square().sum() for name, value in latents.items())
+        log_lik = -0.5 * ((yb - mlp_forward(latents, xb)) / MLP_NOISE).square().sum()
+        return log_prior + (n / xb.shape[0]) * log_lik
+
+    label = f"(b) Bayesian MLP 100-300-200-1 tanh (90,701 weights), N={n:.0e}, B={batch_size}"
+    return StepProblem(label, x, y, batch_size, shapes, log_density, model, step_size=2e-5, friction=1000.0)
+
+
+def epoch_batches(n: int, batch_size: int, gen: torch.Generator):
+    """Shuffled minibatch indices, reshuffling when fewer than B remain (what StochasticMCMC's sampler does)."""
+    while True:
+        order = torch.randperm(n, generator=gen)
+        for start in range(0, n - batch_size + 1, batch_size):
+            yield order[start : start + batch_size].to(DEVICE)
+
+
+def uniform_init(problem: StepProblem, gen: torch.Generator) -> dict[str, Tensor]:
+    """Pyro's ``init_to_uniform`` in unconstrained space (every latent here is real): U(-2, 2)."""
+    return {name: (torch.rand(shape, generator=gen) * 4.0 - 2.0).to(DEVICE) for name, shape in problem.shapes.items()}

@@ -188,6 +188,43 @@ DISTRIBUTED_COLUMNS = (
 
 SIZES = {name: p.d for name, p in PROBLEMS.items()}
 
+STEP_COLUMNS = (
+    Column("problem", lambda r: r["problem"]),
+    Column("N", _n),
+    Column("engine", lambda r: r["engine"]),
+    Column("where", _where),
+    Column("ours (ms)", _m("ours_ms", ".3f")),
+    Column("hand-written (ms)", _m("hand_ms", ".3f")),
+    Column("posteriors (ms)", _m("posteriors_ms", ".3f")),
+    Column("ours / hand-written", _m("vs_hand", ".2f", suffix="×")),
+    Column("ours / posteriors", _m("vs_posteriors", ".2f", suffix="×")),
+    Column("16 vectorised (chain-steps/s)", _m("vectorised_per_s", ",.0f")),
+    Column("16 sequential", _m("sequential_per_s", ",.0f")),
+    Column("hand-written batched", _m("batched_per_s", ",.0f")),
+    Column("vectorised / sequential", _m("vs_sequential", ".2f", suffix="×")),
+    Column("vectorised / batched", _m("vs_batched", ".2f", suffix="×")),
+    Column("load", _load),
+    Column("measured", _source),
+)
+
+BLACKJAX_COLUMNS = (
+    Column("problem", lambda r: r["problem"]),
+    Column("N", _n, collapsible=True),
+    Column("where", _where),
+    Column("ours, plain (ms)", _m("ours_eager_ms", ".3f")),
+    Column("ours, noise-corrected", _m("ours_corrected_ms", ".3f")),
+    Column("ours, compiled", _m("ours_compiled_ms", ".3f")),
+    Column("hand-written", _m("hand_ms", ".3f")),
+    Column("hand-written, compiled", _m("hand_compiled_ms", ".3f")),
+    Column("… CUDA graphs", _m("hand_graphs_ms", ".3f")),
+    Column("BlackJAX SGLD", _m("blackjax_ms", ".3f")),
+    Column("plain / BlackJAX", _m("eager_vs_blackjax", ".1f", suffix="×")),
+    Column("compiled / BlackJAX", _m("compiled_vs_blackjax", ".1f", suffix="×")),
+    Column("compile (s)", _m("compile_s", ".1f")),
+    Column("load", _load),
+    Column("measured", _source),
+)
+
 STO_ACCURACY_COLUMNS = (
     Column("problem", lambda r: r["problem"]),
     Column("where", _where, collapsible=True),
@@ -312,6 +349,26 @@ SUITES: dict[str, Suite] = {
             {"smoke": (("mlp-regression", 2000),), "full": (("mlp-regression", 4000),)},
             ("data-parallel-ignore", "data-parallel-correct"),
             DISTRIBUTED_COLUMNS,
+        ),
+        Suite(
+            "sgmcmc-step",
+            "One SGHMC step against a hand-written torch loop and posteriors; 16 vectorised chains",
+            {
+                "smoke": (("step-logistic", 10**5), ("step-mlp", 10**4)),
+                "full": (("step-logistic", 10**6), ("step-mlp", 10**5)),
+            },
+            ("ours-step", "ours-step-corrected", "ours-16-chains"),
+            STEP_COLUMNS,
+        ),
+        Suite(
+            "step-blackjax",
+            "One SGHMC step, eager and compiled, against BlackJAX's jitted SGLD step (logistic regression, one chain)",
+            {
+                "smoke": (("step-logistic-d10", 10**4), ("step-logistic", 10**4)),
+                "full": (("step-logistic-d10", 10**5), ("step-logistic", 10**5)),
+            },
+            ("step-vs-blackjax",),
+            BLACKJAX_COLUMNS,
         ),
         Suite(
             "sto-accuracy",

@@ -29,10 +29,10 @@ import time
 import warnings
 
 import torch
-from bench_sgmcmc import make_logistic, make_mlp
 from harness import machine, write_report
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks.problems import make_logistic, make_mlp  # noqa: E402
 from pyro_scalable.bridge.model import Batch, ModelBridge  # noqa: E402
 
 

@@ -2,8 +2,8 @@
 
     python benchmarks/studies/diagnose_chains_gpu.py            # needs CUDA; about 30 seconds
 
-bench_sgmcmc.py part 2 measures the throughput; this shows the operations behind it for problem (a), logistic
-regression (N = 10⁶, d = 100, B = 1,000): 1 chain and 16 vectorised chains, 200 steps each after a warm-up run,
+The ``sgmcmc-step`` suite's ``ours-16-chains`` measures the throughput; this shows the operations behind it for
+logistic regression (N = 10⁶, d = 100, B = 1,000): 1 chain and 16 vectorised chains, 200 steps each after a warm-up run,
 the profiler's operator table sorted by self CPU time (launch-bound steps show up there) and the number of
 host-device synchronisations (``cudaStreamSynchronize``, ``aten::item``, device-to-host copies) per step.
 """
@@ -13,12 +13,13 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: harness and the bench_* scripts
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.problems, .engines
 
-
-import bench_sgmcmc as bench
 import torch
 from torch.profiler import ProfilerActivity, profile
+
+from benchmarks import problems
+from benchmarks.engines import run_ours
 
 STEPS = 200
 
@@ -26,13 +27,13 @@ STEPS = 200
 def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("no CUDA device here: this diagnosis is for a GPU")
-    bench.DEVICE = torch.device("cuda")
-    problem = bench.make_logistic(10**6, 100, 1000, seed=0)
+    problems.DEVICE = torch.device("cuda")
+    problem = problems.make_logistic(10**6, 100, 1000, seed=0)
     for chains in (1, 16):
-        bench.run_ours(problem, 40, 0, num_chains=chains)  # warm-up: the recording, kernels loaded
-        seconds, _ = bench.run_ours(problem, STEPS, 1, num_chains=chains)
+        run_ours(problem, 40, 0, num_chains=chains)  # warm-up: the recording, kernels loaded
+        seconds, _ = run_ours(problem, STEPS, 1, num_chains=chains)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            bench.run_ours(problem, STEPS, 1, num_chains=chains)
+            run_ours(problem, STEPS, 1, num_chains=chains)
         events = prof.key_averages()
         syncs = {
             e.key: e.count / STEPS

@@ -4,7 +4,7 @@
     python benchmarks/studies/diagnose_compiled_step.py --device cuda    # a GPU, where the compiled step was slower
                                                                          # (3.3 ms against 1.4 ms eager on an H200)
 
-The step of ``bench_step_blackjax.py`` (logistic regression, N = 10⁵, B = 1,000, one chain, noise-corrected SGHMC):
+The step of the ``step-blackjax`` suite (logistic regression, N = 10⁵, B = 1,000, one chain, noise-corrected SGHMC):
 eager, then under ``model_tracing(compile=True)``; for each, the time per step over blocks of 200 steps, then a
 ``torch.profiler`` table of 50 steps with the kernel launches and the host-device synchronisations per step; for the
 compiled one also dynamo's counters (frames compiled, graph breaks, recompilations, graphs) after the blocks, so that
@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the bench_* scripts
-import bench_sgmcmc as bench  # noqa: E402
-import bench_step_blackjax as step_bench  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.problems, .engines
+from benchmarks import problems  # noqa: E402
+from benchmarks.engines import OursStepper  # noqa: E402
 
 STEPS = 50
 
@@ -36,13 +36,13 @@ def main() -> None:
     warnings.filterwarnings("ignore", message="the chains are not healthy")
     warnings.filterwarnings("ignore", message="in .* of the coordinates")
     torch.set_num_threads(1)
-    bench.DEVICE = torch.device(args.device)
-    problem = bench.make_logistic(step_bench.N, args.d, step_bench.B, seed=0)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if bench.DEVICE.type == "cuda" else [])
+    problems.DEVICE = torch.device(args.device)
+    problem = problems.make_logistic(100_000, args.d, problems.STEP_BATCH, seed=0)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if problems.DEVICE.type == "cuda" else [])
     from torch._dynamo.utils import counters
 
     for compiled in (False, True):
-        ours = step_bench.make_ours(problem, 1, "correct", compiled)
+        ours = OursStepper(problem, "correct", compiled)
         blocks = [ours(200) / 200 * 1e3 for _ in range(4)]
         print(
             f"\n## {'compiled' if compiled else 'eager'}: ms per step, blocks of 200: {[round(b, 3) for b in blocks]}"
