@@ -90,19 +90,25 @@ def flat(samples: dict) -> np.ndarray:
     return np.concatenate(parts, -1)
 
 
-def nuts(g, x, y, groups, *, warmup: int, samples: int, chains: int, seed: int):
-    """NumPyro NUTS, chains in sequence: draws ``(chains, draws, coordinates)``, seconds, leapfrog steps."""
-    import jax
+def _sequential_nuts(model, *, warmup: int, samples: int, chains: int):
+    """NumPyro's NUTS on ``model``, its chains in sequence, no progress bar."""
     from numpyro.infer import MCMC, NUTS
 
-    mcmc = MCMC(
-        NUTS(_numpyro_model(groups)),
+    return MCMC(
+        NUTS(model),
         num_warmup=warmup,
         num_samples=samples,
         num_chains=chains,
         chain_method="sequential",
         progress_bar=False,
     )
+
+
+def nuts(g, x, y, groups, *, warmup: int, samples: int, chains: int, seed: int):
+    """NumPyro NUTS, chains in sequence: draws ``(chains, draws, coordinates)``, seconds, leapfrog steps."""
+    import jax
+
+    mcmc = _sequential_nuts(_numpyro_model(groups), warmup=warmup, samples=samples, chains=chains)
     start = time.perf_counter()
     mcmc.run(jax.random.PRNGKey(seed), g.numpy(), x.numpy(), y.numpy(), extra_fields=("num_steps",))
     draws = flat(mcmc.get_samples(group_by_chain=True))
@@ -128,7 +134,6 @@ def collapsed(g, x, y, groups, *, warmup: int, samples: int, chains: int, seed: 
     import jax.numpy as jnp
     import numpyro
     import numpyro.distributions as nd
-    from numpyro.infer import MCMC, NUTS
 
     jax.config.update("jax_enable_x64", True)
     gi, xd, yd = g.numpy(), x.double().numpy(), y.double().numpy()
@@ -159,14 +164,7 @@ def collapsed(g, x, y, groups, *, warmup: int, samples: int, chains: int, seed: 
         sigma = numpyro.sample("sigma", nd.HalfNormal(1.0))
         numpyro.factor("groups", conditional(mu, tau, sigma)[2].sum())
 
-    mcmc = MCMC(
-        NUTS(marginal_model),
-        num_warmup=warmup,
-        num_samples=samples,
-        num_chains=chains,
-        chain_method="sequential",
-        progress_bar=False,
-    )
+    mcmc = _sequential_nuts(marginal_model, warmup=warmup, samples=samples, chains=chains)
     start = time.perf_counter()
     mcmc.run(jax.random.PRNGKey(seed), extra_fields=("num_steps",))
     s = mcmc.get_samples(group_by_chain=True)

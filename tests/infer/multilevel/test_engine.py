@@ -34,14 +34,22 @@ def known_scale(g, y):
         pyro.sample("obs", dist.Normal(b[g[idx]], 1.0), obs=y[idx])
 
 
-def latent_scales(g, y):
-    mu = pyro.sample("mu", dist.Normal(torch.tensor(0.0, dtype=y.dtype), 3.0))
-    tau = pyro.sample("tau", dist.HalfNormal(torch.tensor(1.0, dtype=y.dtype)))
-    sigma = pyro.sample("sigma", dist.HalfNormal(torch.tensor(2.0, dtype=y.dtype)))
-    with pyro.plate("groups", len(SIZES)):
-        b = pyro.sample("b", dist.Normal(mu, tau))
-    with pyro.plate("data", len(y), subsample_size=10) as idx:
-        pyro.sample("obs", dist.Normal(b[g[idx]], sigma), obs=y[idx])
+def scales_with_prior(mu_scale):
+    """A hierarchy whose group scale and noise scale are latent, with a Normal(0, ``mu_scale``) prior on its mean."""
+
+    def model(g, y):
+        mu = pyro.sample("mu", dist.Normal(torch.tensor(0.0, dtype=y.dtype), mu_scale))
+        tau = pyro.sample("tau", dist.HalfNormal(torch.tensor(1.0, dtype=y.dtype)))
+        sigma = pyro.sample("sigma", dist.HalfNormal(torch.tensor(2.0, dtype=y.dtype)))
+        with pyro.plate("groups", len(SIZES)):
+            b = pyro.sample("b", dist.Normal(mu, tau))
+        with pyro.plate("data", len(y), subsample_size=10) as idx:
+            pyro.sample("obs", dist.Normal(b[g[idx]], sigma), obs=y[idx])
+
+    return model
+
+
+latent_scales = scales_with_prior(3.0)
 
 
 def conjugate(g, y):

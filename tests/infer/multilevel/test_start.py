@@ -4,8 +4,6 @@ latent scales (the groups integrated out exactly), from starts hundreds of sds a
 import math
 from types import SimpleNamespace
 
-import pyro
-import pyro.distributions as dist
 import pytest
 import torch
 from pyro.infer.autoguide.initialization import init_to_value
@@ -16,20 +14,7 @@ from pyro_scalable.infer.multilevel import MultilevelMCMC
 from pyro_scalable.infer.multilevel.start import TOLERANCE, climb
 from pyro_scalable.infer.multilevel.sweep import Sweep
 
-from .test_engine import SIZES, check, data, latent_scales, quadrature
-
-
-def scales_with_prior(mu_scale):
-    def model(g, y):
-        mu = pyro.sample("mu", dist.Normal(torch.tensor(0.0, dtype=y.dtype), mu_scale))
-        tau = pyro.sample("tau", dist.HalfNormal(torch.tensor(1.0, dtype=y.dtype)))
-        sigma = pyro.sample("sigma", dist.HalfNormal(torch.tensor(2.0, dtype=y.dtype)))
-        with pyro.plate("groups", len(SIZES)):
-            b = pyro.sample("b", dist.Normal(mu, tau))
-        with pyro.plate("data", len(y), subsample_size=10) as idx:
-            pyro.sample("obs", dist.Normal(b[g[idx]], sigma), obs=y[idx])
-
-    return model
+from .test_engine import SIZES, check, data, latent_scales, quadrature, scales_with_prior
 
 
 def marginal(g, y, mu_scale):
