@@ -47,6 +47,14 @@ against 16 sequential and a hand-written batched loop, in chain-steps per second
 (eager, noise-corrected, compiled) and the hand-written one (eager, compiled) in interleaved blocks against
 ``jax.jit`` of a ``lax.scan`` of BlackJAX's SGLD steps.
 
+**The cold posterior** (``cold-posterior``: the digits MLP 64-32-10, every engine at its defaults or as the
+posteriors paper sets it up, each tempered to p(θ | D)^(1/T) for T in 1, 0.3, 0.1, 0.03, 0.01): SG-MCMC through the
+kernel's ``temperature`` (SGHMC serial: one chain, many draws; parallel: many chains, the last draw of each); the
+Gaussian engines (Laplace ``kron`` through the linearised network or with its weights sampled, Laplace ``sampled``,
+SWAG, sample-then-optimise) through their covariance scaled by T (MultiSWAG: each run's about its own mean); SVI
+with ``AutoNormal`` through the log joint scaled by 1/T. Scored on 450 held-out digits (NLL, accuracy, ECE) and by
+the AUROC of the predictive's total entropy and of its epistemic part against the same digits turned 90°.
+
 **EKF engines** (the GLM problems, N = 2,000 streamed once in minibatches of B): ``EKF(model)`` and
 ``DiagonalEKF(model)`` at their defaults, scored by the posterior's mean and sd against the exact ones.
 """
@@ -104,6 +112,8 @@ class Cell:
             self.teacher  # noqa: B018
         elif kind == "step":
             self.step  # noqa: B018
+        elif kind == "cold":
+            self.cold  # noqa: B018
         elif kind in ("sto-linear", "sto-mlp"):  # the engine times the exact solve itself
             self.data  # noqa: B018
         elif kind not in (None, "mlp"):  # the mlp is timed, not scored: no reference
@@ -125,6 +135,14 @@ class Cell:
         key = ("step", self.problem.name, self.n, self.seed, str(problems.DEVICE))
         if key not in self.shared:
             self.shared[key] = problems.make_step(self.problem, self.n, self.seed)
+        return self.shared[key]
+
+    @property
+    def cold(self) -> dict:
+        """The cold-posterior problem's digits (its first ``n`` training points)."""
+        key = ("cold", self.n)
+        if key not in self.shared:
+            self.shared[key] = problems.cold_digits(self.n)
         return self.shared[key]
 
     @property
@@ -1198,6 +1216,164 @@ def _step_vs_blackjax(cell: Cell) -> dict:
     }
 
 
+# ---------------------------------------------------------------------------------------------- the cold posterior
+TEMPERATURES, COLD_DRAWS = (1.0, 0.3, 0.1, 0.03, 0.01), 100  # weight draws per Gaussian predictive
+COLD = {  # steps and draws: the smoke size is the old script's --fast
+    "full": dict(map_steps=(1000, 500), warmup=1500, serial=(50, 30), chains=10, svi_steps=1500, swag=30, sto=(16, 30)),
+    "smoke": dict(map_steps=(400, 200), warmup=400, serial=(10, 20), chains=6, svi_steps=400, swag=10, sto=(8, 10)),
+}
+COLD_RUNS = {"full": 4, "smoke": 2}  # MultiSWAG's runs
+
+
+def _cold_scores(p_test: torch.Tensor, y_test: torch.Tensor, p_ood: torch.Tensor) -> dict:
+    from sklearn.metrics import roc_auc_score
+
+    from pyro_scalable.infer.uncertainty import decompose_probabilities
+
+    out = metrics.calibration(p_test.mean(0), y_test)
+    u_in, u_out = decompose_probabilities(p_test), decompose_probabilities(p_ood)
+    truth = [0] * len(y_test) + [1] * p_ood.shape[1]
+    for part in ("total", "epistemic"):
+        scores = torch.cat([getattr(u_in, part), getattr(u_out, part)]).cpu().numpy()
+        out[f"auroc_{part}"] = None if p_test.shape[0] == 1 else round(float(roc_auc_score(truth, scores)), 4)
+    return out
+
+
+def _cold_map(cell: Cell) -> dict:
+    """SVI with AutoDelta: Adam on minibatches, then on the full data (cached for the suite's other cells)."""
+    import pyro
+    from pyro.infer import SVI, Trace_ELBO
+    from pyro.infer.autoguide import AutoDelta
+
+    key = ("cold-map", cell.n, cell.seed, cell.size)
+    if key not in cell.shared:
+        data, steps = cell.cold, COLD[cell.size]["map_steps"]
+        pyro.clear_param_store()
+        pyro.set_rng_seed(cell.seed)
+        mlp = problems.cold_mlp()
+        guide = AutoDelta(mlp)
+        for lr, count, batch in ((1e-2, steps[0], problems.COLD_BATCH), (3e-3, steps[1], None)):
+            svi = SVI(mlp, guide, pyro.optim.Adam({"lr": lr}), Trace_ELBO())
+            for _ in range(count):
+                svi.step(data["x"], data["y"], batch_size=batch)
+        cell.shared[key] = {k: v.detach() for k, v in guide.median(data["x"], data["y"]).items()}
+    return cell.shared[key]
+
+
+def _cold(engine: str) -> Callable[[Cell], dict]:
+    """One engine's fit, then its predictive at every temperature: per metric, a list in ``TEMPERATURES``' order."""
+
+    def scaled(samples: dict, centre: dict, t: float) -> dict:  # N(centre, T Σ) from draws of N(centre, Σ)
+        return {k: centre[k].to(v) + math.sqrt(t) * (v - centre[k].to(v)) for k, v in samples.items()}
+
+    def glm(prediction, t: float, seed: int) -> torch.Tensor:  # softmax(f), f ~ N(mean, T cov) per point
+        mean, cov = prediction.mean.double(), t * prediction.covariance.double()
+        values, vectors = torch.linalg.eigh(cov)  # sample-then-optimise's draws' covariance can be singular
+        root = vectors * values.clamp_min(0.0).sqrt().unsqueeze(-2)
+        noise = torch.randn((COLD_DRAWS, *mean.shape), generator=torch.Generator().manual_seed(seed), dtype=mean.dtype)
+        return torch.softmax(mean + torch.einsum("nij,snj->sni", root, noise), -1)
+
+    def run(cell: Cell) -> dict:
+        import pyro
+        from pyro import poutine
+        from pyro.infer import SVI, Trace_ELBO
+        from pyro.infer.autoguide import AutoNormal
+        from pyro.infer.autoguide.initialization import init_to_sample
+
+        from pyro_scalable.infer import SGHMC, SGLD, SWAG, AutoLinearizedLaplace, SampleThenOptimize, StochasticMCMC
+        from pyro_scalable.infer import sghmc as sghmc_module
+
+        data, cfg, seed = cell.cold, COLD[cell.size], cell.seed
+        x, y, mlp = data["x"], data["y"], problems.cold_mlp
+        start = time.perf_counter()
+        latents = _cold_map(cell) if engine == "map" or engine.startswith("laplace") else None  # cached after "map"
+        found: list[dict] = []
+
+        def score(samples: dict | None = None, probs: tuple | None = None) -> None:
+            if probs is None:
+                probs = tuple(problems.cold_member_probs(samples, data[k]) for k in ("x_test", "x_ood"))
+            found.append(_cold_scores(probs[0], data["y_test"], probs[1]))
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if engine == "map":
+                score({k: v[None] for k, v in latents.items()})
+            elif engine.startswith("laplace"):
+                structure = "sampled" if engine == "laplace-sampled" else "kron"
+                extra = {"num_samples": cfg["sto"][0], "sampler_options": {"num_epochs": cfg["sto"][1]}, "seed": seed}
+                laplace = AutoLinearizedLaplace(mlp()).laplace_approximation(
+                    x,
+                    y,
+                    structure=structure,
+                    map_latents=latents,
+                    check_map=False,
+                    **(extra if structure == "sampled" else {}),
+                )
+                if engine == "laplace-kron-weights":
+                    weights = laplace.get_samples(COLD_DRAWS, seed=seed)
+                    for t in TEMPERATURES:
+                        score(scaled(weights, latents, t))
+                else:
+                    test, ood = laplace.predict(data["x_test"]), laplace.predict(data["x_ood"])
+                    for t in TEMPERATURES:
+                        score(probs=(glm(test, t, seed), glm(ood, t, seed)))
+            elif engine in ("swag", "multiswag"):
+                runs = COLD_RUNS[cell.size] if engine == "multiswag" else 1
+                fit = SWAG(mlp(), num_runs=runs, num_epochs=cfg["swag"], rank=20, seed=seed, progress_bar=False)
+                fit = fit.run(x, y)
+                weights = fit.get_samples(COLD_DRAWS, seed=seed)  # draw s is from run s mod runs
+                if runs == 1:
+                    centre = fit.median()
+                else:
+                    means = fit.mean[torch.arange(COLD_DRAWS) % runs]
+                    centre = fit.bridge.constrain(fit.layout.unflatten(means))
+                for t in TEMPERATURES:
+                    score(scaled(weights, centre, t))
+            elif engine == "sto":
+                fit = SampleThenOptimize(mlp(), num_samples=cfg["sto"][0], num_epochs=cfg["sto"][1], seed=seed,
+                                         progress_bar=False)  # fmt: skip
+                fit.run(x, y)
+                test, ood = fit.predict(data["x_test"]), fit.predict(data["x_ood"])
+                for t in TEMPERATURES:
+                    score(probs=(glm(test, t, seed), glm(ood, t, seed)))
+            elif engine == "svi-autonormal":
+                for t in TEMPERATURES:
+                    pyro.clear_param_store()
+                    pyro.set_rng_seed(seed)
+                    model = mlp()
+                    guide = AutoNormal(model, init_scale=1e-2)
+                    svi = SVI(poutine.scale(model, 1 / t), guide, pyro.optim.Adam({"lr": 1e-2}), Trace_ELBO())
+                    for _ in range(cfg["svi_steps"]):
+                        svi.step(x, y)
+                    with torch.no_grad():
+                        draws = pyro.infer.Predictive(guide, num_samples=COLD_DRAWS)(x, y)
+                        score({k: v.detach() for k, v in draws.items()})
+            else:
+                hyper = sghmc_module.sgd_hyperparameters(lr=0.05 / len(x), momentum=0.9)
+                draws, thin = cfg["serial"]
+                chains, kept, gap = (cfg["chains"], 1, 1) if engine == "sghmc-parallel" else (1, draws, thin)
+                for t in TEMPERATURES:
+                    if engine == "sgld":
+                        kernel = SGLD(mlp(), temperature=t, init_strategy=init_to_sample)
+                    else:
+                        kernel = SGHMC(mlp(), **hyper, temperature=t, init_strategy=init_to_sample)
+                    mcmc = StochasticMCMC(kernel, num_samples=kept, num_warmup=cfg["warmup"], thin=gap,
+                                          num_chains=chains, seed=seed, progress_bar=False)  # fmt: skip
+                    mcmc.run(x, y)
+                    score(mcmc.get_samples())
+        out = {"seconds": round(time.perf_counter() - start, 1)}
+        for key in found[0]:
+            out[key] = [r[key] for r in found] if engine != "map" else found[0][key]
+        return out
+
+    return run
+
+
+COLD_MCMC = ("sghmc-serial", "sghmc-parallel", "sgld")
+COLD_ENGINES = ("map", *COLD_MCMC, "laplace-kron-linearised", "laplace-kron-weights", "laplace-sampled", "swag")
+COLD_ENGINES += ("multiswag", "sto", "svi-autonormal")
+
+
 # ---------------------------------------------------------------------------------------------- EKF
 EKF_BATCHES = (1000, 100, 10)
 
@@ -1271,6 +1447,7 @@ ENGINES: dict[str, Engine] = {
         Engine("ours-step-corrected", "step", lambda c: _step_timing(c, "corrected"), (), "SGHMC, noise corrected"),
         Engine("ours-16-chains", "step", lambda cell: _step_timing(cell, "chains"), (), "SGHMC, 16 chains"),
         Engine("step-vs-blackjax", "step", _step_vs_blackjax, ("blackjax", "jax"), "one step against BlackJAX SGLD"),
+        *(Engine(f"cold-{e}", "cold", _cold(e), ("sklearn",), f"{e}, tempered") for e in COLD_ENGINES),
         Engine("ours-sto-accuracy", "sto", _sto_accuracy, (), "SampleThenOptimize(model, K, num_epochs=20)"),
         Engine("ours-sto-cost", "sto", _sto_cost, (), "SampleThenOptimize(model, K, linearize_at=prior draw)"),
         *(

@@ -192,6 +192,7 @@ PROBLEMS: dict[str, Problem] = {
             Problem(f"sto-{f}-d{d}", "sto-linear", d, f"linear-Gaussian, float64, {f} features over two decades")
             for f, d in (("scaled", 100), ("correlated", 100), ("scaled", 1000), ("correlated", 1000), ("scaled", 2000))
         ),
+        Problem("cold-digits", "cold", 2410, "digits, tanh MLP 64-32-10, N(0, 1) priors; OOD: the digits turned 90°"),
         Problem("step-logistic", "step", 100, "logistic regression, d = 100, B = 1,000: one step's cost"),
         Problem("step-logistic-d10", "step", 10, "logistic regression, d = 10, B = 1,000: one step's cost"),
         Problem("step-mlp", "step", 90_701, "Bayesian tanh MLP 100-300-200-1, B = 1,000: one step's cost"),
@@ -672,3 +673,58 @@ def epoch_batches(n: int, batch_size: int, gen: torch.Generator):
 def uniform_init(problem: StepProblem, gen: torch.Generator) -> dict[str, Tensor]:
     """Pyro's ``init_to_uniform`` in unconstrained space (every latent here is real): U(-2, 2)."""
     return {name: (torch.rand(shape, generator=gen) * 4.0 - 2.0).to(DEVICE) for name, shape in problem.shapes.items()}
+
+
+# ---------------------------------------------------------------------------------------------- the cold posterior
+COLD_CLASSES, COLD_BATCH = 10, 128
+
+
+def cold_digits(n: int) -> dict:
+    """sklearn's digits / 16: 450 held out (and the same turned 90°: out of distribution), the first ``n`` of the
+    other 1,347 for training (a fixed permutation)."""
+    from sklearn.datasets import load_digits
+
+    raw = load_digits()
+    images, labels = torch.tensor(raw.data, dtype=torch.float32) / 16.0, torch.tensor(raw.target)
+    order = torch.randperm(len(images), generator=torch.Generator().manual_seed(0))
+    test, train = order[:450], order[450 : 450 + n]
+    x_ood = torch.rot90(images[test].reshape(-1, 8, 8), 1, (1, 2)).reshape(-1, 64)
+    return {"x": images[train], "y": labels[train], "x_test": images[test], "y_test": labels[test], "x_ood": x_ood}
+
+
+def cold_mlp(widths: tuple[int, ...] = (64, 32, COLD_CLASSES)) -> nn.Module:
+    """The tanh MLP 64-32-10, N(0, 1) priors on every weight and bias, its likelihood in a plate of ``batch_size``."""
+    from pyro.nn import PyroModule, PyroSample
+
+    class MLP(PyroModule):
+        def __init__(self) -> None:
+            super().__init__()
+            layers = []
+            for fan_in, fan_out in zip(widths[:-1], widths[1:]):
+                layer = PyroModule[nn.Linear](fan_in, fan_out)
+                layer.weight = PyroSample(dist.Normal(0.0, 1.0).expand([fan_out, fan_in]).to_event(2))
+                layer.bias = PyroSample(dist.Normal(0.0, 1.0).expand([fan_out]).to_event(1))
+                layers.append(layer)
+            self.layers = PyroModule[nn.ModuleList](layers)
+
+        def forward(self, x: Tensor, y: Tensor | None = None, batch_size: int | None = COLD_BATCH) -> Tensor:
+            data = pyro.plate("data", x.shape[0], subsample_size=batch_size)
+            h = x[data.indices]
+            for layer in self.layers[:-1]:
+                h = torch.tanh(layer(h))
+            logits = self.layers[-1](h)
+            with data:
+                return pyro.sample("y", dist.Categorical(logits=logits), obs=None if y is None else y[data.indices])
+
+    return MLP()
+
+
+def cold_member_probs(samples: dict[str, Tensor], x: Tensor) -> Tensor:
+    """Class probabilities of every draw ``(S, points, classes)``, float64, by the network's own forward."""
+    h = x.double()
+    names = sorted({name.rsplit(".", 1)[0] for name in samples})
+    for i, name in enumerate(names):
+        w, b = samples[f"{name}.weight"].double(), samples[f"{name}.bias"].double()
+        h = torch.einsum("pi,soi->spo" if h.dim() == 2 else "spi,soi->spo", h, w) + b[:, None]
+        h = torch.tanh(h) if i < len(names) - 1 else h
+    return torch.softmax(h, -1)

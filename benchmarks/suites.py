@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from benchmarks.engines import LAPLACE_CALLS
+from benchmarks.engines import COLD_ENGINES, LAPLACE_CALLS
 from benchmarks.problems import PROBLEMS
 
 __all__ = ["SUITES", "Column", "Suite"]
@@ -225,6 +225,33 @@ BLACKJAX_COLUMNS = (
     Column("measured", _source),
 )
 
+
+def _per_t(key: str, spec: str = ".3f") -> Callable[[dict], str]:
+    """A metric at every temperature (1 / 0.3 / 0.1 / 0.03 / 0.01), or the one value of an untempered engine."""
+
+    def show(record: dict) -> str:
+        value = record.get("metrics", {}).get(key)
+        if value is None or value == [None] * len(value if isinstance(value, list) else []):
+            return "–"
+        values = value if isinstance(value, list) else [value]
+        return "\u00a0/ ".join("–" if v is None else f"{v:{spec}}" for v in values)
+
+    return show
+
+
+COLD_COLUMNS = (
+    Column("N", _n, collapsible=True),
+    Column("engine", lambda r: r["engine"]),
+    Column("where", _where, collapsible=True),
+    Column("seconds", _seconds(",.0f")),
+    Column("test NLL, T = 1 / 0.3 / 0.1 / 0.03 / 0.01", _per_t("nll")),
+    Column("accuracy", _per_t("test_accuracy", ".2f")),
+    Column("AUROC, total", _per_t("auroc_total", ".2f")),
+    Column("AUROC, epistemic", _per_t("auroc_epistemic", ".2f")),
+    Column("load", _load),
+    Column("measured", _source),
+)
+
 STO_ACCURACY_COLUMNS = (
     Column("problem", lambda r: r["problem"]),
     Column("where", _where, collapsible=True),
@@ -369,6 +396,13 @@ SUITES: dict[str, Suite] = {
             },
             ("step-vs-blackjax",),
             BLACKJAX_COLUMNS,
+        ),
+        Suite(
+            "cold-posterior",
+            "Every engine tempered to p(θ | D)^(1/T) on digits: test NLL, accuracy, AUROC against turned digits",
+            {"smoke": (("cold-digits", 600),), "full": (("cold-digits", 1347),)},
+            tuple(f"cold-{e}" for e in COLD_ENGINES),
+            COLD_COLUMNS,
         ),
         Suite(
             "sto-accuracy",
