@@ -22,7 +22,7 @@
 #   better than serial SGHMC (one chain, many draws).
 #
 # The full comparison, with every engine, five temperatures and three seeds, is the benchmark
-# `benchmarks/bench_cold_posterior.py` ([results](../benchmarks.md)). Here: SGHMC serial and parallel and
+# suite `python -m benchmarks run cold-posterior` ([results](../benchmarks.md)). Here: SGHMC serial and parallel and
 # linearised Laplace, at T = 1, 0.1 and 0.01.
 
 # %% [markdown] tags=["remove-cell"]
