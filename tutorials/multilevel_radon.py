@@ -206,9 +206,12 @@ plt.savefig(os.path.join(IMAGES, "multilevel_counties.png"), dpi=72)
 plt.close("all")
 assert z.abs().max() < 4.5, z
 for name in ("mu", "tau", "beta", "sigma"):
-    a, b = mcmc.get_samples()[name], reference[name].flatten()
+    a, b = mcmc.get_samples(group_by_chain=True)[name].double(), reference[name].double()
+    ess_a, ess_b = effective_sample_size(a), effective_sample_size(b)
+    # an sd read from ESS draws is off by about 1/sqrt(2 ESS) of itself: five of both runs' errors
+    sd_error = float((1 / (2 * ess_a) + 1 / (2 * ess_b)).sqrt())
     assert abs(a.mean() - b.mean()) < 0.25 * b.std(), name
-    assert abs(a.std() / b.std() - 1) < 0.2, name
+    assert abs(a.std() / b.std() - 1) < 5 * sd_error, (name, float(a.std() / b.std()), sd_error)
 
 # %% [markdown]
 # ## What to read from it
