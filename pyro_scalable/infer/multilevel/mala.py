@@ -41,16 +41,19 @@ TARGET = 0.6  # the acceptance the step aims at
 JITTER_LOW, JITTER_HIGH = 0.5, 1.5  # an HMC trajectory's step: the adapted one times a uniform draw in this range
 
 
-def precision_factor(precision: Tensor, floor: float = 1e-8) -> Tensor:
+def precision_factor(precision: Tensor, floor: float = 1e-8, absolute: bool = False) -> Tensor:
     """The Cholesky factor of ``precision`` (batched ``(..., p, p)``) after its eigenvalues are raised to a floor.
 
     A curvature read at one point need not be positive definite (a likelihood that is not log-concave there); its
     eigenvalues below ``floor`` times the largest (and below an absolute ``floor``) are raised to that floor, and a
-    non-finite entry counts as 0 (computed in float64, returned in the curvature's dtype).
+    non-finite entry counts as 0 (computed in float64, returned in the curvature's dtype). With ``absolute``, each
+    eigenvalue is first replaced by its absolute value (Newton's step on it still climbs along a direction of
+    negative curvature, Dauphin et al. 2014, where a floored one would send the step arbitrarily far along it).
     """
     wide = precision.double()  # in float64: a float32 reconstruction can miss positive definiteness by rounding
     wide = torch.where(torch.isfinite(wide), wide, torch.zeros_like(wide))
     values, vectors = torch.linalg.eigh(0.5 * (wide + wide.transpose(-1, -2)))
+    values = values.abs() if absolute else values
     least = floor * values.abs().amax(-1, keepdim=True).clamp_min(1.0)
     values = values.clamp_min(least)
     return torch.linalg.cholesky((vectors * values.unsqueeze(-2)) @ vectors.transpose(-1, -2)).to(precision.dtype)

@@ -15,11 +15,12 @@ marginal** (the groups integrated out as the sweep's map does it, :mod:`.conditi
 the transformed density of :mod:`.sweep` at :math:`\varepsilon = 0`, which is the exact marginal wherever every
 group's conditional is Gaussian in :math:`b_k` (then :math:`\log\pi(\theta, b) = \log\pi(\theta, m) -
 \tfrac12 (b - m)^\top P (b - m)` and integrating out :math:`b` leaves :math:`-\tfrac12\log\det P_k = -\log\det
-L_k` per group). The climb is Newton's method with the Hessian's eigenvalues raised to a floor
-(:func:`~.mala.precision_factor`) and the step halved until the marginal rises; after each step the map's reference
-point moves to the groups' centres :math:`m(\theta)` (for a non-Gaussian conditional the map's single Newton step
-is then taken where it is accurate). It stops where the Newton decrement :math:`g^\top(-H)^{-1}g` (the squared
-distance to the mode in posterior sds) is below :data:`TOLERANCE`.
+L_k` per group). The climb is Newton's method on the Hessian's absolute eigenvalues, floored
+(:func:`~.mala.precision_factor`), each step no longer in any coordinate than a trust radius (doubled after a whole
+step, set to the length taken after a halved one) and halved until the marginal rises; after each step the map's
+reference point moves to the groups' centres :math:`m(\theta)` (for a non-Gaussian conditional the map's single
+Newton step is then taken where it is accurate). It stops where the Newton decrement :math:`g^\top(-H)^{-1}g` (the
+squared distance to the mode in posterior sds) is below :data:`TOLERANCE`.
 
 Each chain then starts from one draw of the Laplace approximation, :math:`\theta \sim \mathcal{N}(\hat\theta,
 (-H)^{-1})` and :math:`b_k = m_k(\theta) + L_k(\theta)^{-\top}\varepsilon_k`, :math:`\varepsilon_k \sim
@@ -68,7 +69,7 @@ def climb(sweep, theta: Tensor, b: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     x, climbing = theta, torch.isfinite(value)
     radius = torch.ones_like(value)  # each chain's trust radius: the largest move of one coordinate it tries
     for _ in range(MAX_NEWTON):
-        factor = precision_factor(_absolute(-hessian(x, sweep.b_ref, *fixed)).to(x.dtype))
+        factor = precision_factor(-hessian(x, sweep.b_ref, *fixed), absolute=True).to(x.dtype)
         passes += 3 * d * per_evaluation
         direction = torch.cholesky_solve(gradient.unsqueeze(-1), factor).squeeze(-1)
         climbing &= (gradient * direction).sum(-1) > TOLERANCE
@@ -120,16 +121,3 @@ def laplace_start(sweep, theta: Tensor, b: Tensor, generator: torch.Generator) -
     )
     sweep.rows_read += theta.shape[0] * (len(sweep.stencil) * sweep.map_share + 1) * sweep.rows.all.shape[0]
     return start_theta, torch.where(finite[:, None, None], transformed[1][1], b)
-
-
-def _absolute(precision: Tensor) -> Tensor:
-    """``precision`` with each eigenvalue replaced by its absolute value (in float64; non-finite entries 0).
-
-    Far from the mode the marginal need not be concave; Newton's step on the Hessian's absolute value (Dauphin et
-    al. 2014) still climbs along a direction of negative curvature, where a floored eigenvalue would send the step
-    along it arbitrarily far.
-    """
-    wide = precision.double()
-    wide = torch.where(torch.isfinite(wide), wide, torch.zeros_like(wide))
-    values, vectors = torch.linalg.eigh(0.5 * (wide + wide.transpose(-1, -2)))
-    return (vectors * values.abs().unsqueeze(-2)) @ vectors.transpose(-1, -2)
