@@ -1066,7 +1066,8 @@ class OursStepper:
         kernel = SGHMC(problem.model, step_size=BLACKJAX_STEP, friction=BLACKJAX_FRICTION, gradient_noise=noise)
         phases.step = spy
         try:
-            with model_tracing(compile=compiled), warnings.catch_warnings():  # the stepper is built under the switch
+            # the stepper is built under the switch; one step per graph: this stepper is stepped outside the driver
+            with model_tracing(compile=compiled, block_steps=1), warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 StochasticMCMC(kernel, num_samples=4, num_warmup=4, seed=0, progress_bar=False).run(
                     problem.x, problem.y
@@ -1080,7 +1081,7 @@ class OursStepper:
         from pyro_scalable.bridge import Batch
 
         state = self.state
-        with model_tracing(compile=self.compiled):
+        with model_tracing(compile=self.compiled, block_steps=1):
             start = time.perf_counter()
             for _ in range(steps):
                 batch = Batch(next(state.sampler), state.bridge.args, state.bridge.kwargs)

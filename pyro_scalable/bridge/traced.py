@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from pyro_scalable.arguments import check_count
 from pyro_scalable.bridge.checks import first_line
 from pyro_scalable.bridge.graph_passes import bind_python, gather_rows, simplify, value_shaped
 from pyro_scalable.bridge.records import Batch, Latents
@@ -64,35 +65,48 @@ RTOL = 1e-4  # the graph's value and gradients against the model's at the check 
 
 _enabled = True
 _compile = False
+_block_steps = 32  # model_tracing(compile=True)'s steps per compiled block (1: one step per graph)
 _log = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
-def model_tracing(enabled: bool = True, *, compile: bool = False) -> Iterator[None]:  # noqa: A002 -- torch's word
+def model_tracing(  # noqa: A002 -- compile: torch's word
+    enabled: bool = True, *, compile: bool = False, block_steps: int = 32
+) -> Iterator[None]:
     """Record the model's log density as a graph (the default) or run the model on every call (``False``).
 
     Turn it off for a model whose log density reads Python state that changes between steps. ``compile=True`` also
     hands each recorded graph to ``torch.compile`` (an opt-in: seconds of compiling per signature, paid back over
     thousands of steps; a graph that fails to compile, or whose compiled value or gradients differ from the graph's
-    at the check point, is replayed uncompiled). ``StochasticMCMC`` then also compiles its whole sampling step
-    (:class:`~pyro_scalable.infer.sgmcmc.compiled_step.CompiledStep`: minibatch, gradient and the kernel's update in one
-    graph; a step that fails to compile, or whose compiled result differs from the eager one, runs eagerly).
+    at the check point, is replayed uncompiled). ``StochasticMCMC`` then also compiles its sampling loop: blocks of
+    ``block_steps`` steps as one graph, their minibatches and noise drawn outside it from the run's generator as the
+    eager run draws them, so that the draws are the eager run's to rounding
+    (:class:`~pyro_scalable.infer.sgmcmc.compiled_blocks.CompiledBlocks`); ``block_steps=1`` compiles one step per
+    graph with its noise drawn inside it, other numbers than the eager run's
+    (:class:`~pyro_scalable.infer.sgmcmc.compiled_step.CompiledStep`). Either way a block or step that fails to
+    compile, or whose result differs from the eager one, leaves the run eager, with the reason logged.
 
     >>> with model_tracing(False):
     ...     pass  # engines built and run here evaluate the model through Pyro on every call
     """
-    global _enabled, _compile
-    before = _enabled, _compile
-    _enabled, _compile = bool(enabled), bool(compile)
+    global _enabled, _compile, _block_steps
+    steps = check_count("block_steps", block_steps, least=1)
+    before = _enabled, _compile, _block_steps
+    _enabled, _compile, _block_steps = bool(enabled), bool(compile), steps
     try:
         yield
     finally:
-        _enabled, _compile = before
+        _enabled, _compile, _block_steps = before
 
 
 def compiling() -> bool:
     """Whether ``model_tracing(compile=True)`` is in force: engines compile what they offer to compile."""
     return _compile
+
+
+def block_steps() -> int:
+    """The steps per compiled block ``model_tracing`` asks for (1: the one-step compiled graph)."""
+    return _block_steps
 
 
 def under_transform(x: Tensor) -> bool:

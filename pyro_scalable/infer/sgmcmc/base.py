@@ -40,6 +40,7 @@ from pyro_scalable.infer.schedules import constant
 
 __all__ = [
     "CURVATURE_EVERY",
+    "DrawnNoise",
     "Phase",
     "SAMPLING",
     "Transform",
@@ -197,10 +198,21 @@ def injected_variance(
     return injected, flat.max(), (flat > 1).to(first.dtype).mean()
 
 
-def gaussian_like(latents: Latents, generator: torch.Generator | None, temperature: Any = 1.0) -> Latents:
-    """Independent standard normal noise shaped like each latent (zeros, drawing nothing, at a constant T = 0)."""
+class DrawnNoise(NamedTuple):
+    """A step's standard normal noise, drawn before it (:mod:`.compiled_blocks`), handed where the generator goes."""
+
+    noise: Latents  # one tensor per latent, in the latents' order and shapes (under vmap, one chain's)
+
+
+def gaussian_like(latents: Latents, generator: Any, temperature: Any = 1.0) -> Latents:
+    """Independent standard normal noise shaped like each latent (zeros, drawing nothing, at a constant T = 0).
+
+    ``generator``: a ``torch.Generator``, ``None`` (torch's own), or :class:`DrawnNoise` (its noise, as it is).
+    """
     if not callable(temperature) and float(temperature) == 0.0:
         return {name: torch.zeros_like(x) for name, x in latents.items()}
+    if isinstance(generator, DrawnNoise):
+        return {name: generator.noise[name] for name in latents}
     return {
         name: torch.randn(x.shape, generator=generator, dtype=x.dtype, device=x.device) for name, x in latents.items()
     }

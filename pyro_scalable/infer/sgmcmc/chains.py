@@ -25,10 +25,10 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from pyro_scalable.bridge.checks import ModelError, first_line, user_stacklevel
 from pyro_scalable.bridge.model import Batch, Latents, ModelBridge
-from pyro_scalable.bridge.traced import compiling
+from pyro_scalable.bridge.traced import block_steps, compiling
 from pyro_scalable.infer.gradients.estimate import chain_indices, index_dims
 from pyro_scalable.infer.gradients.estimator import GradientEstimator
-from pyro_scalable.infer.sgmcmc.base import Phase
+from pyro_scalable.infer.sgmcmc.base import DrawnNoise, Phase
 from pyro_scalable.infer.sgmcmc.compiled_step import CompiledStep
 from pyro_scalable.infer.sgmcmc.distributed import normalised_per_chain
 from pyro_scalable.infer.sgmcmc.stragglers import copy_chains
@@ -61,7 +61,8 @@ class ChainStepper:
         self.state: Any = None
         self._chains: list = []
         self._vsteps: dict[tuple, Any] = {}  # by phase and the indices' vmap dims
-        self.compiled = CompiledStep() if compiling() else None  # model_tracing(compile=True): the whole step
+        # model_tracing(compile=True, block_steps=1): the whole step compiled (more steps: the driver's blocks)
+        self.compiled = CompiledStep() if compiling() and block_steps() == 1 else None
         if self.mode == "vectorized":
             self.state = vmap(program.init)(latents)
         else:
@@ -81,19 +82,23 @@ class ChainStepper:
         if self.compiled is not None:
             self.compiled = CompiledStep()
 
-    def _one(self, state: Any, indices: dict, args: tuple, kwargs: dict, phase: Phase):
-        generator = None if torch.compiler.is_compiling() else self.generator  # compiled: torch's RNG, seeded per step
+    def _one(self, state: Any, indices: dict, args: tuple, kwargs: dict, phase: Phase, noise: Any = None):
+        if noise is not None:  # a compiled block's step: its noise drawn before the block, as the eager step draws it
+            generator = DrawnNoise(noise)
+        else:  # compiled one step at a time: torch's RNG, seeded per step
+            generator = None if torch.compiler.is_compiling() else self.generator
         return self.program.step(state, Batch(indices, args, kwargs), self.estimator, generator, phase)
 
-    def _vstep(self, phase: Phase, indices: dict):
+    def _vstep(self, phase: Phase, indices: dict, drawn: bool = False):
         dims = index_dims(indices)
-        key = (phase, tuple(dims.items()))
+        key = (phase, tuple(dims.items()), drawn)
         if key not in self._vsteps:
 
-            def one(state, indices, args, kwargs):
-                return self._one(state, indices, args, kwargs, phase)
+            def one(state, indices, args, kwargs, noise=None):
+                return self._one(state, indices, args, kwargs, phase, noise)
 
-            self._vsteps[key] = vmap(one, in_dims=(0, dims, None, None), randomness="different")
+            in_dims = (0, dims, None, None) + ((0,) if drawn else ())  # the drawn noise: each chain's row
+            self._vsteps[key] = vmap(one, in_dims=in_dims, randomness="different")
         return self._vsteps[key]
 
     def _vupdate(self, phase: Phase):
@@ -137,20 +142,26 @@ class ChainStepper:
                 return info
         return self._sequential(batch, phase)
 
-    def advance(self, state: Any, indices: dict, args: tuple, kwargs: dict, phase: Phase) -> tuple[Any, Any]:
+    def advance(
+        self, state: Any, indices: dict, args: tuple, kwargs: dict, phase: Phase, noise: Any = None
+    ) -> tuple[Any, Any]:
         """Every chain one step from ``state`` (vectorised: the stacked state; sequential: the list of chains).
 
-        A function of its arguments (the generator aside): what :class:`CompiledStep` compiles.
+        A function of its arguments (the generator aside): what :class:`CompiledStep` compiles, and a compiled
+        block (:mod:`.compiled_blocks`) unrolls, handing each step its ``noise`` drawn before the block
+        (vectorised: one ``(chains, ...)`` tensor per latent; sequential: a list of each chain's latents' noise).
         """
         if not isinstance(state, list):  # vectorised (also while falling back to sequential: a list of chains)
             latents = self.program.plain_gradient_at(state, phase)
-            if latents is None or torch.compiler.is_compiling():  # compiled: one vmapped gradient transform, traced
-                return self._vstep(phase, indices)(state, indices, args, kwargs)
+            if latents is None or noise is not None or torch.compiler.is_compiling():  # compiled: one vmapped
+                drawn = () if noise is None else (noise,)
+                return self._vstep(phase, indices, bool(drawn))(state, indices, args, kwargs, *drawn)
             gradient = self.estimator.every_chain(latents, Batch(indices, args, kwargs))
             return self._vupdate(phase)(state, gradient)
         chains, infos = [], []
         for c, chain_state in enumerate(state):
-            chain_state, info = self._one(chain_state, chain_indices(indices, c), args, kwargs, phase)
+            chain_noise = None if noise is None else noise[c]
+            chain_state, info = self._one(chain_state, chain_indices(indices, c), args, kwargs, phase, chain_noise)
             chains.append(chain_state)
             infos.append(info)
         # one chain: its Info as it is, 0-d values that broadcast where the chains' dimension would be (the driver

@@ -31,6 +31,7 @@ from pyro_scalable.bridge.log_posterior import LogPosterior
 from pyro_scalable.bridge.minibatches import EpochSampler, data_passes
 from pyro_scalable.bridge.model import Batch, Latents
 from pyro_scalable.bridge.subsampling import warn_full_batch
+from pyro_scalable.bridge.traced import block_steps, compiling
 from pyro_scalable.infer.checkpoint import terminate_as_interrupt
 from pyro_scalable.infer.distributed import broadcast_seed
 from pyro_scalable.infer.gradients import ControlledDensity
@@ -38,6 +39,7 @@ from pyro_scalable.infer.health import repeated_draws, warn_unhealthy
 from pyro_scalable.infer.remedies import RunSetup
 from pyro_scalable.infer.sgmcmc.chains import ChainStepper
 from pyro_scalable.infer.sgmcmc.checkpoint import RunCheckpoint, run_fingerprint
+from pyro_scalable.infer.sgmcmc.compiled_blocks import CompiledBlocks
 from pyro_scalable.infer.sgmcmc.control_choice import attach, choose, recentre
 from pyro_scalable.infer.sgmcmc.control_probe import controlled_noise_share, warn_wasted_control_variate
 from pyro_scalable.infer.sgmcmc.distributed import setup as setup_parallel
@@ -47,7 +49,7 @@ from pyro_scalable.infer.sgmcmc.run_arguments import bind
 from pyro_scalable.infer.sgmcmc.run_state import RunState, program, restore, step_estimators, value
 from pyro_scalable.infer.sgmcmc.stragglers import WindowLog
 
-__all__ = ["attach_control_variate", "finish", "prepare", "resume", "sample", "step"]
+__all__ = ["account", "attach_control_variate", "finish", "prepare", "resume", "sample", "step"]
 
 _NOISE_STATS = ("noise_ratio", "uncorrected")
 
@@ -177,20 +179,24 @@ def sample(run: Any, state: RunState) -> None:
 
 
 def _loop(run: Any, state: RunState, bar: Any, quiet: bool) -> None:
+    blocks = CompiledBlocks(block_steps()) if compiling() and block_steps() > 1 else None  # the compiled loop
+    t, end = state.start, state.start if state.diverged else state.total  # a stopped run stays stopped
     try:
-        for t in range(state.start, state.start if state.diverged else state.total):  # a stopped run stays stopped
-            info = step(run, state, t)
-            if t + 1 == run.num_warmup:
+        while t < end:
+            length = blocks.length(run, state, t) if blocks is not None else 0
+            info = _block(run, state, t, length, blocks) if length else step(run, state, t)
+            t += max(length, 1)
+            if t == run.num_warmup:
                 bar.set_description("Sample")
-            if not quiet and (t % 50 == 0 or t + 1 == state.total):
+            if not quiet and ((t - 1) % 50 < max(length, 1) or t == state.total):
                 bar.set_postfix(
                     lp=f"{float(info.log_posterior.float().mean()):.4g}",
                     step_size=f"{float(info.step_size.float().mean()):.3g}",
                 )
-            bar.update()
+            bar.update(max(length, 1))
             if state.diverged:
                 warnings.warn(
-                    f"a chain diverged at step {t} (non-finite log density or gradient) and on_divergence='stop': "
+                    f"a chain diverged at step {t - 1} (non-finite log density or gradient) and on_divergence='stop': "
                     f"the run ends with {state.kept} draws per chain.",
                     stacklevel=user_stacklevel(),
                 )
@@ -213,16 +219,46 @@ def _loop(run: Any, state: RunState, bar: Any, quiet: bool) -> None:
 
 def step(run: Any, state: RunState, t: int) -> Any:
     """Step ``t`` of the run: every chain one step, warm-up's bookkeeping, the draw kept, the checkpoint."""
-    schedule = state.schedule
     if state.batch_iter is not None:
         step_args, step_kwargs = next(state.batch_iter)
         batch = Batch({}, step_args, step_kwargs)
     else:
         batch = Batch(next(state.sampler), state.bridge.args, state.bridge.kwargs)
-    index, estimators = t - (schedule.stage_start() if schedule else 0), state.estimators
+    index = t - (state.schedule.stage_start() if state.schedule else 0)
+    info = state.stepper.step(batch, index, _estimator(run, state, t))
+    account(run, state, t, info, batch)
+    return info
+
+
+def _estimator(run: Any, state: RunState, t: int) -> Any:
+    """The gradient estimator of step ``t``: burn-in's (uncalibrated) in warm-up's burn-in steps, else calibrated."""
+    index, estimators = t - (state.schedule.stage_start() if state.schedule else 0), state.estimators
     burn_in = estimators.burn_in is not estimators.calibrated and t < run.num_warmup
-    estimator = estimators.burn_in if burn_in and state.stepper.program.phase(index).burn_in else estimators.calibrated
-    info = state.stepper.step(batch, index, estimator)
+    return estimators.burn_in if burn_in and state.stepper.program.phase(index).burn_in else estimators.calibrated
+
+
+def _block(run: Any, state: RunState, t: int, length: int, blocks: CompiledBlocks) -> Any:
+    """Steps ``t`` to ``t + length - 1`` as one compiled block (:mod:`.compiled_blocks`), or eagerly where it says."""
+    compiled = blocks.run(run, state, t, _estimator(run, state, t))
+    if compiled is not None:
+        for k, (draw, info) in enumerate(compiled):
+            account(run, state, t + k, info, None, draw)
+        return info
+    eager = []
+    for k in range(length):  # the graph's first block (checked against these steps), or one that failed to compile
+        info = step(run, state, t + k)
+        eager.append((state.stepper.latents(), info))
+    blocks.check(state, eager)
+    return info
+
+
+def account(run: Any, state: RunState, t: int, info: Any, batch: Batch | None, draw: Latents | None = None) -> None:
+    """Step ``t``'s bookkeeping after the chains moved: warm-up's windows, the draw kept, the checkpoint.
+
+    ``draw``: the chains' draw after the step where the stepper has moved past it (a compiled block's steps);
+    ``batch``: the step's minibatch (warm-up's metric stages read it; a block runs none of theirs).
+    """
+    schedule = state.schedule
     if t < run.num_warmup and (schedule.in_window(t) if schedule else t >= run.num_warmup // 2):
         state.window.observe(info.log_posterior, info.diverging)
     if schedule is not None and t < run.num_warmup:
@@ -235,12 +271,11 @@ def step(run: Any, state: RunState, t: int) -> Any:
     if t < run.num_warmup:  # a tensor until the run ends: no wait for the device on every step
         state.warmup_divergences = state.warmup_divergences + info.diverging.to(torch.int64)
     elif run.kept.keeps(t, run.num_warmup):  # the kernel's policy (.kept): thinning, or a cycle's sampling stage
-        draw = schedule.to_theta(state.stepper.latents()) if schedule else state.stepper.latents()
-        state.record.record(state.kept, draw, info)
+        draw = state.stepper.latents() if draw is None else draw
+        state.record.record(state.kept, schedule.to_theta(draw) if schedule else draw, info)
         state.kept += 1
     if state.checkpoint is not None:
         state.checkpoint.step_done(value(state, t + 1))
-    return info
 
 
 def window_end(run: Any, state: RunState, batch: Batch) -> None:

@@ -1,5 +1,5 @@
-"""The compiled sampling step (``model_tracing(compile=True)``): the closed-form gold tests run on it, its first
-step agrees with the eager one from the same seed, and a step that fails to compile runs eagerly, saying why.
+"""The one-step compiled graph (``model_tracing(compile=True, block_steps=1)``): the closed-form gold tests run on it,
+its first step agrees with the eager one from the same seed, and a step that fails to compile runs eagerly, saying why.
 
 Compiling takes 10-20 s per phase on a CPU, so only the SGHMC gold test is in the fast tier.
 """
@@ -52,7 +52,7 @@ def test_compiled_step_matches_conjugate_posterior(kind, compiled_steps):
         step_size, friction = 2e-5, 0.0
         kernel = SGLD(problem.model, step_size=step_size, init_strategy=init_to_sample)
         allowance = 2 * step_size * gradient_noise(problem) / 2
-    with model_tracing(compile=True):
+    with model_tracing(compile=True, block_steps=1):
         draws = sample(kernel, problem, *SIZES["fast"])
     assert_compiled(compiled_steps)
     assert_matches(draws, problem.mean, stationary_cov(problem, kind, step_size, 1.0, friction), allowance)
@@ -67,7 +67,7 @@ def test_compiled_noise_corrected_one_chain_matches_posterior(compiled_steps):
     kernel = SGHMC(
         problem.model, step_size=step_size, friction=friction, gradient_noise="correct", init_strategy=init_to_sample
     )
-    with model_tracing(compile=True):
+    with model_tracing(compile=True, block_steps=1):
         draws = sample(kernel, problem, 1, 500, 40_000)
     assert_compiled(compiled_steps)
     assert max(len(m.steps) for m in compiled_steps) == 2  # the noise measured on every 4th step, and not
@@ -91,7 +91,7 @@ def test_a_step_that_fails_to_compile_runs_eagerly(monkeypatch, caplog, compiled
 
     eager = run()
     monkeypatch.setattr(torch, "compile", refuse)
-    with model_tracing(compile=True), caplog.at_level(logging.WARNING, logger=compiled_step.__name__):
+    with model_tracing(compile=True, block_steps=1), caplog.at_level(logging.WARNING, logger=compiled_step.__name__):
         fallen_back = run()
     assert compiled_steps[0].refused == "RuntimeError: no compiler here"
     assert "runs eagerly" in caplog.text
@@ -105,7 +105,7 @@ def test_a_compiled_run_leaves_torchs_generator_as_the_eager_run_does(device, co
     states = []
     for compiled in (False, True):
         torch.manual_seed(11)
-        with model_tracing(compile=compiled):
+        with model_tracing(compile=compiled, block_steps=1):
             kernel = SGHMC(problem.model, step_size=1e-3, friction=50.0)
             StochasticMCMC(kernel, num_samples=30, num_warmup=10, seed=3, progress_bar=False).run(problem.x, problem.y)
         cuda = torch.cuda.get_rng_state(torch.device(device)) if device == "cuda" else torch.tensor([])
@@ -123,7 +123,7 @@ def test_runs_in_one_process_each_compile_their_own_step_past_torchs_recompile_l
     for seed in range(2):
         kernel = SGHMC(problem.model, step_size=1e-3, friction=50.0, gradient_noise="correct")
         mcmc = StochasticMCMC(kernel, num_samples=80, num_warmup=0, seed=seed, progress_bar=False)
-        with model_tracing(compile=True):
+        with model_tracing(compile=True, block_steps=1):
             mcmc.run(problem.x, problem.y)
     assert sum(len(m.steps) for m in compiled_steps) >= 3  # two phases in a run, and the next run's first
     assert_compiled(compiled_steps)
