@@ -1,7 +1,18 @@
-"""Does ``torch.compile`` pay for the SG-MCMC step on a CPU? The gradient of the minibatch log joint, compiled and not.
+"""Does ``torch.compile`` pay for the SG-MCMC step on a CPU? The gradient of the minibatch log joint, compiled and not;
+with ``--loop``, the whole sampling loop: eager, one step per compiled graph, and compiled blocks of K steps.
 
     python benchmarks/studies/bench_compile.py              # about 3 minutes on 2 CPU cores (most of it compiling)
     python benchmarks/studies/bench_compile.py --quick      # fewer rounds
+    python benchmarks/studies/bench_compile.py --loop       # the sampling loop (minutes: each compiled run compiles)
+
+``--loop`` times ``StochasticMCMC`` runs of SGHMC (step size 1e-4, friction 10, the gradient noise ignored, one chain,
+no warm-up) on logistic regression (N = 10⁶, d = 10, B = 1,000, float32) under ``model_tracing``: eager,
+``compile=True, block_steps=1`` (one step per graph, its noise drawn inside it) and ``block_steps=K``
+(:mod:`pyro_scalable.infer.sgmcmc.compiled_blocks`), beside the hand-written SGHMC loop (eager, and one compiled step)
+of ``benchmarks/engines.py``. Time per step: the median over the run's stretches of at least 512 steps after its
+first 1,024 (the driver's step and block calls timed); "fixed" is the run's wall time less its steps at that rate
+(compiling, the bridge's recording, the first steps). The blocks' draws are compared with the eager run's (same seed).
+The table replaces the loop section of ``benchmarks/results/compile.md`` (the gradient table above it stays).
 
 The step's cost is its gradient (the update is a few element-wise ops; ``docs/benchmarks.md``, the profile). This
 times, on logistic regression (N = 10⁶, d = 100, B = 1,000, float32) and on the Bayesian MLP 100-300-200-1 (90,701
@@ -100,14 +111,141 @@ def measure(problem, rounds: int) -> list[str]:
     return rows
 
 
+LOOP_HEADING = "## The compiled sampling loop"
+SETTLE, STRETCH = 1024, 512  # steps left out at a run's start; the shortest stretch timed
+
+
+def timed_run(problem, compile: bool, block: int, steps: int) -> tuple[list[float], float, torch.Tensor, str]:
+    """One run's per-step times (ms, per stretch), its wall time, its draws, and why blocks were refused ("")."""
+    from pyro_scalable import model_tracing
+    from pyro_scalable.infer import SGHMC, StochasticMCMC
+    from pyro_scalable.infer.sgmcmc import compiled_blocks, phases
+
+    marks, made = [], []
+    step, block_fn, init = phases.step, phases._block, compiled_blocks.CompiledBlocks.__init__
+
+    def timed_step(run, state, t):
+        info = step(run, state, t)
+        marks.append((t + 1, time.perf_counter()))
+        return info
+
+    def timed_block(run, state, t, length, blocks):
+        info = block_fn(run, state, t, length, blocks)
+        marks.append((t + length, time.perf_counter()))
+        return info
+
+    def keep(self, size):
+        init(self, size)
+        made.append(self)
+
+    kernel = SGHMC(problem.model, step_size=1e-4, friction=10.0, gradient_noise="ignore")
+    mcmc = StochasticMCMC(kernel, num_samples=steps, seed=0, progress_bar=False)
+    phases.step, phases._block, compiled_blocks.CompiledBlocks.__init__ = timed_step, timed_block, keep
+    try:
+        with model_tracing(compile=compile, block_steps=block), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the health checks of a short run at a small step size
+            start = time.perf_counter()
+            mcmc.run(problem.x, problem.y)
+            wall = time.perf_counter() - start
+    finally:
+        phases.step, phases._block, compiled_blocks.CompiledBlocks.__init__ = step, block_fn, init
+    stretches, (t0, s0) = [], min((m for m in marks if m[0] >= SETTLE), key=lambda m: m[0])
+    for t, s in marks:
+        if t - t0 >= STRETCH:
+            stretches.append((s - s0) / (t - t0) * 1e3)
+            t0, s0 = t, s
+    refused = next((b.refused for b in made if b.refused), "")
+    if compile and block > 1 and not any(b.compiled_blocks for b in made):
+        refused = refused or "no block ran compiled"
+    return stretches, wall, mcmc.get_samples()["w"], refused
+
+
+def hand_run(problem, compiled: bool, steps: int) -> tuple[list[float], float]:
+    """The hand-written SGHMC loop of ``benchmarks/engines.py``: ms per step per stretch after the first, wall time."""
+    from benchmarks.engines import _HandStepper
+
+    start = time.perf_counter()
+    stepper = _HandStepper(problem, compiled)
+    chunks = [stepper(STRETCH) / STRETCH * 1e3 for _ in range(steps // STRETCH)]
+    return chunks[SETTLE // STRETCH :], time.perf_counter() - start
+
+
+def loop_study(args) -> str:
+    """The sampling loop's table (markdown), rounds interleaved."""
+    from benchmarks.problems import make_logistic as make
+
+    problem = make(1_000_000, 10, 1000, seed=0)
+    candidates = {"ours, eager": (False, 1), "ours, compiled one step per graph": (True, 1)}
+    candidates.update({f"ours, compiled blocks of {k}": (True, k) for k in args.blocks})
+    names = [*candidates, "hand-written, eager", "hand-written, one compiled step"]
+    times = {name: [] for name in names}
+    walls = {name: [] for name in names}
+    notes, draws = {}, {}
+    for _ in range(args.rounds):
+        for name, (compile, block) in candidates.items():
+            stretches, wall, samples, refused = timed_run(problem, compile, block, args.steps)
+            times[name] += stretches
+            walls[name].append(wall)
+            draws.setdefault(name, samples)
+            notes[name] = refused or notes.get(name, "")
+            print(f"{name}: {statistics.median(stretches):.3f} ms per step, {wall:.1f} s", flush=True)
+        for name, compiled in (("hand-written, eager", False), ("hand-written, one compiled step", True)):
+            stretches, wall = hand_run(problem, compiled, args.steps)
+            times[name] += stretches
+            walls[name].append(wall)
+            print(f"{name}: {statistics.median(stretches):.3f} ms per step, {wall:.1f} s", flush=True)
+    base = statistics.median(times["ours, eager"])
+    rows = []
+    for name in names:
+        ms = statistics.median(times[name])
+        fixed = statistics.median(walls[name]) - args.steps * ms / 1e3
+        agree = "–"
+        if name in draws and name != "ours, eager":
+            difference = float((draws[name] - draws["ours, eager"]).abs().max())
+            same = name.startswith("ours, compiled blocks")  # the eager run's noise; one step per graph draws its own
+            agree = f"{difference:.1e}" + ("" if same else " (other noise)")
+        note = f" refused: {notes[name]}" if notes.get(name) else ""
+        rows.append(f"| {name} | {ms:.3f} | {ms / base:.2f}× | {len(times[name])} | {fixed:.1f} s | {agree}{note} |")
+    command = "python benchmarks/studies/bench_compile.py --loop"
+    blocks = " ".join(map(str, args.blocks))
+    extra = f" --threads {args.threads} --rounds {args.rounds} --steps {args.steps} --blocks {blocks}"
+    return "\n".join(
+        [
+            LOOP_HEADING,
+            "",
+            f"Command: `nice -n 19 env OMP_NUM_THREADS=1 {command}{extra}` (SGHMC, step 1e-4, friction 10, the noise "
+            f"ignored; one chain; logistic regression N = 10⁶, d = 10, B = 1,000, float32; {args.steps} steps per run, "
+            f"{args.rounds} rounds; ms per step: the median over stretches of ≥ {STRETCH} steps after the first "
+            f"{SETTLE}; fixed: a run's wall time (median over rounds) less its steps at that rate)",
+            "",
+            *machine(args.threads),
+            "",
+            "| loop | ms per step | / ours eager | stretches | fixed (compiling, recording) | max draw difference "
+            "from the eager run (same seed) |",
+            "|---|---:|---:|---:|---:|---|",
+            *rows,
+            "",
+        ]
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "results" / "compile.md")
+    parser.add_argument("--loop", action="store_true", help="the sampling loop's study (module docstring)")
+    parser.add_argument("--blocks", type=int, nargs="+", default=[32], help="--loop: the block lengths K")
+    parser.add_argument("--rounds", type=int, default=2, help="--loop: rounds of every candidate")
+    parser.add_argument("--steps", type=int, default=8192, help="--loop: steps per run")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", category=UserWarning, module="torch._dynamo")
+    if args.loop:
+        table = loop_study(args)
+        kept = args.out.read_text().split(LOOP_HEADING)[0].rstrip("\n") if args.out.exists() else ""
+        write_report(f"{kept}\n\n{table}" if kept else table, args.out)
+        return
     rounds = 5 if args.quick else 21
     report = [
         "# `torch.compile` and the SG-MCMC step's gradient (CPU)",

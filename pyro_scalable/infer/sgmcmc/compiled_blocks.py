@@ -140,7 +140,7 @@ class CompiledBlocks:
 
     def _refuse(self, reason: str) -> None:
         self.refused = reason
-        _log.warning("the sampling loop runs eagerly: a compiled block of %d steps %s", self.size, reason)
+        _log.warning("the sampling loop runs eagerly: a compiled block of %d steps was refused (%s)", self.size, reason)
 
     def _compile(self, stepper: Any, phases: tuple, cuda: bool) -> Callable:
         def block(state, batches, noises, args, kwargs):
