@@ -102,25 +102,26 @@ class CompiledBlocks:
         dims = tuple((name, idx.dim()) for name, idx in batches[0].items())  # shared or per-chain minibatches
         key = (id(stepper), id(stepper.program), stepper.mode, id(estimator), phases, dims)
         cuda = generator.device.type == "cuda"
-        if key in self._graphs:
-            final, out = self._call(self._graphs[key], arguments, cuda)
-            stepper.restore(stepper.mode, final)
-            self.compiled_blocks += 1
-            return out
-        drawn = generator.get_state()
+        drawn, cached = generator.get_state(), key in self._graphs
         own = _global_generator(generator.device)  # compiling may draw from torch's (e.g. to time kernels)
         saved = own.get_state()
         try:
-            graph = self._compile(stepper, phases, cuda)
+            graph = self._graphs[key] if cached else self._compile(stepper, phases, cuda)
             with warnings.catch_warnings():  # torch's compiler imports scripted modules: a torch internal's notice
                 warnings.filterwarnings("ignore", r".*torch\.jit\.script.* is deprecated", DeprecationWarning)
-                self._pending = (key, graph, drawn, *self._call(graph, arguments, cuda))
-        except _COMPILE_ERRORS as error:
+                final, out = self._call(graph, arguments, cuda)
+        except _COMPILE_ERRORS as error:  # also a checked graph's recompilation (a guard that failed) may fail
             self._refuse(f"it failed to compile: {type(error).__name__}: {first_line(error)}")
+        else:
+            if cached:
+                stepper.restore(stepper.mode, final)
+                self.compiled_blocks += 1
+                return out
+            self._pending = (key, graph, drawn, final, out)
         finally:
             own.set_state(saved)
-            generator.set_state(before[0])  # the eager steps draw the same numbers again
-            state.sampler.load_state_dict(before[1])
+        generator.set_state(before[0])  # the eager steps draw the same numbers again
+        state.sampler.load_state_dict(before[1])
         return None
 
     def check(self, state: Any, eager: list) -> None:

@@ -1,4 +1,4 @@
-"""The opt-in compiled sampling step (``model_tracing(compile=True)``): one ``torch.compile`` graph per phase.
+"""The one-step compiled graph (``model_tracing(compile=True, block_steps=1)``): one ``torch.compile`` graph per phase.
 
 :class:`CompiledStep` compiles a stepper's whole step (:mod:`.chains`: minibatch, gradient and the kernel's update),
 checks its first compiled step against the eager one, and leaves the run eager where the two disagree or compiling

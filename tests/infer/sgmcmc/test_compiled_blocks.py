@@ -154,7 +154,7 @@ def test_runs_that_need_the_driver_between_steps_step_eagerly_saying_why(uncompi
     torch.testing.assert_close(stepped.get_samples()["w"], eager.get_samples()["w"], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("metric", ["unit", "auto"])
+@pytest.mark.parametrize("metric", ["unit", "dense"])
 def test_an_adaptive_warmup_steps_eagerly_and_sampling_in_blocks(metric, uncompiled, made):
     """A warm-up that learns the step size moves it between steps: its steps are eager, sampling's in blocks (with
     warm-up's dense metric, in its variables: the draws mapped back as the eager run's are)."""
@@ -162,7 +162,7 @@ def test_an_adaptive_warmup_steps_eagerly_and_sampling_in_blocks(metric, uncompi
     options = {"num_warmup": 200, "metric": metric, "num_samples": 150}  # 17 of each phase eagerly, then blocks
     eager, blocks = run(kernel, **options), run(kernel, compile=True, **options)
     assert_blocks_ran(made)
-    assert (blocks.metric_map is not None) == (metric == "auto")
+    assert (blocks.metric_map is not None) == (metric == "dense")
     torch.testing.assert_close(blocks.get_samples()["w"], eager.get_samples()["w"], **FLOAT32)
 
 
