@@ -103,10 +103,21 @@ def row_groups(bridge: ModelBridge, plate: str | None = None) -> RowGroups:
         ('counties', ('a', 'b'), True, [3, 1, 3, 3])
 
     """
-    if len(bridge.plates) != 1:
+    if not bridge.plates:
+        raise ValueError(
+            "the rows' groups are read through a data plate with a subsample_size smaller than N, and this model "
+            "has none (observations in the group plate itself, or in a plate that is not subsampled). Give the "
+            "observations a plate of their own that reads each row's group, e.g. "
+            "`with pyro.plate('data', N, subsample_size=B) as idx: pyro.sample('y', dist.Normal(b[g[idx]], s), "
+            "obs=y[idx])` (with one row per group, g is torch.arange(G) and B any size below G): the engine reads "
+            "each group's rows through it and draws no minibatches. A small model is cheaper with "
+            "pyro.infer.NUTS."
+        )
+    if len(bridge.plates) > 1:
         raise ValueError(
             "the rows' groups are read from a model with one subsampled data plate "
-            f"(pyro.plate(name, N, subsample_size=B)); this one has {len(bridge.plates)}."
+            f"(pyro.plate(name, N, subsample_size=B)); this one has {len(bridge.plates)}: "
+            f"{', '.join(repr(p) for p in bridge.plates)}."
         )
     data = next(iter(bridge.plates.values()))
     plates = group_plates(bridge)

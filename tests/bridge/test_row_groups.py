@@ -104,3 +104,15 @@ def test_a_row_that_reads_no_group_is_named():
 
     with pytest.raises(ValueError, match=r"rows \[6, 7, 8, 9\] of plate 'data' read no latent of the group plate"):
         row_groups(ModelBridge(partly, (torch.arange(10) % 3, torch.randn(10))))
+
+
+def test_observations_in_the_group_plate_are_told_to_take_a_data_plate():
+    def eight_schools(y, sigma):  # as it is usually written: one plate for the effects and their estimates
+        mu = pyro.sample("mu", dist.Normal(0.0, 5.0))
+        tau = pyro.sample("tau", dist.HalfCauchy(5.0))
+        with pyro.plate("schools", len(y)):
+            theta = pyro.sample("theta", dist.Normal(mu, tau))
+            pyro.sample("y", dist.Normal(theta, sigma), obs=y)
+
+    with pytest.raises(ValueError, match=r"has none \(observations in the group plate itself.*b\[g\[idx\]\]"):
+        row_groups(ModelBridge(eight_schools, (torch.randn(8), torch.ones(8))))
