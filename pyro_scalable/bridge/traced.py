@@ -65,13 +65,13 @@ RTOL = 1e-4  # the graph's value and gradients against the model's at the check 
 
 _enabled = True
 _compile = False
-_block_steps = 32  # model_tracing(compile=True)'s steps per compiled block (1: one step per graph)
+_block_steps = 8  # model_tracing(compile=True)'s steps per compiled block (1: one step per graph)
 _log = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
 def model_tracing(  # noqa: A002 -- compile: torch's word
-    enabled: bool = True, *, compile: bool = False, block_steps: int = 32
+    enabled: bool = True, *, compile: bool = False, block_steps: int = 8
 ) -> Iterator[None]:
     """Record the model's log density as a graph (the default) or run the model on every call (``False``).
 

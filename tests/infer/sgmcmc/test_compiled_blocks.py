@@ -63,20 +63,18 @@ def assert_blocks_ran(made):
 
 
 def test_compiled_blocks_keep_the_eager_runs_draws(made):
-    """The gold test, compiled: one chain, blocks of 4 steps; every kept draw and statistic the eager run's."""
+    """The gold test, compiled: one chain, blocks of 4 steps; every kept draw and statistic the eager run's, and
+    torch's own generator left as the eager run leaves it (the blocks draw from the run's generator only)."""
+    torch.manual_seed(7)
     eager = run(sghmc())
+    after_eager = torch.get_rng_state()
     torch.manual_seed(7)
     compiled = run(sghmc(), compile=True)
-    after_compiled = torch.get_rng_state()
     assert_blocks_ran(made)
     torch.testing.assert_close(compiled.get_samples()["w"], eager.get_samples()["w"], **FLOAT32)
     for stat in ("lp", "grad_norm"):
         torch.testing.assert_close(compiled.results.stats[stat], eager.results.stats[stat], rtol=1e-4, atol=1e-4)
-    torch.manual_seed(7)
-    torch.randn(3)  # torch's own generator: a compiled run leaves it as it found it
-    assert not torch.equal(after_compiled, torch.get_rng_state())
-    torch.manual_seed(7)
-    assert torch.equal(after_compiled, torch.get_rng_state())
+    assert torch.equal(torch.get_rng_state(), after_eager)
 
 
 @pytest.mark.slow
@@ -142,6 +140,22 @@ def test_a_block_that_disagrees_with_the_eager_steps_runs_eagerly(monkeypatch, m
     assert reason.startswith("its draws differ from the eager steps' by ") and reason.endswith(" (relative)"), reason
     assert float(reason.split(" by ")[1].split()[0]) > compiled_blocks.CompiledBlocks.RTOL
     assert made[0].compiled_blocks == 0
+    torch.testing.assert_close(fallen_back.get_samples()["w"], eager.get_samples()["w"], rtol=0, atol=0)
+
+
+def test_a_block_that_draws_other_numbers_than_the_eager_steps_runs_eagerly(monkeypatch, uncompiled, made):
+    """The first block's check reads the run's generator: a block that drew more (here one number) is refused."""
+    eager = run(sghmc())
+    draw = compiled_blocks._draw
+
+    def one_more(size, state, noise):
+        drawn = draw(size, state, noise)
+        torch.randn((), generator=state.generator)
+        return drawn
+
+    monkeypatch.setattr(compiled_blocks, "_draw", one_more)
+    fallen_back = run(sghmc(), compile=True)
+    assert made[0].refused == "the eager steps drew other random numbers than the block drew for them"
     torch.testing.assert_close(fallen_back.get_samples()["w"], eager.get_samples()["w"], rtol=0, atol=0)
 
 
