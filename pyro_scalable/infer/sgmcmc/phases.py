@@ -5,9 +5,10 @@
 2. :func:`resume`: a checkpoint's run goes on from its last completed step.
 3. :func:`attach_control_variate`: the density the control-variate policy (:mod:`.control_choice`) chose, and the
    densities the steps take their gradient of (:func:`step_densities`: in warm-up's metric's variables).
-4. :func:`sample`: warm-up and sampling, one :func:`step` at a time; a warm-up window's end (:func:`window_end`:
-   the chains left behind, the metric's next stage) and warm-up's end (:func:`warmup_end`) happen inside it. An
-   interruption keeps every draw taken.
+4. :func:`sample`: warm-up and sampling, one :func:`step` at a time (fixed-step stretches as compiled blocks under
+   ``model_tracing(compile=True)``: :mod:`.compiled_blocks`; each step's bookkeeping is :func:`account`); a warm-up
+   window's end (:func:`window_end`: the chains left behind, the metric's next stage) and warm-up's end
+   (:func:`warmup_end`) happen inside it. An interruption keeps every draw taken.
 5. :func:`finish`: the record's statistics, the distributed gather, the health checks.
 
 The phases read the driver's settings and write nothing onto it: what moves between them, and what the run

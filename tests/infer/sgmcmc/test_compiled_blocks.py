@@ -90,16 +90,18 @@ def test_compiled_vectorised_blocks_keep_the_eager_runs_draws(device, made):
     torch.testing.assert_close(compiled.get_samples()["w"], eager.get_samples()["w"], **FLOAT32)
 
 
-@pytest.mark.parametrize("num_chains", [1, 3], ids=["one-chain", "vectorised"])
+@pytest.mark.parametrize(
+    ("num_chains", "shared"), [(1, False), (3, False), (3, True)], ids=["one-chain", "vectorised", "shared-minibatch"]
+)
 @pytest.mark.parametrize("kind", ["sghmc", "sgld-noise-corrected"])
-def test_blocks_draw_the_eager_runs_noise_and_minibatches(kind, num_chains, uncompiled, made):
+def test_blocks_draw_the_eager_runs_noise_and_minibatches(kind, num_chains, shared, uncompiled, made):
     """Blocks run as written: fixed-step warm-up and sampling in blocks (thinned, the noise measured on every 4th
     step where it is corrected), the same draws as the eager run's, the warm-up's bookkeeping the same."""
     if kind == "sghmc":
         kernel = sghmc()
     else:
         kernel = SGLD(PROBLEM.model, step_size=1e-6, gradient_noise="correct")
-    options = {"num_chains": num_chains, "num_warmup": 44, "thin": 3}
+    options = {"num_chains": num_chains, "num_warmup": 44, "thin": 3, "shared_minibatches": shared}
     eager, blocks = run(kernel, **options), run(kernel, compile=True, **options)
     assert_blocks_ran(made)
     assert blocks.get_samples()["w"].shape == eager.get_samples()["w"].shape == (60 * num_chains, 3)
