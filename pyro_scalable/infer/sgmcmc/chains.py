@@ -153,7 +153,8 @@ class ChainStepper:
         """
         if not isinstance(state, list):  # vectorised (also while falling back to sequential: a list of chains)
             latents = self.program.plain_gradient_at(state, phase)
-            if latents is None or noise is not None or torch.compiler.is_compiling():  # compiled: one vmapped
+            # compiled, or a block's drawn noise: one vmapped gradient transform and update (traced when compiled)
+            if latents is None or noise is not None or torch.compiler.is_compiling():
                 drawn = () if noise is None else (noise,)
                 return self._vstep(phase, indices, bool(drawn))(state, indices, args, kwargs, *drawn)
             gradient = self.estimator.every_chain(latents, Batch(indices, args, kwargs))
