@@ -5,8 +5,9 @@
                                                                          # (3.3 ms against 1.4 ms eager on an H200)
 
 The step of the ``step-blackjax`` suite (logistic regression, N = 10⁵, B = 1,000, one chain, noise-corrected SGHMC):
-eager, then under ``model_tracing(compile=True)``; for each, the time per step over blocks of 200 steps, then a
-``torch.profiler`` table of 50 steps with the kernel launches and the host-device synchronisations per step; for the
+eager, then under ``model_tracing(compile=True, block_steps=1)`` (one step per graph: ``OursStepper`` steps outside
+the driver's compiled blocks); for each, the time per step over blocks of 200 steps, then a ``torch.profiler`` table
+of 50 steps with the kernel launches and the host-device synchronisations per step; for the
 compiled one also dynamo's counters (frames compiled, graph breaks, recompilations, graphs) after the blocks, so that
 a step that recompiles, breaks its graph or falls back to eager shows itself.
 """
