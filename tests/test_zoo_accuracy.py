@@ -102,3 +102,28 @@ def test_the_num_samples_the_warning_names_reaches_r_hat_1_01():
     assert first["r_hat"] > 1.01 and len(advice) == 1, (first, advice)
     second, again = run(advice[0])
     assert second["passed"] and not again, second
+
+
+def test_the_sd_tolerance_is_the_delta_methods_error_for_the_marginals_kurtosis():
+    """The sample sd of n iid draws of kurtosis kappa spreads sqrt((kappa - 1) / (4 n)) relative to the true sd (a
+    Laplace law: kappa = 6, 2.2 times a Gaussian's spread at n = 200), and ``accuracy`` widens its sd tolerance by
+    that much where the reference entry gives the kurtosis."""
+    import math
+
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    laplace = torch.distributions.Laplace(0.0, 1.0 / math.sqrt(2.0))  # sd 1
+    n, replicates = 200, 4000
+    draws = laplace.icdf(torch.rand(replicates, n, generator=gen, dtype=torch.float64).clamp(1e-12, 1 - 1e-12))
+    spread = draws.std(1).std()
+    predicted = math.sqrt((6.0 - 1.0) / (4.0 * n))
+    assert abs(spread / predicted - 1.0) < 4.0 / math.sqrt(2.0 * replicates)  # the spread's own sd error, 4 times
+
+    samples = {"x": draws[:4, :].unsqueeze(-1).float()}  # 4 chains of 200
+    gaussian = accuracy(samples, {"sites": {"x": {"mean": [0.0], "sd": [1.0]}}})
+    heavy = accuracy(samples, {"sites": {"x": {"mean": [0.0], "sd": [1.0], "kurtosis": [6.0]}}})
+    assert gaussian["sd_error"] == heavy["sd_error"]
+    widened = gaussian["sd_excess"] - heavy["sd_excess"]  # 3 sqrt(ESS^-1) (sqrt(5/4) - sqrt(1/2)): ESS from ArviZ
+    ess = (3.0 * (math.sqrt(5.0 / 4.0) - math.sqrt(0.5)) / widened) ** 2
+    assert widened > 0.0 and 2.0 * n < ess < 8.0 * n  # four chains' bulk ESS of iid draws: about 4 n
