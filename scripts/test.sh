@@ -10,7 +10,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-bash scripts/install.sh test,docs,demo
+# nn: peft and transformers, for tests/nn/test_peft.py and the LoRA tutorial (tutorials/lora_transformer.py)
+bash scripts/install.sh test,docs,demo,nn
 # laplace-torch and posteriors for the comparison tests (torch left alone; fails with the reason if they cannot be
 # installed, unless PYRO_SCALABLE_NO_PEERS=1)
 bash scripts/install_peers.sh
