@@ -47,7 +47,7 @@ from pyro.ops.stats import autocovariance, gelman_rubin
 from torch import Tensor
 
 from pyro_scalable.bridge.checks import user_stacklevel
-from pyro_scalable.infer.remedies import RunSetup, convergence_remedy, degenerate
+from pyro_scalable.infer.remedies import Degenerate, RunSetup, convergence_remedy, degenerate
 
 __all__ = [
     "HealthWarning",
@@ -263,13 +263,16 @@ def warn_unhealthy(
     *,
     data_passes: float | None = None,
     setup: RunSetup | None = None,
+    stalled: Degenerate | None = None,
 ) -> None:
     """One :class:`HealthWarning` saying what is wrong with the chains ``{site: (chains, draws, ...)}``, if anything.
 
     ``data_passes``: the full-data passes the run made (all chains, warm-up included; ``None``: not known). Where
     they come to more per effective draw than full-batch NUTS spends (:data:`NUTS_PASSES_PER_ESS`), the warning
     says so. ``setup``: how the run was set up, where the remedy depends on it (:mod:`.remedies`: whether warm-up
-    chose the step size, a control variate, the priors' latent parameters).
+    chose the step size, a control variate, the priors' latent parameters). ``stalled``: a step the engine found
+    stuck (some chains' steps far below the others'), which, as a step that moves nothing does, comes first and
+    replaces the other remedies where the chains are unhealthy.
 
     Example:
         >>> import warnings
@@ -335,7 +338,7 @@ def warn_unhealthy(
         )
     if diverging:
         remedies.append("a step that diverges in sampling is too large: a smaller step_size or a longer num_warmup")
-    collapsed = degenerate(stats, setup) if problems else None  # a step that moves nothing: no other remedy helps
+    collapsed = (stalled or degenerate(stats, setup)) if problems else None  # a stuck step: no other remedy helps
     if collapsed is not None:
         problems.insert(0, collapsed.problem)
         remedies = [collapsed.remedy]

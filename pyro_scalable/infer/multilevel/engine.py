@@ -26,6 +26,7 @@ from pyro_scalable.infer.health import warn_unhealthy
 from pyro_scalable.infer.multilevel.start import laplace_start
 from pyro_scalable.infer.multilevel.sweep import Sweep
 from pyro_scalable.infer.record import RunRecord
+from pyro_scalable.infer.remedies import Degenerate
 from pyro_scalable.infer.results import Draws, FullDataKernel
 
 __all__ = ["MultilevelMCMC"]
@@ -166,7 +167,7 @@ class MultilevelMCMC(Draws):
         self.data_passes = sweep.rows_read / groups.group.shape[0]
         self.proxy_used = sweep.proxy
         self.seconds = time.perf_counter() - start
-        warn_unhealthy(self.results.draws, {}, data_passes=self.data_passes)
+        warn_unhealthy(self.results.draws, {}, data_passes=self.data_passes, stalled=_stalled(sweep, theta))
         return self
 
     def _restart_stuck(self, sweep: Sweep, theta: Tensor, b: Tensor, window: Tensor, b_mean: Tensor):
@@ -178,24 +179,65 @@ class MultilevelMCMC(Draws):
         window and its steps. Only in warm-up: the draws kept are still each chain's own Markov chain from wherever
         warm-up left it.
         """
-        chains = theta.shape[0]
-        if chains < 2:
+        if theta.shape[0] < 2:
             return theta, b, window, b_mean
-        stuck = torch.zeros(chains, dtype=torch.bool, device=theta.device)
-        kinds = [sweep.local_step] + ([sweep.global_step] if theta.shape[-1] else [])
-        order = None
-        for kind in kinds:
-            steps = kind.final
-            order = steps.argsort()
-            stuck |= steps < 0.1 * steps[order[chains // 2]]
+        kinds = _kinds(sweep, theta)
+        stuck = torch.zeros(theta.shape[0], dtype=torch.bool, device=theta.device)
+        donor = None
+        for kind in kinds.values():
+            below, donor = _below_yardstick(kind.final)
+            stuck |= below
         if not stuck.any():
             return theta, b, window, b_mean
-        donor = order[chains // 2]
         restarted = [torch.where(_along(stuck, x), x[donor], x) for x in (theta, b, window, b_mean)]
-        for kind in kinds:
+        for kind in kinds.values():
             kind.step = torch.where(stuck, kind.step[donor], kind.step)
         self.restarted += stuck.long().cpu()
         return tuple(restarted)
+
+
+STUCK = 0.1  # a chain whose step of either kind falls below this fraction of the yardstick chain's is stuck
+
+
+def _kinds(sweep: Sweep, theta: Tensor) -> dict:
+    """The kinds of step a chain takes: its groups' (local) and, where there are any, its shared latents' (global)."""
+    return {"local": sweep.local_step, **({"global": sweep.global_step} if theta.shape[-1] else {})}
+
+
+def _below_yardstick(steps: Tensor) -> tuple[Tensor, Tensor]:
+    """The chains whose ``steps`` are below :data:`STUCK` times the yardstick chain's, and the yardstick chain.
+
+    The yardstick is the upper middle chain by step (the larger of two).
+    """
+    yardstick = steps.argsort()[steps.shape[0] // 2]
+    return steps < STUCK * steps[yardstick], yardstick
+
+
+def _stalled(sweep: Sweep, theta: Tensor) -> Degenerate | None:
+    """The chains whose steps stalled after warm-up's last restart check: what to tell the user (else ``None``).
+
+    Such a chain mixes as many times slower as its step is smaller, so the length a run's ESS asks for would not
+    mend it.
+    """
+    if theta.shape[0] < 2:
+        return None
+    found = []
+    for name, kind in _kinds(sweep, theta).items():
+        below, yardstick = _below_yardstick(kind.step)
+        if below.any():
+            chains = torch.nonzero(below).flatten().tolist()
+            found.append(
+                f"the {name} step of chain{'s' if len(chains) > 1 else ''} {', '.join(map(str, chains))} ended at "
+                f"{float(kind.step[below].max()):.2g}, below a tenth of chain {int(yardstick)}'s "
+                f"{float(kind.step[yardstick]):.2g}"
+            )
+    if not found:
+        return None
+    return Degenerate(
+        "; ".join(found) + " (a chain stuck in a narrow region after warm-up's last restart check)",
+        "a stuck chain moves as many times slower as its step is smaller, so running longer will not mend it: run "
+        "again with another seed",
+    )
 
 
 def _along(mask: Tensor, x: Tensor) -> Tensor:

@@ -195,3 +195,37 @@ def test_warm_up_restarts_a_chain_whose_steps_collapsed_from_the_yardstick_chain
     # no chain far behind: nothing changes
     assert engine._restart_stuck(sweep, theta2, b2, window2, b_mean2)[0] is not None
     assert engine.restarted.tolist() == [0, 0, 1, 0]
+
+
+def test_a_chain_stalled_after_the_last_restart_check_is_named_and_not_told_to_run_longer():
+    """Warm-up's last window (its last 40%) has no restart check: a chain whose step collapsed there (Grunfeld's
+    panel, one seed: 0.0019 against 0.49-0.62) moves that many times slower, and the length the ESS asks for would
+    not mend it, so the warning names the chain and another remedy."""
+    import warnings
+    from types import SimpleNamespace
+
+    from pyro_scalable.infer.health import HealthWarning, warn_unhealthy
+    from pyro_scalable.infer.multilevel.engine import _stalled
+    from pyro_scalable.infer.multilevel.mala import DualAveraging
+
+    theta = torch.zeros(4, 6)
+    healthy = SimpleNamespace(
+        local_step=DualAveraging(torch.tensor([1.47, 1.5, 1.5, 1.48])),
+        global_step=DualAveraging(torch.tensor([0.49, 0.61, 0.62, 0.55])),
+    )
+    assert _stalled(healthy, theta) is None
+    stuck = SimpleNamespace(
+        local_step=healthy.local_step, global_step=DualAveraging(torch.tensor([0.49, 0.61, 0.62, 0.0019]))
+    )
+    stalled = _stalled(stuck, theta)
+    assert "global step of chain 3 ended at 0.0019, below a tenth of chain 1's 0.61" in stalled.problem
+    draws = torch.randn(4, 400, generator=torch.Generator().manual_seed(0))
+    draws[3] = 0.5 + 0.01 * draws[3]  # the stuck chain barely moves
+    with pytest.warns(HealthWarning) as caught:
+        warn_unhealthy({"w": draws}, {}, stalled=stalled)
+    message = str(caught[0].message)
+    assert message.startswith("the chains are not healthy: the global step of chain 3") and "another seed" in message
+    assert "num_samples=" not in message
+    with warnings.catch_warnings():  # healthy chains: the stalled step alone raises nothing
+        warnings.simplefilter("error", HealthWarning)
+        warn_unhealthy({"w": torch.randn(4, 400, generator=torch.Generator().manual_seed(1))}, {}, stalled=stalled)
