@@ -41,6 +41,7 @@ from pyro_scalable.infer.schedules import constant
 __all__ = [
     "CURVATURE_EVERY",
     "DrawnNoise",
+    "draws_noise",
     "Phase",
     "SAMPLING",
     "Transform",
@@ -204,12 +205,17 @@ class DrawnNoise(NamedTuple):
     noise: Latents  # one tensor per latent, in the latents' order and shapes (under vmap, one chain's)
 
 
+def draws_noise(temperature: Any) -> bool:
+    """Whether an update at ``temperature`` draws noise (:func:`gaussian_like`: not at a constant T = 0)."""
+    return callable(temperature) or float(temperature) != 0.0
+
+
 def gaussian_like(latents: Latents, generator: Any, temperature: Any = 1.0) -> Latents:
     """Independent standard normal noise shaped like each latent (zeros, drawing nothing, at a constant T = 0).
 
     ``generator``: a ``torch.Generator``, ``None`` (torch's own), or :class:`DrawnNoise` (its noise, as it is).
     """
-    if not callable(temperature) and float(temperature) == 0.0:
+    if not draws_noise(temperature):
         return {name: torch.zeros_like(x) for name, x in latents.items()}
     if isinstance(generator, DrawnNoise):
         return {name: generator.noise[name] for name in latents}

@@ -230,11 +230,7 @@ class ChainStepper:
 
     def latents(self) -> Latents:
         """The draw of each chain: its last point with a finite log density and gradient."""
-        draw = self.program.latents
-        if self.mode == "vectorized":
-            return draw(self.state)
-        per_chain = [draw(s) for s in self._chains]
-        return {name: torch.stack([chain[name] for chain in per_chain]) for name in per_chain[0]}
+        return chains_draw(self.program, self.state if self.mode == "vectorized" else self._chains)
 
     def restart(self, bad: Tensor, donors: Tensor) -> None:
         """Chains ``bad`` go on as copies of chains ``donors`` (their whole state: :mod:`.stragglers`)."""
@@ -268,3 +264,11 @@ def _stack(records: list) -> Any:
         return tree_unflatten([value.unsqueeze(0) for value in first], spec)
     leaves = [first, *(tree_flatten(record)[0] for record in records[1:])]
     return tree_unflatten([torch.stack(values) for values in zip(*leaves)], spec)
+
+
+def chains_draw(program: Any, state: Any) -> Latents:
+    """The chains' draw ``(chains, ...)`` from their state: stacked (vectorised) or a list of each chain's."""
+    if not isinstance(state, list):
+        return program.latents(state)
+    per_chain = [program.latents(chain) for chain in state]
+    return {name: torch.stack([chain[name] for chain in per_chain]) for name in per_chain[0]}

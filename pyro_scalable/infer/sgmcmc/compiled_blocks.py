@@ -39,7 +39,10 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from pyro_scalable.bridge.checks import first_line
 from pyro_scalable.bridge.traced import TRACE_AFTER
+from pyro_scalable.infer.sgmcmc.base import draws_noise, gaussian_like
+from pyro_scalable.infer.sgmcmc.chains import chains_draw
 from pyro_scalable.infer.sgmcmc.compiled_step import _disagreement, _global_generator, _own_code
+from pyro_scalable.infer.sgmcmc.run_state import stage_index
 
 __all__ = ["CompiledBlocks"]
 
@@ -78,7 +81,7 @@ class CompiledBlocks:
         if program.sampler is not program or (warmup and state.schedule is not None):
             return 0  # adaptive warm-up (its step size moves between steps), or a metric stage's bookkeeping
         end = run.num_warmup if warmup else state.total
-        start = _index(state, t)
+        start = stage_index(state, t)
         phases = [program.phase(start + k) for k in range(self.size)]
         owner = (id(stepper), id(program))
         if t + self.size > end or any(self._seen[owner, phase] <= TRACE_AFTER for phase in phases):
@@ -93,11 +96,11 @@ class CompiledBlocks:
         eager results with the compiled ones), or a block that failed to compile (the reason in :attr:`refused`).
         """
         stepper, generator = state.stepper, state.generator
-        start = _index(state, t)
+        start = stage_index(state, t)
         phases = tuple(stepper.program.phase(start + k) for k in range(self.size))
         stepper.estimator = estimator
         before = generator.get_state(), state.sampler.state_dict()
-        batches, noises = _draw(self.size, state, _draws_noise(run.kernel.temperature))
+        batches, noises = _draw(self.size, state, draws_noise(run.kernel.temperature))
         arguments = (stepper.final_state, batches, noises, state.bridge.args, state.bridge.kwargs)
         dims = tuple((name, idx.dim()) for name, idx in batches[0].items())  # shared or per-chain minibatches
         key = (id(stepper), id(stepper.program), stepper.mode, id(estimator), phases, dims)
@@ -148,7 +151,7 @@ class CompiledBlocks:
             out = []
             for phase, indices, noise in zip(phases, batches, noises, strict=True):
                 state, info = stepper.advance(state, indices, args, kwargs, phase, noise)
-                out.append((_latents(stepper.program, state), info))
+                out.append((chains_draw(stepper.program, state), info))
             return state, out
 
         block = _own_code(block)  # torch.compile's graphs for it are this block's alone (.compiled_step)
@@ -176,26 +179,9 @@ def _one_at_a_time(run: Any, state: Any) -> str:
     return ""
 
 
-def _index(state: Any, t: int) -> int:
-    """The stepper's step index of the run's step ``t`` (as :func:`.phases.step` counts it)."""
-    return t - (state.schedule.stage_start() if state.schedule else 0)
-
-
-def _draws_noise(temperature: Any) -> bool:
-    """Whether the kernel's update draws noise (:func:`~.base.gaussian_like`: not at a constant T = 0)."""
-    return callable(temperature) or float(temperature) != 0.0
-
-
 def _draw(size: int, state: Any, noise: bool) -> tuple[list, list]:
     """``size`` steps' minibatch indices and noise, drawn as the eager steps draw them (module docstring)."""
     stepper, generator = state.stepper, state.generator
-
-    def normal(latents: dict) -> dict:
-        return {
-            name: torch.randn(x.shape, generator=generator, dtype=x.dtype, device=x.device)
-            for name, x in latents.items()
-        }
-
     program, chains = stepper.program, stepper.final_state
     batches, noises = [], []
     for _ in range(size):
@@ -203,18 +189,10 @@ def _draw(size: int, state: Any, noise: bool) -> tuple[list, list]:
         if not noise:
             noises.append(None)
         elif stepper.mode == "vectorized":
-            noises.append(normal(program.latents(chains)))
+            noises.append(gaussian_like(program.latents(chains), generator))
         else:
-            noises.append([normal(program.latents(chain)) for chain in chains])
+            noises.append([gaussian_like(program.latents(chain), generator) for chain in chains])
     return batches, noises
-
-
-def _latents(program: Any, state: Any) -> dict:
-    """The chains' draw (as :meth:`.chains.ChainStepper.latents` reads it) from a stepper's ``final_state``."""
-    if not isinstance(state, list):
-        return program.latents(state)
-    per_chain = [program.latents(chain) for chain in state]
-    return {name: torch.stack([chain[name] for chain in per_chain]) for name in per_chain[0]}
 
 
 def _worst(compiled: list, eager: list) -> float:

@@ -47,7 +47,7 @@ from pyro_scalable.infer.sgmcmc.distributed import setup as setup_parallel
 from pyro_scalable.infer.sgmcmc.metric import MetricSchedule
 from pyro_scalable.infer.sgmcmc.noise_probe import probe_gradient_noise, warn_ignored_noise, warn_uncorrected_noise
 from pyro_scalable.infer.sgmcmc.run_arguments import bind
-from pyro_scalable.infer.sgmcmc.run_state import RunState, program, restore, step_estimators, value
+from pyro_scalable.infer.sgmcmc.run_state import RunState, program, restore, stage_index, step_estimators, value
 from pyro_scalable.infer.sgmcmc.stragglers import WindowLog
 
 __all__ = ["account", "attach_control_variate", "finish", "prepare", "resume", "sample", "step"]
@@ -225,17 +225,18 @@ def step(run: Any, state: RunState, t: int) -> Any:
         batch = Batch({}, step_args, step_kwargs)
     else:
         batch = Batch(next(state.sampler), state.bridge.args, state.bridge.kwargs)
-    index = t - (state.schedule.stage_start() if state.schedule else 0)
-    info = state.stepper.step(batch, index, _estimator(run, state, t))
+    info = state.stepper.step(batch, stage_index(state, t), _estimator(run, state, t))
     account(run, state, t, info, batch)
     return info
 
 
 def _estimator(run: Any, state: RunState, t: int) -> Any:
     """The gradient estimator of step ``t``: burn-in's (uncalibrated) in warm-up's burn-in steps, else calibrated."""
-    index, estimators = t - (state.schedule.stage_start() if state.schedule else 0), state.estimators
+    estimators = state.estimators
     burn_in = estimators.burn_in is not estimators.calibrated and t < run.num_warmup
-    return estimators.burn_in if burn_in and state.stepper.program.phase(index).burn_in else estimators.calibrated
+    if burn_in and state.stepper.program.phase(stage_index(state, t)).burn_in:
+        return estimators.burn_in
+    return estimators.calibrated
 
 
 def _block(run: Any, state: RunState, t: int, length: int, blocks: CompiledBlocks) -> Any:

@@ -263,3 +263,8 @@ def release(state: RunState) -> None:
     """The run is over: a checkpoint it opened gives up its lock (the next run on the path may take it)."""
     if state.checkpoint is not None:
         state.checkpoint.close()
+
+
+def stage_index(state: RunState, t: int) -> int:
+    """The stepper's step index of the run's step ``t``: counted from the start of warm-up's metric stage, if any."""
+    return t - (state.schedule.stage_start() if state.schedule else 0)
