@@ -59,10 +59,15 @@ the bulk makes warm-up fit its steps to curvatures far above the bulk's, and the
 its two kinds of block are set by dual averaging of their acceptance. At the start, and at the ends of windows of
 10%, 10%, 15% and 25% of warm-up, each chain's reference point becomes its window's mean, with each group's
 conditional curvature there (by autodiff) for the differences' widths and the fallback factor, and the globals' mass
-matrix becomes the transformed density's negative Hessian at the chain's point (a window's covariance pooled over
-chains that have not yet met would stretch it). A chain whose steps fell below a tenth of the upper middle chain's
-at a window's end is restarted from that chain by the driver (:mod:`.engine`). The steps are fixed at their averages
-for sampling.
+matrix becomes the transformed density's negative Hessian averaged over the chain's window: at its mean and at up to
+:data:`CURVATURE_POINTS` - 1 of its draws, evenly spaced. Averaged over the posterior, the negative Hessian is the
+covariance of the score (:math:`\mathbb{E}[-\nabla^2 \log\pi] = \mathbb{E}[\nabla\log\pi\,\nabla\log\pi^\top]`),
+positive definite and the inverse covariance where the marginal is Gaussian; at one point of a funnel's neck it can
+be nearly singular along the scale, and a mass matrix with a near-zero eigenvalue sends the trajectory along it until
+warm-up shrinks the step a thousandfold, with no window left to mend it. (A window's covariance pooled over chains
+that have not yet met would stretch it.) A chain whose steps fell below a tenth of the upper middle chain's at a
+window's end is restarted from that chain by the driver (:mod:`.engine`). The steps are fixed at their averages for
+sampling.
 
 **What it does not do** (yet): estimate the exact stage from a subsample of rows (each sweep reads every row), or
 read a group plate that the model writes as one vector site (``.to_event(1)``) rather than a ``pyro.plate``.
@@ -107,6 +112,18 @@ class _Where(NamedTuple):
     gap: Tensor | None = None  # (C, G): with the proxy, each group's rows' log-likelihood less its proxy
 
 
+CURVATURE_POINTS = 8  # the window's points (its mean among them) at which the globals' curvature is averaged
+
+
+def _curvature_points(window: Tensor, mean: Tensor) -> Tensor:
+    """Each chain's window mean and up to ``CURVATURE_POINTS - 1`` of its draws, evenly spaced: ``(C, K, d)``."""
+    steps = window.shape[1]
+    if steps < 2:
+        return mean[:, None]
+    index = torch.linspace(0, steps - 1, min(CURVATURE_POINTS - 1, steps), device=window.device).round().long()
+    return torch.cat([mean[:, None], window[:, index]], 1)
+
+
 class Sweep(Conditionals):
     """One Metropolis-within-Gibbs sweep of every chain, and the warm-up that sets its preconditioners and steps."""
 
@@ -131,7 +148,9 @@ class Sweep(Conditionals):
         ``theta``: each chain's globals over a window (``(C, T, d)``, ``T = 1`` at the start); ``b_mean``: its
         locals' mean there (``(C, G, p)``); ``b_now``: where its locals are now. Everything is each chain's own, read
         where the chain is: a chain far from the others (a start in a narrow corner, a chain not yet converged) is
-        preconditioned where it is, and no chain's metric is stretched by the others' distance from it. The proxy is
+        preconditioned where it is, and no chain's metric is stretched by the others' distance from it. The globals'
+        mass matrix is the transformed density's negative Hessian averaged over the window's mean and up to
+        :data:`CURVATURE_POINTS` - 1 of its draws (module docstring), with ``eps`` fixed at the mean's. The proxy is
         fitted where the chain is now (``theta[:, -1]``, ``b_now``), not at the window's mean, a point a chain still
         drifting has left. With ``proxy`` (and the proxy wanted), the moves run on it from now on.
         """
@@ -156,9 +175,12 @@ class Sweep(Conditionals):
             eps = matvec(factor.transpose(-1, -2), self.b_ref - centre)
             offset = torch.zeros_like(self.b_ref[0])
             density = lambda x, *fixed: self._transformed(x, offset, *fixed)[0]  # noqa: E731
-            hessian = vmap(torch.func.jacrev(torch.func.jacrev(density)))(theta_ref, eps, *fixed)
+            curvature = vmap(vmap(torch.func.jacrev(torch.func.jacrev(density)), in_dims=(0, *[None] * 5)))
+            points = _curvature_points(theta, theta_ref)
+            hessian = curvature(points, eps, *fixed).mean(1)
             self.global_factor = precision_factor(-hessian).to(theta.dtype)
-            passes += d * 3 * (len(self.stencil) * self._map_share + 1) if not self.proxy else 0
+            if not self.proxy:
+                passes += points.shape[1] * d * 3 * (len(self.stencil) * self._map_share + 1)
         self.rows_read += chains * passes * self.rows.all.shape[0]
         self.local_step.restart(self.local_step.step)
         self.global_step.restart(self.global_step.step)

@@ -103,3 +103,31 @@ def test_warm_up_gives_the_proxy_up_after_a_window_whose_second_stage_rejected_t
     sweep.seconds = {"local": [torch.tensor(0.99)], "global": [torch.tensor(0.6), torch.tensor(0.7)]}
     sweep.adapt_to(*chain, proxy=True)
     assert not sweep.proxy and not sweep.wants_proxy  # a poor one: the exact moves for the rest of the run
+
+
+def test_the_globals_mass_matrix_is_the_negative_hessian_averaged_over_the_window():
+    """At a window's end the globals' mass matrix is the transformed density's negative Hessian averaged over the
+    window's mean and evenly spaced draws of it, not read at one point (where, in a funnel's neck, it can be nearly
+    singular along the scale); at the start (a window of one point) it is the Hessian there."""
+    from pyro_scalable.infer.multilevel.mala import precision_factor
+    from pyro_scalable.infer.multilevel.sweep import CURVATURE_POINTS, _curvature_points
+
+    sweep, theta, b = sweep_at(heavy_tailed)
+    shifts = torch.linspace(-1.0, 1.0, 20, dtype=theta.dtype)[:, None] * torch.ones_like(theta)
+    window = (theta + 0.4 * shifts)[None]  # (C = 1, T = 20, d)
+    points = _curvature_points(window, window.mean(1))
+    assert points.shape == (1, CURVATURE_POINTS, theta.shape[0])
+    torch.testing.assert_close(points[0, 0], window[0].mean(0))
+    assert torch.equal(points[0, 1], window[0, 0]) and torch.equal(points[0, -1], window[0, -1])
+    sweep.adapt_to(window, b[None], b[None])
+    fixed = (sweep.b_ref[0], sweep.width[0], sweep.fallback[0], ())
+    centre, factor = sweep._laplace(points[0, 0], *fixed)
+    eps = (factor.transpose(-1, -2) @ (sweep.b_ref[0] - centre).unsqueeze(-1)).squeeze(-1)
+    density = lambda x: sweep._transformed(x, torch.zeros_like(b), eps, *fixed)[0]  # noqa: E731
+    hessians = torch.stack([jacrev(jacrev(density))(x) for x in points[0]])
+    assert not torch.allclose(hessians[1], hessians[-1], rtol=0.05)  # the points' curvatures differ
+    # (far from the mode, as here, the mean can still be indefinite: its eigenvalues are then floored)
+    torch.testing.assert_close(sweep.global_factor[0], precision_factor(-hessians.mean(0)), rtol=1e-6, atol=1e-6)
+    # at the start, one point: its own Hessian
+    sweep.adapt_to(theta[None, None], b[None], b[None])
+    assert _curvature_points(theta[None, None], theta[None]).shape == (1, 1, theta.shape[0])
