@@ -67,6 +67,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None)
     parser.add_argument("--seeds", type=int, default=10)
+    parser.add_argument("--first-seed", type=int, default=0, help="seeds first-seed, ..., first-seed + seeds - 1")
     parser.add_argument("--kernels", nargs="*", default=list(KERNELS))
     parser.add_argument("--models", nargs="*", default=None)
     parser.add_argument("--warmup", type=int, default=1000)
@@ -79,7 +80,7 @@ def main() -> None:
     for model_name in models:
         for kernel in options.kernels:
             results = []
-            for seed in range(options.seeds):
+            for seed in range(options.first_seed, options.first_seed + options.seeds):
                 result = run_once(model_name, kernel, seed, options.warmup, options.samples, options.chains)
                 results.append(result)
                 if not result["passed"]:
