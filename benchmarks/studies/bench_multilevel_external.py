@@ -371,7 +371,8 @@ def report() -> None:
         "# MultilevelMCMC at its defaults on hierarchical data shipped in installed packages",
         "",
         f"`python benchmarks/studies/bench_multilevel_external.py run --seeds {1 + max(k[2] for k in cells)} && python "
-        "benchmarks/studies/bench_multilevel_external.py report` (one CPU thread a run; models and criteria in the "
+        "benchmarks/studies/bench_multilevel_external.py report` (seeds 0, 1, ... of each model, as many as its "
+        "row's `seeds`; `--models` and `--first-seed` run some; one CPU thread a run; models and criteria in the "
         "script's docstring: every element's mean within 0.2 reference sd, sd within 5% + 3 MCSE, r_hat <= 1.01; "
         f"reference: {reference['how']}).",
         "",
