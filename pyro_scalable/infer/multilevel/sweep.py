@@ -175,9 +175,9 @@ class Sweep(Conditionals):
             eps = matvec(factor.transpose(-1, -2), self.b_ref - centre)
             offset = torch.zeros_like(self.b_ref[0])
             density = lambda x, *fixed: self._transformed(x, offset, *fixed)[0]  # noqa: E731
-            curvature = vmap(vmap(torch.func.jacrev(torch.func.jacrev(density)), in_dims=(0, *[None] * 5)))
+            at_points = vmap(torch.func.jacrev(torch.func.jacrev(density)), in_dims=(0,) + (None,) * (1 + len(fixed)))
             points = _curvature_points(theta, theta_ref)
-            hessian = curvature(points, eps, *fixed).mean(1)
+            hessian = vmap(at_points)(points, eps, *fixed).mean(1)  # (C, d, d): each chain's over its K points
             self.global_factor = precision_factor(-hessian).to(theta.dtype)
             if not self.proxy:
                 passes += points.shape[1] * d * 3 * (len(self.stencil) * self._map_share + 1)
