@@ -206,7 +206,13 @@ class DrawnNoise(NamedTuple):
 
 
 def draws_noise(temperature: Any) -> bool:
-    """Whether an update at ``temperature`` draws noise (:func:`gaussian_like`: not at a constant T = 0)."""
+    """Whether an update at ``temperature`` draws noise (:func:`gaussian_like`: not at a constant T = 0).
+
+    Example:
+        >>> draws_noise(1.0), draws_noise(0.0), draws_noise(lambda step: 0.0)
+        (True, False, True)
+
+    """
     return callable(temperature) or float(temperature) != 0.0
 
 
