@@ -1,5 +1,9 @@
 """MultilevelMCMC against NumPyro's NUTS on a many-group model: varying intercepts and slopes, skewed group sizes.
 
+A study, not a suite of the harness: one experiment behind the multilevel guide's large-N figures, whose reference is
+a NUTS run of hours cached once per size and whose records are runs (a seed of one engine at rows x groups) compared
+side by side in one process, not cells of a problem, size and engine rendered into a table.
+
 The model (centred, as a user writes it): ``mu ~ N(0, 5)`` (2), ``tau ~ HalfNormal(1)`` (2), ``sigma ~ HalfNormal(1)``,
 per group ``a_k ~ N(mu_0, tau_0)``, ``b_k ~ N(mu_1, tau_1)``, per row ``y_i ~ N(a_g(i) + b_g(i) x_i, sigma)``; the
 groups' sizes follow a Zipf law (weights ``1/k^1.1``, every group at least one row: from 1 row to thousands), in
@@ -14,8 +18,8 @@ checked against the reference: every coordinate's mean within 0.2 reference sd, 
 
 Run (``bench`` extra for NumPyro), one thread each as the other benchmarks::
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_multilevel.py reference --rows 100000 --groups 1000
-    OMP_NUM_THREADS=1 python benchmarks/bench_multilevel.py compare --rows 100000 --groups 1000 --seeds 3
+    OMP_NUM_THREADS=1 python benchmarks/studies/bench_multilevel.py reference --rows 100000 --groups 1000
+    OMP_NUM_THREADS=1 python benchmarks/studies/bench_multilevel.py compare --rows 100000 --groups 1000 --seeds 3
 """
 
 from __future__ import annotations
@@ -32,12 +36,12 @@ import pyro
 import pyro.distributions as dist
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pyro_scalable.infer import MultilevelMCMC  # noqa: E402
 from pyro_scalable.infer.health import bulk_ess, rank_r_hat  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results" / "multilevel"
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "multilevel"
 
 
 def simulate(rows: int, groups: int, seed: int = 0):
@@ -198,7 +202,7 @@ def make_reference(options) -> None:
             g, x, y, options.groups, warmup=options.warmup, samples=options.samples, chains=options.chains, seed=1
         )
         RESULTS.mkdir(parents=True, exist_ok=True)
-        command = " ".join(["python benchmarks/bench_multilevel.py", *sys.argv[1:]])
+        command = " ".join(["python benchmarks/studies/bench_multilevel.py", *sys.argv[1:]])
         np.savez(
             reference_path(options.rows, options.groups),
             mean=mean,
@@ -217,7 +221,7 @@ def make_reference(options) -> None:
     )
     t = torch.as_tensor(draws, dtype=torch.float64)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    command = " ".join(["python benchmarks/bench_multilevel.py", *sys.argv[1:]])
+    command = " ".join(["python benchmarks/studies/bench_multilevel.py", *sys.argv[1:]])
     np.savez(
         reference_path(options.rows, options.groups),
         mean=draws.reshape(-1, draws.shape[-1]).mean(0),

