@@ -1,4 +1,4 @@
-"""``python -m benchmarks run <suite> | render [--check] | list`` (see ``benchmarks/__init__.py``)."""
+"""``python -m benchmarks run <suite> | render [--check] | list | posteriordb ... | zoo-seeds ...``."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 import time
 import traceback
 
-from benchmarks import engines, harness, records, render
+from benchmarks import engines, harness, posteriordb, records, render, zoo
 from benchmarks.suites import SUITES
 
 DEVICE_SUITES = ("sgmcmc-step", "step-blackjax")  # the suites whose engines run on --device
@@ -89,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     show = commands.add_parser("render", help="rewrite docs/benchmarks.md's tables from the latest records")
     show.add_argument("--check", action="store_true", help="only say whether the page is current (exit 1 if not)")
     commands.add_parser("list", help="the suites and their cells")
+    posteriordb.add_commands(commands.add_parser("posteriordb", help="every engine on posteriordb's posteriors"))
+    zoo.add_arguments(commands.add_parser("zoo-seeds", help="the default kernels on the test zoo over many seeds"))
     worker = commands.add_parser("_data_parallel")  # one torchrun rank of the distributed suite (internal)
     worker.add_argument("noise")
     worker.add_argument("n", type=int)
@@ -101,6 +103,10 @@ def main(argv: list[str] | None = None) -> int:
         engines.data_parallel_worker(args.noise, args.n, steps, args.reps, args.out)
     elif args.command == "run":
         run(args)
+    elif args.command == "posteriordb":
+        posteriordb.main(args)
+    elif args.command == "zoo-seeds":
+        zoo.main(args)
     elif args.command == "render":
         if args.check:
             text = render.PAGE.read_text(encoding="utf-8")
@@ -114,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
             for size in suite.sizes:
                 print(f"  {size}: " + ", ".join(f"{p or '-'}@{n}" for p, n in suite.sizes[size]))
             print("  engines: " + ", ".join(suite.engines))
+        print("posteriordb: every engine at its defaults on posteriordb's 32 posteriors (its own cells: run, report)")
+        print("zoo-seeds: the default kernels on the test zoo over many seeds (a Markdown report)")
     return 0
 
 

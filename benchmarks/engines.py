@@ -62,15 +62,22 @@ the AUROC of the predictive's total entropy and of its epistemic part against th
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
 import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
-from benchmarks import metrics, problems
+from benchmarks import harness, metrics, problems, records
 
 __all__ = ["ENGINES", "Cell", "Engine", "missing"]
 
@@ -89,76 +96,60 @@ class Cell:
     shared: dict = field(default_factory=dict)  # per-suite cache: data, reference, the digits MAP
     size: str = "smoke"  # the suite's size: engines of a fixed length run longer at "full"
 
+    def _cached(self, key: tuple, make: Callable[[], object]):
+        """``shared[key]``, made by ``make()`` the first time a cell of the suite asks for it."""
+        if key not in self.shared:
+            self.shared[key] = make()
+        return self.shared[key]
+
     @property
     def data(self) -> problems.Data:
-        key = ("data", self.problem.name, self.n, self.seed)
-        if key not in self.shared:
-            self.shared[key] = self.problem.data(self.n, self.seed)
-        return self.shared[key]
+        return self._cached(
+            ("data", self.problem.name, self.n, self.seed), lambda: self.problem.data(self.n, self.seed)
+        )
 
     @property
     def reference(self) -> dict:
         key = ("reference", self.problem.name, self.n, self.seed)
-        if key not in self.shared:
-            self.shared[key] = problems.reference(self.problem, self.data)
-        return self.shared[key]
+        return self._cached(key, lambda: problems.reference(self.problem, self.data))
 
     def prepare(self, family: str) -> None:
         """Make the shared inputs before the cell is timed: its time and memory are then the engine's alone."""
         kind = self.problem.kind if self.problem is not None else None
-        if kind == "hierarchy":
-            self.built  # noqa: B018
-        elif kind == "teacher":
-            self.teacher  # noqa: B018
-        elif kind == "step":
-            self.step  # noqa: B018
-        elif kind == "cold":
-            self.cold  # noqa: B018
-        elif kind in ("sto-linear", "sto-mlp"):  # the engine times the exact solve itself
-            self.data  # noqa: B018
-        elif kind not in (None, "mlp"):  # the mlp is timed, not scored: no reference
-            self.reference  # noqa: B018 (the data and the reference, cached in ``shared``)
+        made = {"hierarchy": "built", "teacher": "teacher", "step": "step", "cold": "cold"}
+        made |= {"sto-linear": "data", "sto-mlp": "data"}  # their engines time the exact solve themselves
+        if kind not in (None, "mlp"):  # the mlp is timed, not scored: no reference
+            getattr(self, made.get(kind, "reference"))  # the reference makes the data too
         if family in ("laplace", "digits", "sto-em"):
             self.digits  # noqa: B018
 
     @property
     def built(self) -> tuple:
         """A hierarchy's (title, model, data): :data:`problems.HIERARCHIES`."""
-        key = ("built", self.problem.name, self.n, self.seed)
-        if key not in self.shared:
-            self.shared[key] = problems.HIERARCHIES[self.problem.name](self.n, self.seed)
-        return self.shared[key]
+        make = problems.HIERARCHIES[self.problem.name]
+        return self._cached(("built", self.problem.name, self.n, self.seed), lambda: make(self.n, self.seed))
 
     @property
     def step(self) -> problems.StepProblem:
         """A step-cost problem's model and hand-written log density (:func:`problems.make_step`)."""
         key = ("step", self.problem.name, self.n, self.seed, str(problems.DEVICE))
-        if key not in self.shared:
-            self.shared[key] = problems.make_step(self.problem, self.n, self.seed)
-        return self.shared[key]
+        return self._cached(key, lambda: problems.make_step(self.problem, self.n, self.seed))
 
     @property
     def cold(self) -> dict:
         """The cold-posterior problem's digits (its first ``n`` training points)."""
-        key = ("cold", self.n)
-        if key not in self.shared:
-            self.shared[key] = problems.cold_digits(self.n)
-        return self.shared[key]
+        return self._cached(("cold", self.n), lambda: problems.cold_digits(self.n))
 
     @property
     def teacher(self) -> dict:
         """The teacher problem's data and MAP (20 Adam epochs and 100 L-BFGS steps; 3 and 50 at the smoke size)."""
+        epochs, lbfgs = (20, 100) if self.size == "full" else (3, 50)
         key = ("teacher", self.n, self.seed, self.size)
-        if key not in self.shared:
-            epochs, lbfgs = (20, 100) if self.size == "full" else (3, 50)
-            self.shared[key] = problems.teacher(self.n, self.seed, epochs, lbfgs)
-        return self.shared[key]
+        return self._cached(key, lambda: problems.teacher(self.n, self.seed, epochs, lbfgs))
 
     @property
     def digits(self) -> dict:
-        if "digits" not in self.shared:
-            self.shared["digits"] = problems.digits(self.seed)
-        return self.shared["digits"]
+        return self._cached(("digits",), lambda: problems.digits(self.seed))
 
 
 @dataclass(frozen=True)
@@ -174,10 +165,13 @@ def missing(engine: Engine) -> list[str]:
     return [name for name in engine.needs if importlib.util.find_spec(name) is None]
 
 
-def _scored(cell: Cell, draws: torch.Tensor, seconds: float) -> dict:
+def _scored(cell: Cell, draws: torch.Tensor, seconds: float, label: str | None = None) -> dict:
+    """The draws' accuracy against the cell's reference and their mixing; with ``label`` (what the draws are, e.g.
+    "500 × 1"), the run's seconds and that label first."""
     ref = cell.reference
     scored = {**metrics.accuracy(draws, ref["mean"], ref["sd"]), **metrics.mixing(draws, seconds)}
-    return {**scored, "reference_ess": "exact" if ref["ess"] is None else round(ref["ess"])}
+    scored["reference_ess"] = "exact" if ref["ess"] is None else round(ref["ess"])
+    return scored if label is None else {"seconds": round(seconds, 2), "draws": label, **scored}
 
 
 # ---------------------------------------------------------------------------------------------- MCMC
@@ -186,44 +180,34 @@ def _ours_sghmc(cell: Cell) -> dict:
 
     draws, spent = 250, 0.0
     while True:
-        start = time.perf_counter()
-        mcmc = StochasticMCMC(
-            SGHMC(cell.problem.pyro_model(BATCH)),
-            num_samples=draws,
-            num_warmup=WARMUP,
-            num_chains=CHAINS,
-            seed=cell.seed,
-            progress_bar=False,
-        )
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the HealthWarning is judged here against the reference instead
+        with harness.Timed() as timed:  # the HealthWarning is judged here against the reference instead
+            lengths = {"num_samples": draws, "num_warmup": WARMUP, "num_chains": CHAINS}
+            mcmc = StochasticMCMC(SGHMC(cell.problem.pyro_model(BATCH)), **lengths, seed=cell.seed, progress_bar=False)
             mcmc.run(cell.data.x, cell.data.y)
-        seconds = time.perf_counter() - start
-        spent += seconds
+        spent += timed.seconds
         flat = cell.problem.flatten(mcmc.get_samples(group_by_chain=True))
-        scored = _scored(cell, flat, seconds)
-        if scored["accurate"] or spent + 2 * seconds > cell.budget:
-            break
+        scored = _scored(cell, flat, timed.seconds, f"{draws} × {CHAINS}")
+        if scored["accurate"] or spent + 2 * timed.seconds > cell.budget:
+            return {**scored, "seconds_all_runs": round(spent, 2)}
         draws *= 2
-    return {"seconds": round(seconds, 2), "draws": f"{draws} × {CHAINS}", "seconds_all_runs": round(spent, 2), **scored}
+
+
+def _run_pyro_nuts(model: Callable, data: tuple, warmup: int, draws: int, seed: int) -> tuple[dict, float]:
+    """Pyro's ``NUTS``, one chain: its draws by site, ``(1, draws, ...)``, and the run's seconds."""
+    import pyro
+    from pyro.infer import MCMC, NUTS
+
+    pyro.set_rng_seed(seed)
+    start = time.perf_counter()
+    mcmc = MCMC(NUTS(model), num_samples=draws, warmup_steps=warmup, disable_progbar=True)
+    mcmc.run(*data)
+    return mcmc.get_samples(group_by_chain=True), time.perf_counter() - start
 
 
 def _pyro_nuts(cell: Cell) -> dict:
-    from pyro.infer import MCMC, NUTS
-
-    pyro_seed(cell.seed)
-    start = time.perf_counter()
-    mcmc = MCMC(NUTS(cell.problem.pyro_model()), num_samples=DRAWS, warmup_steps=WARMUP, disable_progbar=True)
-    mcmc.run(cell.data.x, cell.data.y)
-    seconds = time.perf_counter() - start
-    flat = cell.problem.flatten(mcmc.get_samples(group_by_chain=True))
-    return {"seconds": round(seconds, 2), "draws": f"{DRAWS} × 1", **_scored(cell, flat, seconds)}
-
-
-def pyro_seed(seed: int) -> None:
-    import pyro
-
-    pyro.set_rng_seed(seed)
+    data = (cell.data.x, cell.data.y)
+    samples, seconds = _run_pyro_nuts(cell.problem.pyro_model(), data, WARMUP, DRAWS, cell.seed)
+    return _scored(cell, cell.problem.flatten(samples), seconds, f"{DRAWS} × 1")
 
 
 def _jax_data(cell: Cell) -> tuple:
@@ -242,7 +226,7 @@ def _numpyro_run(cell: Cell, kernel, extra: dict) -> dict:
     samples = jax.device_get(mcmc.get_samples(group_by_chain=True))
     seconds = time.perf_counter() - start
     flat = cell.problem.flatten({k: torch.from_numpy(v.copy()) for k, v in samples.items()})
-    return {"seconds": round(seconds, 2), "draws": f"{DRAWS} × 1", **extra, **_scored(cell, flat, seconds)}
+    return {**_scored(cell, flat, seconds, f"{DRAWS} × 1"), **extra}
 
 
 def _numpyro_nuts(cell: Cell) -> dict:
@@ -289,66 +273,65 @@ def _blackjax_nuts(cell: Cell) -> dict:
     positions = jax.device_get(positions)
     seconds = time.perf_counter() - start
     latents = {k: torch.from_numpy(v.copy())[None] for k, v in positions.items()}  # one chain
-    flat = cell.problem.flatten(latents, constrained=False)
-    return {"seconds": round(seconds, 2), "draws": f"{DRAWS} × 1", **_scored(cell, flat, seconds)}
+    return _scored(cell, cell.problem.flatten(latents, constrained=False), seconds, f"{DRAWS} × 1")
 
 
 def _ours_sto(cell: Cell) -> dict:
     from pyro_scalable.infer import SampleThenOptimize
 
-    start = time.perf_counter()
-    engine = SampleThenOptimize(
-        cell.problem.pyro_model(BATCH), num_samples=STO_DRAWS, seed=cell.seed, progress_bar=False
-    )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    model = cell.problem.pyro_model(BATCH)
+    with harness.Timed() as timed:
+        engine = SampleThenOptimize(model, num_samples=STO_DRAWS, seed=cell.seed, progress_bar=False)
         engine.run(cell.data.x, cell.data.y)
-    seconds = time.perf_counter() - start
     flat = cell.problem.flatten(engine.get_samples())[None]  # independent draws: one "chain"
-    return {"seconds": round(seconds, 2), "draws": f"{STO_DRAWS} independent", **_scored(cell, flat, seconds)}
+    return _scored(cell, flat, timed.seconds, f"{STO_DRAWS} independent")
 
 
 # ---------------------------------------------------------------------------------------------- Laplace
-def _laplace_ours(structure: str) -> Callable[[Cell], dict]:
-    def run(cell: Cell) -> dict:
+def _fit_laplace(impl: str, problem: dict, structure: str, chunk: int, **options):
+    """Ours (``AutoLinearizedLaplace``; ``options`` go to its ``laplace_approximation``) or laplace-torch's
+    ``Laplace`` ("laplace-torch": its default backend, ``CurvlinopsGGN``; "laplace-torch-backpack") fitted on every
+    weight at ``problem``'s MAP network (laplace-torch's default subset is the last layer), ``chunk`` points a batch."""
+    if impl == "ours":
         from pyro_scalable.infer import AutoLinearizedLaplace
 
+        guide = AutoLinearizedLaplace(problems.pyro_network(chunk, problem["sizes"]))
+        x, y, latents = problem["x"], problem["y"], problem["latents"]
+        return guide.laplace_approximation(x, y, structure=structure, map_latents=latents, chunk_size=chunk, **options)
+    import laplace
+    from laplace import curvature
+    from torch.utils.data import DataLoader, TensorDataset
+
+    net = problems.network(problem["sizes"])
+    net.load_state_dict(problem["net"].state_dict())
+    backend = curvature.BackPackGGN if impl.endswith("backpack") else curvature.CurvlinopsGGN
+    setting = {"subset_of_weights": "all", "hessian_structure": structure, "prior_precision": problems.DIGITS_PRIOR}
+    la = laplace.Laplace(net, "classification", **setting, backend=backend)
+    la.fit(DataLoader(TensorDataset(problem["x"], problem["y"]), batch_size=chunk))
+    return la
+
+
+def _glm_probs(impl: str, posterior, x: torch.Tensor, chunk: int) -> torch.Tensor:
+    """The probit GLM predictive's class probabilities at ``x`` (laplace-torch's ``chunk`` points at a time)."""
+    if impl == "ours":
+        return posterior.predict(x, link_approx="probit").distribution.probs.detach()
+    return torch.cat([posterior(part, pred_type="glm", link_approx="probit") for part in x.split(chunk)])
+
+
+def _laplace_digits(impl: str, structure: str) -> Callable[[Cell], dict]:
+    """Fit at the digits MAP, a scalar prior precision tuned by the evidence, the probit predictive on the test set."""
+
+    def run(cell: Cell) -> dict:
         digits = cell.digits
         start = time.perf_counter()
-        guide = AutoLinearizedLaplace(problems.pyro_network())
-        posterior = guide.laplace_approximation(
-            digits["x"], digits["y"], structure=structure, map_latents=digits["latents"], chunk_size=256
-        )
-        posterior.optimize_prior_precision("scalar")
-        probs = posterior.predict(digits["x_test"], link_approx="probit").distribution.probs.detach()
+        posterior = _fit_laplace(impl, digits, structure, 256)
+        if impl == "ours":
+            posterior.optimize_prior_precision("scalar")
+        else:
+            posterior.optimize_prior_precision(pred_type="glm", method="marglik", prior_structure="scalar")
+        probs = _glm_probs(impl, posterior, digits["x_test"], 256)
         seconds = time.perf_counter() - start
         prior = float(posterior.prior_precision.flatten()[0])
-        return {"seconds": round(seconds, 2), "prior_precision": round(prior, 4), **_calibrated(probs, digits)}
-
-    return run
-
-
-def _laplace_torch(structure: str) -> Callable[[Cell], dict]:
-    def run(cell: Cell) -> dict:
-        import laplace
-        from torch.utils.data import DataLoader, TensorDataset
-
-        digits = cell.digits
-        net = problems.network()
-        net.load_state_dict(digits["net"].state_dict())
-        start = time.perf_counter()
-        la = laplace.Laplace(  # its default subset is the last layer; ours fits all weights, and so must it
-            net,
-            "classification",
-            subset_of_weights="all",
-            hessian_structure=structure,
-            prior_precision=problems.DIGITS_PRIOR,
-        )
-        la.fit(DataLoader(TensorDataset(digits["x"], digits["y"]), batch_size=256))
-        la.optimize_prior_precision(pred_type="glm", method="marglik", prior_structure="scalar")
-        probs = torch.cat([la(x, pred_type="glm", link_approx="probit") for x in digits["x_test"].split(256)])
-        seconds = time.perf_counter() - start
-        prior = float(la.prior_precision.flatten()[0])
         return {"seconds": round(seconds, 2), "prior_precision": round(prior, 4), **_calibrated(probs, digits)}
 
     return run
@@ -372,58 +355,22 @@ def _laplace_call(impl: str, operation: str, structure: str) -> Callable[[Cell],
     ``CurvlinopsGGN``) or "laplace-torch-backpack"; ``operation``: "fit" (the posterior and one evidence evaluation),
     "fit-checked" (ours with ``check_map=True``, the default) or "predict" (the probit GLM predictive on the test
     points, after an untimed fit)."""
-
-    def fit(problem: dict):
-        if impl == "ours":
-            from pyro_scalable.infer import AutoLinearizedLaplace
-
-            guide = AutoLinearizedLaplace(problems.pyro_network(1000, problem["sizes"]))
-            return guide.laplace_approximation(
-                problem["x"],
-                problem["y"],
-                structure=structure,
-                map_latents=problem["latents"],
-                check_map=operation == "fit-checked",
-                chunk_size=1000,
-            )
-        import laplace
-        from laplace import curvature
-        from torch.utils.data import DataLoader, TensorDataset
-
-        net = problems.network(problem["sizes"])
-        net.load_state_dict(problem["net"].state_dict())
-        backend = curvature.BackPackGGN if impl.endswith("backpack") else curvature.CurvlinopsGGN
-        la = laplace.Laplace(
-            net,
-            "classification",
-            subset_of_weights="all",
-            hessian_structure=structure,
-            prior_precision=problems.DIGITS_PRIOR,
-            backend=backend,
-        )
-        la.fit(DataLoader(TensorDataset(problem["x"], problem["y"]), batch_size=1000))
-        return la
-
-    def predict(posterior, x: torch.Tensor) -> torch.Tensor:
-        if impl == "ours":
-            return posterior.predict(x, link_approx="probit").distribution.probs.detach()
-        return torch.cat([posterior(chunk, pred_type="glm", link_approx="probit") for chunk in x.split(100)])
+    options = {"check_map": operation == "fit-checked"} if impl == "ours" else {}
 
     def once(problem: dict) -> dict:
-        from benchmarks import harness
-
         found: dict = {}
         if operation == "predict":
-            posterior = fit(problem)
+            posterior = _fit_laplace(impl, problem, structure, 1000, **options)
             float(posterior.log_marginal_likelihood())
         harness.release_free_memory()
         harness.reset_peak()
         base = harness.rss_mb()
         start = time.perf_counter()
         if operation == "predict":
-            predict(posterior, problem["x_test"])
+            _glm_probs(impl, posterior, problem["x_test"], 100)
         else:
-            found["log_evidence"] = round(float(fit(problem).log_marginal_likelihood()), 1)
+            evidence = _fit_laplace(impl, problem, structure, 1000, **options).log_marginal_likelihood()
+            found["log_evidence"] = round(float(evidence), 1)
         found["seconds"] = round(time.perf_counter() - start, 3)
         found["call_mb"] = round(harness.peak_mb() - base, 1)
         return found
@@ -436,8 +383,7 @@ def _laplace_call(impl: str, operation: str, structure: str) -> Callable[[Cell],
         x = torch.randn(40, tiny_sizes[0])
         tiny = {"sizes": tiny_sizes, "net": net, "latents": problems.latents_of(net), "x": x, "x_test": x[:20]}
         tiny["y"] = torch.randint(0, tiny_sizes[-1], (40,))
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with harness.Timed():  # each call times itself; the warnings are not shown
             once(tiny)
             return once(big)
 
@@ -469,21 +415,12 @@ def _swag(epochs: int) -> Callable[[Cell], dict]:
         from pyro_scalable.infer import SWAG
 
         digits = cell.digits
-        start = time.perf_counter()
-        engine = SWAG(
-            problems.pyro_network(),
-            start=digits["latents"],
-            num_epochs=epochs,
-            rank=20,
-            seed=cell.seed,
-            progress_bar=False,
-        )
-        with warnings.catch_warnings():  # lr="auto" capped by the stability bound: its lr is in the record
-            warnings.simplefilter("ignore")
+        with harness.Timed() as timed:  # lr="auto" capped by the stability bound warns: its lr is in the record
+            options = {"start": digits["latents"], "num_epochs": epochs, "rank": 20, "seed": cell.seed}
+            engine = SWAG(problems.pyro_network(), **options, progress_bar=False)
             posterior = engine.run(digits["x"], digits["y"])
-        probs = problems.network_probs(posterior.get_samples(DIGITS_DRAWS, seed=cell.seed), digits["x_test"])
-        seconds = time.perf_counter() - start
-        return {"seconds": round(seconds, 2), "lr": engine.stats.get("lr"), **_calibrated(probs, digits)}
+            probs = problems.network_probs(posterior.get_samples(DIGITS_DRAWS, seed=cell.seed), digits["x_test"])
+        return {"seconds": round(timed.seconds, 2), "lr": engine.stats.get("lr"), **_calibrated(probs, digits)}
 
     return run
 
@@ -496,22 +433,13 @@ def _digits_sghmc(steps: int) -> Callable[[Cell], dict]:
 
         digits = cell.digits
         per_chain, kept = steps // CHAINS, DIGITS_DRAWS // CHAINS
-        start = time.perf_counter()
-        mcmc = StochasticMCMC(
-            SGHMC(problems.pyro_network(), init_strategy=init_to_value(values=digits["latents"])),
-            num_samples=kept,
-            num_warmup=per_chain // 2,
-            thin=max(1, (per_chain // 2) // kept),
-            num_chains=CHAINS,
-            seed=cell.seed,
-            progress_bar=False,
-        )
-        with warnings.catch_warnings():  # the health warning: these draws are scored on held-out data instead
-            warnings.simplefilter("ignore")
+        lengths = {"num_samples": kept, "num_warmup": per_chain // 2, "thin": max(1, (per_chain // 2) // kept)}
+        with harness.Timed() as timed:  # the health warning: these draws are scored on held-out data instead
+            kernel = SGHMC(problems.pyro_network(), init_strategy=init_to_value(values=digits["latents"]))
+            mcmc = StochasticMCMC(kernel, **lengths, num_chains=CHAINS, seed=cell.seed, progress_bar=False)
             mcmc.run(digits["x"], digits["y"])
-        probs = problems.network_probs(mcmc.get_samples(), digits["x_test"])
-        seconds = time.perf_counter() - start
-        return {"seconds": round(seconds, 2), "draws": f"{kept} × {CHAINS}", **_calibrated(probs, digits)}
+            probs = problems.network_probs(mcmc.get_samples(), digits["x_test"])
+        return {"seconds": round(timed.seconds, 2), "draws": f"{kept} × {CHAINS}", **_calibrated(probs, digits)}
 
     return run
 
@@ -523,16 +451,9 @@ FIXED_STEPS = {"smoke": 300, "full": 1000}  # warm-up steps and draws per chain 
 def _fixed_scored(cell: Cell, model: Callable, samples: dict, chains: int, seconds: float, extra: dict) -> dict:
     _, _, data = cell.built
     flat = {k: v.reshape(-1, *v.shape[2:]) for k, v in samples.items()}
-    ess, r_hat = metrics.diagnose(problems.unconstrained(model, data, flat, chains))
+    mixing = metrics.mixing(problems.unconstrained(model, data, flat, chains), seconds, halves=True)
     steps = FIXED_STEPS[cell.size]
-    return {
-        "seconds": round(seconds, 2),
-        "draws": f"({steps} + {steps}) × {chains}",
-        "ess_min": round(ess, 1),
-        "ess_per_s": round(ess / seconds, 2),
-        "r_hat_max": round(r_hat, 4),
-        **extra,
-    }
+    return {"seconds": round(seconds, 2), "draws": f"({steps} + {steps}) × {chains}", **mixing, **extra}
 
 
 def _ours_fixed(cell: Cell) -> dict:
@@ -540,34 +461,23 @@ def _ours_fixed(cell: Cell) -> dict:
 
     _, model, data = cell.built
     steps = FIXED_STEPS[cell.size]
-    start = time.perf_counter()
-    mcmc = StochasticMCMC(
-        SGHMC(model), num_samples=steps, num_warmup=steps, num_chains=CHAINS, seed=cell.seed, progress_bar=False
-    )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # judged here by ESS and r_hat
+    lengths = {"num_samples": steps, "num_warmup": steps, "num_chains": CHAINS}
+    with harness.Timed() as timed:  # judged here by ESS and r_hat
+        mcmc = StochasticMCMC(SGHMC(model), **lengths, seed=cell.seed, progress_bar=False)
         mcmc.run(*data)
-    seconds = time.perf_counter() - start
     cv = "off" if mcmc.control_variate is None else "at the mode" if mcmc.mode_search is not None else "window means"
     samples = mcmc.get_samples(group_by_chain=True)
-    return _fixed_scored(cell, model, samples, CHAINS, seconds, {"control_variate": cv})
+    return _fixed_scored(cell, model, samples, CHAINS, timed.seconds, {"control_variate": cv})
 
 
 def _nuts_fixed(cell: Cell) -> dict:
-    from pyro.infer import MCMC, NUTS
-
     _, model, data = cell.built
 
     def full(*args):
         return model(*args, batch=None)
 
-    steps = FIXED_STEPS[cell.size]
-    pyro_seed(cell.seed)
-    start = time.perf_counter()
-    mcmc = MCMC(NUTS(full), num_samples=steps, warmup_steps=steps, disable_progbar=True)
-    mcmc.run(*data)
-    seconds = time.perf_counter() - start
-    return _fixed_scored(cell, full, mcmc.get_samples(group_by_chain=True), 1, seconds, {})
+    samples, seconds = _run_pyro_nuts(full, data, FIXED_STEPS[cell.size], FIXED_STEPS[cell.size], cell.seed)
+    return _fixed_scored(cell, full, samples, 1, seconds, {})
 
 
 # ---------------------------------------------------------------------------------------------- calibration
@@ -605,26 +515,17 @@ def _kernel_at(kernel: str, batch: int | None) -> Callable[[Cell], dict]:
         from pyro_scalable import infer
 
         chains, warmup, kept = _calibration_chains(cell, batch)
-        start = time.perf_counter()
-        mcmc = infer.StochasticMCMC(
-            getattr(infer, kernel)(cell.problem.pyro_model(batch)),
-            num_samples=kept,
-            num_warmup=warmup,
-            num_chains=chains,
-            seed=cell.seed,
-            progress_bar=False,
-            minibatches="independent",  # what a noise-estimating kernel gets by default
-        )
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
+        lengths = {"num_samples": kept, "num_warmup": warmup, "num_chains": chains, "seed": cell.seed}
+        with harness.Timed() as timed:  # minibatches="independent": what a noise-estimating kernel gets by default
+            model = getattr(infer, kernel)(cell.problem.pyro_model(batch))
+            mcmc = infer.StochasticMCMC(model, **lengths, progress_bar=False, minibatches="independent")
             mcmc.run(cell.data.x, cell.data.y)
-        seconds = time.perf_counter() - start
         stats = mcmc.sample_stats
         extra = {"draws": f"{kept} × {chains}", "step_size": float(stats["step_size"].float().median())}
         if "friction" in stats:
             extra["friction"] = float(stats["friction"].float().median())
-        extra["warnings"] = sorted({str(w.message).split(":")[0][:90] for w in caught})
-        return _sd_scored(cell, cell.problem.flatten(mcmc.get_samples(group_by_chain=True)), seconds, extra)
+        extra["warnings"] = sorted({str(w.message).split(":")[0][:90] for w in timed.caught})
+        return _sd_scored(cell, cell.problem.flatten(mcmc.get_samples(group_by_chain=True)), timed.seconds, extra)
 
     return run
 
@@ -675,16 +576,6 @@ def _data_parallel(noise: str) -> Callable[[Cell], dict]:
     short)`` on rank 0 between barriers, so that setup cancels; the median over launches and repetitions."""
 
     def run(cell: Cell) -> dict:
-        import json
-        import os
-        import statistics
-        import subprocess
-        import sys
-        import tempfile
-        from pathlib import Path
-
-        from benchmarks import records
-
         steps, launches, reps = DISTRIBUTED[cell.size]
         times: dict[int, list[float]] = {1: [], 2: []}
         start = time.perf_counter()
@@ -713,8 +604,6 @@ def _data_parallel(noise: str) -> Callable[[Cell], dict]:
 
 def data_parallel_worker(noise: str, n: int, steps: tuple[int, int], reps: int, out: str) -> None:
     """One ``torchrun`` rank of :func:`_data_parallel` (``python -m benchmarks _data_parallel ...``)."""
-    import json
-
     import torch.distributed as tdist
 
     from pyro_scalable.infer import SGLD, StochasticMCMC
@@ -773,11 +662,9 @@ def _sto_accuracy(cell: Cell) -> dict:
     engine = SampleThenOptimize(
         problems.sto_linear_model(cell.problem.d, batch), num_samples=k, num_epochs=20, seed=2, progress_bar=False
     )
-    start = time.perf_counter()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with harness.Timed() as timed:
         engine.run(x, y)
-    seconds = time.perf_counter() - start
+    seconds = timed.seconds
     zeta = engine.state.samples[:-1].detach()  # the optimised zero-mean draws
     same = torch.cholesky_solve(engine.state.targets[:-1].T, chol).T  # exact solves, the same centres (α = 1)
     c_hat, c_same = zeta.T @ zeta / k, same.T @ same / k
@@ -790,14 +677,12 @@ def _sto_accuracy(cell: Cell) -> dict:
         "mean_error_sd": round(float(((engine.mean_unconstrained - mean) / sd).abs().max()), 4),
         "cov_error": round(float((c_hat - c_same).norm() / c_same.norm()), 4),
         "sd_error": round(float(((c_hat.diagonal() / c_same.diagonal()).sqrt() - 1).abs().max()), 4),
-        "warned": any("not converged" in str(w.message) for w in caught),
+        "warned": any("not converged" in str(w.message) for w in timed.caught),
     }
 
 
 def _hand_step_seconds(weights: dict, x: torch.Tensor, y: torch.Tensor, reps: int = 20) -> float:
     """Median time of a hand-written forward + ``torch.autograd.grad`` of the minibatch loss w.r.t. all weights."""
-    import statistics
-
     params = {name: v.clone().requires_grad_(True) for name, v in weights.items()}
     gen = torch.Generator().manual_seed(0)
     times = []
@@ -812,9 +697,6 @@ def _hand_step_seconds(weights: dict, x: torch.Tensor, y: torch.Tensor, reps: in
 
 def _sto_cost(cell: Cell) -> dict:
     """The engine's step per draw against a hand-written forward + backward; peak memory per extra draw (K vs 1)."""
-    import statistics
-
-    from benchmarks import harness
     from pyro_scalable.infer import SampleThenOptimize
     from pyro_scalable.infer.linearized.sampling import core
 
@@ -831,16 +713,9 @@ def _sto_cost(cell: Cell) -> dict:
 
     def run(num: int, data: problems.Data, w: int = width) -> tuple[float, float]:
         model, sizes = problems.sto_mlp(w, STO_BATCH)
-        engine = SampleThenOptimize(
-            model,
-            num_samples=num,
-            num_epochs=epochs,
-            linearize_at=problems.sto_mlp_weights(sizes, 1),
-            chunk_size=STO_BATCH,
-            refine_passes=0,  # the minibatch step is measured; a refinement pass costs about an epoch
-            seed=0,
-            progress_bar=False,
-        )
+        options = {"linearize_at": problems.sto_mlp_weights(sizes, 1), "chunk_size": STO_BATCH, "refine_passes": 0}
+        # refine_passes=0: the minibatch step is measured; a refinement pass costs about an epoch
+        engine = SampleThenOptimize(model, num_samples=num, num_epochs=epochs, **options, seed=0, progress_bar=False)
         harness.release_free_memory()
         harness.reset_peak()
         before = harness.rss_mb()
@@ -882,22 +757,12 @@ def _sto_em(groups: str) -> Callable[[Cell], dict]:
 
         digits = cell.digits
         k, epochs, em_epochs, em_steps = STO_EM[cell.size]
-        start = time.perf_counter()
-        engine = SampleThenOptimize(
-            problems.pyro_network(chunk=128),
-            num_samples=k,
-            num_epochs=epochs,
-            em_epochs=em_epochs,
-            em_steps=em_steps,
-            em_groups=groups,
-            linearize_at=digits["latents"],
-            seed=0,
-            progress_bar=False,
-        )
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        em = {"em_epochs": em_epochs, "em_steps": em_steps, "em_groups": groups, "linearize_at": digits["latents"]}
+        with harness.Timed() as timed:
+            model = problems.pyro_network(chunk=128)
+            engine = SampleThenOptimize(model, num_samples=k, num_epochs=epochs, **em, seed=0, progress_bar=False)
             engine.run(digits["x"], digits["y"])
-        seconds = time.perf_counter() - start
+        seconds = timed.seconds
         alphas = engine.em_history["prior_precision"]  # (em_steps + 1, groups)
         change = ((alphas[1:] - alphas[:-1]).abs() / alphas[:-1]).max(-1).values
         settled = next((t + 1 for t in range(len(change)) if bool((change[t:] < EM_TOLERANCE).all())), None)
@@ -989,7 +854,6 @@ STEP_RUNS["smoke"]["chains"]["mlp"], STEP_RUNS["full"]["chains"]["mlp"] = ((20, 
 
 
 def _step_timing(cell: Cell, variant: str) -> dict:
-    from benchmarks import harness
     from pyro_scalable.bridge.traced import TRACE_AFTER
     from pyro_scalable.infer.sgmcmc.base import NOISE_EVERY
 
@@ -998,16 +862,15 @@ def _step_timing(cell: Cell, variant: str) -> dict:
     short, long = runs[kind]
     harness.warm_up_torch()
     if variant == "chains":
-        (short_v, long_v), (short_s, long_s) = runs["chains"][kind]
+        vectorised, sequential = runs["chains"][kind]  # (short, long) steps each
         res = harness.time_per_step(
             {
-                "vectorised": (lambda k, s: run_ours(problem, k, s, num_chains=16), short_v, long_v),
+                "vectorised": (lambda k, s: run_ours(problem, k, s, num_chains=16), *vectorised),
                 "sequential": (
                     lambda k, s: run_ours(problem, k, s, num_chains=16, chain_method="sequential"),
-                    short_s,
-                    long_s,
+                    *sequential,
                 ),
-                "hand-written batched": (lambda k, s: run_hand_written(problem, k, s, chains=16), short_v, long_v),
+                "hand-written batched": (lambda k, s: run_hand_written(problem, k, s, chains=16), *vectorised),
             },
             3,
         )
@@ -1023,11 +886,8 @@ def _step_timing(cell: Cell, variant: str) -> dict:
         }
     runners = {"hand": (lambda k, s: run_hand_written(problem, k, s), short, long)}
     if variant == "corrected":  # past the recording of the noise steps' densities (their 16th call)
-        ours = (
-            lambda k, s: run_ours(problem, k, s, gradient_noise="correct"),
-            max(short, NOISE_EVERY * TRACE_AFTER + 4),
-        )
-        runners["ours"] = (*ours, long)
+        past = max(short, NOISE_EVERY * TRACE_AFTER + 4)
+        runners["ours"] = (lambda k, s: run_ours(problem, k, s, gradient_noise="correct"), past, long)
     else:
         runners["ours"] = (lambda k, s: run_ours(problem, k, s), short, long)
         if problems.DEVICE.type == "cpu" and importlib.util.find_spec("posteriors") is not None:
@@ -1183,8 +1043,6 @@ BLACKJAX_ROUNDS = {"smoke": (3, 200), "full": (5, 300)}  # interleaved rounds, s
 
 def _step_vs_blackjax(cell: Cell) -> dict:
     """Each candidate built, its first block timed (compiling), then interleaved rounds: median ms per step."""
-    import statistics
-
     problem, (rounds, block) = cell.step, BLACKJAX_ROUNDS[cell.size]
     candidates = {
         "ours_eager": lambda: OursStepper(problem, "ignore", False),
@@ -1286,8 +1144,6 @@ def _cold(engine: str) -> Callable[[Cell], dict]:
 
         data, cfg, seed = cell.cold, COLD[cell.size], cell.seed
         x, y, mlp = data["x"], data["y"], problems.cold_mlp
-        start = time.perf_counter()
-        latents = _cold_map(cell) if engine == "map" or engine.startswith("laplace") else None  # cached after "map"
         found: list[dict] = []
 
         def score(samples: dict | None = None, probs: tuple | None = None) -> None:
@@ -1295,21 +1151,16 @@ def _cold(engine: str) -> Callable[[Cell], dict]:
                 probs = tuple(problems.cold_member_probs(samples, data[k]) for k in ("x_test", "x_ood"))
             found.append(_cold_scores(probs[0], data["y_test"], probs[1]))
 
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with harness.Timed() as timed:  # the warnings are not shown
+            latents = _cold_map(cell) if engine == "map" or engine.startswith("laplace") else None  # cached: "map"
             if engine == "map":
                 score({k: v[None] for k, v in latents.items()})
             elif engine.startswith("laplace"):
-                structure = "sampled" if engine == "laplace-sampled" else "kron"
-                extra = {"num_samples": cfg["sto"][0], "sampler_options": {"num_epochs": cfg["sto"][1]}, "seed": seed}
-                laplace = AutoLinearizedLaplace(mlp()).laplace_approximation(
-                    x,
-                    y,
-                    structure=structure,
-                    map_latents=latents,
-                    check_map=False,
-                    **(extra if structure == "sampled" else {}),
-                )
+                options = {"structure": "kron", "map_latents": latents, "check_map": False}
+                if engine == "laplace-sampled":
+                    options |= {"structure": "sampled", "num_samples": cfg["sto"][0], "seed": seed}
+                    options["sampler_options"] = {"num_epochs": cfg["sto"][1]}
+                laplace = AutoLinearizedLaplace(mlp()).laplace_approximation(x, y, **options)
                 if engine == "laplace-kron-weights":
                     weights = laplace.get_samples(COLD_DRAWS, seed=seed)
                     for t in TEMPERATURES:
@@ -1362,7 +1213,7 @@ def _cold(engine: str) -> Callable[[Cell], dict]:
                                           num_chains=chains, seed=seed, progress_bar=False)  # fmt: skip
                     mcmc.run(x, y)
                     score(mcmc.get_samples())
-        out = {"seconds": round(time.perf_counter() - start, 1)}
+        out = {"seconds": round(timed.seconds, 1)}
         for key in found[0]:
             out[key] = [r[key] for r in found] if engine != "map" else found[0][key]
         return out
@@ -1385,13 +1236,10 @@ def _ekf(diagonal: bool, batch: int) -> Callable[[Cell], dict]:
 
         model = problems.glm_cases().model(cell.problem.family, batch)
         ref = cell.reference
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            start = time.perf_counter()
-            posterior = (DiagonalEKF if diagonal else EKF)(model, seed=cell.seed, progress_bar=False).run(
-                cell.data.x, cell.data.y
-            )
-            seconds = time.perf_counter() - start
+        with harness.Timed() as timed:
+            engine = (DiagonalEKF if diagonal else EKF)(model, seed=cell.seed, progress_bar=False)
+            posterior = engine.run(cell.data.x, cell.data.y)
+        seconds, caught = timed.seconds, timed.caught
         error = ((posterior.mean[0].reshape(-1) - ref["mean"]) / ref["sd"]).abs().max()
         ratio = posterior.variance[0].reshape(-1).sqrt() / ref["sd"]
         return {
@@ -1417,10 +1265,26 @@ ENGINES: dict[str, Engine] = {
         Engine("numpyro-hmcecs", "sgmcmc", _hmcecs, ("numpyro", "jax"), "HMCECS, Taylor proxy, B = 1,000"),
         Engine("ours-sto", "sto", _ours_sto, (), "SampleThenOptimize(model, num_samples=2048), defaults"),
         Engine("map", "laplace", _map, ("sklearn",), "the MAP network alone"),
-        Engine("ours-laplace-kron", "laplace", _laplace_ours("kron"), ("sklearn",), "AutoLinearizedLaplace, kron"),
-        Engine("ours-laplace-diag", "laplace", _laplace_ours("diag"), ("sklearn",), "AutoLinearizedLaplace, diag"),
-        Engine("laplace-torch-kron", "laplace", _laplace_torch("kron"), ("laplace", "sklearn"), "Laplace, kron"),
-        Engine("laplace-torch-diag", "laplace", _laplace_torch("diag"), ("laplace", "sklearn"), "Laplace, diag"),
+        Engine(
+            "ours-laplace-kron", "laplace", _laplace_digits("ours", "kron"), ("sklearn",), "AutoLinearizedLaplace, kron"
+        ),
+        Engine(
+            "ours-laplace-diag", "laplace", _laplace_digits("ours", "diag"), ("sklearn",), "AutoLinearizedLaplace, diag"
+        ),
+        Engine(
+            "laplace-torch-kron",
+            "laplace",
+            _laplace_digits("laplace-torch", "kron"),
+            ("laplace", "sklearn"),
+            "Laplace, kron",
+        ),
+        Engine(
+            "laplace-torch-diag",
+            "laplace",
+            _laplace_digits("laplace-torch", "diag"),
+            ("laplace", "sklearn"),
+            "Laplace, diag",
+        ),
         *(
             Engine(f"{i}-{o}-{s}", "teacher", _laplace_call(i, o, s), ("laplace",) * (i != "ours"), f"{i}: {o} {s}")
             for i, o, s in LAPLACE_CALLS

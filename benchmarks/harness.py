@@ -1,7 +1,7 @@
-"""What every benchmark script measures the same way: machine load, peak memory, step timing, the report stamp.
+"""What every benchmark measures the same way: machine load, peak memory, step timing, the report stamp.
 
-A script imports it as ``import harness`` (``benchmarks/`` is on ``sys.path`` when a script runs). Linux only for the
-``/proc`` readings; elsewhere they return ``None`` (load) or fail loudly (memory).
+The harness imports it as ``benchmarks.harness``, a study as ``import harness`` (``benchmarks/`` on ``sys.path``).
+Linux only for the ``/proc`` readings; elsewhere they return ``None`` (load) or fail loudly (memory).
 
 - **Load**: :class:`ForeignLoad` is the CPU other processes used (and the hypervisor stole) while something was
   measured, in cores; a measurement is *clean* below :data:`CLEAN_LIMIT`. :func:`wait_for_quiet` sleeps until the
@@ -9,9 +9,10 @@ A script imports it as ``import harness`` (``benchmarks/`` is on ``sys.path`` wh
 - **Memory**: :func:`rss_mb`, :func:`peak_mb` (``VmHWM``), :func:`reset_peak` (through ``/proc/self/clear_refs``),
   :func:`release_free_memory` (so that the next peak counts its own pages); differences below
   :data:`RESOLUTION_MB` are not resolved.
-- **Timing**: :func:`time_per_step` times ``(T(long) - T(short)) / (long - short)`` so that setup cancels,
-  interleaving runners and recording the load of each repetition (:class:`StepTiming`); :func:`median_ratio`
-  compares two runners over the repetitions clean for both.
+- **Timing**: :class:`Timed` times a block and records its warnings instead of showing them;
+  :func:`time_per_step` times ``(T(long) - T(short)) / (long - short)`` so that setup cancels, interleaving runners
+  and recording the load of each repetition (:class:`StepTiming`); :func:`median_ratio` compares two runners over
+  the repetitions clean for both.
 - **Report**: :func:`machine` (code, CPU, versions), :func:`load_average`, :func:`write_report`, :func:`log`.
 """
 
@@ -25,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +38,7 @@ __all__ = [
     "RESOLUTION_MB",
     "ForeignLoad",
     "StepTiming",
+    "Timed",
     "clean_indices",
     "clean_note",
     "is_clean",
@@ -165,6 +168,22 @@ def release_free_memory() -> None:
 
 
 # ====================================================================================== timing
+class Timed:
+    """``with Timed() as timed:`` times its block (``timed.seconds``) and records its warnings (``timed.caught``)
+    instead of showing them: each engine's figures judge its draws, its warnings are no part of a cell's output."""
+
+    def __enter__(self) -> Timed:
+        self._catcher = warnings.catch_warnings(record=True)
+        self.caught = self._catcher.__enter__()
+        warnings.simplefilter("always")
+        self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *error) -> None:
+        self.seconds = time.perf_counter() - self._start
+        self._catcher.__exit__(*error)
+
+
 @dataclass
 class StepTiming:
     """One runner's repetitions from :func:`time_per_step`."""
@@ -250,7 +269,7 @@ def load_average() -> str:
 START_LOAD = load_average()  # when the benchmark's process imported this module: its start
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:
             return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
@@ -258,36 +277,20 @@ def _cpu_name() -> str:
         return platform.processor() or platform.machine()
 
 
-def _code_version() -> str:
+def git(*args: str) -> str:
+    """``git <args>``'s output in the repository ("" outside a checkout)."""
     try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "pyro_scalable"], cwd=ROOT, capture_output=True, text=True, check=True
-        ).stdout.strip()
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
+        return ""
+
+
+def _code_version() -> str:
+    commit = git("rev-parse", "--short", "HEAD")
+    if not commit:
         return "not a git checkout"
+    dirty = git("status", "--porcelain", "pyro_scalable")
     return f"git {commit}" + (" with uncommitted changes in pyro_scalable/" if dirty else "")
-
-
-def add_package_arguments(parser) -> None:
-    """``--package`` (another copy of ``pyro_scalable``, e.g. an earlier commit's) and ``--commit`` (its commit)."""
-    parser.add_argument("--package", type=Path, default=ROOT, help="the directory holding pyro_scalable/")
-    parser.add_argument("--commit", default="", help="the commit --package was taken from (for the report)")
-
-
-def use_package(args) -> tuple[Path, str, str]:
-    """Import ``pyro_scalable`` from ``args.package`` (before anything else imports it), so that before and after run
-    the same script: the folder it came from, the command's ``--package``/``--commit`` options, the report's words."""
-    sys.path.insert(0, str(args.package.resolve()))
-    import pyro_scalable
-
-    package = Path(pyro_scalable.__file__).resolve().parent.parent
-    option = "" if args.package.resolve() == ROOT else f" --package {args.package}"
-    option += f" --commit {args.commit}" if args.commit else ""
-    origin = f", the package at commit {args.commit}" if args.commit else ""
-    return package, option, origin
 
 
 def machine(threads: int, peers: str = "") -> list[str]:
@@ -297,7 +300,7 @@ def machine(threads: int, peers: str = "") -> list[str]:
     versions = f"python {platform.python_version()}, torch {torch.__version__}, pyro-ppl {pyro.__version__}"
     return [
         f"- code: {_code_version()}; {time.strftime('%Y-%m-%d %H:%M %Z')}",
-        f"- machine: {_cpu_name()}, {os.cpu_count()} CPU cores, torch threads {threads}; load average at start "
+        f"- machine: {cpu_name()}, {os.cpu_count()} CPU cores, torch threads {threads}; load average at start "
         f"{START_LOAD}, at this report {load_average()}",
         f"- {versions}" + (f", {peers}" if peers else ""),
     ]

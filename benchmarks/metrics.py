@@ -37,13 +37,13 @@ def accuracy(draws: Tensor, mean: Tensor, sd: Tensor) -> dict:
     }
 
 
-def mixing(draws: Tensor, seconds: float) -> dict:
-    """Smallest bulk ESS, ESS per second and (with 2+ chains) the largest split r_hat of (chains, draws, d)."""
-    draws = draws.double()
-    ess = float(effective_sample_size(draws, chain_dim=0, sample_dim=1).min())
+def mixing(draws: Tensor, seconds: float, halves: bool = False) -> dict:
+    """Smallest bulk ESS, ESS per second and (with 2+ chains, or ``halves``) the largest split r_hat of (chains,
+    draws, d) (:func:`diagnose`)."""
+    ess, r_hat = diagnose(draws)
     out = {"ess_min": round(ess, 1), "ess_per_s": round(ess / seconds, 2)}
-    if draws.shape[0] > 1:
-        out["r_hat_max"] = round(float(split_gelman_rubin(draws, chain_dim=0, sample_dim=1).max()), 4)
+    if draws.shape[0] > 1 or halves:
+        out["r_hat_max"] = round(r_hat, 4)
     return out
 
 

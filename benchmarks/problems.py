@@ -316,15 +316,7 @@ def reference(problem: Problem, data: Data, draws: int = 4000, seed: int = 0) ->
         return potential_fn(unflatten(theta))
 
     theta = torch.zeros(sum(sizes[s] for s in problem.sites), dtype=torch.float64, requires_grad=True)
-    search = torch.optim.LBFGS([theta], max_iter=200, line_search_fn="strong_wolfe", tolerance_grad=1e-10)
-
-    def closure() -> Tensor:
-        search.zero_grad()
-        value = potential(theta)
-        value.backward()
-        return value
-
-    search.step(closure)  # then Newton from near the mode, where it converges quadratically
+    _minimise([theta], lambda: potential(theta), 200, 1e-10)  # then Newton from near the mode: quadratic convergence
     theta = theta.detach()
     for _ in range(50):
         grad = torch.autograd.functional.jacobian(potential, theta)
@@ -342,6 +334,19 @@ def reference(problem: Problem, data: Data, draws: int = 4000, seed: int = 0) ->
     mean = weights @ sample
     sd = (weights @ (sample - mean) ** 2).sqrt()
     return {"mean": mean, "sd": sd, "mode": theta, "ess": float(1.0 / weights.square().sum()), "draws": draws}
+
+
+def _minimise(params: list[Tensor], loss: Callable[[], Tensor], steps: int, tolerance: float) -> None:
+    """L-BFGS with a strong-Wolfe line search on ``loss()`` over ``params``, in place."""
+    search = torch.optim.LBFGS(params, max_iter=steps, line_search_fn="strong_wolfe", tolerance_grad=tolerance)
+
+    def closure() -> Tensor:
+        search.zero_grad()
+        value = loss()
+        value.backward()
+        return value
+
+    search.step(closure)
 
 
 def _seeded(proposal: torch.distributions.MultivariateNormal, draws: int, seed: int) -> Tensor:
@@ -371,8 +376,8 @@ def digits(seed: int = 0) -> dict:
     torch.manual_seed(seed)
     net = network()
     train_map(net, x_train, y_train, epochs=100, batch_size=64, lbfgs=500, seed=seed)
-    latents = latents_of(net)
-    return {"net": net, "latents": latents, "x": x_train, "y": y_train, "x_test": x_test, "y_test": y_test}
+    data = {"x": x_train, "y": y_train, "x_test": x_test, "y_test": y_test}
+    return {"sizes": DIGITS_SIZES, "net": net, "latents": latents_of(net), **data}
 
 
 def train_map(net: nn.Module, x: Tensor, y: Tensor, epochs: int, batch_size: int, lbfgs: int, seed: int) -> None:
@@ -391,17 +396,8 @@ def train_map(net: nn.Module, x: Tensor, y: Tensor, epochs: int, batch_size: int
             optimizer.zero_grad()
             loss(x[idx], y[idx], n / len(idx)).backward()
             optimizer.step()
-    if not lbfgs:
-        return
-    search = torch.optim.LBFGS(params, max_iter=lbfgs, line_search_fn="strong_wolfe", tolerance_grad=1e-9)
-
-    def closure() -> Tensor:
-        search.zero_grad()
-        value = loss(x, y, 1.0)
-        value.backward()
-        return value
-
-    search.step(closure)
+    if lbfgs:
+        _minimise(params, lambda: loss(x, y, 1.0), lbfgs, 1e-9)
 
 
 def latents_of(net: nn.Sequential) -> dict[str, Tensor]:
@@ -451,32 +447,43 @@ def network_probs(latents: dict[str, Tensor], x: Tensor) -> Tensor:
 
 def pyro_network(chunk: int = 256, sizes: tuple[int, ...] = DIGITS_SIZES):
     """The same MLP as a Pyro model (weights ~ N(0, 1/prior)), its data plate subsampled in chunks."""
+    scale = DIGITS_PRIOR**-0.5
+    return pyro_mlp(sizes, lambda _: (scale, scale), torch.relu, _categorical, lambda n: min(chunk, n - 1))
+
+
+def _categorical(logits: Tensor) -> dist.Distribution:
+    return dist.Categorical(logits=logits)
+
+
+def pyro_mlp(sizes: tuple[int, ...], prior: Callable, activation: Callable, likelihood: Callable, batch: Callable):
+    """A ``PyroModule`` MLP of layer widths ``sizes`` (sites ``layers.<k>.weight`` and ``layers.<k>.bias``): normal
+    priors of sds ``prior(fan_in)`` (weights', biases'), ``activation`` between the layers, ``likelihood(output)`` in
+    a data plate subsampling ``batch(N)`` points (a call's ``batch_size``, ``None`` for all, overrides it)."""
     from pyro.nn import PyroModule, PyroSample
 
-    scale = DIGITS_PRIOR**-0.5
-
-    class PyroMLP(PyroModule):
+    class MLP(PyroModule):
         def __init__(self) -> None:
             super().__init__()
             layers = []
             for fan_in, fan_out in zip(sizes[:-1], sizes[1:]):
+                weight_sd, bias_sd = prior(fan_in)
                 layer = PyroModule[nn.Linear](fan_in, fan_out)
-                layer.weight = PyroSample(dist.Normal(0.0, scale).expand((fan_out, fan_in)).to_event(2))
-                layer.bias = PyroSample(dist.Normal(0.0, scale).expand((fan_out,)).to_event(1))
+                layer.weight = PyroSample(dist.Normal(0.0, weight_sd).expand((fan_out, fan_in)).to_event(2))
+                layer.bias = PyroSample(dist.Normal(0.0, bias_sd).expand((fan_out,)).to_event(1))
                 layers.append(layer)
             self.layers = PyroModule[nn.ModuleList](layers)
 
-        def forward(self, x: Tensor, y: Tensor | None = None) -> Tensor:
-            data = pyro.plate("data", x.shape[0], subsample_size=min(chunk, x.shape[0] - 1))
+        def forward(self, x: Tensor, y: Tensor | None = None, batch_size: int | None = -1) -> Tensor:
+            size = batch(x.shape[0]) if batch_size == -1 else batch_size  # -1: the model's own
+            data = pyro.plate("data", x.shape[0], subsample_size=size)
             f = x[data.indices]
             for k, layer in enumerate(self.layers):
                 f = layer(f)
-                if k < len(self.layers) - 1:
-                    f = torch.relu(f)
+                f = activation(f) if k < len(self.layers) - 1 else f
             with data:
-                return pyro.sample("y", dist.Categorical(logits=f), obs=None if y is None else y[data.indices])
+                return pyro.sample("y", likelihood(f), obs=None if y is None else y[data.indices])
 
-    return PyroMLP()
+    return MLP()
 
 
 # ---------------------------------------------------------------------------------------------- sample-then-optimise
@@ -509,32 +516,12 @@ def sto_linear_model(d: int, batch: int) -> Callable:
 
 def sto_mlp(width: int, batch: int) -> tuple[nn.Module, tuple[int, ...]]:
     """The tanh MLP 100-h-h-1 as a ``PyroModule``: N(0, 1/fan_in) weights, N(0, 1) biases, Normal(f, 0.1)."""
-    from pyro.nn import PyroModule, PyroSample
-
     sizes = (STO_INPUTS, width, width, 1)
 
-    class MLP(PyroModule):
-        def __init__(self) -> None:
-            super().__init__()
-            layers = []
-            for fan_in, fan_out in zip(sizes[:-1], sizes[1:]):
-                layer = PyroModule[nn.Linear](fan_in, fan_out)
-                layer.weight = PyroSample(dist.Normal(0.0, fan_in**-0.5).expand((fan_out, fan_in)).to_event(2))
-                layer.bias = PyroSample(dist.Normal(0.0, 1.0).expand((fan_out,)).to_event(1))
-                layers.append(layer)
-            self.layers = PyroModule[nn.ModuleList](layers)
+    def likelihood(f: Tensor) -> dist.Distribution:
+        return dist.Normal(f.squeeze(-1), STO_NOISE)
 
-        def forward(self, x: Tensor, y: Tensor | None = None) -> Tensor:
-            data = pyro.plate("data", x.shape[0], subsample_size=batch)
-            h = x[data.indices]
-            for k, layer in enumerate(self.layers):
-                h = layer(h)
-                h = torch.tanh(h) if k < len(self.layers) - 1 else h
-            with data:
-                observed = None if y is None else y[data.indices]
-                return pyro.sample("y", dist.Normal(h.squeeze(-1), STO_NOISE), obs=observed)
-
-    return MLP(), sizes
+    return pyro_mlp(sizes, lambda fan_in: (fan_in**-0.5, 1.0), torch.tanh, likelihood, lambda _: batch), sizes
 
 
 def sto_mlp_weights(sizes: tuple[int, ...], seed: int) -> dict[str, Tensor]:
@@ -606,15 +593,10 @@ def make_step(problem: Problem, n: int, seed: int = 0) -> StepProblem:
 
 
 def make_logistic(n: int, d: int, batch_size: int, seed: int) -> StepProblem:
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, d, generator=gen)
-    y = torch.bernoulli(torch.sigmoid(x @ (torch.randn(d, generator=gen) * (1.5 / math.sqrt(d)))), generator=gen)
-    x, y = x.to(DEVICE), y.to(DEVICE)
-
-    def model(x: Tensor, y: Tensor) -> None:
-        w = pyro.sample("w", dist.Normal(x.new_zeros(x.shape[1]), 1.0).to_event(1))
-        with pyro.plate("data", x.shape[0], subsample_size=batch_size) as idx:
-            pyro.sample("obs", dist.Bernoulli(logits=x[idx] @ w), obs=y[idx])
+    """The "logistic" kind's data and Pyro model in ``d`` dimensions, on :data:`DEVICE`."""
+    logistic = Problem(f"logistic-d{d}", "logistic", d, "")
+    data = logistic.data(n, seed)
+    x, y, model = data.x.to(DEVICE), data.y.to(DEVICE), logistic.pyro_model(batch_size)
 
     def log_density(latents: dict[str, Tensor], xb: Tensor, yb: Tensor) -> Tensor:
         w = latents["w"]
@@ -694,29 +676,7 @@ def cold_digits(n: int) -> dict:
 
 def cold_mlp(widths: tuple[int, ...] = (64, 32, COLD_CLASSES)) -> nn.Module:
     """The tanh MLP 64-32-10, N(0, 1) priors on every weight and bias, its likelihood in a plate of ``batch_size``."""
-    from pyro.nn import PyroModule, PyroSample
-
-    class MLP(PyroModule):
-        def __init__(self) -> None:
-            super().__init__()
-            layers = []
-            for fan_in, fan_out in zip(widths[:-1], widths[1:]):
-                layer = PyroModule[nn.Linear](fan_in, fan_out)
-                layer.weight = PyroSample(dist.Normal(0.0, 1.0).expand([fan_out, fan_in]).to_event(2))
-                layer.bias = PyroSample(dist.Normal(0.0, 1.0).expand([fan_out]).to_event(1))
-                layers.append(layer)
-            self.layers = PyroModule[nn.ModuleList](layers)
-
-        def forward(self, x: Tensor, y: Tensor | None = None, batch_size: int | None = COLD_BATCH) -> Tensor:
-            data = pyro.plate("data", x.shape[0], subsample_size=batch_size)
-            h = x[data.indices]
-            for layer in self.layers[:-1]:
-                h = torch.tanh(layer(h))
-            logits = self.layers[-1](h)
-            with data:
-                return pyro.sample("y", dist.Categorical(logits=logits), obs=None if y is None else y[data.indices])
-
-    return MLP()
+    return pyro_mlp(widths, lambda _: (1.0, 1.0), torch.tanh, _categorical, lambda _: COLD_BATCH)
 
 
 def cold_member_probs(samples: dict[str, Tensor], x: Tensor) -> Tensor:

@@ -13,11 +13,12 @@ from __future__ import annotations
 import json
 import os
 import platform
-import subprocess
 import time
 from pathlib import Path
 
-__all__ = ["RESULTS", "append", "latest", "load", "path", "stamp"]
+from benchmarks.harness import cpu_name, git
+
+__all__ = ["RESULTS", "append", "latest", "load", "path", "read", "stamp", "write"]
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ROOT = RESULTS.parent.parent
@@ -27,31 +28,16 @@ def path(suite: str) -> Path:
     return RESULTS / suite / "cells.jsonl"
 
 
-def _git(*args: str) -> str:
-    try:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return ""
-
-
-def _cpu() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
-
-
 def stamp(threads: int, device: str) -> dict:
     """The fields every measured record of this run shares."""
     import pyro
     import torch
 
     return {
-        "commit": _git("rev-parse", "--short", "HEAD") or "unknown",
-        "dirty": bool(_git("status", "--porcelain", "pyro_scalable")),
+        "commit": git("rev-parse", "--short", "HEAD") or "unknown",
+        "dirty": bool(git("status", "--porcelain", "pyro_scalable")),
         "machine": {
-            "cpu": _cpu(),
+            "cpu": cpu_name(),
             "cores": os.cpu_count(),
             "device": device,
             "threads": threads,
@@ -67,18 +53,26 @@ def now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-def append(suite: str, record: dict) -> None:
-    target = path(suite)
+def write(target: Path, record: dict) -> None:
+    """Append ``record`` to the JSON-lines file ``target``."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with target.open("a", encoding="utf-8") as f:
         f.write(json.dumps(record, ensure_ascii=False) + "\n")
 
 
-def load(suite: str) -> list[dict]:
-    target = path(suite)
+def read(target: Path) -> list[dict]:
+    """Every record of the JSON-lines file ``target`` (none if it is absent)."""
     if not target.is_file():
         return []
     return [json.loads(line) for line in target.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def append(suite: str, record: dict) -> None:
+    write(path(suite), record)
+
+
+def load(suite: str) -> list[dict]:
+    return read(path(suite))
 
 
 def _key(record: dict) -> tuple:

@@ -36,27 +36,11 @@ def _order(suite, record: dict) -> tuple:
 
 
 def posteriordb_totals() -> str:
-    """Verdicts per engine and priors over ``benchmarks/bench_posteriordb.py``'s latest cells (its own record shape)."""
-    cells: dict[tuple, dict] = {}
-    for record in records.load("posteriordb"):
-        cells[record["posterior"], record["engine"], record["priors"], record["seed"]] = record
-    engines = list(dict.fromkeys(key[1] for key in cells))
-    groups = (("the 26 regressions", ("regression",)), ("the other 6", ("time-series", "hmm", "gp")))
-    verdicts = ("PASS", "WARNED", "SILENT", "REFUSED", "ERROR")
-    lines = [
-        "| engine | priors | posteriors | seeds | " + " | ".join(verdicts) + " |",
-        "|---|---|---|---|" + "---:|" * 5,
-    ]
-    for engine in engines:
-        for priors in ("stated", "weak"):
-            for label, kinds in groups:
-                chosen = [r for k, r in cells.items() if k[1] == engine and k[2] == priors and r["kind"] in kinds]
-                if chosen:
-                    found = [r["verdict"] for r in chosen]
-                    seeds = ", ".join(str(seed) for seed in sorted({r["seed"] for r in chosen}))
-                    counts = " | ".join(str(found.count(v)) for v in verdicts)
-                    lines.append(f"| {engine} | {priors} | {label} | {seeds} | {counts} |")
-    return "\n".join(lines) + "\n"
+    """Verdicts per engine and priors over ``python -m benchmarks posteriordb``'s latest cells (its own records)."""
+    from benchmarks import posteriordb
+
+    cells = posteriordb.latest(records.path("posteriordb"))
+    return "\n".join(posteriordb.totals(cells, list(dict.fromkeys(key[1] for key in cells)))) + "\n"
 
 
 def _collapsed(column, rows: list[dict]) -> bool:

@@ -41,10 +41,14 @@ class Suite:
 
 
 def _m(key: str, spec: str = "", scale: float = 1.0, suffix: str = "") -> Callable[[dict], str]:
+    """A metric of the record; a list (e.g. one value per temperature) as its values joined by " / "."""
+
     def show(record: dict) -> str:
         value = record.get("metrics", {}).get(key)
-        if value is None:
+        if value is None or (isinstance(value, list) and all(v is None for v in value)):
             return "–"
+        if isinstance(value, list):
+            return "\u00a0/ ".join("–" if v is None else f"{v * scale:{spec}}{suffix}" for v in value)
         if isinstance(value, bool):
             return "yes" if value else "**no**"
         if isinstance(value, str):
@@ -88,11 +92,19 @@ def _source(record: dict) -> str:
     return "transcribed" if record.get("provenance", "measured") != "measured" else record.get("date", "")[:10]
 
 
-MCMC_COLUMNS = (
+def _table(*columns: Column, measured: bool = True) -> tuple[Column, ...]:
+    """``columns``, then the load during the cell and (``measured``) the date it was measured or "transcribed"."""
+    return (*columns, Column("load", _load), *((Column("measured", _source),) if measured else ()))
+
+
+ENGINE, WHERE = Column("engine", lambda r: r["engine"]), Column("where", _where, collapsible=True)
+
+
+MCMC_COLUMNS = _table(
     Column("problem", lambda r: r["problem"], collapsible=True),
     Column("N", _n, collapsible=True),
-    Column("engine", lambda r: r["engine"]),
-    Column("where", _where, collapsible=True),
+    ENGINE,
+    WHERE,
     Column("seconds", _seconds(",.1f")),
     Column("draws", _m("draws")),
     Column("accurate", _m("accurate")),
@@ -100,45 +112,41 @@ MCMC_COLUMNS = (
     Column("sd err.", _m("sd_error", ".0%")),
     Column("ESS/s", _m("ess_per_s", ",.1f")),
     Column("r_hat", _m("r_hat_max", ".3f")),
-    Column("load", _load),
+    measured=False,
 )
 
-LAPLACE_COLUMNS = (
-    Column("engine", lambda r: r["engine"]),
-    Column("where", _where, collapsible=True),
+LAPLACE_COLUMNS = _table(
+    ENGINE,
+    WHERE,
     Column("seconds (fit + tune + predict)", _seconds(",.2f")),
     Column("extra memory (MB)", lambda r: "–" if r.get("peak_mb") is None else f"{r['peak_mb']:.0f}"),
     Column("prior precision", _m("prior_precision", ".3g")),
     Column("test NLL", _m("nll", ".3f")),
     Column("ECE", _m("ece", ".3f")),
     Column("accuracy", _m("test_accuracy", ".1%")),
-    Column("load", _load),
-    Column("measured", _source),
 )
 
-DIGITS_COLUMNS = (
-    Column("engine", lambda r: r["engine"]),
-    Column("where", _where, collapsible=True),
+DIGITS_COLUMNS = _table(
+    ENGINE,
+    WHERE,
     Column("seconds (the call, predictive included)", _seconds(",.2f")),
     Column("draws", _m("draws")),
     Column("test NLL", _m("nll", ".3f")),
     Column("ECE", _m("ece", ".3f")),
     Column("accuracy", _m("test_accuracy", ".1%")),
-    Column("load", _load),
-    Column("measured", _source),
 )
 
-HIERARCHY_COLUMNS = (
+HIERARCHY_COLUMNS = _table(
     Column("problem", lambda r: r["problem"]),
     Column("N", _n),
-    Column("engine", lambda r: r["engine"]),
-    Column("where", _where, collapsible=True),
+    ENGINE,
+    WHERE,
     Column("seconds", _seconds(",.1f")),
     Column("steps × chains", _m("draws")),
     Column("least ESS", _m("ess_min", ",.0f")),
     Column("ESS/s", _m("ess_per_s", ",.1f")),
     Column("r_hat", _m("r_hat_max", ".3f")),
-    Column("load", _load),
+    measured=False,
 )
 
 
@@ -150,48 +158,44 @@ def _ratios(record: dict) -> str:
     return f"**{shown}**" if found["sd_error"] > 0.1 else shown
 
 
-LAPLACE_COST_COLUMNS = (
+LAPLACE_COST_COLUMNS = _table(
     Column("N", _n, collapsible=True),
-    Column("engine", lambda r: r["engine"]),
-    Column("where", _where, collapsible=True),
+    ENGINE,
+    WHERE,
     Column("seconds", _seconds(",.2f")),
     Column("extra memory (MB)", _m("call_mb", ",.0f")),
     Column("log evidence", _m("log_evidence", ",.1f")),
-    Column("load", _load),
-    Column("measured", _source),
 )
 
-CALIBRATION_COLUMNS = (
+CALIBRATION_COLUMNS = _table(
     Column("N", _n, collapsible=True),
-    Column("engine", lambda r: r["engine"]),
-    Column("where", _where, collapsible=True),
+    ENGINE,
+    WHERE,
     Column("sd / exact sd (w₁/w₂ ± MCSE)", _ratios),
     Column("mean err. (sd)", _m("mean_error_sd", ".2f")),
     Column("step size", _m("step_size", ".3g")),
     Column("draws × chains", _m("draws")),
     Column("seconds", _seconds(",.1f")),
-    Column("load", _load),
+    measured=False,
 )
 
-DISTRIBUTED_COLUMNS = (
+DISTRIBUTED_COLUMNS = _table(
     Column("N", _n, collapsible=True),
-    Column("engine", lambda r: r["engine"]),
-    Column("where", _where, collapsible=True),
+    ENGINE,
+    WHERE,
     Column("ms per step, 1 rank", _m("step_ms_1_rank", ",.1f")),
     Column("2 ranks", _m("step_ms_2_ranks", ",.1f")),
     Column("speed-up", _m("speedup", ".2f", suffix="×")),
     Column("efficiency", _m("efficiency", ".2f")),
     Column("steps", _m("steps")),
-    Column("load", _load),
-    Column("measured", _source),
 )
 
 SIZES = {name: p.d for name, p in PROBLEMS.items()}
 
-STEP_COLUMNS = (
+STEP_COLUMNS = _table(
     Column("problem", lambda r: r["problem"]),
     Column("N", _n),
-    Column("engine", lambda r: r["engine"]),
+    ENGINE,
     Column("where", _where),
     Column("ours (ms)", _m("ours_ms", ".3f")),
     Column("hand-written (ms)", _m("hand_ms", ".3f")),
@@ -203,11 +207,9 @@ STEP_COLUMNS = (
     Column("hand-written batched", _m("batched_per_s", ",.0f")),
     Column("vectorised / sequential", _m("vs_sequential", ".2f", suffix="×")),
     Column("vectorised / batched", _m("vs_batched", ".2f", suffix="×")),
-    Column("load", _load),
-    Column("measured", _source),
 )
 
-BLACKJAX_COLUMNS = (
+BLACKJAX_COLUMNS = _table(
     Column("problem", lambda r: r["problem"]),
     Column("N", _n, collapsible=True),
     Column("where", _where),
@@ -221,40 +223,23 @@ BLACKJAX_COLUMNS = (
     Column("plain / BlackJAX", _m("eager_vs_blackjax", ".1f", suffix="×")),
     Column("compiled / BlackJAX", _m("compiled_vs_blackjax", ".1f", suffix="×")),
     Column("compile (s)", _m("compile_s", ".1f")),
-    Column("load", _load),
-    Column("measured", _source),
 )
 
 
-def _per_t(key: str, spec: str = ".3f") -> Callable[[dict], str]:
-    """A metric at every temperature (1 / 0.3 / 0.1 / 0.03 / 0.01), or the one value of an untempered engine."""
-
-    def show(record: dict) -> str:
-        value = record.get("metrics", {}).get(key)
-        if value is None or value == [None] * len(value if isinstance(value, list) else []):
-            return "–"
-        values = value if isinstance(value, list) else [value]
-        return "\u00a0/ ".join("–" if v is None else f"{v:{spec}}" for v in values)
-
-    return show
-
-
-COLD_COLUMNS = (
+COLD_COLUMNS = _table(
     Column("N", _n, collapsible=True),
-    Column("engine", lambda r: r["engine"]),
-    Column("where", _where, collapsible=True),
+    ENGINE,
+    WHERE,
     Column("seconds", _seconds(",.0f")),
-    Column("test NLL, T = 1 / 0.3 / 0.1 / 0.03 / 0.01", _per_t("nll")),
-    Column("accuracy", _per_t("test_accuracy", ".2f")),
-    Column("AUROC, total", _per_t("auroc_total", ".2f")),
-    Column("AUROC, epistemic", _per_t("auroc_epistemic", ".2f")),
-    Column("load", _load),
-    Column("measured", _source),
+    Column("test NLL, T = 1 / 0.3 / 0.1 / 0.03 / 0.01", _m("nll", ".3f")),
+    Column("accuracy", _m("test_accuracy", ".2f")),
+    Column("AUROC, total", _m("auroc_total", ".2f")),
+    Column("AUROC, epistemic", _m("auroc_epistemic", ".2f")),
 )
 
-STO_ACCURACY_COLUMNS = (
+STO_ACCURACY_COLUMNS = _table(
     Column("problem", lambda r: r["problem"]),
-    Column("where", _where, collapsible=True),
+    WHERE,
     Column("draws", _m("draws", ".0f")),
     Column("CG passes", _m("cg_passes", ".0f")),
     Column("seconds", _seconds(",.1f")),
@@ -264,28 +249,24 @@ STO_ACCURACY_COLUMNS = (
     Column("cov. error, same noise", _m("cov_error", ".3f")),
     Column("sd err., same noise", _m("sd_error", ".3f")),
     Column("warned", lambda r: "–" if r["status"] != "ok" else "yes" if r["metrics"]["warned"] else "no"),
-    Column("load", _load),
-    Column("measured", _source),
 )
 
-STO_COST_COLUMNS = (
+STO_COST_COLUMNS = _table(
     Column("problem", lambda r: r["problem"]),
     Column("d", lambda r: f"{SIZES.get(r['problem'], 0):,}"),
-    Column("where", _where, collapsible=True),
+    WHERE,
     Column("draws K", _m("draws", ".0f")),
     Column("step, K draws (s)", _seconds(".3f")),
     Column("per draw / fwd+bwd", _m("per_draw_vs_hand", ".1f", suffix="×")),
     Column("marginal / fwd+bwd", _m("marginal_vs_hand", ".1f", suffix="×")),
     Column("extra RSS, 1 / K (MB)", _m("extra_mb")),
     Column("memory per draw (d floats)", _m("floats_per_draw", ".1f")),
-    Column("load", _load),
-    Column("measured", _source),
 )
 
-STO_EM_COLUMNS = (
+STO_EM_COLUMNS = _table(
     Column("network", lambda r: r["problem"] or "digits 64-100-10"),
-    Column("engine", lambda r: r["engine"]),
-    Column("where", _where, collapsible=True),
+    ENGINE,
+    WHERE,
     Column("seconds", _seconds(",.0f")),
     Column("change of α by EM step", _m("changes")),
     Column("settled after step", _m("settled", ".0f")),
@@ -293,19 +274,17 @@ STO_EM_COLUMNS = (
     Column("test NLL (probit)", _m("nll", ".3f")),
     Column("ECE", _m("ece", ".3f")),
     Column("accuracy", _m("test_accuracy", ".1%")),
-    Column("load", _load),
-    Column("measured", _source),
 )
 
-EKF_COLUMNS = (
+EKF_COLUMNS = _table(
     Column("problem", lambda r: r["problem"]),
-    Column("engine", lambda r: r["engine"]),
-    Column("where", _where, collapsible=True),
+    ENGINE,
+    WHERE,
     Column("seconds", _seconds(",.2f")),
     Column("mean err. (sd)", _m("mean_error_sd", ".2f")),
     Column("sd / exact sd", _m("sd_ratio")),
     Column("warned", lambda r: "–" if r["status"] != "ok" else "yes" if r["metrics"]["warned"] else "no"),
-    Column("load", _load),
+    measured=False,
 )
 
 SUITES: dict[str, Suite] = {

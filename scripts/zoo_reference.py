@@ -9,7 +9,7 @@ The ``PyroModule`` network is left out: its posterior is symmetric under permuti
 per-weight means and sds are not a property of the posterior a sampler can be checked against.
 
 Writes ``tests/zoo_reference.json`` (or ``--out``), which ``tests/test_zoo_accuracy.py`` and
-``benchmarks/bench_zoo_seeds.py`` read.
+``python -m benchmarks zoo-seeds`` read.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Normal, StudentT, Bernoulli, Poisson and Categorical likelihoods; centred and no
 groups, a 300-group varying intercept, a firm panel with varying slopes, a 100-cluster mixed logit); a
 ``PyroModule`` network; both plate styles; nested plates. ``tests/test_model_zoo.py`` runs every engine on each;
 ``tests/test_zoo_accuracy.py`` checks the default kernels' draws against ``tests/zoo_reference.json`` (written by
-``scripts/zoo_reference.py``); ``benchmarks/bench_zoo_seeds.py`` does so over many seeds.
+``scripts/zoo_reference.py``); ``python -m benchmarks zoo-seeds`` does so over many seeds.
 """
 
 from __future__ import annotations

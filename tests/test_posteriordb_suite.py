@@ -1,6 +1,6 @@
 """The external accuracy suite's fast tier: the engines at their defaults on cheap posteriordb ports.
 
-The full suite is ``benchmarks/bench_posteriordb.py`` (every engine on every port, both priors; its table is on the
+The full suite is ``python -m benchmarks posteriordb`` (every engine on every port, both priors; its table is on the
 benchmarks page). Here, on kidiq's regressions (N = 434, the data plate's minibatch 43), the verdicts the suite
 reports: each engine's draws against posteriordb's reference summaries (long Stan NUTS runs) with the suite's
 criteria — every mean within 0.2 reference sd, every sd within 0.8-1.25 of the reference's, r_hat at most 1.01 for

@@ -6,7 +6,7 @@ Accurate: every element's mean within 0.2 reference sd and its sd within 5% plus
 (``docs/benchmarks.md``): where it is not, the HealthWarning names the ``num_samples`` that gets there, and a slow
 test runs that advice. The fast tier runs two seeds of three cheap models with SGHMC (the conjugate one's reference
 is exact). The slow tier holds every pair that was accurate in ten of ten seeds to it, and every other run to a
-HealthWarning wherever it misses the reference. ``benchmarks/bench_zoo_seeds.py`` runs ten seeds.
+HealthWarning wherever it misses the reference. ``python -m benchmarks zoo-seeds`` runs ten seeds.
 """
 
 from __future__ import annotations

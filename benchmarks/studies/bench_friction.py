@@ -31,10 +31,29 @@ import time
 import warnings
 
 import torch
-from harness import add_package_arguments, log, machine, use_package, write_report
+from harness import log, machine, write_report
 
 HERE = Path(__file__).resolve().parents[1]  # benchmarks/
 SEEDS = (0, 1, 2)
+
+
+def add_package_arguments(parser) -> None:
+    """``--package`` (another copy of ``pyro_scalable``, e.g. an earlier commit's) and ``--commit`` (its commit)."""
+    parser.add_argument("--package", type=Path, default=HERE.parent, help="the directory holding pyro_scalable/")
+    parser.add_argument("--commit", default="", help="the commit --package was taken from (for the report)")
+
+
+def use_package(args) -> tuple[Path, str, str]:
+    """Import ``pyro_scalable`` from ``args.package`` (before anything else imports it), so that before and after run
+    the same script: the folder it came from, the command's ``--package``/``--commit`` options, the report's words."""
+    sys.path.insert(0, str(args.package.resolve()))
+    import pyro_scalable
+
+    package = Path(pyro_scalable.__file__).resolve().parent.parent
+    option = "" if args.package.resolve() == HERE.parent else f" --package {args.package}"
+    option += f" --commit {args.commit}" if args.commit else ""
+    origin = f", the package at commit {args.commit}" if args.commit else ""
+    return package, option, origin
 
 
 def main() -> None:

@@ -1,79 +1,67 @@
 """The default kernels on every zoo model over many seeds: how often are the draws accurate? (slow)
 
-``python benchmarks/bench_zoo_seeds.py --out benchmarks/results/zoo_seeds.md`` runs each default kernel (SGHMC,
-SGLD, pSGLD: nothing but the model; ``--kernels Multilevel``: ``MultilevelMCMC`` on the models with a group plate) on
-each model of ``tests/model_zoo.py`` that has a reference in ``tests/zoo_reference.json``
-(``scripts/zoo_reference.py``), with 4 chains, 1,000 warm-up steps and 1,000 draws (the lengths the README uses), for
-``--seeds`` seeds, and checks the draws as ``tests/test_zoo_accuracy.py`` does (``tests.model_zoo.accuracy``): every
-element's mean within 0.2 reference sd, its sd within 5% plus three Monte-Carlo standard errors, rank-normalised
-r_hat at most 1.01. It writes the pass rate per model and kernel, and each failing seed's figures (worst mean error,
-sd error, r_hat, least bulk ESS, the run's warnings).
+``python -m benchmarks zoo-seeds --out benchmarks/results/zoo_seeds.md`` runs each default kernel (SGHMC, SGLD,
+pSGLD: nothing but the model; ``--kernels Multilevel``: ``MultilevelMCMC`` on the models with a group plate) on each
+model of ``tests/model_zoo.py`` that has a reference in ``tests/zoo_reference.json`` (``scripts/zoo_reference.py``),
+with 4 chains, 1,000 warm-up steps and 1,000 draws (the lengths the README uses), for ``--seeds`` seeds, and checks
+the draws as ``tests/test_zoo_accuracy.py`` does (``tests.model_zoo.accuracy``): every element's mean within 0.2
+reference sd, its sd within 5% plus three Monte-Carlo standard errors, rank-normalised r_hat at most 1.01. It writes
+the pass rate per model and kernel, and each failing seed's figures (worst mean error, sd error, r_hat, least bulk
+ESS, the run's warnings); ``--cells`` also appends one JSON record per run (model, kernel, seed and those figures).
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
-import time
-import warnings
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import harness, records
 
-import harness  # noqa: E402
-
-from pyro_scalable.infer import PSGLD, SGHMC, SGLD, MultilevelMCMC, StochasticMCMC  # noqa: E402
-from tests.model_zoo import accuracy, reference, zoo_model  # noqa: E402
-
-KERNELS = {"SGHMC": SGHMC, "SGLD": SGLD, "PSGLD": PSGLD, "Multilevel": MultilevelMCMC}
+KERNELS = ("SGHMC", "SGLD", "PSGLD", "Multilevel")
 
 
 def run_once(model_name: str, kernel: str, seed: int, warmup: int, samples: int, chains: int) -> dict:
     """One default run of ``kernel`` on ``model_name``: its accuracy, time and warnings."""
+    from pyro_scalable import infer
+    from tests.model_zoo import accuracy, reference, zoo_model
+
     model, args = zoo_model(model_name)
+    lengths = {"num_samples": samples, "num_warmup": warmup, "num_chains": chains, "seed": seed}
     if kernel == "Multilevel":  # an engine, not a kernel of StochasticMCMC
-        mcmc = MultilevelMCMC(
-            model, num_samples=samples, num_warmup=warmup, num_chains=chains, seed=seed, progress_bar=False
-        )
+        mcmc = infer.MultilevelMCMC(model, **lengths, progress_bar=False)
     else:
-        mcmc = StochasticMCMC(
-            KERNELS[kernel](model),
-            num_samples=samples,
-            num_warmup=warmup,
-            num_chains=chains,
-            seed=seed,
-            progress_bar=False,
-        )
-    start = time.perf_counter()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+        mcmc = infer.StochasticMCMC(getattr(infer, kernel)(model), **lengths, progress_bar=False)
+    with harness.Timed() as timed:
         mcmc.run(*args)
-    seconds = time.perf_counter() - start
     result = accuracy(mcmc.get_samples(group_by_chain=True), reference()["models"][model_name])
     result.update(
-        seconds=seconds,
+        seconds=timed.seconds,
         restarted=int(mcmc.restarted.sum()) if hasattr(mcmc, "restarted") else 0,
         warmup_divergences=getattr(mcmc, "num_warmup_divergences", 0),
         warnings=[
-            str(w.message).split(":")[0][:60] + (" (says NUTS)" if "NUTS" in str(w.message) else "") for w in caught
+            str(w.message).split(":")[0][:60] + (" (says NUTS)" if "NUTS" in str(w.message) else "")
+            for w in timed.caught
         ],
     )
     return result
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=None)
+def add_arguments(parser) -> None:
+    parser.add_argument("--out", default=None, help="the Markdown report (else stdout only)")
+    parser.add_argument("--cells", type=Path, default=None, help="also append one JSON record per run here")
     parser.add_argument("--seeds", type=int, default=10)
     parser.add_argument("--first-seed", type=int, default=0, help="seeds first-seed, ..., first-seed + seeds - 1")
-    parser.add_argument("--kernels", nargs="*", default=list(KERNELS))
+    parser.add_argument("--kernels", nargs="*", default=list(KERNELS), choices=KERNELS)
     parser.add_argument("--models", nargs="*", default=None)
     parser.add_argument("--warmup", type=int, default=1000)
     parser.add_argument("--samples", type=int, default=1000)
     parser.add_argument("--chains", type=int, default=4)
-    options = parser.parse_args()
+
+
+def main(options) -> None:
+    from tests.model_zoo import reference
+
     torch.set_num_threads(1)
     models = options.models or list(reference()["models"])
     rows, failures = [], []
@@ -85,6 +73,10 @@ def main() -> None:
                 results.append(result)
                 if not result["passed"]:
                     failures.append((model_name, kernel, seed, result))
+                if options.cells:
+                    cell = {"model": model_name, "kernel": kernel, "seed": seed, "chains": options.chains}
+                    cell |= {"warmup": options.warmup, "samples": options.samples, "date": records.now()}
+                    records.write(options.cells, {**cell, **result, "code": harness._code_version()})
                 harness.log(f"{model_name} {kernel} seed {seed}: {result}")
             passed = sum(r["passed"] for r in results)
             rows.append(
@@ -96,7 +88,7 @@ def main() -> None:
     lines = [
         f"# The default kernels on the zoo over {options.seeds} seeds: {', '.join(models)}",
         "",
-        f"`python benchmarks/bench_zoo_seeds.py --seeds {options.seeds}` ({options.chains} chains, "
+        f"`python -m benchmarks zoo-seeds --seeds {options.seeds}` ({options.chains} chains, "
         f"{options.warmup} warm-up steps, {options.samples} draws; pass: every element's mean within 0.2 reference "
         "sd, sd within 5% + 3 MCSE, r_hat <= 1.01).",
         "",
@@ -119,7 +111,3 @@ def main() -> None:
         harness.write_report(text, Path(options.out))
     else:
         print(text)
-
-
-if __name__ == "__main__":
-    main()

@@ -20,47 +20,29 @@ HalfNormal(1000)) and ``weak``
 the suite's check that warm-up gives the same verdicts whatever the prior's width). The linearised engines run on the
 regressions only, and are judged on the sites they cover (a regression's noise scale is held at its MAP).
 
-Usage::
-
-    python benchmarks/bench_posteriordb.py run [--engines sghmc,...] [--posteriors name,...] [--priors stated,weak]
-        [--seeds 0,1] [--kinds regression] [--out benchmarks/results/posteriordb/cells.jsonl]
-    python benchmarks/bench_posteriordb.py advised [--cells ...] [--out benchmarks/results/posteriordb/advised.jsonl]
-    python benchmarks/bench_posteriordb.py report [--cells ...] [--out benchmarks/results/posteriordb_suite.md]
-
-``run`` appends one JSON record per cell (posterior, engine, priors, seed, verdict, the worst mean error and sd ratio
-and where, r_hat, the warnings' first 300 characters, seconds, commit, machine, threads, load at start and end) and
-skips cells already in the file; ``advised`` runs every WARNED SG-MCMC cell again at the length its warning
-advised; ``report`` renders the latest record of each cell as tables and totals.
+``python -m benchmarks posteriordb run`` (``--help``: engines, posteriors, priors, seeds, kinds, ``--out``) appends
+one JSON record per cell (posterior, engine, priors, seed, verdict, the worst mean error and sd ratio and where, r_hat,
+the warnings' first 300 characters, seconds, commit, threads, load at start and end) to
+``benchmarks/results/posteriordb/cells.jsonl`` and skips cells already in the file; ``advised`` runs every WARNED
+SG-MCMC cell again at the length its warning advised (``advised.jsonl``); ``report`` renders the latest record of
+each cell as tables and totals (``benchmarks/results/posteriordb_suite.md``; the page shows the totals).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import math
-import os
 import re
-import sys
-import time
 import traceback
 import warnings
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from benchmarks import harness, records
 
-import harness  # noqa: E402
-
-from pyro_scalable.bridge.checks import ModelError  # noqa: E402
-from tests.posteriordb import POSTERIORS  # noqa: E402
-from tests.posteriordb.regressions import LinearRegression  # noqa: E402
-
-CELLS = ROOT / "benchmarks" / "results" / "posteriordb" / "cells.jsonl"
-REPORT = ROOT / "benchmarks" / "results" / "posteriordb_suite.md"
+CELLS = records.path("posteriordb")
+REPORT = records.RESULTS / "posteriordb_suite.md"
 MEAN_TOLERANCE, SD_RATIO, R_HAT = 0.2, (0.8, 1.25), 1.01
 # Independent draws: the mean's Monte-Carlo error is 1/sqrt(K) reference sds, which the 0.2-sd tolerance must dwarf.
 # At K = 512 (0.044 sd) one cell of 52 failed on the random numbers alone: sblrc at seed 0, 0.205 sd, where the
@@ -71,8 +53,9 @@ STO_DRAWS = 2048
 ADVISED = re.compile(r"num_samples=([\d,]+)")  # the length a HealthWarning advises
 NUM_WARMUP, NUM_SAMPLES, NUM_CHAINS = 1000, 3000, 4  # the README's lengths
 ENGINES = ("sghmc", "sghmc-full", "sgld", "sgld-full", "psgld", "psgld-full", "laplace", "sto", "swag")
-PRIORS = ("stated", "weak")
+SGMCMC = ("sghmc", "sgld", "psgld")
 LINEARISED, LINEARISED_KINDS = ("laplace", "sto"), ("regression",)
+VERDICTS = ("PASS", "WARNED", "SILENT", "REFUSED", "ERROR")
 
 
 # ------------------------------------------------------------------------------------------------ the models
@@ -84,6 +67,8 @@ def model_of(posterior, priors: str):
     autoscaled priors use, so that the posterior is the stated one to a few hundredths of an sd (a fixed
     Normal(0, 10) moved kidiq's intercept, 26 on a score's scale, by 2 posterior sds).
     """
+    from tests.posteriordb.regressions import LinearRegression
+
     if priors == "stated":
         return posterior.model
     if not isinstance(posterior.model, LinearRegression):
@@ -97,44 +82,36 @@ def model_of(posterior, priors: str):
     )
 
 
-def full_batch(model, num_data: int):
-    """The regression with its data plate's minibatch all of the data: the user's full-batch run."""
-    return dataclasses.replace(model, batch_size=num_data)
-
-
 # ------------------------------------------------------------------------------------------------ the engines
-def run_engine(engine: str, model, args, seed: int) -> tuple[dict[str, torch.Tensor], bool]:
+def run_engine(engine: str, model, args, seed: int, num_samples: int) -> tuple[dict[str, torch.Tensor], bool]:
     """The engine's draws of the sites it covers (``(chains, draws, ...)`` for chains, ``(1, draws, ...)`` otherwise)
     and whether they are chains (r_hat applies)."""
-    from pyro_scalable.infer import PSGLD, SGHMC, SGLD, SWAG, SampleThenOptimize, StochasticMCMC
+    from pyro_scalable import infer
 
-    if engine.removesuffix("-full") in ("sghmc", "sgld", "psgld"):
-        kernel = {"sghmc": SGHMC, "sgld": SGLD, "psgld": PSGLD}[engine.removesuffix("-full")]
-        if engine.endswith("-full"):
-            model = full_batch(model, len(args[-1]))
-        mcmc = StochasticMCMC(
-            kernel(model),
-            num_samples=NUM_SAMPLES,
-            num_warmup=NUM_WARMUP,
-            num_chains=NUM_CHAINS,
-            seed=seed,
-            progress_bar=False,
-        )
+    if engine.removesuffix("-full") in SGMCMC:
+        kernel = getattr(infer, engine.removesuffix("-full").upper())
+        if engine.endswith("-full"):  # the regression with its data plate's minibatch all of the data
+            model = dataclasses.replace(model, batch_size=len(args[-1]))
+        lengths = {"num_samples": num_samples, "num_warmup": NUM_WARMUP, "num_chains": NUM_CHAINS}
+        mcmc = infer.StochasticMCMC(kernel(model), **lengths, seed=seed, progress_bar=False)
         mcmc.run(*args)
         return mcmc.get_samples(group_by_chain=True), True
     if engine == "laplace":
-        return _laplace(model, args, seed), False
-    if engine == "sto":
-        result = SampleThenOptimize(model, num_samples=STO_DRAWS, seed=seed, progress_bar=False).run(*args)
-        sampled = result.net.layout.names  # a noise scale is held at its MAP
-        return {k: v.unsqueeze(0) for k, v in result.get_samples().items() if k in sampled}, False
-    if engine == "swag":
-        posterior = SWAG(model, seed=seed, progress_bar=False).run(*args)
-        return {k: v.unsqueeze(0) for k, v in posterior.get_samples(4000, seed=seed).items()}, False
-    raise ValueError(f"unknown engine {engine!r}")
+        posterior = _laplace(model, args, seed)
+        sampled = posterior.sites  # a noise scale is held at its MAP
+    elif engine == "sto":
+        posterior = infer.SampleThenOptimize(model, num_samples=STO_DRAWS, seed=seed, progress_bar=False).run(*args)
+        sampled = posterior.net.layout.names  # a noise scale is held at its MAP
+    elif engine == "swag":
+        posterior = infer.SWAG(model, seed=seed, progress_bar=False).run(*args)
+        sampled = None
+    else:
+        raise ValueError(f"unknown engine {engine!r}")
+    draws = posterior.get_samples() if engine == "sto" else posterior.get_samples(4000, seed=seed)
+    return {k: v.unsqueeze(0) for k, v in draws.items() if sampled is None or k in sampled}, False
 
 
-def _laplace(model, args, seed: int) -> dict[str, torch.Tensor]:
+def _laplace(model, args, seed: int):
     import pyro
     from pyro.infer import SVI, Trace_ELBO
 
@@ -146,9 +123,7 @@ def _laplace(model, args, seed: int) -> dict[str, torch.Tensor]:
     svi = SVI(model, guide, pyro.optim.Adam({"lr": 0.01}), Trace_ELBO())
     for _ in range(3000):
         svi.step(*args)
-    posterior = guide.laplace_approximation(*args, structure="full")
-    sampled = posterior.sites  # a noise scale is held at its MAP
-    return {k: v.unsqueeze(0) for k, v in posterior.get_samples(4000, seed=seed).items() if k in sampled}
+    return guide.laplace_approximation(*args, structure="full")
 
 
 # ------------------------------------------------------------------------------------------------ one cell
@@ -179,7 +154,11 @@ def judge(posterior, samples: dict[str, torch.Tensor], chains: bool) -> dict:
     return worst
 
 
-def run_cell(name: str, engine: str, priors: str, seed: int) -> dict | None:
+def run_cell(name: str, engine: str, priors: str, seed: int, num_samples: int = NUM_SAMPLES) -> dict | None:
+    from pyro_scalable.bridge.checks import ModelError
+    from tests.posteriordb import POSTERIORS
+    from tests.posteriordb.regressions import LinearRegression
+
     posterior = POSTERIORS[name]
     model = model_of(posterior, priors)
     if model is None:
@@ -189,15 +168,13 @@ def run_cell(name: str, engine: str, priors: str, seed: int) -> dict | None:
     if engine in LINEARISED and posterior.kind not in LINEARISED_KINDS:
         return None  # the linearised engines serve GLMs and networks (a time series' or an HMM's posterior is neither)
     record = {"posterior": name, "kind": posterior.kind, "engine": engine, "priors": priors, "seed": seed}
-    record["num_samples"] = NUM_SAMPLES
+    record["num_samples"] = num_samples
     record |= {"load_start": harness.load_average(), "threads": torch.get_num_threads()}
-    began = time.perf_counter()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with harness.Timed() as timed:
         warnings.filterwarnings("ignore", category=DeprecationWarning)
         warnings.filterwarnings("ignore", category=FutureWarning)
         try:
-            samples, chains = run_engine(engine, model, posterior.args(), seed)
+            samples, chains = run_engine(engine, model, posterior.args(), seed, num_samples)
             record |= judge(posterior, samples, chains)
             outcome = None
         except ModelError as error:
@@ -206,8 +183,8 @@ def run_cell(name: str, engine: str, priors: str, seed: int) -> dict | None:
             outcome = "ERROR"
             record["error"] = f"{type(error).__name__}: {str(error)[:400]}"
             record["traceback"] = traceback.format_exc()[-1500:]
-    record["seconds"] = time.perf_counter() - began
-    ours = [w for w in caught if issubclass(w.category, UserWarning)]  # HealthWarning and the MAP check are ones
+    record["seconds"] = timed.seconds
+    ours = [w for w in timed.caught if issubclass(w.category, UserWarning)]  # HealthWarning and the MAP check are ones
     record["warnings"] = [f"{w.category.__name__}: {str(w.message)[:300]}" for w in ours]
     advice = " ".join(str(w.message) for w in ours)  # whole: the advice sits past the first 300 characters
     lengths = ADVISED.findall(advice)
@@ -225,36 +202,28 @@ def run_cell(name: str, engine: str, priors: str, seed: int) -> dict | None:
 
 # ------------------------------------------------------------------------------------------------ commands
 def latest(path: Path) -> dict[tuple, dict]:
-    cells = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            if line.strip():
-                record = json.loads(line)
-                cells[(record["posterior"], record["engine"], record["priors"], record["seed"])] = record
-    return cells
+    """The last record of each cell (posterior, engine, priors, seed) in ``path``."""
+    return {(r["posterior"], r["engine"], r["priors"], r["seed"]): r for r in records.read(path)}
 
 
 def run(options) -> None:
+    from tests.posteriordb import POSTERIORS
+
     names = options.posteriors.split(",") if options.posteriors else list(POSTERIORS)
     if options.kinds:
         names = [n for n in names if POSTERIORS[n].kind in options.kinds.split(",")]
     out = Path(options.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     done = latest(out)
-    torch.set_num_threads(options.threads)
-    global NUM_SAMPLES
-    NUM_SAMPLES = options.num_samples
     for seed in map(int, options.seeds.split(",")):
         for priors in options.priors.split(","):
             for engine in options.engines.split(","):
                 for name in names:
                     if (name, engine, priors, seed) in done and not options.again:
                         continue
-                    record = run_cell(name, engine, priors, seed)
+                    record = run_cell(name, engine, priors, seed, options.num_samples)
                     if record is None:
                         continue
-                    with out.open("a") as f:
-                        f.write(json.dumps(record) + "\n")
+                    records.write(out, record)
                     harness.log(
                         f"{name} {engine} {priors} {seed}: {record['verdict']} "
                         f"mean {record.get('mean_error', math.nan):.3g} sd {record.get('sd_ratio', math.nan):.3g} "
@@ -268,53 +237,55 @@ def run_advised(options) -> None:
     A cell whose warning advises full-batch NUTS (more full-data passes per effective draw than NUTS needs, with that
     figure) is listed and skipped: NUTS passes on every port (``scripts/posteriordb_check_ports.py``).
     """
-    global NUM_SAMPLES
     out = Path(options.out)
     done = latest(out)
-    torch.set_num_threads(options.threads)
     for key, record in sorted(latest(Path(options.cells)).items()):
-        if record["verdict"] != "WARNED" or record["engine"].removesuffix("-full") not in ("sghmc", "sgld", "psgld"):
+        if record["verdict"] != "WARNED" or record["engine"].removesuffix("-full") not in SGMCMC:
             continue
         advised = record.get("advised") or {"num_samples": None, "nuts": None}  # older records: none kept
         if advised["nuts"] or advised["num_samples"] is None:
             says = "full-batch NUTS, with the reason" if advised["nuts"] else "no length (an older record: run again)"
             harness.log(f"{' '.join(map(str, key))}: the advice is {says}; skipped")
             continue
-        NUM_SAMPLES = advised["num_samples"]
-        if key in done and done[key].get("num_samples") == NUM_SAMPLES and not options.again:
+        length = advised["num_samples"]
+        if key in done and done[key].get("num_samples") == length and not options.again:
             continue
-        result = run_cell(*key)
-        with out.open("a") as f:
-            f.write(json.dumps(result) + "\n")
-        harness.log(f"{' '.join(map(str, key))} at {NUM_SAMPLES}: {result['verdict']} r_hat {result.get('r_hat')}")
+        result = run_cell(*key, num_samples=length)
+        records.write(out, result)
+        harness.log(f"{' '.join(map(str, key))} at {length}: {result['verdict']} r_hat {result.get('r_hat')}")
+
+
+def totals(cells: dict[tuple, dict], engines: list[str]) -> list[str]:
+    """Verdicts per engine and priors over the regressions and the other posteriors: the table's lines."""
+    groups = (("the 26 regressions", ("regression",)), ("the other 6", ("time-series", "hmm", "gp")))
+    lines = [
+        "| engine | priors | posteriors | seeds | " + " | ".join(VERDICTS) + " |",
+        "|---|---|---|---|" + "---:|" * len(VERDICTS),
+    ]
+    for engine in engines:
+        for priors in ("stated", "weak"):
+            for label, kinds in groups:
+                chosen = [r for k, r in cells.items() if k[1] == engine and k[2] == priors and r["kind"] in kinds]
+                if chosen:
+                    found = [r["verdict"] for r in chosen]
+                    seeds = ", ".join(str(seed) for seed in sorted({r["seed"] for r in chosen}))
+                    counts = " | ".join(str(found.count(v)) for v in VERDICTS)
+                    lines.append(f"| {engine} | {priors} | {label} | {seeds} | {counts} |")
+    return lines
 
 
 def report(options) -> None:
     cells = latest(Path(options.cells))
-    engines = [e for e in ENGINES if any(key[1] == e for key in cells)]
     lines = [
         "# posteriordb suite: every engine at its defaults against posteriordb's reference posteriors",
         "",
-        f"`python benchmarks/bench_posteriordb.py run` then `report`; {len(cells)} cells. PASS: every mean within "
+        f"`python -m benchmarks posteriordb run` then `report`; {len(cells)} cells. PASS: every mean within "
         f"{MEAN_TOLERANCE} reference sd, sd ratio {SD_RATIO[0]}-{SD_RATIO[1]}, r_hat <= {R_HAT} (chains); WARNED: "
         "outside, and the run warned; SILENT: outside, no warning; REFUSED: an error naming the site.",
         "",
         "## Totals",
         "",
-        "| engine | priors | posteriors | seeds | PASS | WARNED | SILENT | REFUSED | ERROR |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|",
-    ]
-    groups = (("the 26 regressions", ("regression",)), ("the other 6", ("time-series", "hmm", "gp")))
-    for engine in engines:
-        for priors in PRIORS:
-            for label, kinds in groups:
-                chosen = [r for k, r in cells.items() if k[1] == engine and k[2] == priors and r["kind"] in kinds]
-                if chosen:
-                    verdicts = [r["verdict"] for r in chosen]
-                    seeds = ", ".join(str(seed) for seed in sorted({r["seed"] for r in chosen}))
-                    counts = [verdicts.count(v) for v in ("PASS", "WARNED", "SILENT", "REFUSED", "ERROR")]
-                    lines.append(f"| {engine} | {priors} | {label} | {seeds} | " + " | ".join(map(str, counts)) + " |")
-    lines += [
+        *totals(cells, [e for e in ENGINES if any(key[1] == e for key in cells)]),
         "",
         "## Cells",
         "",
@@ -336,36 +307,29 @@ def _number(value) -> str:
     return "" if value is None else f"{value:.3g}"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    commands = parser.add_subparsers(dest="command", required=True)
-    runner = commands.add_parser("run")
+def add_commands(parser) -> None:
+    """``run``, ``advised`` and ``report`` under ``python -m benchmarks posteriordb``."""
+    commands = parser.add_subparsers(dest="action", required=True)
+    runner = commands.add_parser("run", help="run the cells not yet in --out and append one record per cell")
     runner.add_argument("--engines", default=",".join(ENGINES))
     runner.add_argument("--posteriors", default="")
     runner.add_argument("--kinds", default="")
     runner.add_argument("--priors", default="stated")
     runner.add_argument("--seeds", default="0")
-    runner.add_argument("--threads", type=int, default=1)
-    runner.add_argument("--again", action="store_true", help="run cells already in the file again")
-    runner.add_argument(
-        "--num-samples",
-        type=int,
-        default=NUM_SAMPLES,
-        help="SG-MCMC draws per chain (a warning's advised length; write such cells to their own --out)",
-    )
-    runner.add_argument("--out", default=str(CELLS))
+    advice = "SG-MCMC draws per chain (a warning's advised length; write such cells to their own --out)"
+    runner.add_argument("--num-samples", type=int, default=NUM_SAMPLES, help=advice)
     advised = commands.add_parser("advised", help="the WARNED SG-MCMC cells again at their advised lengths")
     advised.add_argument("--cells", default=str(CELLS))
-    advised.add_argument("--out", default=str(CELLS.parent / "advised.jsonl"))
-    advised.add_argument("--threads", type=int, default=1)
-    advised.add_argument("--again", action="store_true", help="run cells already in --out at that length again")
-    reporter = commands.add_parser("report")
+    for command, out in ((runner, CELLS), (advised, CELLS.parent / "advised.jsonl")):
+        command.add_argument("--out", default=str(out))
+        command.add_argument("--threads", type=int, default=1)
+        command.add_argument("--again", action="store_true", help="run cells already in --out (at that length) again")
+    reporter = commands.add_parser("report", help="the latest record of each cell as tables and totals")
     reporter.add_argument("--cells", default=str(CELLS))
     reporter.add_argument("--out", default=str(REPORT))
-    options = parser.parse_args()
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    {"run": run, "advised": run_advised, "report": report}[options.command](options)
 
 
-if __name__ == "__main__":
-    main()
+def main(options) -> None:
+    if options.action != "report":
+        torch.set_num_threads(options.threads)
+    {"run": run, "advised": run_advised, "report": report}[options.action](options)
