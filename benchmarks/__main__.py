@@ -120,8 +120,8 @@ def main(argv: list[str] | None = None) -> int:
             for size in suite.sizes:
                 print(f"  {size}: " + ", ".join(f"{p or '-'}@{n}" for p, n in suite.sizes[size]))
             print("  engines: " + ", ".join(suite.engines))
-        print("posteriordb: every engine at its defaults on posteriordb's 32 posteriors (its own cells: run, report)")
-        print("zoo-seeds: the default kernels on the test zoo over many seeds (a Markdown report)")
+        print("posteriordb: every engine at its defaults on posteriordb's 32 posteriors (run, advised, report)")
+        print("zoo-seeds: the default kernels on the test zoo over seeds (a Markdown report; --cells: records)")
     return 0
 
 
