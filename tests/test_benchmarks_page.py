@@ -13,7 +13,10 @@ import pytest
 from benchmarks import records, render
 from benchmarks.engines import ENGINES
 from benchmarks.problems import PROBLEMS
+from benchmarks.studies.peers_at_scale import register
 from benchmarks.suites import SUITES
+
+register()  # the BlackJAX control-variate engines of the peers records at N = 10⁶
 
 PAGE = render.PAGE.read_text(encoding="utf-8")
 TABLES = render.tables_on(PAGE)
