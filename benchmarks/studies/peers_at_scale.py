@@ -65,8 +65,10 @@ def blackjax_pipeline(kind: str, x, y, algorithm: str):
     import blackjax
     import jax
     import jax.numpy as jnp
-    import optax
     from blackjax.sgmcmc.gradients import control_variates, grad_estimator
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # the studies' own modules
+    from peers_models import lbfgs_mode
 
     n, d = x.shape
     batch, chains = engines.BATCH, engines.CHAINS
@@ -97,24 +99,7 @@ def blackjax_pipeline(kind: str, x, y, algorithm: str):
     def neg_log_joint(theta):
         return -log_prior(theta) - jnp.sum(jax.vmap(log_likelihood, in_axes=(None, 0))(theta, (x, y)))
 
-    solver = optax.lbfgs()
-    value_and_grad = optax.value_and_grad_from_state(neg_log_joint)
-    tolerance = 1e-3 * n**0.5
-
-    @jax.jit
-    def find_mode(theta0):
-        def body(carry):
-            theta, state = carry
-            value, grad = value_and_grad(theta, state=state)
-            updates, state = solver.update(grad, state, theta, value=value, grad=grad, value_fn=neg_log_joint)
-            return optax.apply_updates(theta, updates), state
-
-        def going(carry):
-            count = optax.tree_utils.tree_get(carry[1], "count")
-            grad = optax.tree_utils.tree_get(carry[1], "grad")
-            return (count == 0) | ((count < 100) & (optax.tree_utils.tree_norm(grad) > tolerance))
-
-        return jax.lax.while_loop(going, body, (theta0, solver.init(theta0)))[0]
+    find_mode = lbfgs_mode(neg_log_joint, n)
 
     @jax.jit
     def largest_curvature(theta):

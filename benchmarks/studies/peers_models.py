@@ -210,6 +210,32 @@ def gradient_seconds(problem: Problem, data: tuple) -> float:
 
 
 # ====================================================================================== BlackJAX
+def lbfgs_mode(neg_log_joint, n: int):
+    """A jitted L-BFGS search (optax) for the minimum of ``neg_log_joint`` from a start: at most 100 iterations, until
+    the gradient's norm is below ``1e-3 sqrt(n)``."""
+    jax, _, _, optax = import_peers()
+    solver = optax.lbfgs()
+    value_and_grad = optax.value_and_grad_from_state(neg_log_joint)
+    tolerance = 1e-3 * n**0.5
+
+    @jax.jit
+    def find_mode(start):
+        def body(carry):
+            theta, state = carry
+            value, grad = value_and_grad(theta, state=state)
+            updates, state = solver.update(grad, state, theta, value=value, grad=grad, value_fn=neg_log_joint)
+            return optax.apply_updates(theta, updates), state
+
+        def going(carry):
+            count = optax.tree_utils.tree_get(carry[1], "count")
+            grad = optax.tree_utils.tree_get(carry[1], "grad")
+            return (count == 0) | ((count < 100) & (optax.tree_utils.tree_norm(grad) > tolerance))
+
+        return jax.lax.while_loop(going, body, (start, solver.init(start)))[0]
+
+    return find_mode
+
+
 def blackjax_pipeline(x, y, algorithm: str):
     """Mode, step size, control variate and a block sampler, built fresh (new functions: compiled on first call)."""
     jax, _, blackjax, optax = import_peers()
@@ -222,24 +248,7 @@ def blackjax_pipeline(x, y, algorithm: str):
         f = x @ w
         return 0.5 * jnp.sum(w**2) - jnp.sum(y * f - jax.nn.softplus(f))
 
-    solver = optax.lbfgs()
-    value_and_grad = optax.value_and_grad_from_state(neg_log_joint)
-    tolerance = 1e-3 * n**0.5
-
-    @jax.jit
-    def find_mode(w0):
-        def body(carry):
-            w, state = carry
-            value, grad = value_and_grad(w, state=state)
-            updates, state = solver.update(grad, state, w, value=value, grad=grad, value_fn=neg_log_joint)
-            return optax.apply_updates(w, updates), state
-
-        def going(carry):
-            count = optax.tree_utils.tree_get(carry[1], "count")
-            grad = optax.tree_utils.tree_get(carry[1], "grad")
-            return (count == 0) | ((count < 100) & (optax.tree_utils.tree_norm(grad) > tolerance))
-
-        return jax.lax.while_loop(going, body, (w0, solver.init(w0)))[0]
+    find_mode = lbfgs_mode(neg_log_joint, n)
 
     @jax.jit
     def largest_curvature(w):
