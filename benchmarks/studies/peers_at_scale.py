@@ -38,7 +38,6 @@ import sys
 import threading
 import time
 from dataclasses import replace
-from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -62,13 +61,12 @@ ENGINE_ORDER = (
 
 def blackjax_pipeline(kind: str, x, y, algorithm: str):
     """Mode, step size, control variate and a block sampler, built fresh (new functions: compiled on first call)."""
-    import blackjax
     import jax
     import jax.numpy as jnp
-    from blackjax.sgmcmc.gradients import control_variates, grad_estimator
+    from blackjax.sgmcmc.gradients import grad_estimator
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # the studies' own modules
-    from peers_models import lbfgs_mode
+    from peers_models import control_variate_chains, lbfgs_mode
 
     n, d = x.shape
     batch, chains = engines.BATCH, engines.CHAINS
@@ -107,22 +105,7 @@ def blackjax_pipeline(kind: str, x, y, algorithm: str):
 
     estimator = grad_estimator(log_prior, log_likelihood, n)
 
-    @partial(jax.jit, static_argnums=0)
-    def sample(num_steps: int, key, mode, step_size, alpha, xs, ys):
-        """Every step of 4 chains from the mode; the control variate's full-data gradient once, at the start."""
-        controlled = control_variates(estimator, mode, (xs, ys))
-        algo = blackjax.sgld(controlled) if algorithm == "sgld" else blackjax.sghmc(controlled, alpha=alpha)
-
-        def chain(key, theta):
-            def body(theta, key):
-                pick, move = jax.random.split(key)
-                idx = jax.random.randint(pick, (batch,), 0, n)
-                theta = algo.step(move, theta, (xs[idx], ys[idx]), step_size)
-                return theta, theta
-
-            return jax.lax.scan(body, theta, jax.random.split(key, num_steps))[1]
-
-        return jax.vmap(chain, in_axes=(0, None))(jax.random.split(key, chains), mode)
+    sample = control_variate_chains(estimator, algorithm, n, batch, chains)
 
     def run(num_draws: int, seed: int) -> torch.Tensor:
         mode = find_mode(start)

@@ -210,6 +210,32 @@ def gradient_seconds(problem: Problem, data: tuple) -> float:
 
 
 # ====================================================================================== BlackJAX
+def control_variate_chains(estimator, algorithm: str, n: int, batch: int, chains: int):
+    """BlackJAX's control-variate SGLD or SGHMC as one jitted sampler ``(num_steps, key, mode, step_size, alpha, xs,
+    ys) -> (chains, num_steps, d)``: every step of ``chains`` vmapped chains from the mode, minibatches of ``batch``
+    rows drawn with replacement, the control variate's full-data gradient once, at the start."""
+    jax, _, blackjax, _ = import_peers()
+    from blackjax.sgmcmc.gradients import control_variates
+
+    @partial(jax.jit, static_argnums=0)
+    def sample(num_steps: int, key, mode, step_size, alpha, xs, ys):
+        controlled = control_variates(estimator, mode, (xs, ys))
+        algo = blackjax.sgld(controlled) if algorithm == "sgld" else blackjax.sghmc(controlled, alpha=alpha)
+
+        def chain(key, theta):
+            def body(theta, key):
+                pick, move = jax.random.split(key)
+                idx = jax.random.randint(pick, (batch,), 0, n)
+                theta = algo.step(move, theta, (xs[idx], ys[idx]), step_size)
+                return theta, theta
+
+            return jax.lax.scan(body, theta, jax.random.split(key, num_steps))[1]
+
+        return jax.vmap(chain, in_axes=(0, None))(jax.random.split(key, chains), mode)
+
+    return sample
+
+
 def lbfgs_mode(neg_log_joint, n: int):
     """A jitted L-BFGS search (optax) for the minimum of ``neg_log_joint`` from a start: at most 100 iterations, until
     the gradient's norm is below ``1e-3 sqrt(n)``."""
@@ -240,7 +266,7 @@ def blackjax_pipeline(x, y, algorithm: str):
     """Mode, step size, control variate and a block sampler, built fresh (new functions: compiled on first call)."""
     jax, _, blackjax, optax = import_peers()
     import jax.numpy as jnp
-    from blackjax.sgmcmc.gradients import control_variates, grad_estimator
+    from blackjax.sgmcmc.gradients import grad_estimator
 
     n = x.shape[0]
 
@@ -261,25 +287,7 @@ def blackjax_pipeline(x, y, algorithm: str):
 
     estimator = grad_estimator(lambda w: -0.5 * jnp.sum(w**2), log_likelihood, n)
 
-    @partial(jax.jit, static_argnums=0)
-    def chains(num_steps: int, key, mode, step_size, alpha, xs, ys):
-        """Every step of 4 chains from the mode; the control variate's full-data gradient once, at the start."""
-        controlled = control_variates(estimator, mode, (xs, ys))
-        if algorithm == "sgld":
-            algo = blackjax.sgld(controlled)
-        else:
-            algo = blackjax.sghmc(controlled, alpha=alpha)
-
-        def chain(key, w):
-            def body(w, key):
-                pick, move = jax.random.split(key)
-                idx = jax.random.randint(pick, (BATCH,), 0, n)
-                w = algo.step(move, w, (xs[idx], ys[idx]), step_size)
-                return w, w
-
-            return jax.lax.scan(body, w, jax.random.split(key, num_steps))[1]
-
-        return jax.vmap(chain, in_axes=(0, None))(jax.random.split(key, CHAINS), mode)
+    chains = control_variate_chains(estimator, algorithm, n, BATCH, CHAINS)
 
     def run(num_draws: int, seed: int):
         mode = find_mode(jnp.zeros(x.shape[1], dtype=x.dtype))
