@@ -1265,25 +1265,13 @@ ENGINES: dict[str, Engine] = {
         Engine("numpyro-hmcecs", "sgmcmc", _hmcecs, ("numpyro", "jax"), "HMCECS, Taylor proxy, B = 1,000"),
         Engine("ours-sto", "sto", _ours_sto, (), "SampleThenOptimize(model, num_samples=2048), defaults"),
         Engine("map", "laplace", _map, ("sklearn",), "the MAP network alone"),
-        Engine(
-            "ours-laplace-kron", "laplace", _laplace_digits("ours", "kron"), ("sklearn",), "AutoLinearizedLaplace, kron"
-        ),
-        Engine(
-            "ours-laplace-diag", "laplace", _laplace_digits("ours", "diag"), ("sklearn",), "AutoLinearizedLaplace, diag"
-        ),
-        Engine(
-            "laplace-torch-kron",
-            "laplace",
-            _laplace_digits("laplace-torch", "kron"),
-            ("laplace", "sklearn"),
-            "Laplace, kron",
-        ),
-        Engine(
-            "laplace-torch-diag",
-            "laplace",
-            _laplace_digits("laplace-torch", "diag"),
-            ("laplace", "sklearn"),
-            "Laplace, diag",
+        *(
+            Engine(f"{prefix}-{s}", "laplace", _laplace_digits(i, s), needs, f"{about}, {s}")
+            for i, prefix, needs, about in (
+                ("ours", "ours-laplace", ("sklearn",), "AutoLinearizedLaplace"),
+                ("laplace-torch", "laplace-torch", ("laplace", "sklearn"), "Laplace"),
+            )
+            for s in ("kron", "diag")
         ),
         *(
             Engine(f"{i}-{o}-{s}", "teacher", _laplace_call(i, o, s), ("laplace",) * (i != "ours"), f"{i}: {o} {s}")

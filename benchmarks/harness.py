@@ -4,8 +4,7 @@ The harness imports it as ``benchmarks.harness``, a study as ``import harness`` 
 Linux only for the ``/proc`` readings; elsewhere they return ``None`` (load) or fail loudly (memory).
 
 - **Load**: :class:`ForeignLoad` is the CPU other processes used (and the hypervisor stole) while something was
-  measured, in cores; a measurement is *clean* below :data:`CLEAN_LIMIT`. :func:`wait_for_quiet` sleeps until the
-  machine is quiet (up to a limit).
+  measured, in cores; a measurement is *clean* below :data:`CLEAN_LIMIT`.
 - **Memory**: :func:`rss_mb`, :func:`peak_mb` (``VmHWM``), :func:`reset_peak` (through ``/proc/self/clear_refs``),
   :func:`release_free_memory` (so that the next peak counts its own pages); differences below
   :data:`RESOLUTION_MB` are not resolved.
@@ -27,7 +26,7 @@ import subprocess
 import sys
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,7 +38,6 @@ __all__ = [
     "ForeignLoad",
     "StepTiming",
     "Timed",
-    "clean_indices",
     "clean_note",
     "is_clean",
     "load_average",
@@ -51,7 +49,6 @@ __all__ = [
     "reset_peak",
     "rss_mb",
     "time_per_step",
-    "wait_for_quiet",
     "warm_up_torch",
     "write_report",
 ]
@@ -104,33 +101,6 @@ class ForeignLoad:
 def is_clean(foreign: float | None) -> bool:
     """Whether a measurement ran while others used less than ``CLEAN_LIMIT`` cores (unknown load counts as clean)."""
     return foreign is None or foreign < CLEAN_LIMIT
-
-
-def clean_indices(foreign: Sequence[float | None], minimum: int = 2) -> list[int]:
-    """Indices of the clean measurements, or of all of them if fewer than ``minimum`` are clean."""
-    good = [i for i, f in enumerate(foreign) if is_clean(f)]
-    return good if len(good) >= minimum else list(range(len(foreign)))
-
-
-def wait_for_quiet(max_wait: float) -> float:
-    """Sleep (up to ``max_wait`` seconds) until other processes use less than ``CLEAN_LIMIT`` cores.
-
-    Returns:
-        The seconds waited, or 0 if under 1.5 s.
-    """
-    start = time.perf_counter()
-    while time.perf_counter() < start + max_wait:
-        probe = ForeignLoad()
-        time.sleep(1.0)
-        load = probe.cores()
-        if load is None or load < CLEAN_LIMIT:
-            break
-        if time.perf_counter() - start < 1.5:
-            log(f"    (waiting up to {max_wait:.0f} s: other processes use {load:.1f} cores)")
-    waited = time.perf_counter() - start
-    if waited > 1.5:
-        log(f"    (waited {waited:.0f} s for other processes to go quiet)")
-    return waited if waited > 1.5 else 0.0
 
 
 # ====================================================================================== memory
@@ -190,12 +160,12 @@ class StepTiming:
 
     per_step: list[float] = field(default_factory=list)  # seconds, one per repetition
     setup: list[float] = field(default_factory=list)  # seconds, what the short run spent outside its steps
-    final_lp: list[float] = field(default_factory=list)
     foreign: list[float | None] = field(default_factory=list)  # cores used by other processes during the repetition
 
     def clean(self) -> list[int]:
         """Indices of the clean repetitions, or of all of them if fewer than two are clean."""
-        return clean_indices(self.foreign)
+        good = [i for i, f in enumerate(self.foreign) if is_clean(f)]
+        return good if len(good) >= 2 else list(range(len(self.foreign)))
 
     @property
     def median(self) -> float:
@@ -207,30 +177,25 @@ class StepTiming:
 
 
 def time_per_step(
-    runners: dict[str, tuple[Callable[[int, int], tuple[float, float]], int, int]],
-    reps: int,
-    max_wait: float = 0.0,
+    runners: dict[str, tuple[Callable[[int, int], tuple[float, float]], int, int]], reps: int
 ) -> dict[str, StepTiming]:
     """``(T(long) - T(short)) / (long - short)`` per runner ``(fn, short, long)``, ``reps`` times, interleaved.
 
     Args:
         runners: ``fn(num_steps, seed)`` returns ``(seconds, final log posterior)``.
-        max_wait: before each repetition, wait up to this many seconds for a quiet machine.
     """
     results = {name: StepTiming() for name in runners}
     names = list(runners)
     for rep in range(reps):
-        wait_for_quiet(max_wait)
         for name in names[rep % len(names) :] + names[: rep % len(names)]:
             run, short, long = runners[name]
             probe = ForeignLoad()
             t_short, _ = run(short, rep)
-            t_long, lp = run(long, rep)
+            t_long, _ = run(long, rep)
             foreign = probe.cores()
             per_step = (t_long - t_short) / (long - short)
             results[name].per_step.append(per_step)
             results[name].setup.append(t_short - short * per_step)
-            results[name].final_lp.append(lp)
             results[name].foreign.append(foreign)
             load = "n/a" if foreign is None else f"{foreign:.2f}"
             log(
