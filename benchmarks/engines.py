@@ -419,7 +419,8 @@ def _swag(epochs: int) -> Callable[[Cell], dict]:
             options = {"start": digits["latents"], "num_epochs": epochs, "rank": 20, "seed": cell.seed}
             engine = SWAG(problems.pyro_network(), **options, progress_bar=False)
             posterior = engine.run(digits["x"], digits["y"])
-            probs = problems.network_probs(posterior.get_samples(DIGITS_DRAWS, seed=cell.seed), digits["x_test"])
+            draws = posterior.get_samples(DIGITS_DRAWS, seed=cell.seed)
+            probs = problems.member_probs(draws, digits["x_test"]).mean(0)
         return {"seconds": round(timed.seconds, 2), "lr": engine.stats.get("lr"), **_calibrated(probs, digits)}
 
     return run
@@ -438,7 +439,7 @@ def _digits_sghmc(steps: int) -> Callable[[Cell], dict]:
             kernel = SGHMC(problems.pyro_network(), init_strategy=init_to_value(values=digits["latents"]))
             mcmc = StochasticMCMC(kernel, **lengths, num_chains=CHAINS, seed=cell.seed, progress_bar=False)
             mcmc.run(digits["x"], digits["y"])
-            probs = problems.network_probs(mcmc.get_samples(), digits["x_test"])
+            probs = problems.member_probs(mcmc.get_samples(), digits["x_test"]).mean(0)
         return {"seconds": round(timed.seconds, 2), "draws": f"{kept} × {CHAINS}", **_calibrated(probs, digits)}
 
     return run
@@ -1148,7 +1149,7 @@ def _cold(engine: str) -> Callable[[Cell], dict]:
 
         def score(samples: dict | None = None, probs: tuple | None = None) -> None:
             if probs is None:
-                probs = tuple(problems.cold_member_probs(samples, data[k]) for k in ("x_test", "x_ood"))
+                probs = tuple(problems.member_probs(samples, data[k], torch.tanh) for k in ("x_test", "x_ood"))
             found.append(_cold_scores(probs[0], data["y_test"], probs[1]))
 
         with harness.Timed() as timed:  # the warnings are not shown

@@ -40,10 +40,6 @@ class Data:
     x: Tensor
     y: Tensor
 
-    @property
-    def n(self) -> int:
-        return self.x.shape[0]
-
 
 @dataclass(frozen=True)
 class Problem:
@@ -327,7 +323,8 @@ def reference(problem: Problem, data: Data, draws: int = 4000, seed: int = 0) ->
             break
     hess = torch.autograd.functional.hessian(potential, theta)
     proposal = torch.distributions.MultivariateNormal(theta, precision_matrix=hess)
-    sample = proposal.sample(torch.Size([draws])) if seed is None else _seeded(proposal, draws, seed)
+    eps = torch.randn(draws, theta.shape[0], generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    sample = theta + eps @ proposal.scale_tril.T
     with torch.no_grad():
         log_w = torch.stack([-potential(s) for s in sample]) - proposal.log_prob(sample)
     weights = torch.softmax(log_w, 0)
@@ -347,12 +344,6 @@ def _minimise(params: list[Tensor], loss: Callable[[], Tensor], steps: int, tole
         return value
 
     search.step(closure)
-
-
-def _seeded(proposal: torch.distributions.MultivariateNormal, draws: int, seed: int) -> Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    eps = torch.randn(draws, proposal.loc.shape[0], generator=gen, dtype=torch.float64)
-    return proposal.loc + eps @ proposal.scale_tril.T
 
 
 # ---------------------------------------------------------------------------------------------- digits (Laplace)
@@ -435,14 +426,16 @@ def network(sizes: tuple[int, ...] = DIGITS_SIZES) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
-def network_probs(latents: dict[str, Tensor], x: Tensor) -> Tensor:
-    """The predictive mean of :func:`network` over draws ``latents`` (each site ``(draws, ...)``): probabilities."""
-    layers = len(DIGITS_SIZES) - 1
-    f = x
-    for k in range(layers):
-        f = f @ latents[f"layers.{k}.weight"].transpose(-1, -2) + latents[f"layers.{k}.bias"].unsqueeze(-2)
-        f = torch.relu(f) if k < layers - 1 else f
-    return torch.softmax(f.double(), -1).mean(0)
+def member_probs(samples: dict[str, Tensor], x: Tensor, activation: Callable = torch.relu) -> Tensor:
+    """Class probabilities ``(draws, points, classes)``, float64, of the MLP of sites ``layers.<k>.weight`` and
+    ``layers.<k>.bias`` (each ``(draws, ...)``: :func:`network`'s, or :func:`cold_mlp`'s with ``torch.tanh``)."""
+    h = x.double()
+    names = sorted({name.rsplit(".", 1)[0] for name in samples})
+    for i, name in enumerate(names):
+        w, b = samples[f"{name}.weight"].double(), samples[f"{name}.bias"].double()
+        h = torch.einsum("pi,soi->spo" if h.dim() == 2 else "spi,soi->spo", h, w) + b[:, None]
+        h = activation(h) if i < len(names) - 1 else h
+    return torch.softmax(h, -1)
 
 
 def pyro_network(chunk: int = 256, sizes: tuple[int, ...] = DIGITS_SIZES):
@@ -677,14 +670,3 @@ def cold_digits(n: int) -> dict:
 def cold_mlp(widths: tuple[int, ...] = (64, 32, COLD_CLASSES)) -> nn.Module:
     """The tanh MLP 64-32-10, N(0, 1) priors on every weight and bias, its likelihood in a plate of ``batch_size``."""
     return pyro_mlp(widths, lambda _: (1.0, 1.0), torch.tanh, _categorical, lambda _: COLD_BATCH)
-
-
-def cold_member_probs(samples: dict[str, Tensor], x: Tensor) -> Tensor:
-    """Class probabilities of every draw ``(S, points, classes)``, float64, by the network's own forward."""
-    h = x.double()
-    names = sorted({name.rsplit(".", 1)[0] for name in samples})
-    for i, name in enumerate(names):
-        w, b = samples[f"{name}.weight"].double(), samples[f"{name}.bias"].double()
-        h = torch.einsum("pi,soi->spo" if h.dim() == 2 else "spi,soi->spo", h, w) + b[:, None]
-        h = torch.tanh(h) if i < len(names) - 1 else h
-    return torch.softmax(h, -1)
