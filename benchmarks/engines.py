@@ -950,13 +950,6 @@ class OursStepper:
                 self.t += 1
             return problems.elapsed(start)
 
-    def check(self) -> str:
-        """Why a step meant to be compiled is not ("" when it is, or is not meant to be)."""
-        compiled = self.state.stepper.compiled
-        if self.compiled and (compiled is None or compiled.refused or not compiled.steps):
-            return f"not compiled: {None if compiled is None else compiled.refused}"
-        return ""
-
 
 class _HandStepper:
     """The hand-written SGHMC step, eager or as one compiled step (``graphs``: CUDA graphs)."""

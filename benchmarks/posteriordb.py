@@ -31,6 +31,7 @@ each cell as tables and totals (``benchmarks/results/posteriordb_suite.md``; the
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import re
 import traceback
@@ -214,21 +215,18 @@ def run(options) -> None:
         names = [n for n in names if POSTERIORS[n].kind in options.kinds.split(",")]
     out = Path(options.out)
     done = latest(out)
-    for seed in map(int, options.seeds.split(",")):
-        for priors in options.priors.split(","):
-            for engine in options.engines.split(","):
-                for name in names:
-                    if (name, engine, priors, seed) in done and not options.again:
-                        continue
-                    record = run_cell(name, engine, priors, seed, options.num_samples)
-                    if record is None:
-                        continue
-                    records.write(out, record)
-                    harness.log(
-                        f"{name} {engine} {priors} {seed}: {record['verdict']} "
-                        f"mean {record.get('mean_error', math.nan):.3g} sd {record.get('sd_ratio', math.nan):.3g} "
-                        f"r_hat {record.get('r_hat')} {record['seconds']:.0f} s"
-                    )
+    seeds, priors, engines = map(int, options.seeds.split(",")), options.priors.split(","), options.engines.split(",")
+    for seed, prior, engine, name in itertools.product(seeds, priors, engines, names):
+        if (name, engine, prior, seed) in done and not options.again:
+            continue
+        record = run_cell(name, engine, prior, seed, options.num_samples)
+        if record is None:
+            continue
+        records.write(out, record)
+        harness.log(
+            f"{name} {engine} {prior} {seed}: {record['verdict']} mean {record.get('mean_error', math.nan):.3g} "
+            f"sd {record.get('sd_ratio', math.nan):.3g} r_hat {record.get('r_hat')} {record['seconds']:.0f} s"
+        )
 
 
 def run_advised(options) -> None:
