@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import sys
 import time
@@ -92,15 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     posteriordb.add_commands(commands.add_parser("posteriordb", help="every engine on posteriordb's posteriors"))
     zoo.add_arguments(commands.add_parser("zoo-seeds", help="the default kernels on the test zoo over many seeds"))
     worker = commands.add_parser("_data_parallel")  # one torchrun rank of the distributed suite (internal)
-    worker.add_argument("noise")
-    worker.add_argument("n", type=int)
-    worker.add_argument("steps")
-    worker.add_argument("reps", type=int)
-    worker.add_argument("out")
+    worker.add_argument("spec", type=json.loads, help="engines.data_parallel_worker's arguments as a JSON object")
     args = parser.parse_args(argv)
     if args.command == "_data_parallel":
-        steps = tuple(int(s) for s in args.steps.split(","))
-        engines.data_parallel_worker(args.noise, args.n, steps, args.reps, args.out)
+        engines.data_parallel_worker(**args.spec)
     elif args.command == "run":
         run(args)
     elif args.command == "posteriordb":

@@ -61,6 +61,7 @@ the AUROC of the predictive's total entropy and of its epistemic part against th
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import math
@@ -584,9 +585,9 @@ def _data_parallel(noise: str) -> Callable[[Cell], dict]:
             for ranks in (1, 2):
                 with tempfile.TemporaryDirectory() as tmp:
                     out = Path(tmp) / "times.json"
+                    spec = {"noise": noise, "n": cell.n, "steps": steps, "reps": reps, "out": str(out)}
                     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-                    command += [f"--nproc_per_node={ranks}", "-m", "benchmarks", "_data_parallel", noise]
-                    command += [str(cell.n), f"{steps[0]},{steps[1]}", str(reps), str(out)]
+                    command += [f"--nproc_per_node={ranks}", "-m", "benchmarks", "_data_parallel", json.dumps(spec)]
                     env = {**os.environ, "OMP_NUM_THREADS": "1"}
                     subprocess.run(command, check=True, env=env, capture_output=True, cwd=records.ROOT)
                     times[ranks] += json.loads(out.read_text())
@@ -603,8 +604,8 @@ def _data_parallel(noise: str) -> Callable[[Cell], dict]:
     return run
 
 
-def data_parallel_worker(noise: str, n: int, steps: tuple[int, int], reps: int, out: str) -> None:
-    """One ``torchrun`` rank of :func:`_data_parallel` (``python -m benchmarks _data_parallel ...``)."""
+def data_parallel_worker(noise: str, n: int, steps: list[int], reps: int, out: str) -> None:
+    """One ``torchrun`` rank of :func:`_data_parallel` (``python -m benchmarks _data_parallel '<JSON of these>'``)."""
     import torch.distributed as tdist
 
     from pyro_scalable.infer import SGLD, StochasticMCMC
@@ -615,17 +616,13 @@ def data_parallel_worker(noise: str, n: int, steps: tuple[int, int], reps: int, 
     data = problem.data(n)
     kernel = SGLD(problem.pyro_model(BATCH), step_size=1e-5, gradient_noise=noise)
 
-    def mcmc(num: int):
-        return StochasticMCMC(
-            kernel, num_samples=num, num_chains=CHAINS, seed=0, progress_bar=False, distributed="data"
-        )
-
-    mcmc(steps[0]).run(data.x, data.y)  # first calls (vmap, Pyro's tracing caches) are slower
+    mcmc = functools.partial(StochasticMCMC, kernel, num_chains=CHAINS, seed=0, progress_bar=False, distributed="data")
+    mcmc(num_samples=steps[0]).run(data.x, data.y)  # first calls (vmap, Pyro's tracing caches) are slower
     times = []
     for _ in range(reps):
         per_run = []
         for num in steps:
-            runner = mcmc(num)
+            runner = mcmc(num_samples=num)
             tdist.barrier()
             start = time.perf_counter()
             runner.run(data.x, data.y)
