@@ -16,7 +16,7 @@ from benchmarks.problems import PROBLEMS
 __all__ = ["SUITES", "Column", "Suite"]
 
 MCMC_ENGINES = ("ours-sghmc", "numpyro-nuts", "blackjax-nuts", "numpyro-hmcecs", "pyro-nuts")
-GLMS = tuple((f"glm-{family}", 2000) for family in ("linear-gaussian", "logistic", "poisson", "categorical"))
+GLMS = tuple((name, 2000) for name, problem in PROBLEMS.items() if problem.kind == "glm")
 LAPLACE_ENGINES = ("map", "ours-laplace-kron", "laplace-torch-kron", "ours-laplace-diag", "laplace-torch-diag")
 
 
@@ -190,8 +190,6 @@ DISTRIBUTED_COLUMNS = _table(
     Column("steps", _m("steps")),
 )
 
-SIZES = {name: p.d for name, p in PROBLEMS.items()}
-
 STEP_COLUMNS = _table(
     Column("problem", lambda r: r["problem"]),
     Column("N", _n),
@@ -253,7 +251,7 @@ STO_ACCURACY_COLUMNS = _table(
 
 STO_COST_COLUMNS = _table(
     Column("problem", lambda r: r["problem"]),
-    Column("d", lambda r: f"{SIZES.get(r['problem'], 0):,}"),
+    Column("d", lambda r: f"{PROBLEMS[r['problem']].d:,}"),
     WHERE,
     Column("draws K", _m("draws", ".0f")),
     Column("step, K draws (s)", _seconds(".3f")),
