@@ -10,7 +10,9 @@ import sys
 import time
 import traceback
 
-from benchmarks import engines, harness, posteriordb, records, render, zoo
+import torch
+
+from benchmarks import engines, harness, posteriordb, problems, records, render, zoo
 from benchmarks.suites import SUITES
 
 DEVICE_SUITES = ("sgmcmc-step", "step-blackjax")  # the suites whose engines run on --device
@@ -46,25 +48,18 @@ def _run_cell(engine: engines.Engine, cell: engines.Cell, base: dict) -> dict:
 
 
 def run(args: argparse.Namespace) -> None:
-    import torch
-
-    from benchmarks.problems import PROBLEMS
-
     suite = SUITES[args.suite]
     torch.set_num_threads(args.threads)
     only = set(args.only.split(",")) if args.only else None
-    device = args.device
-    if device != "cpu":  # the step-cost engines put their problems on it; the others run on the CPU only
-        assert suite.name in DEVICE_SUITES, f"--device {device}: only the suites {', '.join(DEVICE_SUITES)}"
-        import benchmarks.problems
-
-        benchmarks.problems.DEVICE = torch.device(device)
-    base = records.stamp(args.threads, device)
+    if args.device != "cpu":  # the step-cost engines put their problems on it; the others run on the CPU only
+        assert suite.name in DEVICE_SUITES, f"--device {args.device}: only the suites {', '.join(DEVICE_SUITES)}"
+        problems.DEVICE = torch.device(args.device)
+    base = records.stamp(args.threads, args.device)
     shared: dict = {}
     for problem_name, n, engine_name in suite.cells(args.size):
         if only and engine_name not in only and str(problem_name) not in only:
             continue
-        problem = PROBLEMS[problem_name] if problem_name else None
+        problem = problems.PROBLEMS[problem_name] if problem_name else None
         cell = engines.Cell(problem, n, args.seed, args.budget or suite.budget, shared, args.size)
         start = time.perf_counter()
         harness.log(f"{suite.name}: {problem_name} n={n} {engine_name} ...")

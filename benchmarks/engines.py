@@ -861,17 +861,12 @@ def _step_timing(cell: Cell, variant: str) -> dict:
     harness.warm_up_torch()
     if variant == "chains":
         vectorised, sequential = runs["chains"][kind]  # (short, long) steps each
-        res = harness.time_per_step(
-            {
-                "vectorised": (lambda k, s: run_ours(problem, k, s, num_chains=16), *vectorised),
-                "sequential": (
-                    lambda k, s: run_ours(problem, k, s, num_chains=16, chain_method="sequential"),
-                    *sequential,
-                ),
-                "hand-written batched": (lambda k, s: run_hand_written(problem, k, s, chains=16), *vectorised),
-            },
-            3,
-        )
+        runners = {
+            "vectorised": (lambda k, s: run_ours(problem, k, s, num_chains=16), *vectorised),
+            "sequential": (lambda k, s: run_ours(problem, k, s, num_chains=16, chain_method="sequential"), *sequential),
+            "hand-written batched": (lambda k, s: run_hand_written(problem, k, s, chains=16), *vectorised),
+        }
+        res = harness.time_per_step(runners, 3)
         vec, seq, batched = res["vectorised"], res["sequential"], res["hand-written batched"]
         return {
             "seconds": round(vec.median, 5),
@@ -1144,6 +1139,7 @@ def _cold(engine: str) -> Callable[[Cell], dict]:
 
         with harness.Timed() as timed:  # the warnings are not shown
             latents = _cold_map(cell) if engine == "map" or engine.startswith("laplace") else None  # cached: "map"
+            fit = weights = None  # a linearised fit, or weight draws about ``centre``: tempered after the branches
             if engine == "map":
                 score({k: v[None] for k, v in latents.items()})
             elif engine.startswith("laplace"):
@@ -1153,32 +1149,19 @@ def _cold(engine: str) -> Callable[[Cell], dict]:
                     options["sampler_options"] = {"num_epochs": cfg["sto"][1]}
                 laplace = AutoLinearizedLaplace(mlp()).laplace_approximation(x, y, **options)
                 if engine == "laplace-kron-weights":
-                    weights = laplace.get_samples(COLD_DRAWS, seed=seed)
-                    for t in TEMPERATURES:
-                        score(scaled(weights, latents, t))
+                    weights, centre = laplace.get_samples(COLD_DRAWS, seed=seed), latents
                 else:
-                    test, ood = laplace.predict(data["x_test"]), laplace.predict(data["x_ood"])
-                    for t in TEMPERATURES:
-                        score(probs=(glm(test, t, seed), glm(ood, t, seed)))
+                    fit = laplace
             elif engine in ("swag", "multiswag"):
                 runs = COLD_RUNS[cell.size] if engine == "multiswag" else 1
-                fit = SWAG(mlp(), num_runs=runs, num_epochs=cfg["swag"], rank=20, seed=seed, progress_bar=False)
-                fit = fit.run(x, y)
-                weights = fit.get_samples(COLD_DRAWS, seed=seed)  # draw s is from run s mod runs
-                if runs == 1:
-                    centre = fit.median()
-                else:
-                    means = fit.mean[torch.arange(COLD_DRAWS) % runs]
-                    centre = fit.bridge.constrain(fit.layout.unflatten(means))
-                for t in TEMPERATURES:
-                    score(scaled(weights, centre, t))
+                swag = SWAG(mlp(), num_runs=runs, num_epochs=cfg["swag"], rank=20, seed=seed, progress_bar=False)
+                swag = swag.run(x, y)
+                weights = swag.get_samples(COLD_DRAWS, seed=seed)  # draw s is from run s mod runs: about its mean
+                centre = swag.bridge.constrain(swag.layout.unflatten(swag.mean[torch.arange(COLD_DRAWS) % runs]))
             elif engine == "sto":
                 fit = SampleThenOptimize(mlp(), num_samples=cfg["sto"][0], num_epochs=cfg["sto"][1], seed=seed,
                                          progress_bar=False)  # fmt: skip
                 fit.run(x, y)
-                test, ood = fit.predict(data["x_test"]), fit.predict(data["x_ood"])
-                for t in TEMPERATURES:
-                    score(probs=(glm(test, t, seed), glm(ood, t, seed)))
             elif engine == "svi-autonormal":
                 for t in TEMPERATURES:
                     pyro.clear_param_store()
@@ -1204,6 +1187,13 @@ def _cold(engine: str) -> Callable[[Cell], dict]:
                                           num_chains=chains, seed=seed, progress_bar=False)  # fmt: skip
                     mcmc.run(x, y)
                     score(mcmc.get_samples())
+            if fit is not None:
+                test, ood = fit.predict(data["x_test"]), fit.predict(data["x_ood"])
+                for t in TEMPERATURES:
+                    score(probs=(glm(test, t, seed), glm(ood, t, seed)))
+            if weights is not None:
+                for t in TEMPERATURES:
+                    score(scaled(weights, centre, t))
         out = {"seconds": round(timed.seconds, 1)}
         for key in found[0]:
             out[key] = [r[key] for r in found] if engine != "map" else found[0][key]
