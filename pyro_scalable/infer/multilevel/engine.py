@@ -49,7 +49,7 @@ class MultilevelMCMC(Draws):
         groups_per_step: groups moved per sweep (default: all). Fewer make a sweep cheaper and mix the locals less
             per sweep; they are drawn uniformly without replacement, the same for every chain.
         global_steps: leapfrog steps of the globals' HMC trajectory per sweep (default 3; each reads every row).
-        local_steps: leapfrog steps of each group's move per sweep (default 1: MALA).
+        local_steps: Newton moves of each group per sweep (default 1; each reads the group's rows once).
         proxy: move on a second-order proxy of the rows' log-likelihood and correct to the exact density in a
             delayed-acceptance stage (:mod:`.proxy`): a sweep then reads every row twice, forward only, instead of
             about ten times with gradients. Default: on from :data:`~.sweep.PROXY_ROWS` rows.

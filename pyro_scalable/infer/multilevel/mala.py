@@ -1,8 +1,29 @@
-r"""Preconditioned HMC (and MALA, its one-step case) on many independent blocks at once; dual averaging of the step.
+r"""Exact moves of many independent blocks at once: a Newton-centred autoregressive move, and preconditioned HMC.
 
-For a block :math:`x \in \mathbb{R}^p` with log density :math:`\ell` (up to a constant), a mass matrix
-:math:`P = LL^\top` (the preconditioner: a curvature of :math:`-\ell`, fixed while the block moves) and a step
-:math:`h`, one trajectory draws a momentum :math:`\rho \sim \mathcal{N}(0, P)`, takes :math:`L` leapfrog steps
+Blocks whose densities are independent given the rest (the groups of a plate given the global latents) move
+together: one evaluation gives every block's log density :math:`\ell` and gradient, and each accepts on its own; an
+end point whose density is not finite is rejected. Both moves take a preconditioner :math:`P = LL^\top` (a
+curvature of :math:`-\ell`, fixed while the block moves: it must not depend on the block's own point) and a step.
+
+**The Newton move** (the groups'). From :math:`x`, with step :math:`s \in (0, 1]` and :math:`a = 1 - \sqrt{1 -
+s^2}`, propose
+
+.. math::
+
+    x' = x + a P^{-1}\nabla\ell(x) + s L^{-\top}\xi, \qquad \xi \sim \mathcal{N}(0, I),
+
+and accept with probability :math:`\min\{1, e^{\ell(x') - \ell(x)}\, q(x \mid x') / q(x' \mid x)\}`, :math:`q` the
+proposal's Gaussian density. Where :math:`\ell` is Gaussian with precision :math:`P` and centre :math:`m`, the
+proposal is :math:`x' = m + \sqrt{1 - s^2}\,(x - m) + s L^{-\top}\xi`: an autoregression reversible with respect to
+that Gaussian, so every proposal is accepted, and at :math:`s = 1` it is an exact draw of the block's law,
+independent of :math:`x` (a Newton step to the centre, then a draw of the Gaussian there). A non-Gaussian block, or
+a preconditioner that is only close, pays in acceptance; its centre is :math:`x`'s own Newton step, from the
+block's exact gradient. For small :math:`s`, :math:`a \approx s^2/2` and the move is MALA with step :math:`s`.
+MALA itself (drift :math:`h^2/2`, noise :math:`h`) is reversible for no Gaussian at a finite step, and at the step
+its acceptance target picks it is antithetic: excellent for a block's mean, slow for its spread.
+
+**Preconditioned HMC** (the globals'). A trajectory draws a momentum :math:`\rho \sim \mathcal{N}(0, P)`, takes
+:math:`L` leapfrog steps
 
 .. math::
 
@@ -11,17 +32,14 @@ For a block :math:`x \in \mathbb{R}^p` with log density :math:`\ell` (up to a co
 
 and accepts the end point with probability :math:`\min(1, e^{H_0 - H_L})`, :math:`H = -\ell(x) + \tfrac12
 \rho^\top P^{-1} \rho`. The leapfrog map is reversible and keeps volume, so the move leaves :math:`e^{\ell}`
-invariant exactly, whatever :math:`P`, :math:`h` and :math:`L`, as long as none depends on :math:`x` itself. With
-:math:`L = 1` it is the Metropolis-adjusted Langevin move (MALA): the proposal
-:math:`x' = x + \tfrac{h^2}{2}P^{-1}\nabla\ell(x) + h L^{-\top}\xi`. Blocks whose densities are independent given
-the rest (the groups of a plate given the global latents) move together: one evaluation gives every block's
-:math:`\ell` and gradient, and each accepts on its own. An end point whose density is not finite is rejected.
+invariant exactly, whatever :math:`P`, :math:`h` and :math:`L`.
 
-The step is set in warm-up by dual averaging (Nesterov 2009, as NUTS sets its step): with acceptance
+Each step is set in warm-up by dual averaging (Nesterov 2009, as NUTS sets its step): with acceptance
 :math:`a_t` and target :math:`\delta`, :math:`\bar H_t = (1 - \tfrac{1}{t + t_0}) \bar H_{t-1} + \tfrac{1}{t + t_0}
-(\delta - a_t)`, :math:`\log h_t = \mu - \tfrac{\sqrt t}{\gamma} \bar H_t`, and the step kept is the average
-:math:`\log \bar h_t = t^{-\kappa} \log h_t + (1 - t^{-\kappa}) \log \bar h_{t-1}`. MALA's optimal acceptance in
-high dimension is 0.574 (Roberts & Rosenthal 1998), HMC's about 0.65; blocks of few coordinates take 0.6 and 0.7.
+(\delta - a_t)`, :math:`\log h_t = \mu - \tfrac{\sqrt t}{\gamma} \bar H_t` (capped where the step has a largest
+value, the Newton move's 1), and the step kept is the average :math:`\log \bar h_t = t^{-\kappa} \log h_t + (1 -
+t^{-\kappa}) \log \bar h_{t-1}`. MALA's optimal acceptance in high dimension is 0.574 (Roberts & Rosenthal 1998),
+HMC's about 0.65; blocks of few coordinates take 0.6 and 0.7.
 """
 
 from __future__ import annotations
@@ -33,9 +51,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from pyro_scalable.infer.multilevel.small import cholesky_solve, matvec
+from pyro_scalable.infer.multilevel.small import cholesky_solve, matvec, solve_lower_transposed
 
-__all__ = ["DualAveraging", "Move", "hmc", "precision_factor"]
+__all__ = ["DualAveraging", "Move", "hmc", "newton", "precision_factor"]
 
 TARGET = 0.6  # the acceptance the step aims at
 JITTER_LOW, JITTER_HIGH = 0.5, 1.5  # an HMC trajectory's step: the adapted one times a uniform draw in this range
@@ -78,9 +96,15 @@ class DualAveraging:
     """The step of one kind of block in each chain, set by dual averaging of its acceptance (module docstring)."""
 
     def __init__(
-        self, step: Tensor, target: float = TARGET, gamma: float = 0.05, t0: float = 10.0, kappa: float = 0.75
+        self,
+        step: Tensor,
+        target: float = TARGET,
+        gamma: float = 0.05,
+        t0: float = 10.0,
+        kappa: float = 0.75,
+        most: float = math.inf,
     ):
-        self.target, self.gamma, self.t0, self.kappa = target, gamma, t0, kappa
+        self.target, self.gamma, self.t0, self.kappa, self.most = target, gamma, t0, kappa, most
         self.restart(step)
 
     def restart(self, step: Tensor) -> None:
@@ -97,7 +121,7 @@ class DualAveraging:
         t = self.count
         weight = 1.0 / (t + self.t0)
         self.error = (1 - weight) * self.error + weight * (self.target - accept)
-        log_step = self.mu - math.sqrt(t) / self.gamma * self.error
+        log_step = (self.mu - math.sqrt(t) / self.gamma * self.error).clamp_max(math.log(self.most))
         eta = t ** (-self.kappa)
         self.log_average = eta * log_step + (1 - eta) * self.log_average
         self.step = log_step.exp()
@@ -161,7 +185,55 @@ def hmc(
         position = position + step * cholesky_solve(rho, factor)
         value, grad, *more = density(position)
         rho = rho + (0.5 if k == steps - 1 else 1.0) * step * grad
-    log_alpha = start - (-value + kinetic(rho))
+    return _accept(
+        x,
+        log_density,
+        gradient,
+        extra,
+        (position, value, grad, more),
+        start - (-value + kinetic(rho)),
+        generator,
+        correct,
+    )
+
+
+def newton(
+    x: Tensor,
+    log_density: Tensor,
+    gradient: Tensor,
+    factor: Tensor,
+    step: Tensor | float,
+    density: Callable[[Tensor], tuple[Tensor, ...]],
+    generator: torch.Generator,
+    extra: tuple[Tensor, ...] = (),
+    correct: Callable[[Tensor, list[Tensor]], tuple[Tensor, list[Tensor]]] | None = None,
+) -> Move:
+    r"""One Newton-centred autoregressive move of each block (module docstring): exact for any ``factor``.
+
+    Arguments as :func:`hmc`'s; ``step`` (:math:`s`, one number or one per block) is capped at 1, the exact draw of
+    a Gaussian block whose precision is ``factor``'s. Draws from ``generator``: the proposal's noise, then one
+    uniform per block (and a second with ``correct``).
+    """
+    step = torch.as_tensor(step, dtype=x.dtype, device=x.device).expand(x.shape[:-1]).clamp_max(1.0)
+    drift = (1 - (1 - step.square()).clamp_min(0.0).sqrt()).unsqueeze(-1)  # a = 1 - sqrt(1 - s^2)
+
+    def mean(z: Tensor, g: Tensor) -> Tensor:
+        return z + drift * cholesky_solve(g, factor)
+
+    def log_proposal(to: Tensor, centre: Tensor) -> Tensor:  # log q(to | from), up to a constant shared by both ways
+        white = matvec(factor.transpose(-1, -2), to - centre)
+        return -0.5 * white.square().sum(-1) / step.square()
+
+    noise = torch.randn(x.shape, generator=generator, dtype=x.dtype, device=x.device)
+    position = mean(x, gradient) + step.unsqueeze(-1) * solve_lower_transposed(factor, noise)
+    value, grad, *more = density(position)
+    log_alpha = value - log_density + log_proposal(x, mean(position, grad)) - log_proposal(position, mean(x, gradient))
+    return _accept(x, log_density, gradient, extra, (position, value, grad, more), log_alpha, generator, correct)
+
+
+def _accept(x, log_density, gradient, extra, proposed, log_alpha, generator, correct) -> Move:
+    """Each block's Metropolis-Hastings decision on ``log_alpha`` (then on ``correct``'s ratio, delayed acceptance)."""
+    position, value, grad, more = proposed
     log_alpha = torch.where(torch.isfinite(log_alpha), log_alpha, torch.full_like(log_alpha, -math.inf))
     uniform = torch.rand(log_alpha.shape, generator=generator, dtype=x.dtype, device=x.device)
     taken = uniform.log() < log_alpha

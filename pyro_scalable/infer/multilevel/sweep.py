@@ -14,10 +14,13 @@ Metropolis-Hastings move (:mod:`.mala`), both built on each group's **Laplace ma
 alone, exact where the conditional is Gaussian in :math:`b_k`.
 
 1. **The locals.** :math:`M` groups drawn uniformly without replacement (all of them by default), independently of
-   the state, each take one preconditioned MALA move (``local_steps`` leapfrog steps of HMC; default 1, which is
-   MALA) with mass matrix :math:`P_k(\theta)` at the current globals, and accept on their own. The mass matrix does
-   not read :math:`b_k`, so each move leaves the conditional invariant; it follows the group's scale as the
-   globals move (a funnel's neck and mouth), and a non-centred group's as the scale multiplies it.
+   the state, each take ``local_steps`` (default 1) Newton moves (:func:`.mala.newton`) preconditioned by
+   :math:`P_k(\theta)` at the current globals, and accept on their own: :math:`b_k' = b_k + a P_k^{-1}\nabla
+   \ell_k(b_k) + s L_k^{-\top}\xi`, :math:`a = 1 - \sqrt{1 - s^2}`. The preconditioner does not read :math:`b_k`,
+   so each move leaves the conditional invariant; it follows the group's scale as the globals move (a funnel's neck
+   and mouth), and a non-centred group's as the scale multiplies it. Where the conditional is Gaussian (and the
+   map exact) the move at :math:`s = 1` is an exact Gibbs draw of the group, accepted always; warm-up takes each
+   chain's :math:`s` up to that 1 where its groups' acceptance allows.
 2. **The globals, with the groups carried along.** A Gibbs move of :math:`\theta` given :math:`b` mixes slowly where
    the two are coupled: a centred model's group scale given its effects, a non-centred model's mean and scale given
    the standardised effects. So :math:`\theta` moves in the coordinates :math:`(\theta, \varepsilon)`,
@@ -85,7 +88,7 @@ from torch.func import grad_and_value, vmap
 from pyro_scalable.bridge.model import ModelBridge
 from pyro_scalable.bridge.row_groups import RowGroups
 from pyro_scalable.infer.multilevel.conditionals import Conditionals
-from pyro_scalable.infer.multilevel.mala import DualAveraging, hmc, precision_factor
+from pyro_scalable.infer.multilevel.mala import DualAveraging, hmc, newton, precision_factor
 from pyro_scalable.infer.multilevel.proxy import Taylor
 from pyro_scalable.infer.multilevel.small import matvec
 
@@ -134,8 +137,8 @@ class Sweep(Conditionals):
         self.global_steps = engine.global_steps or 3
         self.local_steps = engine.local_steps or 1
         ones = torch.ones(engine.num_chains, dtype=dtype, device=bridge.device)
-        # MALA's optimal acceptance is about 0.57, HMC's (several steps) about 0.65-0.8
-        self.local_step = DualAveraging(ones, target=0.6 if self.local_steps == 1 else 0.7)
+        # the Newton move's step is at most 1 (a Gaussian conditional's exact draw); HMC's (several steps) aims at 0.7
+        self.local_step = DualAveraging(ones, target=0.6, most=1.0)
         self.global_step = DualAveraging(ones, target=0.6 if self.global_steps == 1 else 0.7)
         self.where: _Where | None = None
         self.fits = 0  # the window ends (and the start) at which a proxy was fitted
@@ -222,14 +225,17 @@ class Sweep(Conditionals):
             centre, factor = vmap(self._laplace)(theta, self.b_ref, self.width, self.fallback, self.taylor)
             self.where = _Where(per_group, gradient_b, centre, factor, self._gap(theta, b))
             self.rows_read += chains * self.rows.all.shape[0] * (1 + len(self.stencil) * self._map_share)
-        b, accept_local = self._move_locals(theta, b, generator, adapt)
+        accept_local = torch.zeros(chains, dtype=b.dtype, device=b.device)
+        for _ in range(self.local_steps):
+            b, accept = self._move_locals(theta, b, generator, adapt)
+            accept_local = accept_local + accept / self.local_steps
         accept_global = torch.ones(chains, dtype=b.dtype, device=b.device)
         if self.layout.global_size:
             theta, b, accept_global = self._move_globals(theta, b, generator, adapt)
         return theta, b, SweepInfo(accept_local, accept_global)
 
     def _move_locals(self, theta: Tensor, b: Tensor, generator: torch.Generator, adapt: bool):
-        """One MALA move of each drawn group's block on its own rows (module docstring, 1)."""
+        """One Newton move of each drawn group's block on its own rows (module docstring, 1)."""
         if self.per_step == self.num_groups:
             drawn = torch.arange(self.num_groups, device=b.device)
         else:
@@ -257,14 +263,12 @@ class Sweep(Conditionals):
             gap = self._gap(theta, place(x), drawn)
             return self._second(gap - where.gap[:, drawn], "local", adapt), [*more, gap]
 
-        step = self.local_step.step[:, None]
-        move = hmc(
+        move = newton(
             b[:, drawn],
             where.per_group[:, drawn],
             where.gradient[:, drawn],
             where.factor[:, drawn],
-            step,
-            self.local_steps,
+            self.local_step.step[:, None],
             density,
             generator,
             (where.gap[:, drawn],) if self.proxy else (),

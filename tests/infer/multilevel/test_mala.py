@@ -1,10 +1,10 @@
-"""Preconditioned HMC and MALA on independent blocks keep a Gaussian exactly, whatever the mass matrix and step."""
+"""The blocks' moves (MALA, HMC, the Newton move) keep their target exactly, whatever the preconditioner and step."""
 
 import math
 
 import torch
 
-from pyro_scalable.infer.multilevel.mala import DualAveraging, hmc, precision_factor
+from pyro_scalable.infer.multilevel.mala import DualAveraging, hmc, newton, precision_factor
 
 
 def test_mala_keeps_a_gaussian_with_a_wrong_preconditioner():
@@ -115,3 +115,94 @@ def test_delayed_acceptance_on_a_wrong_proxy_keeps_the_target():
     sample = torch.cov(x.T)
     var_se = ((covariance**2 + covariance.diagonal()[:, None] * covariance.diagonal()[None, :]) / blocks).sqrt()
     assert ((sample - covariance).abs() < 5 * var_se).all()
+
+
+def _gaussian_blocks(seed, blocks):
+    gen = torch.Generator().manual_seed(seed)
+    mean = torch.tensor([1.0, -2.0], dtype=torch.float64)
+    covariance = torch.tensor([[2.0, 0.9], [0.9, 0.6]], dtype=torch.float64)
+    x = mean + torch.randn(blocks, 2, generator=gen, dtype=torch.float64) @ torch.linalg.cholesky(covariance).T
+    return gen, mean, covariance, x
+
+
+def _assert_gaussian(x, mean, covariance):
+    blocks = x.shape[0]
+    se = (covariance.diagonal() / blocks).sqrt()
+    assert ((x.mean(0) - mean).abs() < 5 * se).all()
+    sample = torch.cov(x.T)
+    var_se = ((covariance**2 + covariance.diagonal()[:, None] * covariance.diagonal()[None, :]) / blocks).sqrt()
+    assert ((sample - covariance).abs() < 5 * var_se).all()
+
+
+def test_the_newton_move_keeps_a_gaussian_with_a_wrong_preconditioner():
+    blocks = 20_000
+    gen, mean, covariance, x = _gaussian_blocks(3, blocks)
+    precision = torch.linalg.inv(covariance)
+
+    def density(z):
+        r = z - mean
+        return -0.5 * ((r @ precision) * r).sum(-1), -(r @ precision)
+
+    factor = precision_factor(torch.tensor([[1.0, 0.0], [0.0, 3.0]], dtype=torch.float64)).expand(blocks, 2, 2)
+    value, gradient = density(x)
+    accepted = 0.0
+    for _ in range(10):
+        move = newton(x, value, gradient, factor, 0.8, density, gen)
+        x, value, gradient = move.x, move.log_density, move.gradient
+        accepted += float(move.accept.mean()) / 10
+    assert 0.1 < accepted < 0.95  # the test moves the blocks and rejects some: the acceptance ratio is exercised
+    _assert_gaussian(x, mean, covariance)
+
+
+def test_the_newton_move_with_the_exact_precision_is_an_exact_draw_always_accepted():
+    """At s = 1 a Gaussian block's move is a fresh draw of it: accepted always, independent of where it started."""
+    blocks = 20_000
+    gen, mean, covariance, x = _gaussian_blocks(4, blocks)
+    precision = torch.linalg.inv(covariance)
+
+    def density(z):
+        r = z - mean
+        return -0.5 * ((r @ precision) * r).sum(-1), -(r @ precision)
+
+    value, gradient = density(x)
+    move = newton(x, value, gradient, precision_factor(precision).expand(blocks, 2, 2), 1.0, density, gen)
+    torch.testing.assert_close(move.accept, torch.ones(blocks, dtype=torch.float64))
+    _assert_gaussian(move.x, mean, covariance)
+    for j in range(2):  # the draw forgets its start: correlation within 5 standard errors (1 / sqrt(n)) of 0
+        assert abs(float(torch.corrcoef(torch.stack([x[:, j], move.x[:, j]]))[0, 1])) < 5 / math.sqrt(blocks)
+
+
+def test_the_newton_move_keeps_a_skewed_target_and_its_delayed_acceptance_corrects_a_wrong_proxy():
+    """A Gumbel target (skewed, not Gaussian), moved on a Gaussian proxy: the second stage makes it exact."""
+    blocks = 40_000
+    gen = torch.Generator().manual_seed(5)
+    gumbel = torch.distributions.Gumbel(torch.tensor(0.5, dtype=torch.float64), torch.tensor(1.5, dtype=torch.float64))
+    x = gumbel.sample((blocks, 1))
+
+    def target(z):
+        return gumbel.log_prob(z).sum(-1)
+
+    def proxy(z):  # a Gaussian near the Gumbel's mean and spread, neither exact
+        return -0.5 * ((z - 1.2) / 1.8).square().sum(-1), -(z - 1.2) / 1.8**2
+
+    def correct(z, more):
+        return (target(z) - proxy(z)[0]) - (target(x) - proxy(x)[0]), more
+
+    factor = torch.full((blocks, 1, 1), 1 / 1.8, dtype=torch.float64)
+    accepted = 0.0
+    for _ in range(10):
+        value, gradient = proxy(x)
+        move = newton(x, value, gradient, factor, 1.0, proxy, gen, (), correct)
+        x = move.x
+        accepted += float(move.accept.mean()) / 10
+    assert 0.3 < accepted < 0.99
+    exact = gumbel.sample((blocks, 1))
+    # the mean and variance, each within 5 standard errors of the law's
+    sd = float(gumbel.stddev)
+    assert abs(float(x.mean() - gumbel.mean)) < 5 * sd / math.sqrt(blocks)
+    spread = float((exact - exact.mean()).square().std())  # the sd of a squared deviation, from exact draws
+    assert abs(float(x.var() - gumbel.variance)) < 5 * spread / math.sqrt(blocks)
+    # quantiles: the fraction below each of the law's deciles within 5 binomial standard errors
+    for q in (0.1, 0.5, 0.9):
+        below = float((x < gumbel.icdf(torch.tensor(q, dtype=torch.float64))).double().mean())
+        assert abs(below - q) < 5 * math.sqrt(q * (1 - q) / blocks)
