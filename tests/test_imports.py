@@ -89,8 +89,8 @@ def test_no_import_circle():
 def test_no_module_imports_torch_dynamo():
     """Importing every module leaves ``torch._dynamo`` unimported: its import costs a process about a second.
 
-    torch imports it itself at a process's first ``torch.func`` gradient or ``make_fx`` recording (so a run pays it
-    once); a ``torch.compile`` or ``torch._dynamo`` reference at import time would make every import pay it.
+    torch imports it itself at a process's first ``torch.func`` gradient (so a run pays it once); a ``torch.compile``
+    or ``torch._dynamo`` reference at import time would make every import pay it.
     """
     script = (
         "import importlib, pkgutil, sys, pyro_scalable\n"
@@ -110,8 +110,9 @@ def test_a_default_run_loads_no_forward_mode_rules():
     The Hessian is d backward passes over the gradient (plain autograd): ``torch.func.hessian``'s forward mode would
     have torch script its jvp decompositions at the process's first call (``torch._decomp.decompositions_for_jvp``,
     a few tenths of a second), and it is several times slower. ``torch._dynamo`` a run does import, from torch
-    itself: ``make_fx`` imports it at the first recording of the log joint, and ``torch.func``'s gradients (the
-    steps', vmapped over chains) enter ``torch._dynamo.compiled_autograd`` at their first call.
+    itself: ``torch.func``'s gradients (warm-up's steps that measure the noise or the curvature, vmapped over chains)
+    enter ``torch._dynamo.compiled_autograd`` at their first call. The log joint's recording does not
+    (``bridge/recording.py``; tests/bridge/test_traced.py).
     """
     script = (
         "import sys, warnings, torch, pyro, pyro.distributions as dist\n"

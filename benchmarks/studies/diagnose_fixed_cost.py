@@ -8,22 +8,23 @@ functions that do them, each timed on its own (a part nested in another is repor
 (tracing it, its checks, the support check of the observed values over the full data), the chains' initial values
 (a trace of the model each), recording the log joint as a graph (first call of each signature), the control variate
 (the mode search and its full-data gradient), the post-run health checks (repeated draws, r_hat, ESS), the noise
-probe, and torch's one-time import of ``torch._dynamo``, which ``torch.func.grad`` and ``make_fx`` trigger on their
-first call in a process (within the part that triggered it; counted as fixed also where a step triggered it). The
+probe, and torch's one-time import of ``torch._dynamo``, which ``torch.func.grad`` triggers on its first call in a
+process (within the part that triggered it; counted as fixed also where a step triggered it). The
 rest is the steps. A second run in the same process shows what a repeat costs; ``--processes K`` repeats part 1 in
 K fresh processes and gives each figure's median and range. The table also gives the mode search's exact Hessian
 (where L-BFGS stopped, a pass over the data confirming the stop), torch's one-time import of the forward-mode
 rules (none since the Hessian is plain autograd, d backward passes over the gradient: forward over reverse loaded
 them), and the mode search's full-data and subsample passes (``mcmc.mode_search``).
 
-Where ``torch._dynamo`` comes from (torch 2.13): no module of the package imports it (``tests/test_imports.py``);
-torch imports it itself at the first gradient of any ``torch.func`` transform (``grad``, ``vjp``, ``jacrev``: its
-``_autograd_grad`` enters ``torch._dynamo.compiled_autograd._disable()``), at the first ``make_fx`` recording
-(``make_fx`` imports ``torch._inductor.config``, whose package imports it; ``_trace_inner`` imports it too) and at
-the first forward-mode use of a Python reference decorated with ``torch._disable_dynamo``. In a default run the
-first is the log joint's recording (``bridge/traced.py``'s ``make_fx``); without the recorder, the first step's
-gradients (``torch.func.grad_and_value`` vmapped over chains). So a process's first run pays the import whatever
-the mode search does: it is a fixed cost of torch's, not one a lazier import here can move.
+Where ``torch._dynamo`` comes from (torch 2.13): no module of the package imports it (``tests/test_imports.py``),
+and the log joint's recording does not (``bridge/recording.py`` records the ATen operations ``make_fx`` records, but
+``make_fx`` imports ``torch._inductor.config``, whose package imports it, and every ``TorchDispatchMode`` whose
+``__torch_dispatch__`` torch wraps in ``torch._disable_dynamo`` imports it at its first call). torch imports it at the
+first gradient of any ``torch.func`` transform (``grad``, ``vjp``, ``jacrev``: its ``_autograd_grad`` enters
+``torch._dynamo.compiled_autograd._disable()``): in a default run, warm-up's first step that measures the gradient
+noise or the curvature (``vmap`` over chains of the estimate with ``grad_and_value`` inside, and the control variate's
+gradient at its centre). So a process's first run pays the import in its steps (counted as fixed here) until those
+steps take their gradients by plain autograd outside ``vmap``, as the plain steps do.
 
 Part 2 times ``to_inference_data`` on a run of 4 chains x ``--export-draws`` draws at ``--export-n`` data points:
 its wall time and the peak resident memory above what the process held before (``VmHWM`` reset), with the size of
@@ -75,10 +76,10 @@ PARTS = {  # (module, attribute): what it is
 
 
 UNION = "union"  # the wall time of the outermost parts: a part nested in another counts once
-FIRST = "  of which the process's first recording (one-time: torch's make_fx imports and warms up)"
+FIRST = "  of which the process's first recording"
 DYNAMO = (
-    "torch's one-time import of torch._dynamo (the process's first torch.func gradient or make_fx; "
-    "counted in the part that triggers it)"
+    "torch's one-time import of torch._dynamo (the process's first torch.func gradient: warm-up's first "
+    "noise-measuring step; counted in the part that triggers it, as fixed also where a step triggers it)"
 )
 JVP_RULES = (
     "torch's one-time import of its forward-mode rules (torch._decomp.decompositions_for_jvp, compiled by "

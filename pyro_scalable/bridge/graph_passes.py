@@ -241,6 +241,10 @@ class _Dispatched(TorchDispatchMode):
         super().__init__()
         self.ops: list = []
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # see recording._Recorder: torch would import torch._dynamo at the first call
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops.append(func)
         return func(*args, **(kwargs or {}))

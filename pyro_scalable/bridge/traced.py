@@ -5,17 +5,18 @@ message and passes it through the handler stack, and the bridge's handler substi
 densities. On small models that is most of a step: each sample site's trip through the handlers costs far more than its
 arithmetic. For one *signature* of the call — the shapes, dtypes and devices of the latents, the minibatch indices and
 the data tensors, and the values of every other argument — a model that does not branch on tensor values runs the same
-sequence of tensor operations on every call. :func:`torch.fx.experimental.proxy_tensor.make_fx` records that sequence
-below autograd, as ATen operations on the call's tensors; replaying it gives the same value and, through autograd or
-``torch.func``, the same gradients, without running the model's Python. Data the model reads from its closure are held
-by reference.
+sequence of tensor operations on every call. :func:`.recording.record` records that sequence below autograd, as the
+ATen operations on the call's tensors that ``make_fx`` records, without importing ``torch._dynamo``; replaying it gives
+the same value and, through autograd or ``torch.func``, the same gradients, without running the model's Python. Data
+the model reads from its closure are held by reference.
 
 A signature is recorded after :data:`TRACE_AFTER` calls (short evaluations never pay for the recording), outside any
 ``torch.func`` transform (in a separate thread, where no transform is active) and with the random number generator
 forked, and it is used only where it passed every check:
 
-1. **No branch on a value**: ``make_fx`` refuses ``bool(tensor)``, ``.item()`` and ``.tolist()`` on a recorded
-   tensor (the model branches on data or latents), and the signature stays on the Pyro path;
+1. **No branch on a value**: the recording refuses ``bool(tensor)`` and ``.item()`` on a recorded tensor (the model
+   branches on data or latents), and the signature stays on the Pyro path (``.tolist()`` reads the values without an
+   operation the recording sees: the agreement check, 3, refuses it where the value read changes the result);
 2. **No shape that depends on values** (``nonzero``, ``unique``, boolean masks, ...): refused, since the recorded
    operations after them hold the shapes of one call;
 3. **Agreement**: at a second point (other latents, other minibatch indices) the graph's value and gradients equal
@@ -46,6 +47,7 @@ from torch import Tensor
 from pyro_scalable.arguments import check_count
 from pyro_scalable.bridge.checks import first_line
 from pyro_scalable.bridge.graph_passes import bind_python, gather_rows, simplify, value_shaped
+from pyro_scalable.bridge.recording import record
 from pyro_scalable.bridge.records import Batch, Latents
 from pyro_scalable.bridge.signature import CallSignature
 
@@ -246,14 +248,12 @@ class TracedLogDensity:
         return out
 
     def _record(self, call: CallSignature) -> tuple[Callable | None, str]:
-        from torch.fx.experimental.proxy_tensor import make_fx
-
         def flat(*tensors):
             return self.evaluate(*call.rebuild(tensors))
 
         standins = self._standins(call, None)
         try:
-            graph = make_fx(flat)(*standins)
+            graph = record(flat, standins)
         except Exception as error:  # noqa: BLE001 -- any failure to record leaves the signature on the Pyro path
             return None, f"recording failed ({type(error).__name__}: {first_line(error)})"
         shaped = sorted(value_shaped(graph))
@@ -328,7 +328,9 @@ def _in_thread(work: Callable[[], tuple]) -> tuple:
     device = torch.get_default_device() if hasattr(torch, "get_default_device") else None  # thread-local
 
     def run():
-        if device is not None:
+        # a default device is a torch-function mode every torch call in the thread passes through (and whose first
+        # call imports torch._dynamo): set only where it is not the CPU, every thread's default
+        if device is not None and device.type != "cpu":
             torch.set_default_device(device)
         with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_initialized() else []):
             try:

@@ -1,6 +1,9 @@
 """The recorded log density (bridge/traced.py) equals the model run through Pyro, and refuses what it cannot replay."""
 
 import copy
+import re
+import subprocess
+import sys
 
 import pyro
 import pyro.distributions as dist
@@ -13,6 +16,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from pyro_scalable.bridge.graph_passes import bind_python, gather_rows
 from pyro_scalable.bridge.model import ModelBridge
+from pyro_scalable.bridge.recording import record
 from pyro_scalable.bridge.records import Batch
 from pyro_scalable.bridge.signature import CallSignature
 from pyro_scalable.bridge.traced import TRACE_AFTER, model_tracing
@@ -114,6 +118,44 @@ def test_replay_equals_the_model_value_and_gradients(kind):
         for a, b in zip(replayed, expected, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
     assert len(bridge.traced.graphs) == 1
+
+
+@pytest.mark.parametrize("kind", ["logistic", "hierarchy", "pyro_module"])
+def test_the_recording_is_the_graph_make_fx_records(kind):
+    """The same operations on the same arguments and constants, in the same order, as make_fx on real tensors."""
+    model, args, _ = data(kind)
+    bridge = ModelBridge(model, args)
+    plate = next(iter(bridge.plates.values()))
+    call = CallSignature(point(bridge, 0), Batch({plate.name: torch.arange(plate.subsample_size)}, bridge.args, {}))
+
+    def flat(*tensors):
+        return bridge.traced.evaluate(*call.rebuild(tensors))
+
+    expected = make_fx(flat)(*call.tensors)
+    inputs = [n.name for n in expected.graph.nodes if n.op == "placeholder"]
+    names = {name: f"arg{k}_1" for k, name in enumerate(inputs)}  # make_fx names its inputs after the function's
+    assert record(flat, list(call.tensors)).code == re.sub(r"\w+", lambda m: names.get(m[0], m[0]), expected.code)
+
+
+def test_recording_imports_no_torch_dynamo():
+    """A process's first recording imports neither torch._inductor nor torch._dynamo (make_fx imports both)."""
+    script = (
+        "import sys, torch, pyro, pyro.distributions as dist\n"
+        "from pyro_scalable.bridge import Batch, ModelBridge\n"
+        "from pyro_scalable.bridge.traced import TRACE_AFTER\n"
+        "def model(x, y):\n"
+        "    w = pyro.sample('w', dist.Normal(x.new_zeros(3), 1.0).to_event(1))\n"
+        "    with pyro.plate('data', len(x), subsample_size=8) as i:\n"
+        "        pyro.sample('y', dist.Bernoulli(logits=x[i] @ w), obs=y[i])\n"
+        "bridge = ModelBridge(model, (torch.randn(40, 3), torch.ones(40)))\n"
+        "batch = Batch({'data': torch.arange(8)}, bridge.args, {})\n"
+        "for _ in range(TRACE_AFTER + 1):\n"
+        "    bridge.log_posterior({'w': torch.zeros(3)}, batch)\n"
+        "assert len(bridge.traced.graphs) == 1, bridge.traced.refused\n"
+        "sys.exit(sorted(m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules) or None)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr.strip().splitlines()[-1:]
 
 
 @pytest.mark.parametrize("kind", ["logistic", "hierarchy", "pyro_module"])
