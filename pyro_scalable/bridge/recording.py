@@ -30,7 +30,12 @@ from typing import Any
 
 import torch
 from torch import Tensor, fx
-from torch.utils._python_dispatch import TorchDispatchMode, autograd_would_have_decomposed
+from torch.utils._python_dispatch import TorchDispatchMode
+
+try:
+    from torch.utils._python_dispatch import autograd_would_have_decomposed
+except ImportError:  # a torch older than this helper: make_fx records the graph instead (and imports torch._dynamo)
+    autograd_would_have_decomposed = None
 from torch.utils._pytree import tree_flatten, tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -53,6 +58,10 @@ def record(fn: Callable[..., Tensor], inputs: list[Tensor]) -> fx.GraphModule:
         7.38905...
 
     """
+    if autograd_would_have_decomposed is None:
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        return make_fx(fn)(*inputs)
     root = torch.nn.Module()
     recorder = _Recorder(root)
     for k, x in enumerate(inputs):

@@ -137,6 +137,16 @@ def test_the_recording_is_the_graph_make_fx_records(kind):
     assert record(flat, list(call.tensors)).code == re.sub(r"\w+", lambda m: names.get(m[0], m[0]), expected.code)
 
 
+def test_a_torch_without_the_recorders_helper_records_with_make_fx(monkeypatch):
+    """Where torch lacks ``autograd_would_have_decomposed`` (older releases), the recording is make_fx's, and replays."""
+    import pyro_scalable.bridge.recording as recording
+
+    monkeypatch.setattr(recording, "autograd_would_have_decomposed", None)
+    data = torch.tensor([1.0, 2.0, 3.0])
+    graph = recording.record(lambda w, i: (data[i] * w).exp().sum(), [torch.tensor(0.5), torch.tensor([0, 2])])
+    assert float(graph(torch.tensor(1.0), torch.tensor([1]))) == pytest.approx(float(torch.tensor(2.0).exp()))
+
+
 def test_recording_imports_no_torch_dynamo():
     """A process's first recording imports neither torch._inductor nor torch._dynamo (make_fx imports both)."""
     script = (
