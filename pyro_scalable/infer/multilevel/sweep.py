@@ -59,7 +59,13 @@ costs one pass for the locals and ``global_steps + 1`` such evaluations for the 
 **Warm-up** (``num_warmup`` sweeps) starts each chain from one draw of the Laplace approximation at the mode of its
 globals' marginal (:mod:`.start`), not where Pyro's initialisation put it: on tall data a start hundreds of sds from
 the bulk makes warm-up fit its steps to curvatures far above the bulk's, and they collapse. Each chain's steps for
-its two kinds of block are set by dual averaging of their acceptance. At the start, and at the ends of windows of
+its two kinds of block are set by dual averaging of their acceptance, each capped: the Newton move's at 1 (an exact
+draw of a Gaussian conditional), the globals' so that a trajectory lasts at most a quarter period of the mass
+matrix's Gaussian, :math:`\pi/2` (:data:`QUARTER`): there, :math:`x(t) = x \cos t + \rho \sin t`, and a quarter
+period is an independent draw of both the place and the spread. Left to the acceptance alone, three steps reach
+about half a period, :math:`x' \approx -x`: antithetic, the mean's ESS above the number of draws and the spread's
+(the tail's) about a third of it, which is the part of r_hat a long run needs. With the steps' jitter, the lengths
+run over :math:`[\pi/4, 3\pi/4]`, whose mean cosine is 0. At the start, and at the ends of windows of
 10%, 10%, 15% and 25% of warm-up, each chain's reference point becomes its window's mean, with each group's
 conditional curvature there (by autodiff) for the differences' widths and the fallback factor, and the globals' mass
 matrix becomes the transformed density's negative Hessian averaged over the chain's window: at its mean and at up to
@@ -96,6 +102,7 @@ __all__ = ["Sweep", "SweepInfo"]
 
 SECOND_STAGE = 0.75  # a window's mean second-stage acceptance below which warm-up gives the proxy up
 STALE = 3.0  # in warm-up, the proxy is fitted again where a chain is once this many sds farther than a draw would be
+QUARTER = math.pi / 2  # the globals' trajectory lasts at most a quarter period of the mass matrix's Gaussian
 
 
 class SweepInfo(NamedTuple):
@@ -139,7 +146,9 @@ class Sweep(Conditionals):
         ones = torch.ones(engine.num_chains, dtype=dtype, device=bridge.device)
         # the Newton move's step is at most 1 (a Gaussian conditional's exact draw); HMC's (several steps) aims at 0.7
         self.local_step = DualAveraging(ones, target=0.6, most=1.0)
-        self.global_step = DualAveraging(ones, target=0.6 if self.global_steps == 1 else 0.7)
+        self.global_step = DualAveraging(
+            ones, target=0.6 if self.global_steps == 1 else 0.7, most=QUARTER / self.global_steps
+        )
         self.where: _Where | None = None
         self.fits = 0  # the window ends (and the start) at which a proxy was fitted
         self.seconds: dict[str, list[Tensor]] = {"local": [], "global": []}  # in warm-up: the second stage's acceptance

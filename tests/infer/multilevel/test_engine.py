@@ -122,6 +122,8 @@ def test_a_conjugate_hierarchy_is_exact():
     check(torch.cat([s["mu"][..., None], s["b"]], -1), *conjugate(g, y))
     # Gaussian conditionals: warm-up takes the Newton move to s = 1, a fresh draw of every group, accepted always
     assert mcmc.step_sizes["local"] == [1.0] * 4
+    # the globals' trajectory (3 steps) lasts at most a quarter period of the mass matrix's Gaussian
+    assert max(mcmc.step_sizes["global"]) <= math.pi / 6 * (1 + 1e-6)
     torch.testing.assert_close(mcmc.sample_stats["accept_prob"], torch.ones_like(mcmc.sample_stats["accept_prob"]))
     # the result surface every engine shares: ArviZ with the pointwise log-likelihood, and predictions
     idata = mcmc.to_inference_data()

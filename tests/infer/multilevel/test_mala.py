@@ -206,3 +206,29 @@ def test_the_newton_move_keeps_a_skewed_target_and_its_delayed_acceptance_correc
     for q in (0.1, 0.5, 0.9):
         below = float((x < gumbel.icdf(torch.tensor(q, dtype=torch.float64))).double().mean())
         assert abs(below - q) < 5 * math.sqrt(q * (1 - q) / blocks)
+
+
+def test_a_quarter_period_trajectory_forgets_a_gaussians_place_and_mostly_its_spread():
+    """Steps of pi/6 on N(0, 1) with the exact mass matrix: x(t) = x cos t + rho sin t, t the jittered length.
+
+    At the sweep's cap, three steps (t uniform on [pi/4, 3pi/4]), the draws' correlation is E[cos t] = 0 and their
+    squares' E[cos^2 t] = 1/2 - 1/pi; six steps, half a period (t on [pi/2, 3pi/2]): -2/pi and 1/2, antithetic and
+    the spread slow.
+    """
+    blocks = 40_000
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(blocks, 1, generator=gen, dtype=torch.float64)
+
+    def density(z):
+        return -0.5 * z.square().sum(-1), -z
+
+    factor = torch.ones(blocks, 1, 1, dtype=torch.float64)
+    se = 5 / math.sqrt(blocks)
+    for steps, mean_cos, mean_cos2 in ((3, 0.0, 0.5 - 1 / math.pi), (6, -2 / math.pi, 0.5)):
+        value, gradient = density(x)
+        moved = hmc(x, value, gradient, factor, math.pi / 6, steps, density, gen).x
+        place = float(torch.corrcoef(torch.stack([x[:, 0], moved[:, 0]]))[0, 1])
+        spread = float(torch.corrcoef(torch.stack([x[:, 0].square(), moved[:, 0].square()]))[0, 1])
+        # within 5 standard errors, and 0.03 for the leapfrog's frequency error at these steps
+        assert abs(place - mean_cos) < se + 0.03, (steps, place)
+        assert abs(spread - mean_cos2) < 2 * se + 0.03, (steps, spread)
