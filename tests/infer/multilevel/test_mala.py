@@ -28,12 +28,7 @@ def test_mala_keeps_a_gaussian_with_a_wrong_preconditioner():
         x, value, gradient = move.x, move.log_density, move.gradient
         accepted += float(move.accept.mean()) / 10
     assert 0.1 < accepted < 0.9  # the test moves the blocks: neither all kept nor all taken
-    se = (covariance.diagonal() / blocks).sqrt()
-    assert ((x.mean(0) - mean).abs() < 5 * se).all()
-    # the sample covariance's entries, each within 5 standard errors (Gaussian fourth moments)
-    sample = torch.cov(x.T)
-    var_se = ((covariance**2 + covariance.diagonal()[:, None] * covariance.diagonal()[None, :]) / blocks).sqrt()
-    assert ((sample - covariance).abs() < 5 * var_se).all()
+    _assert_gaussian(x, mean, covariance)
 
 
 def test_precision_factor_floors_an_indefinite_curvature():
@@ -72,11 +67,7 @@ def test_hmc_keeps_a_gaussian_with_a_wrong_mass_matrix():
         accepted += float(move.accept.mean()) / 5
     assert 0.1 < accepted < 0.95
     torch.testing.assert_close(spread, (x - mean).square().sum(-1))  # the extra output follows each block
-    se = (covariance.diagonal() / blocks).sqrt()
-    assert ((x.mean(0) - mean).abs() < 5 * se).all()
-    sample = torch.cov(x.T)
-    var_se = ((covariance**2 + covariance.diagonal()[:, None] * covariance.diagonal()[None, :]) / blocks).sqrt()
-    assert ((sample - covariance).abs() < 5 * var_se).all()
+    _assert_gaussian(x, mean, covariance)
 
 
 def test_delayed_acceptance_on_a_wrong_proxy_keeps_the_target():
@@ -110,11 +101,7 @@ def test_delayed_acceptance_on_a_wrong_proxy_keeps_the_target():
         x = move.x
         accepted += float(move.accept.mean()) / 5
     assert 0.1 < accepted < 0.9
-    se = (covariance.diagonal() / blocks).sqrt()
-    assert ((x.mean(0) - mean).abs() < 5 * se).all()
-    sample = torch.cov(x.T)
-    var_se = ((covariance**2 + covariance.diagonal()[:, None] * covariance.diagonal()[None, :]) / blocks).sqrt()
-    assert ((sample - covariance).abs() < 5 * var_se).all()
+    _assert_gaussian(x, mean, covariance)
 
 
 def _gaussian_blocks(seed, blocks):
@@ -126,6 +113,7 @@ def _gaussian_blocks(seed, blocks):
 
 
 def _assert_gaussian(x, mean, covariance):
+    """The blocks' mean and covariance entries, each within 5 standard errors (Gaussian fourth moments)."""
     blocks = x.shape[0]
     se = (covariance.diagonal() / blocks).sqrt()
     assert ((x.mean(0) - mean).abs() < 5 * se).all()
