@@ -105,11 +105,18 @@ def test_delayed_acceptance_on_a_wrong_proxy_keeps_the_target():
 
 
 def _gaussian_blocks(seed, blocks):
+    """Exact draws of a correlated 2-d Gaussian, and its log density and gradient."""
     gen = torch.Generator().manual_seed(seed)
     mean = torch.tensor([1.0, -2.0], dtype=torch.float64)
     covariance = torch.tensor([[2.0, 0.9], [0.9, 0.6]], dtype=torch.float64)
     x = mean + torch.randn(blocks, 2, generator=gen, dtype=torch.float64) @ torch.linalg.cholesky(covariance).T
-    return gen, mean, covariance, x
+    precision = torch.linalg.inv(covariance)
+
+    def density(z):
+        r = z - mean
+        return -0.5 * ((r @ precision) * r).sum(-1), -(r @ precision)
+
+    return gen, mean, covariance, x, density
 
 
 def _assert_gaussian(x, mean, covariance):
@@ -124,13 +131,7 @@ def _assert_gaussian(x, mean, covariance):
 
 def test_the_newton_move_keeps_a_gaussian_with_a_wrong_preconditioner():
     blocks = 20_000
-    gen, mean, covariance, x = _gaussian_blocks(3, blocks)
-    precision = torch.linalg.inv(covariance)
-
-    def density(z):
-        r = z - mean
-        return -0.5 * ((r @ precision) * r).sum(-1), -(r @ precision)
-
+    gen, mean, covariance, x, density = _gaussian_blocks(3, blocks)
     factor = precision_factor(torch.tensor([[1.0, 0.0], [0.0, 3.0]], dtype=torch.float64)).expand(blocks, 2, 2)
     value, gradient = density(x)
     accepted = 0.0
@@ -145,13 +146,8 @@ def test_the_newton_move_keeps_a_gaussian_with_a_wrong_preconditioner():
 def test_the_newton_move_with_the_exact_precision_is_an_exact_draw_always_accepted():
     """At s = 1 a Gaussian block's move is a fresh draw of it: accepted always, independent of where it started."""
     blocks = 20_000
-    gen, mean, covariance, x = _gaussian_blocks(4, blocks)
+    gen, mean, covariance, x, density = _gaussian_blocks(4, blocks)
     precision = torch.linalg.inv(covariance)
-
-    def density(z):
-        r = z - mean
-        return -0.5 * ((r @ precision) * r).sum(-1), -(r @ precision)
-
     value, gradient = density(x)
     move = newton(x, value, gradient, precision_factor(precision).expand(blocks, 2, 2), 1.0, density, gen)
     torch.testing.assert_close(move.accept, torch.ones(blocks, dtype=torch.float64))
