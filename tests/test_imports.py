@@ -104,15 +104,16 @@ def test_no_module_imports_torch_dynamo():
     assert done.returncode == 0, f"torch._dynamo imported by: {last}"
 
 
-def test_a_default_run_loads_no_forward_mode_rules():
-    """A default SGHMC run, its mode search's exact Hessian included, never loads torch's forward-mode rules.
+def test_a_default_run_imports_neither_torch_dynamo_nor_the_forward_mode_rules():
+    """A default SGHMC run, from the mode search to the post-run probe and the ArviZ export, imports neither.
 
-    The Hessian is d backward passes over the gradient (plain autograd): ``torch.func.hessian``'s forward mode would
-    have torch script its jvp decompositions at the process's first call (``torch._decomp.decompositions_for_jvp``,
-    a few tenths of a second), and it is several times slower. ``torch._dynamo`` a run does import, from torch
-    itself: ``torch.func``'s gradients (warm-up's steps that measure the noise or the curvature, vmapped over chains)
-    enter ``torch._dynamo.compiled_autograd`` at their first call. The log joint's recording does not
-    (``bridge/recording.py``; tests/bridge/test_traced.py).
+    ``torch._dynamo``: torch imports it at a process's first ``torch.func`` gradient (its ``_autograd_grad`` enters
+    ``torch._dynamo.compiled_autograd``), over a second on a CPU; every gradient a run takes outside a user's
+    transform is plain autograd: warm-up's noise and curvature for every chain at once
+    (``infer/gradients/batched.py``), the metric's Hessian, the control probe, and the log joint's recording
+    (``bridge/recording.py``). The forward-mode rules: the mode search's exact Hessian is d backward passes over the
+    gradient, where ``torch.func.hessian``'s forward mode would have torch script its jvp decompositions
+    (``torch._decomp.decompositions_for_jvp``, a few tenths of a second), and it is several times slower.
     """
     script = (
         "import sys, warnings, torch, pyro, pyro.distributions as dist\n"
@@ -124,14 +125,18 @@ def test_a_default_run_loads_no_forward_mode_rules():
         "    w = pyro.sample('w', dist.Normal(torch.zeros(3), 1.0).to_event(1))\n"
         "    with pyro.plate('data', len(x), subsample_size=100) as i:\n"
         "        pyro.sample('y', dist.Bernoulli(logits=x[i] @ w), obs=y[i])\n"
-        "mcmc = StochasticMCMC(SGHMC(model), num_samples=20, num_warmup=20, num_chains=2, seed=0, progress_bar=False)\n"
+        "mcmc = StochasticMCMC(SGHMC(model), num_samples=100, num_warmup=200, num_chains=2, seed=0,\n"
+        "                      progress_bar=False)\n"
         "with warnings.catch_warnings():\n"
         "    warnings.simplefilter('ignore')\n"
         "    mcmc.run(x, y)\n"
+        "    mcmc.to_inference_data()\n"
         "if mcmc.mode_search is None or mcmc.mode_search.hessian_passes < 1:\n"
         "    sys.exit(f'the run took no exact Hessian: {mcmc.mode_search}')\n"
         "if 'torch._decomp.decompositions_for_jvp' in sys.modules:\n"
         "    sys.exit('the forward-mode rules were loaded')\n"
+        "if 'torch._dynamo' in sys.modules:\n"
+        "    sys.exit('torch._dynamo was imported')\n"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT.parent)
     last = (done.stderr.strip().splitlines() or [""])[-1]

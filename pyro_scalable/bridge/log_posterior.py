@@ -79,8 +79,10 @@ class LogPosterior:
         return self.bridge.log_posterior(latents, batch)
 
     @staticmethod
-    def batched_gradient(latents: Latents, batch: Batch) -> None:
-        """None: every chain's gradient is one vmapped density and one backward pass (the engines' own)."""
+    def batched_gradient(
+        latents: Latents, batch: Batch, dims: list | None = None, *, create_graph: bool = False
+    ) -> None:
+        """None: every point's gradient is nested vmaps of the density and one backward pass (the engines' own)."""
         return None
 
     def examples(self, batch: Batch) -> Examples | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import warnings
 
 import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 __all__ = ["hvp", "jvp", "row_slices"]
 
@@ -24,8 +25,22 @@ def hvp(func, primals, tangents):
     Reverse-over-reverse, not the cheaper forward-over-reverse (``jvp`` of ``grad``): in torch 2.x the latter fails
     on float32 models in which a 0-d latent meets a Python number (a scale ``0.0 + 1.0 * exp(u)``, as
     ``biject_to(HalfNormal(1.0).support)`` builds it), with "addmv input tensors must have the same dtype". The
-    Hessian is symmetric, so the vjp is the product wanted.
+    Hessian is symmetric, so the vjp is the product wanted. Outside torch.func transforms, plain autograd's two
+    backward passes: the same numbers without a gradient transform (torch's first one in a process imports
+    ``torch._dynamo``, over a second on a CPU).
     """
+    active = getattr(torch._C._functorch, "peek_interpreter_stack", None)
+    if active is not None and active() is None:
+        flat, spec = tree_flatten(primals)
+        leaves = [x.detach().requires_grad_() for x in flat]
+        with torch.enable_grad():
+            value = func(*tree_unflatten(leaves, spec))
+            grads = torch.autograd.grad(value, leaves, create_graph=True, allow_unused=True, materialize_grads=True)
+            inner = sum((g * v).sum() for g, v in zip(grads, tree_flatten(tangents)[0], strict=True))
+            if not inner.requires_grad:  # a gradient that does not depend on the point: no curvature
+                return tree_unflatten([torch.zeros_like(x) for x in flat], spec)
+            products = torch.autograd.grad(inner, leaves, allow_unused=True, materialize_grads=True)
+        return tree_unflatten(list(products), spec)
     _, pullback = torch.func.vjp(torch.func.grad(func), *primals)
     return pullback(*tangents)
 

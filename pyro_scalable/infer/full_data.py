@@ -36,6 +36,7 @@ __all__ = [
     "full_data_hvps",
     "full_data_sums",
     "point_gradient_and_value",
+    "point_hessian",
 ]
 
 
@@ -124,13 +125,13 @@ def full_data_hessian(bridge: ModelBridge, unflatten: Callable, x: Tensor, size:
         if c % world != rank:
             continue
         fn = lambda flat, batch=batch: bridge.log_posterior(unflatten(flat), batch)  # noqa: E731
-        total = total + weight * _hessian(fn, point).double()
+        total = total + weight * point_hessian(fn, point).double()
     if reducer is not None:
         (total,) = all_reduce_sum([total])
     return 0.5 * (total + total.T)
 
 
-def _hessian(fn: Callable, point: Tensor) -> Tensor:
+def point_hessian(fn: Callable, point: Tensor) -> Tensor:
     """The scalar ``fn``'s Hessian at the flat ``point``: row i the gradient of ∂fn/∂x_i, by plain autograd.
 
     Outside torch.func transforms, d backward passes over the gradient's graph: several times quicker than

@@ -138,7 +138,7 @@ def test_the_recording_is_the_graph_make_fx_records(kind):
 
 
 def test_a_torch_without_the_recorders_helper_records_with_make_fx(monkeypatch):
-    """Where torch lacks ``autograd_would_have_decomposed`` (older releases), the recording is make_fx's, and replays."""
+    """Where torch lacks ``autograd_would_have_decomposed`` (older releases), the recording is make_fx's; it replays."""
     import pyro_scalable.bridge.recording as recording
 
     monkeypatch.setattr(recording, "autograd_would_have_decomposed", None)

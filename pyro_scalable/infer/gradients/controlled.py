@@ -36,16 +36,14 @@ twice (at :math:`\theta` and :math:`\hat\theta`, on the same minibatch).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import Tensor
 
 from pyro_scalable.bridge.model import Batch, Latents
 from pyro_scalable.infer.full_data import ControlVariate
 from pyro_scalable.infer.full_data import point_gradient_and_value as _gradient_and_value
-from pyro_scalable.infer.gradients.density import MinibatchDensity
-from pyro_scalable.infer.gradients.estimate import gradient_and_value, index_dims
+from pyro_scalable.infer.gradients.batched import batched_gradient, index_dims
+from pyro_scalable.infer.gradients.density import MinibatchDensity, as_density
 
 __all__ = ["ControlVariate", "ControlledDensity"]
 
@@ -74,9 +72,11 @@ class ControlledDensity:
 
     """
 
-    def __init__(self, inner: MinibatchDensity, control: ControlVariate | None):
+    def __init__(self, inner: MinibatchDensity, control: ControlVariate | None, *, anchored: bool = True):
         self.inner = inner
         self.control = control  # None: the plain estimate (a warm-up centre not chosen yet)
+        # False: the data's terms apart (``terms``), which take no share of the full-data value and gradient
+        self.anchored = anchored
 
     def examples(self, batch: Batch):
         """The wrapped density's split of ``batch`` into groups of examples."""
@@ -85,10 +85,19 @@ class ControlledDensity:
     def __call__(self, latents: Latents, batch: Batch) -> Tensor:
         if self.control is None:
             return self.inner(latents, batch)
-        return self._controlled(self.inner, self.control.gradient, self.control.log_joint, latents, batch)
+        anchor, offset = (self.control.gradient, self.control.log_joint) if self.anchored else (None, None)
+        centre = self.control.centre
+        at_centre, value_at_centre = _gradient_and_value(self.inner, centre, batch)
+        value = self.inner(latents, batch) - value_at_centre
+        if offset is not None:
+            value = value + offset
+        for name, x in latents.items():
+            slope = at_centre[name] if anchor is None else at_centre[name] - anchor[name]
+            value = value - (slope * (x - centre[name])).sum()
+        return value
 
     @property
-    def terms(self) -> tuple[Callable, Callable] | None:
+    def terms(self) -> tuple[MinibatchDensity, MinibatchDensity] | None:
         """The wrapped density's ``terms`` (prior's, data's), each controlled with its own share of the centre.
 
         The prior's terms take the full-data value and gradient at the centre, the data's none; the two sum to the
@@ -97,31 +106,19 @@ class ControlledDensity:
         inner = self.inner.terms
         if inner is None or self.control is None:
             return inner
-        shared, grouped = inner
-        control = self.control
-        return (
-            lambda latents, batch: self._controlled(shared, control.gradient, control.log_joint, latents, batch),
-            lambda latents, batch: self._controlled(grouped, None, None, latents, batch),
-        )
+        shared, grouped = (as_density(fn) for fn in inner)
+        return ControlledDensity(shared, self.control), ControlledDensity(grouped, self.control, anchored=False)
 
-    def _controlled(self, fn: Callable, anchor: Latents | None, offset: Tensor | None, latents: Latents, batch: Batch):
-        """``fn(θ) - fn(θ̂) + offset + <anchor - ∇fn(θ̂), θ - θ̂>`` on ``batch`` (θ̂ the centre; ``None``: 0)."""
-        centre = self.control.centre
-        at_centre, value_at_centre = _gradient_and_value(fn, centre, batch)
-        value = fn(latents, batch) - value_at_centre
-        if offset is not None:
-            value = value + offset
-        for name, x in latents.items():
-            slope = at_centre[name] if anchor is None else at_centre[name] - anchor[name]
-            value = value - (slope * (x - centre[name])).sum()
-        return value
+    def batched_gradient(
+        self, latents: Latents, batch: Batch, dims: list | None = None, *, create_graph: bool = False
+    ) -> tuple[Latents, Tensor]:
+        """Every chain's controlled gradient and value (``latents`` with leading dimensions, :mod:`.batched`).
 
-    def batched_gradient(self, latents: Latents, batch: Batch) -> tuple[Latents, Tensor]:
-        """Every chain's controlled gradient and value (``latents`` with a leading chain dimension).
-
-        The chains at θ and at the centre, each on its chain's minibatch, are one vmapped density of 2C chains and
-        one backward pass (:func:`~.estimate.gradient_and_value`): the centre's minibatch gradient is not a gradient
-        transform nested in the chains' vmap, as in :meth:`__call__`.
+        The chains at θ and at the centre, each on its chain's minibatch, are one batch of 2C points and one
+        backward pass (:func:`~.batched.batched_gradient` of the wrapped density): the centre's minibatch gradient
+        is not a gradient transform nested in the chains' vmap, as in :meth:`__call__`. ``dims``: the indices'
+        ``in_dims`` at each leading dimension (default one chain dimension); ``create_graph``: the gradients stay
+        differentiable in ``latents`` (the centre's half is a constant: the controlled Hessian is the wrapped one's).
 
         Example:
             >>> import pyro, pyro.distributions as dist, torch
@@ -142,17 +139,22 @@ class ControlledDensity:
 
         """
         if self.control is None:
-            return gradient_and_value(self.inner, latents, batch)
+            return batched_gradient(self.inner, latents, batch, dims, create_graph=create_graph)
         centre, full_gradient, full_value = self.control
+        dims = [index_dims(batch.indices)] if dims is None else dims
         chains = next(iter(latents.values())).shape[0]
         both = {name: torch.cat([x, centre[name].expand_as(x)]) for name, x in latents.items()}
-        dims = index_dims(batch.indices)
-        doubled = {name: torch.cat([idx, idx]) if dims[name] == 0 else idx for name, idx in batch.indices.items()}
-        grads, values = gradient_and_value(self.inner, both, Batch(doubled, batch.args, batch.kwargs))
-        value = values[:chains] - values[chains:] + full_value
+        doubled = {name: torch.cat([idx, idx]) if dims[0][name] == 0 else idx for name, idx in batch.indices.items()}
+        both_batch = Batch(doubled, batch.args, batch.kwargs)
+        grads, values = batched_gradient(self.inner, both, both_batch, dims, create_graph=create_graph)
+        value = values[:chains] - values[chains:]
+        if self.anchored:
+            value = value + full_value
         controlled = {}
         for name, x in latents.items():
-            correction = full_gradient[name] - grads[name][chains:]
+            correction = -grads[name][chains:]
+            if self.anchored:
+                correction = correction + full_gradient[name]
             controlled[name] = grads[name][:chains] + correction
-            value = value + (correction * (x - centre[name])).reshape(chains, -1).sum(1)
+            value = value + (correction * (x - centre[name])).reshape(*value.shape, -1).sum(-1)
         return controlled, value

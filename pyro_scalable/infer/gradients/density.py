@@ -9,12 +9,14 @@ probed for:
   ``torch.func.vmap``, the number of data points N they are drawn from (``inf`` for draws with replacement), the
   group size); ``None`` where the batch is the full data and the gradient exact. The per-example noise estimate
   needs it (:func:`~.estimate.estimate_gradient`).
-* ``terms``: a pair ``(shared, grouped)`` of densities that sum to this one, ``shared`` reading none of the
-  minibatch's examples (the prior's terms), or ``None``: the noise estimate then evaluates ``shared`` once and only
-  ``grouped`` per group.
-* ``batched_gradient(latents, batch)``: every chain's gradient and value for latents with a leading chain
-  dimension, where the density computes them better than one vmapped density and one backward pass; ``None``
-  where it does not (:func:`~.estimate.chains_gradient` then does that).
+* ``terms``: a pair ``(shared, grouped)`` of densities (or functions of ``(latents, batch)``) that sum to this one,
+  ``shared`` reading none of the minibatch's examples (the prior's terms), or ``None``: the noise estimate then
+  evaluates ``shared`` once and only ``grouped`` per group.
+* ``batched_gradient(latents, batch, dims=None, *, create_graph=False)``: every point's gradient and value for
+  latents with leading dimensions (the chains, and within them a minibatch's groups of examples: ``dims`` gives the
+  indices' ``in_dims`` at each), where the density computes them better than nested vmaps of itself and one
+  backward pass; ``None`` where it does not (:func:`~.batched.batched_gradient` then does that). With
+  ``create_graph`` the gradients stay differentiable in the latents (a Hessian-vector product's second pass).
 
 The densities here: the bridge's log posterior of a Pyro model
 (:class:`~pyro_scalable.bridge.log_posterior.LogPosterior`), the control variate around it
@@ -48,8 +50,10 @@ class MinibatchDensity(Protocol):
     def examples(self, batch: Batch) -> Any:
         """The minibatch split into groups of examples (``Examples``), or ``None`` for the full data."""
 
-    def batched_gradient(self, latents: Latents, batch: Batch) -> tuple[Latents, Tensor] | None:
-        """Every chain's gradient and value, or ``None`` (one vmapped density and one backward pass then)."""
+    def batched_gradient(
+        self, latents: Latents, batch: Batch, dims: list | None = None, *, create_graph: bool = False
+    ) -> tuple[Latents, Tensor] | None:
+        """Every point's gradient and value, or ``None`` (nested vmaps of the density, one backward pass then)."""
 
 
 class Density:
@@ -72,7 +76,7 @@ class Density:
         )
 
     @staticmethod
-    def batched_gradient(latents: Latents, batch: Any) -> None:
+    def batched_gradient(latents: Latents, batch: Any, dims: list | None = None, *, create_graph: bool = False) -> None:
         return None
 
 

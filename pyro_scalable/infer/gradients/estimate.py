@@ -27,17 +27,19 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
-from torch.func import grad_and_value, vmap
+from torch.func import grad_and_value
 
 from pyro_scalable.bridge.model import Batch, Latents
 from pyro_scalable.bridge.traced import under_transform
-from pyro_scalable.infer.gradients.density import MinibatchDensity
+from pyro_scalable.infer.gradients.batched import batched_gradient, gradient_and_value, index_dims
+from pyro_scalable.infer.gradients.density import MinibatchDensity, as_density
 from pyro_scalable.infer.gradients.groups import own_storage, per_group, spread
 
 __all__ = [
     "SHARED_FROM",
     "GradientEstimate",
     "chain_indices",
+    "chains_estimate",
     "chains_gradient",
     "estimate_gradient",
     "evaluate",
@@ -88,37 +90,70 @@ def estimate_gradient(
     if not noise:
         grads, value, grad_norm, diverging = evaluate(density, latents, batch)
         return GradientEstimate(grads, value, grad_norm, diverging, {}, _no_examples(value.device), {})
+    return _with_noise(density, latents, batch, chains=False)
+
+
+def chains_estimate(density: MinibatchDensity, latents: Latents, batch: Batch, *, noise: bool = False):
+    """:func:`estimate_gradient` for every chain at once (latents with a leading chain dimension), outside vmap.
+
+    The chains' groups of examples are one doubly vmapped density and one backward pass (:mod:`.batched`), not a
+    gradient transform per chain: the same numbers, to rounding.
+    """
+    if not noise:
+        return chains_gradient(density, latents, batch)
+    return _with_noise(density, latents, batch, chains=True)
+
+
+def _with_noise(density: MinibatchDensity, latents: Latents, batch: Any, chains: bool) -> GradientEstimate:
+    """The gradient and its noise's diagonal at one chain's latents, or (``chains``) at every chain's."""
     parts = density.examples(batch)
     if parts is None:  # the full data: an exact gradient, no noise
-        grads, value, grad_norm, diverging = evaluate(density, latents, batch)
-        zero = torch.zeros((), dtype=value.dtype, device=value.device)
-        variance = {name: torch.zeros_like(g) for name, g in grads.items()}
-        return GradientEstimate(grads, value, grad_norm, diverging, variance, zero, {})
+        exact = chains_gradient(density, latents, batch) if chains else estimate_gradient(density, latents, batch)
+        variance = {name: torch.zeros_like(g) for name, g in exact.grads.items()}
+        return exact._replace(noise_variance=variance, num_examples=torch.zeros_like(exact.log_posterior))
     examples, in_dims, population_size, *group = parts
     group = group[0] if group else 1
     # the prior's terms apart cost a gradient of their own, which pays where the prior is large (a network's weights,
     # from about SHARED_FROM coordinates); below, that gradient costs more than the prior's evaluations it saves
-    many = sum(x.numel() for x in latents.values()) >= SHARED_FROM
-    terms = density.terms if many else None
+    many = sum(x[0].numel() if chains else x.numel() for x in latents.values()) >= SHARED_FROM
+    terms = tuple(as_density(t) for t in density.terms) if many and density.terms is not None else None
     grouped = density if terms is None else terms[1]
-    per_grads, per_values = per_group(grouped, latents, examples, in_dims)
+    if chains:  # every chain's groups: leaves (chains, groups, ...), vmapped over both
+        groups = next(i for i, d in zip(examples.indices.values(), in_dims.indices.values(), strict=True) if d == 0)
+        leaves = {
+            name: x.detach().unsqueeze(1).expand(x.shape[0], groups.shape[-2], *x.shape[1:])
+            for name, x in latents.items()
+        }
+        dims = [index_dims(batch.indices), in_dims.indices]
+        per_grads, per_values = batched_gradient(grouped, leaves, examples, dims)
+    else:
+        per_grads, per_values = per_group(grouped, latents, examples, in_dims)
+    axis = int(chains)  # the groups' dimension
     own = own_storage(per_grads)
-    size = per_values.shape[0] * group
-    means = {name: g.mean(0) for name, g in per_grads.items()}
-    value = per_values.mean()
+    size = per_values.shape[axis] * group
+    means = {name: g.mean(axis) for name, g in per_grads.items()}
+    value = per_values.mean(axis)
     shrink = group * (1.0 - size / population_size) / size  # m var_G(h_g) estimates s^2 (bridge.log_posterior)
-    variance = {name: spread(g, means[name], own=name in own) * shrink for name, g in per_grads.items()}
+    variance = {name: spread(g, means[name], own=name in own, dim=axis) * shrink for name, g in per_grads.items()}
     if terms is None:
         grads = means
     else:  # the terms every group shares (the prior's), once: the same mean, and no spread
-        shared_grads, shared_value = _gradient_and_value(terms[0], latents, batch)
+        if chains:
+            shared_grads, shared_value = batched_gradient(terms[0], latents, batch)
+        else:
+            shared_grads, shared_value = _gradient_and_value(terms[0], latents, batch)
         grads = {name: shared_grads[name] + g for name, g in means.items()}
         value = shared_value + value
-    grad_sq = sum(g.square().sum() for g in grads.values())
-    finite_noise = torch.stack([torch.isfinite(v).all() for v in variance.values()]).all()
+    grad_sq = sum(_per_chain(g.square(), axis).sum(-1) for g in grads.values())
+    finite_noise = torch.stack([_per_chain(torch.isfinite(v), axis).all(-1) for v in variance.values()]).all(0)
     diverging = ~(torch.isfinite(value) & torch.isfinite(grad_sq) & finite_noise)
-    count = torch.full((), float(size), dtype=value.dtype, device=value.device)
+    count = torch.full(value.shape, float(size), dtype=value.dtype, device=value.device)
     return GradientEstimate(grads, value, grad_sq.sqrt(), diverging, variance, count, {})
+
+
+def _per_chain(x: Tensor, chain_dims: int) -> Tensor:
+    """``x`` flattened after its first ``chain_dims`` dimensions (0: one chain, all of it)."""
+    return x.reshape(*x.shape[:chain_dims], -1)
 
 
 def _gradient_and_value(density: Callable, latents: Latents, batch: Any) -> tuple[Latents, Tensor]:
@@ -170,31 +205,11 @@ def chains_gradient(density: MinibatchDensity, latents: Latents, batch: Batch) -
                 [-6., -8.]])
 
     """
-    result = density.batched_gradient(latents, batch)
-    grads, values = result if result is not None else gradient_and_value(density, latents, batch)
+    grads, values = batched_gradient(density, latents, batch)
     grad_sq = sum(g.square().reshape(g.shape[0], -1).sum(1) for g in grads.values())
     diverging = ~torch.isfinite(values + grad_sq)  # as evaluate's: finite where both are
     count = torch.zeros(values.shape, device=values.device)  # no noise estimated (as estimate_gradient's)
     return GradientEstimate(grads, values, grad_sq.sqrt(), diverging, {}, count, {})
-
-
-def gradient_and_value(density: Any, latents: Latents, batch: Batch) -> tuple[Latents, Tensor]:
-    """Every chain's gradient and value of ``density``: one vmapped density, one backward pass."""
-    leaves = {name: x.detach().requires_grad_() for name, x in latents.items()}
-
-    def one(chain_latents, indices, args, kwargs):
-        return density(chain_latents, Batch(indices, args, kwargs))
-
-    in_dims = (0, index_dims(batch.indices), None, None)
-    with torch.enable_grad():
-        values = vmap(one, in_dims=in_dims)(leaves, batch.indices, batch.args, batch.kwargs)
-        grads = torch.autograd.grad(values.sum(), list(leaves.values()), allow_unused=True, materialize_grads=True)
-    return dict(zip(leaves, grads, strict=True)), values.detach()
-
-
-def index_dims(indices: dict) -> dict:
-    """The ``in_dims`` for a step's indices: 0 for per-chain ``(C, B)``, None for a shared ``(B,)``."""
-    return {name: 0 if idx.dim() == 2 else None for name, idx in indices.items()}
 
 
 def chain_indices(indices: dict, chain: int) -> dict:

@@ -10,8 +10,8 @@ latents on each minibatch, batched over chains as the rest of a chain's state is
 * ``fold(state, estimate, noise_every) -> (GradientEstimate, EstimatorState)``: the estimate as a kernel takes it
   (its ``noise_variance`` the noise's moving average where the estimator keeps one), and the new state;
 * ``estimate(state, latents, batch, noise_every)``: ``fold`` after ``measure``, for one chain;
-* ``every_chain(latents, batch)``: the plain gradient of every chain at once (latents with a leading chain
-  dimension), where no noise is measured (:func:`~.estimate.chains_gradient`);
+* ``every_chain(latents, batch, noise_every)``: ``measure`` for every chain at once (latents with a leading chain
+  dimension), outside vmap (:func:`~.estimate.chains_estimate`);
 * ``over(density)``: the same kind of estimator of another density.
 
 ``noise_every`` is a Python int, the same for every chain: a measurement stands for that many steps in the moving
@@ -50,7 +50,7 @@ from torch import Tensor
 from pyro_scalable.bridge.model import Batch, Latents
 from pyro_scalable.infer.gradients.controlled import ControlledDensity
 from pyro_scalable.infer.gradients.density import MinibatchDensity, as_density
-from pyro_scalable.infer.gradients.estimate import GradientEstimate, chains_gradient, estimate_gradient
+from pyro_scalable.infer.gradients.estimate import GradientEstimate, chains_estimate, estimate_gradient
 from pyro_scalable.infer.gradients.noise import average_noise
 
 __all__ = [
@@ -94,8 +94,8 @@ class GradientEstimator(Protocol):
     ) -> tuple[GradientEstimate, EstimatorState]:
         """:meth:`fold` after :meth:`measure`."""
 
-    def every_chain(self, latents: Latents, batch: Batch) -> GradientEstimate:
-        """The plain gradient of every chain at once (a leading chain dimension); no noise."""
+    def every_chain(self, latents: Latents, batch: Batch, noise_every: int = 0) -> GradientEstimate:
+        """:meth:`measure` for every chain at once (a leading chain dimension)."""
 
     def over(self, density: MinibatchDensity) -> GradientEstimator:
         """The same kind of estimator of ``density``."""
@@ -131,8 +131,8 @@ class Estimator:
     ) -> tuple[GradientEstimate, EstimatorState]:
         return self.fold(state, self.measure(latents, batch, noise_every), noise_every)
 
-    def every_chain(self, latents: Latents, batch: Batch) -> GradientEstimate:
-        return chains_gradient(self.density, latents, batch)
+    def every_chain(self, latents: Latents, batch: Batch, noise_every: int = 0) -> GradientEstimate:
+        return chains_estimate(self.density, latents, batch, noise=self.measures_noise and bool(noise_every))
 
     def over(self, density: MinibatchDensity) -> Estimator:
         return type(self)(density)
@@ -169,8 +169,8 @@ class NoiseEstimatingGradient(Estimator):
         >>> from pyro_scalable.infer.gradients import NoiseEstimatingGradient
         >>> def model(y):
         ...     mu = pyro.sample("mu", dist.Normal(0.0, 10.0))
-        ...     with pyro.plate("data", len(y), subsample_size=10):
-        ...         pyro.sample("obs", dist.Normal(mu, 1.0), obs=y)
+        ...     with pyro.plate("data", len(y), subsample_size=10) as idx:
+        ...         pyro.sample("obs", dist.Normal(mu, 1.0), obs=y[idx])
         >>> bridge = ModelBridge(model, (torch.randn(100),))
         >>> estimator = NoiseEstimatingGradient(bridge.log_posterior_fn)
         >>> latents = {"mu": torch.tensor(0.5)}

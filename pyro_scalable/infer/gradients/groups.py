@@ -4,8 +4,8 @@ r"""The per-group half of the gradient-noise estimate: each group's gradient of 
 (:mod:`pyro_scalable.bridge.log_posterior`) and needs each group's gradient :math:`h_g` of the terms that differ
 between groups (the data's, where the density offers its ``terms`` apart) and the sample variance
 :math:`\mathrm{var}_G(h_g)` per coordinate.
-:func:`per_group` computes the :math:`h_g` with one vmapped density and one backward pass; :func:`spread` their
-variance, in place where the gradients' memory is the estimate's own (:func:`own_storage`).
+:func:`per_group` computes the :math:`h_g` with one vmapped density and one backward pass (:mod:`.batched`);
+:func:`spread` their variance, in place where the gradients' memory is the estimate's own (:func:`own_storage`).
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from __future__ import annotations
 import collections
 from typing import Any
 
-import torch
 from torch import Tensor
 from torch.func import grad_and_value, vmap
 
 from pyro_scalable.bridge.records import Batch
 from pyro_scalable.bridge.traced import under_transform
+from pyro_scalable.infer.gradients.batched import batched_gradient
 
 __all__ = ["own_storage", "per_group", "spread"]
 
@@ -29,25 +29,22 @@ def per_group(log_posterior_fn: Any, latents: Latents, examples: Any, in_dims: A
     """Each group's gradient and value: one vmapped density and one backward pass, outside a transform.
 
     Each group evaluates the density at its own leaf of the latents, so the gradient of the sum with respect to the
-    leaves is the groups' gradients, the numbers ``vmap(grad_and_value(...))`` gives without its gradient transform
-    around every operation (on a small model, a large share of the noise-measuring step). The leaves are one expanded
-    view of the latents, not copies: no copy per group, and a layer's batched product reads one weight matrix rather
-    than one per group. A model that writes to its latents in place cannot take them so and gets each group's own
-    gradient below.
+    leaves is the groups' gradients (:mod:`.batched`), the numbers ``vmap(grad_and_value(...))`` gives without its
+    gradient transform around every operation (on a small model, a large share of the noise-measuring step). The
+    leaves are one expanded view of the latents, not copies: no copy per group, and a layer's batched product reads
+    one weight matrix rather than one per group. A model that writes to its latents in place cannot take them so
+    and gets each group's own gradient below.
     """
     dims = in_dims.indices if isinstance(in_dims, Batch) else None  # the bridge's: the groups along a plate's indices
     split = [i for i, d in zip(examples.indices.values(), dims.values(), strict=True) if d == 0] if dims else []
     if not split or any(under_transform(x) for x in latents.values()):
         return vmap(grad_and_value(log_posterior_fn), in_dims=(None, in_dims))(latents, examples)
     size = split[0].shape[0]
-    leaves = {name: x.detach().expand(size, *x.shape).requires_grad_() for name, x in latents.items()}
+    leaves = {name: x.detach().expand(size, *x.shape) for name, x in latents.items()}
     try:
-        with torch.enable_grad():
-            values = vmap(log_posterior_fn, in_dims=(0, in_dims))(leaves, examples)
-            grads = torch.autograd.grad(values.sum(), list(leaves.values()), allow_unused=True, materialize_grads=True)
+        return batched_gradient(log_posterior_fn, leaves, examples, [dims])
     except RuntimeError:  # a model that branches on its latents cannot take them batched: each group's own gradient
         return vmap(grad_and_value(log_posterior_fn), in_dims=(None, in_dims))(latents, examples)
-    return dict(zip(leaves, grads, strict=True)), values.detach()
 
 
 def own_storage(tensors: Latents) -> set[str]:
@@ -58,12 +55,13 @@ def own_storage(tensors: Latents) -> set[str]:
     return {name for name, x in tensors.items() if storages[x.untyped_storage().data_ptr()] == 1}
 
 
-def spread(per_grads: Tensor, mean: Tensor, own: bool = False) -> Tensor:
-    """``per_grads.var(0, correction=1)`` as a centred sum of squares; ``own``: ``per_grads`` may be overwritten.
+def spread(per_grads: Tensor, mean: Tensor, own: bool = False, dim: int = 0) -> Tensor:
+    """``per_grads.var(dim, correction=1)`` as a centred sum of squares; ``own``: ``per_grads`` may be overwritten.
 
-    torch's ``var`` over a leading dimension is much slower. Centring in place spares a copy the size of every group's
-    gradient, whose fresh pages the allocator may take from the system on every call (on a CPU, for a network's
-    gradients, at a cost above the arithmetic's).
+    ``mean``: the mean over ``dim``, without that dimension. torch's ``var`` over a leading dimension is much slower.
+    Centring in place spares a copy the size of every group's gradient, whose fresh pages the allocator may take
+    from the system on every call (on a CPU, for a network's gradients, at a cost above the arithmetic's).
     """
+    mean = mean.unsqueeze(dim)
     centred = per_grads.sub_(mean) if own and per_grads.is_contiguous() else per_grads - mean
-    return centred.mul_(centred).sum(0) / (per_grads.shape[0] - 1)
+    return centred.mul_(centred).sum(dim) / (per_grads.shape[dim] - 1)

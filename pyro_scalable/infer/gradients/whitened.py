@@ -9,7 +9,6 @@ and warm-up run on it unchanged (:mod:`pyro_scalable.infer.sgmcmc.metric` choose
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -17,7 +16,7 @@ import torch
 from torch import Tensor
 
 from pyro_scalable.bridge.model import Batch, Latents
-from pyro_scalable.infer.gradients.density import MinibatchDensity
+from pyro_scalable.infer.gradients.density import MinibatchDensity, as_density
 from pyro_scalable.infer.linearized.layout import ParameterLayout
 
 __all__ = ["AffineMap", "WhitenedDensity"]
@@ -88,23 +87,29 @@ class WhitenedDensity:
         return self._mapped(self.inner, latents, batch)
 
     @property
-    def terms(self) -> tuple[Callable, Callable] | None:
+    def terms(self) -> tuple[MinibatchDensity, MinibatchDensity] | None:
         """The wrapped density's ``terms`` (prior's, data's) in z; ``None`` where it has none."""
         inner = self.inner.terms
-        return None if inner is None else tuple(functools.partial(self._mapped, fn) for fn in inner)
+        return (
+            None if inner is None else tuple(WhitenedDensity(as_density(fn), self.layout, self.affine) for fn in inner)
+        )
 
     def _mapped(self, fn: Callable, latents: Latents, batch: Batch) -> Tensor:
         flat = self.affine.to_theta(self.layout.flatten(latents))
         return fn(self.layout.unflatten(flat), batch)
 
-    def batched_gradient(self, latents: Latents, batch: Batch) -> tuple[Latents, Tensor] | None:
+    def batched_gradient(
+        self, latents: Latents, batch: Batch, dims: list | None = None, *, create_graph: bool = False
+    ) -> tuple[Latents, Tensor] | None:
         """Every chain's gradient in z and value, from the wrapped density's own batched gradient in θ.
 
-        ``latents`` have a leading chain dimension. ``None`` where the wrapped one has no ``batched_gradient``.
+        ``latents`` have leading dimensions (``dims``, :mod:`.batched`: one chain dimension by default). ``None``
+        where the wrapped one has no ``batched_gradient``.
         """
-        theta = self.layout.unflatten(self.affine.to_theta(self.layout.flatten(latents, batch_dims=1)))
-        result = self.inner.batched_gradient(theta, batch)
+        levels = 1 if dims is None else len(dims)
+        theta = self.layout.unflatten(self.affine.to_theta(self.layout.flatten(latents, batch_dims=levels)))
+        result = self.inner.batched_gradient(theta, batch, dims, create_graph=create_graph)
         if result is None:
             return None
         grads, values = result
-        return self.layout.unflatten(self.affine.gradient_to_z(self.layout.flatten(grads, batch_dims=1))), values
+        return self.layout.unflatten(self.affine.gradient_to_z(self.layout.flatten(grads, batch_dims=levels))), values

@@ -38,9 +38,11 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
+from torch.func import vmap
 
 from pyro_scalable.infer.autodiff import hvp
 from pyro_scalable.infer.gradients import NOISE_WINDOW, GradientEstimate, MinibatchDensity
+from pyro_scalable.infer.gradients.batched import batched_hvp
 from pyro_scalable.infer.gradients.estimator import EstimatorState, GradientEstimator
 from pyro_scalable.infer.schedules import resolve
 from pyro_scalable.infer.sgmcmc import tuning
@@ -206,9 +208,33 @@ class Adaptation:
         )
         return settle(self.kernel, state._replace(kernel=kernel_state, tuned=tuned), phase.burn_in), info
 
-    def plain_gradient_at(self, state: AdaptationState, phase: Phase = SAMPLING) -> Latents | None:
-        """The latents where a warm-up step measures neither noise nor curvature: its estimate is the plain gradient."""
-        return None if phase.noise_every or phase.power_iterations else state.kernel.latents
+    def chains_estimate(
+        self, state: AdaptationState, batch: Any, estimator: GradientEstimator, phase: Phase = SAMPLING
+    ) -> GradientEstimate:
+        """:meth:`estimate` for every chain at once (the chains' stacked state), outside vmap.
+
+        The noise by :meth:`~pyro_scalable.infer.gradients.GradientEstimator.every_chain`, the curvature by two
+        backward passes over every chain (:func:`~pyro_scalable.infer.gradients.batched.batched_hvp`): no gradient
+        transform, the same numbers to rounding.
+        """
+        latents = state.kernel.latents
+        result = every_chain(estimator, latents, batch, phase.noise_every)
+        if phase.power_iterations:
+            metric = vmap(lambda kernel_state, tuned: self.rule.metric(self.kernel, kernel_state, tuned) or {})(
+                state.kernel, state.tuned
+            )
+            metric = {name: _chainwise(m, latents[name]) for name, m in metric.items()} or None
+            product = hessian_product(
+                estimator.density,
+                latents,
+                batch,
+                state.direction,
+                metric,
+                iterations=phase.power_iterations,
+                chains=True,
+            )
+            result = result._replace(hessian_product=product)
+        return result
 
     def step(self, state: AdaptationState, batch: Any, estimator: GradientEstimator, generator=None, phase=SAMPLING):
         """One warm-up step: :meth:`update` after :meth:`estimate`."""
@@ -254,10 +280,11 @@ class Tuned:
         """The minibatch gradient at the chain's latents, with its noise where ``phase`` measures it."""
         return estimator.measure(state.kernel.latents, batch, phase.noise_every)
 
-    def plain_gradient_at(self, state: TunedState, phase: Phase = SAMPLING) -> Latents | None:
-        """Where :meth:`estimate` is the plain minibatch gradient (no noise measured), the latents it is taken at."""
-        plain = not self.estimator.measures_noise or not phase.noise_every
-        return state.kernel.latents if plain else None
+    def chains_estimate(
+        self, state: TunedState, batch: Any, estimator: GradientEstimator, phase: Phase = SAMPLING
+    ) -> GradientEstimate:
+        """:meth:`estimate` for every chain at once (the chains' stacked state), outside vmap."""
+        return every_chain(estimator, state.kernel.latents, batch, phase.noise_every)
 
     def update(
         self,
@@ -299,13 +326,27 @@ def hessian_product(
     metric: Latents | None,
     *,
     iterations: int,
+    chains: bool = False,
 ) -> Latents:
-    """:math:`S^{1/2} H S^{1/2} v` on ``batch`` after ``iterations - 1`` power iterations from ``direction``."""
+    """:math:`S^{1/2} H S^{1/2} v` on ``batch`` after ``iterations - 1`` power iterations from ``direction``.
+
+    ``chains``: every chain's at once (a leading chain dimension), normalised per chain.
+    """
     for k in range(iterations):
-        product = _metric_hvp(log_posterior_fn, latents, batch, direction, metric)
+        product = _metric_hvp(log_posterior_fn, latents, batch, direction, metric, chains)
         if k + 1 < iterations:
-            direction = _normalised(product)
+            direction = _normalised(product, chains)
     return product
+
+
+def every_chain(estimator: GradientEstimator, latents: Latents, batch: Any, noise_every: int) -> GradientEstimate:
+    """``estimator.every_chain``, handed ``noise_every`` only where the step measures the noise.
+
+    An estimator written before ``every_chain`` took ``noise_every`` goes on working where it measures no noise.
+    """
+    if noise_every and estimator.measures_noise:
+        return estimator.every_chain(latents, batch, noise_every)
+    return estimator.every_chain(latents, batch)
 
 
 def observe(state: AdaptationState, estimate: GradientEstimate) -> AdaptationState:
@@ -349,17 +390,35 @@ def _spread(x: Tensor) -> Tensor:
 
 
 def _metric_hvp(
-    log_posterior_fn: MinibatchDensity, latents: Latents, batch: Any, direction: Latents, metric: Latents | None
+    log_posterior_fn: MinibatchDensity,
+    latents: Latents,
+    batch: Any,
+    direction: Latents,
+    metric: Latents | None,
+    chains: bool = False,
 ) -> Latents:
     root = {name: torch.sqrt(m) for name, m in metric.items()} if metric is not None else None
     tangent = {name: v * root[name] for name, v in direction.items()} if root is not None else direction
-    (product,) = hvp(lambda z: log_posterior_fn(z, batch), (latents,), (tangent,))
+    if chains:
+        product = batched_hvp(log_posterior_fn, latents, batch, tangent)
+    else:
+        (product,) = hvp(lambda z: log_posterior_fn(z, batch), (latents,), (tangent,))
     if root is not None:
         product = {name: p * root[name] for name, p in product.items()}
     return product
 
 
-def _normalised(vector: Latents) -> Latents:
+def _normalised(vector: Latents, chains: bool = False) -> Latents:
+    """``vector`` over its norm (``chains``: each chain's over its own)."""
+    if chains:
+        norm = torch.sqrt(sum(p.square().reshape(p.shape[0], -1).sum(1) for p in vector.values()))
+        safe = torch.where(norm > 0, norm, torch.ones_like(norm))
+        return {name: p / _chainwise(safe, p) for name, p in vector.items()}
     norm = torch.sqrt(sum(p.square().sum() for p in vector.values()))
     safe = torch.where(norm > 0, norm, torch.ones_like(norm))
     return {name: p / safe for name, p in vector.items()}
+
+
+def _chainwise(x: Tensor, like: Tensor) -> Tensor:
+    """A stacked per-chain ``x`` ``(C, *s)`` shaped to broadcast per chain against ``like`` ``(C, ...)``."""
+    return x.reshape(x.shape[:1] + (1,) * (like.dim() - x.dim()) + x.shape[1:])

@@ -61,6 +61,7 @@ class ChainStepper:
         self.state: Any = None
         self._chains: list = []
         self._vsteps: dict[tuple, Any] = {}  # by phase and the indices' vmap dims
+        self._batched_estimates = True  # eager steps estimate every chain at once (program.chains_estimate)
         # model_tracing(compile=True, block_steps=1): the whole step compiled (more steps: the driver's blocks)
         self.compiled = CompiledStep() if compiling() and block_steps() == 1 else None
         if self.mode == "vectorized":
@@ -152,13 +153,17 @@ class ChainStepper:
         (vectorised: one ``(chains, ...)`` tensor per latent; sequential: a list of each chain's latents' noise).
         """
         if not isinstance(state, list):  # vectorised (also while falling back to sequential: a list of chains)
-            latents = self.program.plain_gradient_at(state, phase)
+            # eager: every chain's estimate at once outside vmap (plain autograd), then the vmapped update
+            if noise is None and not torch.compiler.is_compiling() and self._batched_estimates:
+                try:
+                    gradient = self.program.chains_estimate(state, Batch(indices, args, kwargs), self.estimator, phase)
+                except (RuntimeError, NotImplementedError):  # a model vmap cannot batch so: the transform below
+                    self._batched_estimates = False
+                else:
+                    return self._vupdate(phase)(state, gradient)
             # compiled, or a block's drawn noise: one vmapped gradient transform and update (traced when compiled)
-            if latents is None or noise is not None or torch.compiler.is_compiling():
-                drawn = () if noise is None else (noise,)
-                return self._vstep(phase, indices, bool(drawn))(state, indices, args, kwargs, *drawn)
-            gradient = self.estimator.every_chain(latents, Batch(indices, args, kwargs))
-            return self._vupdate(phase)(state, gradient)
+            drawn = () if noise is None else (noise,)
+            return self._vstep(phase, indices, bool(drawn))(state, indices, args, kwargs, *drawn)
         chains, infos = [], []
         for c, chain_state in enumerate(state):
             chain_noise = None if noise is None else noise[c]

@@ -24,11 +24,11 @@ import warnings
 from typing import Any
 
 import torch
-from torch.func import grad
 
 from pyro_scalable.bridge.checks import user_stacklevel
 from pyro_scalable.bridge.minibatches import EpochSampler
 from pyro_scalable.bridge.model import Batch, Latents, ModelBridge
+from pyro_scalable.infer.full_data import point_gradient_and_value
 from pyro_scalable.infer.gradients import ControlledDensity, MinibatchDensity
 
 __all__ = ["PROBE_BATCHES", "WORTH", "controlled_noise_share", "warn_wasted_control_variate"]
@@ -77,14 +77,14 @@ def controlled_noise_share(
     generator = torch.Generator(device=bridge.device).manual_seed(seed + 3)  # never the run's generator
     sampler = EpochSampler(bridge.plates, 1, generator, bridge.device, shared=True)
     batches = [Batch(next(sampler), bridge.args, bridge.kwargs) for _ in range(PROBE_BATCHES)]
-    plain_grad, controlled_grad = grad(plain_fn), grad(controlled)
     plain_spread = controlled_spread = 0.0
     for c in range(chains):
         at = {name: x[c].detach() for name, x in latents.items()}
         plain, controlled_grads = [], []
         for batch in batches:
-            plain.append(_flat(plain_grad(at, batch)))
-            controlled_grads.append(_flat(controlled_grad(at, batch)))
+            # plain autograd: a gradient transform would import torch._dynamo into the user's process
+            plain.append(_flat(point_gradient_and_value(plain_fn, at, batch)[0]))
+            controlled_grads.append(_flat(point_gradient_and_value(controlled, at, batch)[0]))
         plain_spread += float(torch.stack(plain).var(0).sum())
         controlled_spread += float(torch.stack(controlled_grads).var(0).sum())
     if not (plain_spread > 0 and math.isfinite(plain_spread) and math.isfinite(controlled_spread)):

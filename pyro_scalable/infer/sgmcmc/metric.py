@@ -63,6 +63,7 @@ import torch
 from torch import Tensor
 
 from pyro_scalable.bridge.model import Batch, Latents
+from pyro_scalable.infer.full_data import point_hessian
 from pyro_scalable.infer.gradients.whitened import AffineMap, WhitenedDensity
 from pyro_scalable.infer.linearized.layout import ParameterLayout
 
@@ -143,7 +144,7 @@ class MetricSchedule:
         def negative(flat: Tensor) -> Tensor:
             return -log_posterior_fn(self.layout.unflatten(flat), batch)
 
-        return lambda flat: torch.func.jacrev(torch.func.grad(negative))(flat)  # reverse over reverse
+        return lambda flat: point_hessian(negative, flat)
 
     def due(self, step: int) -> bool:
         """Whether the running stage ends after ``step``."""

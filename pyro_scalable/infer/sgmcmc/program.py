@@ -38,8 +38,10 @@ class Program(Protocol):
     ) -> GradientEstimate:
         """The gradient (and what the update needs with it) on ``batch``."""
 
-    def plain_gradient_at(self, state: Any, phase: Phase = SAMPLING) -> Latents | None:
-        """The latents where :meth:`estimate` is the plain minibatch gradient (all chains in one pass), else None."""
+    def chains_estimate(
+        self, state: Any, batch: Any, estimator: GradientEstimator, phase: Phase = SAMPLING
+    ) -> GradientEstimate:
+        """:meth:`estimate` for every chain at once (the chains' stacked state), outside vmap: plain autograd."""
 
     def update(
         self, state: Any, gradient: GradientEstimate, estimator: GradientEstimator, generator=None, phase=SAMPLING

@@ -15,6 +15,7 @@ from pyro_scalable.bridge.minibatches import EpochSampler
 from pyro_scalable.infer import SGHMC, SGLD, StochasticMCMC
 from pyro_scalable.infer.gradients import chains_gradient, estimator, evaluate
 from pyro_scalable.infer.gradients.estimate import chain_indices
+from pyro_scalable.infer.sgmcmc import chains
 
 
 def scaled_regression(x, y):
@@ -65,20 +66,23 @@ def test_a_chain_with_a_non_finite_density_is_flagged_and_leaves_the_others_alon
 
 @pytest.mark.filterwarnings("ignore:in .* of the coordinates of the kept steps")  # a few steps from the start
 @pytest.mark.parametrize(
-    ("kernel", "batched"),
+    ("kernel", "measured"),
     [
-        (lambda m: SGHMC(m, step_size=1e-3), 25),  # a hand-set step ignores the gradient noise: plain gradient
-        # per-example gradients (under vmap) on every 4th step, steps 0, 4, ..., 24: the plain gradient on the others
-        (lambda m: SGLD(m, step_size=1e-4, gradient_noise="correct"), 25 - 7),
-        # warm-up measures the noise and the curvature on burn-in's steps 0, 4, 8 (the plain gradient on the other 7)
-        # and the noise on every calibrated step (10 to 19); sampling (steps 20 to 24) as SGLD's
-        (lambda m: SGHMC(m), 7 + 3),
+        (lambda m: SGHMC(m, step_size=1e-3), 0),  # a hand-set step ignores the gradient noise: plain gradient
+        # the noise on every 4th step, steps 0, 4, ..., 24: the plain gradient on the others
+        (lambda m: SGLD(m, step_size=1e-4, gradient_noise="correct"), 7),
+        # warm-up measures the noise and the curvature on burn-in's steps 0, 4, 8 and the noise on every calibrated
+        # step (10 to 19); sampling (steps 20 to 24) as SGLD's
+        (lambda m: SGHMC(m), 3 + 10 + 2),
     ],
 )
-def test_the_stepper_batches_the_gradient_exactly_where_it_is_the_plain_gradient(bridge, kernel, batched):
-    spy = mock.Mock(wraps=chains_gradient)
+def test_the_stepper_estimates_every_chain_at_once_on_every_eager_step(bridge, kernel, measured, monkeypatch):
+    """Noise and curvature included: no step vmaps a gradient transform over the chains."""
+    spy = mock.Mock(wraps=estimator.chains_estimate)
+    monkeypatch.setattr(chains.ChainStepper, "_vstep", mock.Mock(side_effect=AssertionError("a vmapped step")))
     mcmc = StochasticMCMC(kernel(scaled_regression), num_samples=5, num_warmup=20, num_chains=3, progress_bar=False)
-    with mock.patch.object(estimator, "chains_gradient", spy):  # an estimator's every_chain
+    with mock.patch.object(estimator, "chains_estimate", spy):  # an estimator's every_chain
         mcmc.run(*bridge.args)
-    assert spy.call_count == batched
+    assert spy.call_count == 25
+    assert sum(call.kwargs["noise"] for call in spy.call_args_list) == measured
     assert all(bool(torch.isfinite(x).all()) for x in mcmc.get_samples().values())

@@ -143,7 +143,7 @@ def test_the_noise_estimate_with_the_prior_terms_once_equals_it_per_group(wrappe
     monkeypatch.setattr(
         estimate_module, "SHARED_FROM", 0
     )  # the split, here on 3 coordinates (the default: from 10,000)
-    spy = spy_on_terms(monkeypatch)
+    spy = spy_on_groups(monkeypatch)
     bridge = ModelBridge(scaled_regression, small_data(200))
     centre = point([0.6, -1.1], 0.6)
     fn = bridge.log_posterior_fn
@@ -157,22 +157,24 @@ def test_the_noise_estimate_with_the_prior_terms_once_equals_it_per_group(wrappe
     batch = Batch({"data": torch.randperm(200, generator=torch.Generator().manual_seed(2))[:size]}, bridge.args, {})
     shared, grouped = fn.terms
     torch.testing.assert_close(shared(latents, batch) + grouped(latents, batch), fn(latents, batch), rtol=1e-12, atol=0)
-    apart, whole = (estimate_gradient(f, latents, batch, noise=True) for f in (fn, Whole(fn)))
+    densities = (fn, Whole(fn))
+    apart, whole = (estimate_gradient(f, latents, batch, noise=True) for f in densities)
     torch.testing.assert_close(apart.log_posterior, whole.log_posterior, rtol=1e-12, atol=0)
     for name in latents:
         torch.testing.assert_close(apart.grads[name], whole.grads[name], rtol=1e-12, atol=1e-9)
         torch.testing.assert_close(apart.noise_variance[name], whole.noise_variance[name], rtol=1e-9, atol=0)
     assert float(apart.num_examples) == size
-    assert spy == [True, False]  # the first estimate took the prior's terms apart, the second could not
+    # the first estimate took the prior's terms apart (its groups' density: the data's terms), the second could not
+    assert [seen is density for seen, density in zip(spy, densities, strict=True)] == [False, True]
 
 
-def spy_on_terms(monkeypatch) -> list[bool]:
-    """Whether each noise estimate from here on took the terms apart (its groups' function: the data's terms only)."""
+def spy_on_groups(monkeypatch) -> list:
+    """The density each noise estimate from here on evaluates per group (the whole one, or its data's terms)."""
     seen = []
     per_group = estimate_module.per_group
 
     def spy(fn, *args):
-        seen.append(not hasattr(fn, "examples"))  # a whole log posterior offers its examples, its terms do not
+        seen.append(fn)
         return per_group(fn, *args)
 
     monkeypatch.setattr(estimate_module, "per_group", spy)

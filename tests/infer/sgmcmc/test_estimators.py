@@ -107,8 +107,8 @@ class Frozen(Estimator):
         gradient = super().measure(latents, batch, noise_every)
         return gradient._replace(grads={name: 0.0 * g for name, g in gradient.grads.items()})
 
-    def every_chain(self, latents, batch: Batch):
-        gradient = super().every_chain(latents, batch)
+    def every_chain(self, latents, batch: Batch, noise_every=0):
+        gradient = super().every_chain(latents, batch, noise_every)
         return gradient._replace(grads={name: 0.0 * g for name, g in gradient.grads.items()})
 
 
