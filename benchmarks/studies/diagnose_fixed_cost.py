@@ -16,15 +16,12 @@ K fresh processes and gives each figure's median and range. The table also gives
 rules (none since the Hessian is plain autograd, d backward passes over the gradient: forward over reverse loaded
 them), and the mode search's full-data and subsample passes (``mcmc.mode_search``).
 
-Where ``torch._dynamo`` comes from (torch 2.13): no module of the package imports it (``tests/test_imports.py``),
-and the log joint's recording does not (``bridge/recording.py`` records the ATen operations ``make_fx`` records, but
-``make_fx`` imports ``torch._inductor.config``, whose package imports it, and every ``TorchDispatchMode`` whose
-``__torch_dispatch__`` torch wraps in ``torch._disable_dynamo`` imports it at its first call). torch imports it at the
-first gradient of any ``torch.func`` transform (``grad``, ``vjp``, ``jacrev``: its ``_autograd_grad`` enters
-``torch._dynamo.compiled_autograd._disable()``): in a default run, warm-up's first step that measures the gradient
-noise or the curvature (``vmap`` over chains of the estimate with ``grad_and_value`` inside, and the control variate's
-gradient at its centre). So a process's first run pays the import in its steps (counted as fixed here) until those
-steps take their gradients by plain autograd outside ``vmap``, as the plain steps do.
+Where ``torch._dynamo`` would come from (torch 2.13): torch imports it at the first gradient of any ``torch.func``
+transform (``grad``, ``vjp``, ``jacrev``: its ``_autograd_grad`` enters ``torch._dynamo.compiled_autograd._disable()``),
+and ``make_fx`` imports it (through ``torch._inductor.config``). A default run takes every gradient by plain autograd
+outside the user's transforms (warm-up's noise and curvature for every chain at once, ``infer/gradients/batched.py``;
+the metric's Hessian; the control probe) and records the log joint without ``make_fx`` (``bridge/recording.py``), so
+its row reads 0 unless a change brings a transform back (``tests/test_imports.py`` checks a default run).
 
 Part 2 times ``to_inference_data`` on a run of 4 chains x ``--export-draws`` draws at ``--export-n`` data points:
 its wall time and the peak resident memory above what the process held before (``VmHWM`` reset), with the size of
@@ -78,8 +75,8 @@ PARTS = {  # (module, attribute): what it is
 UNION = "union"  # the wall time of the outermost parts: a part nested in another counts once
 FIRST = "  of which the process's first recording"
 DYNAMO = (
-    "torch's one-time import of torch._dynamo (the process's first torch.func gradient: warm-up's first "
-    "noise-measuring step; counted in the part that triggers it, as fixed also where a step triggers it)"
+    "torch's one-time import of torch._dynamo (at a process's first torch.func gradient, which a default run no "
+    "longer takes; counted in the part that triggers it, as fixed also where a step triggers it)"
 )
 JVP_RULES = (
     "torch's one-time import of its forward-mode rules (torch._decomp.decompositions_for_jvp, compiled by "
