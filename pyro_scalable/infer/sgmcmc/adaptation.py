@@ -9,7 +9,7 @@ During warm-up each step also measures, on its own minibatch,
 * the **curvature** :math:`\lambda = \max|\mathrm{eig}(S^{1/2} H S^{1/2})|` of the minibatch Hessian
   :math:`H` of the negative log joint in the sampler's metric :math:`S` (the preconditioner or inverse mass;
   :math:`S = I` for plain SGLD/SGHMC), by power iteration with Hessian-vector products (the vjp of
-  the gradient, :func:`~pyro_scalable.infer.autodiff.hvp`), a few iterations at the first warm-up step and then one
+  the gradient: :mod:`.curvature`), a few iterations at the first warm-up step and then one
   on every fourth (a product costs about two gradients, and a curvature averaged over 50 steps changes little in
   four).
 
@@ -40,27 +40,29 @@ import torch
 from torch import Tensor
 from torch.func import vmap
 
-from pyro_scalable.infer.autodiff import hvp
-from pyro_scalable.infer.gradients import NOISE_WINDOW, GradientEstimate, MinibatchDensity
-from pyro_scalable.infer.gradients.batched import batched_hvp
+from pyro_scalable.infer.gradients import NOISE_WINDOW, GradientEstimate
 from pyro_scalable.infer.gradients.estimator import EstimatorState, GradientEstimator
 from pyro_scalable.infer.schedules import resolve
 from pyro_scalable.infer.sgmcmc import tuning
 from pyro_scalable.infer.sgmcmc.base import CURVATURE_EVERY, SAMPLING, Latents, Phase, for_mode, noise_phase
+from pyro_scalable.infer.sgmcmc.curvature import (
+    chainwise,
+    curvature_measurements,
+    hessian_product,
+    normalised,
+    power_iterations,
+    start_direction,
+)
 
 __all__ = [
     "Adaptation",
     "AdaptationState",
     "Tuned",
     "TunedState",
-    "curvature_measurements",
-    "hessian_product",
     "observe",
-    "power_iterations",
     "settle",
 ]
 
-_FIRST_ITERATIONS = 8  # power iterations at the first warm-up step; then one on every CURVATURE_EVERY-th step
 _CENTRE_WINDOW = 20  # steps: the burn-in's position average forgets older positions at this rate
 
 
@@ -94,26 +96,6 @@ def handed(kernel: Any, gradient: GradientEstimate) -> GradientEstimate:
     return for_mode(gradient, kernel.gradient_noise)
 
 
-def power_iterations(warmup_step: int) -> int:
-    """Hessian-vector products warm-up step ``warmup_step`` spends on the curvature: a few, then one every 4th step."""
-    if warmup_step == 0:
-        return _FIRST_ITERATIONS
-    return int(warmup_step % CURVATURE_EVERY == 0)
-
-
-def curvature_measurements(count: Tensor) -> Tensor:
-    """How many curvature measurements :func:`power_iterations` has made in the first ``count`` warm-up steps.
-
-    Example:
-        >>> import torch
-        >>> from pyro_scalable.infer.sgmcmc.adaptation import curvature_measurements
-        >>> curvature_measurements(torch.tensor([1, 4, 5, 9]))  # steps 0, 4, 8 measure
-        tensor([1, 1, 2, 3])
-
-    """
-    return torch.div(count - 1, CURVATURE_EVERY, rounding_mode="floor") + 1
-
-
 class Adaptation:
     """Warm-up around ``kernel`` for its first ``num_warmup`` steps; the chain stepper steps it as it would a kernel.
 
@@ -137,7 +119,7 @@ class Adaptation:
         """Start a chain at ``latents``, with nothing learnt yet (a chosen step size and friction start as NaN)."""
         first = next(iter(latents.values()))
         zero = torch.zeros((), dtype=first.dtype, device=first.device)
-        direction = _normalised({name: _spread(x) for name, x in latents.items()})
+        direction = normalised({name: start_direction(x) for name, x in latents.items()})
         return AdaptationState(
             self.kernel.init(latents),
             self.rule.start(self.kernel, latents),
@@ -223,7 +205,7 @@ class Adaptation:
             metric = vmap(lambda kernel_state, tuned: self.rule.metric(self.kernel, kernel_state, tuned) or {})(
                 state.kernel, state.tuned
             )
-            metric = {name: _chainwise(m, latents[name]) for name, m in metric.items()} or None
+            metric = {name: chainwise(m, latents[name]) for name, m in metric.items()} or None
             product = hessian_product(
                 estimator.density,
                 latents,
@@ -318,27 +300,6 @@ class Tuned:
     sampler = property(lambda self: self)
 
 
-def hessian_product(
-    log_posterior_fn: MinibatchDensity,
-    latents: Latents,
-    batch: Any,
-    direction: Latents,
-    metric: Latents | None,
-    *,
-    iterations: int,
-    chains: bool = False,
-) -> Latents:
-    """:math:`S^{1/2} H S^{1/2} v` on ``batch`` after ``iterations - 1`` power iterations from ``direction``.
-
-    ``chains``: every chain's at once (a leading chain dimension), normalised per chain.
-    """
-    for k in range(iterations):
-        product = _metric_hvp(log_posterior_fn, latents, batch, direction, metric, chains)
-        if k + 1 < iterations:
-            direction = _normalised(product, chains)
-    return product
-
-
 def every_chain(estimator: GradientEstimator, latents: Latents, batch: Any, noise_every: int) -> GradientEstimate:
     """``estimator.every_chain``, handed ``noise_every`` only where the step measures the noise.
 
@@ -361,7 +322,7 @@ def observe(state: AdaptationState, estimate: GradientEstimate) -> AdaptationSta
         curvature_now = torch.sqrt(sum(p.square().sum() for p in estimate.hessian_product.values()))
         finite = torch.isfinite(curvature_now) & (curvature_now > 0) & ~estimate.diverging
         curvature = torch.where(finite, curvature + share * (curvature_now - curvature), curvature)
-        turned = _normalised(estimate.hessian_product)
+        turned = normalised(estimate.hessian_product)
         direction = {name: torch.where(finite, turned[name], d) for name, d in direction.items()}
     return state._replace(curvature=curvature, direction=direction, count=count)
 
@@ -380,45 +341,3 @@ def settle(kernel: Any, state: AdaptationState, burn_in: bool) -> AdaptationStat
     moved = kernel.relocate(chain, state.centre, jump)
     backoff = torch.where(jump, torch.ones_like(state.backoff), state.backoff)  # burn-in's divergences are forgiven
     return state._replace(kernel=moved, burning=torch.zeros_like(state.burning), backoff=backoff)
-
-
-def _spread(x: Tensor) -> Tensor:
-    # a fixed, irregular start for the power iteration: neither random (no generator needed) nor special
-    # (a constant vector can be orthogonal to the top eigenvector of a symmetric problem)
-    k = torch.arange(x.numel(), dtype=x.dtype, device=x.device).reshape(x.shape)
-    return torch.cos(1.3 * k + 0.7) + 1.5 + 0.0 * x
-
-
-def _metric_hvp(
-    log_posterior_fn: MinibatchDensity,
-    latents: Latents,
-    batch: Any,
-    direction: Latents,
-    metric: Latents | None,
-    chains: bool = False,
-) -> Latents:
-    root = {name: torch.sqrt(m) for name, m in metric.items()} if metric is not None else None
-    tangent = {name: v * root[name] for name, v in direction.items()} if root is not None else direction
-    if chains:
-        product = batched_hvp(log_posterior_fn, latents, batch, tangent)
-    else:
-        (product,) = hvp(lambda z: log_posterior_fn(z, batch), (latents,), (tangent,))
-    if root is not None:
-        product = {name: p * root[name] for name, p in product.items()}
-    return product
-
-
-def _normalised(vector: Latents, chains: bool = False) -> Latents:
-    """``vector`` over its norm (``chains``: each chain's over its own)."""
-    if chains:
-        norm = torch.sqrt(sum(p.square().reshape(p.shape[0], -1).sum(1) for p in vector.values()))
-        safe = torch.where(norm > 0, norm, torch.ones_like(norm))
-        return {name: p / _chainwise(safe, p) for name, p in vector.items()}
-    norm = torch.sqrt(sum(p.square().sum() for p in vector.values()))
-    safe = torch.where(norm > 0, norm, torch.ones_like(norm))
-    return {name: p / safe for name, p in vector.items()}
-
-
-def _chainwise(x: Tensor, like: Tensor) -> Tensor:
-    """A stacked per-chain ``x`` ``(C, *s)`` shaped to broadcast per chain against ``like`` ``(C, ...)``."""
-    return x.reshape(x.shape[:1] + (1,) * (like.dim() - x.dim()) + x.shape[1:])

@@ -10,14 +10,9 @@ import torch
 from pyro_scalable.infer import BAOAB, SGHMC, SGLD
 from pyro_scalable.infer.gradients import Density, NoiseEstimatingGradient, PlainGradient
 from pyro_scalable.infer.sgmcmc import tuning
-from pyro_scalable.infer.sgmcmc.adaptation import (
-    Adaptation,
-    TunedState,
-    curvature_measurements,
-    hessian_product,
-    power_iterations,
-)
+from pyro_scalable.infer.sgmcmc.adaptation import Adaptation, TunedState
 from pyro_scalable.infer.sgmcmc.base import Phase
+from pyro_scalable.infer.sgmcmc.curvature import curvature_measurements, hessian_product, power_iterations
 
 from .test_sgld import quadratic
 

@@ -20,7 +20,7 @@ from pyro_scalable.infer.gradients import estimate as estimate_module
 from pyro_scalable.infer.gradients.batched import batched_hvp
 from pyro_scalable.infer.gradients.estimate import chain_indices, chains_estimate
 from pyro_scalable.infer.linearized.layout import ParameterLayout
-from pyro_scalable.infer.sgmcmc.adaptation import hessian_product
+from pyro_scalable.infer.sgmcmc.curvature import hessian_product
 
 from .test_control_variates import point, scaled_regression, small_data
 
