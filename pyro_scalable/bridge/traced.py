@@ -57,6 +57,7 @@ __all__ = [
     "TracedLogDensity",
     "compiling",
     "model_tracing",
+    "recording_at_first_call",
     "portable_history",
     "under_transform",
 ]
@@ -66,6 +67,7 @@ MAX_SIGNATURES = 16  # recorded (or refused) signatures per bridge; calls of fur
 RTOL = 1e-4  # the graph's value and gradients against the model's at the check point, relative
 
 _enabled = True
+_trace_after = TRACE_AFTER  # recording_at_first_call() lowers it to 1
 _compile = False
 _block_steps = 8  # model_tracing(compile=True)'s steps per compiled block (1: one step per graph)
 _log = logging.getLogger(__name__)
@@ -99,6 +101,22 @@ def model_tracing(  # noqa: A002 -- compile: torch's word
         yield
     finally:
         _enabled, _compile, _block_steps = before
+
+
+@contextlib.contextmanager
+def recording_at_first_call() -> Iterator[None]:
+    """Record each new signature at its first call, not its :data:`TRACE_AFTER`-th, while in this context.
+
+    For a pass over the data in chunks, whose signatures recur on every pass: the full-data passes of a mode
+    search (its first pass otherwise ran each chunk's model through Pyro, several times slower than the graph,
+    and a last, shorter chunk stayed on the Pyro path for fifteen passes).
+    """
+    global _trace_after
+    before, _trace_after = _trace_after, 1
+    try:
+        yield
+    finally:
+        _trace_after = before
 
 
 def compiling() -> bool:
@@ -173,7 +191,7 @@ class TracedLogDensity:
         if len(self._calls) > 64 * MAX_SIGNATURES:  # arguments that change on every call: forget the counts
             self._calls.clear()
         count = self._calls[call.key] = self._calls.get(call.key, 0) + 1
-        if count < TRACE_AFTER:
+        if count < _trace_after:
             return self.evaluate(latents, batch)
         del self._calls[call.key]
         graph, reason = _in_thread(lambda: self._record(call))

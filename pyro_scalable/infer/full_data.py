@@ -25,6 +25,7 @@ from torch.func import grad_and_value
 
 from pyro_scalable.bridge.minibatches import CHUNK_SIZE, chunks, points_per_chunk
 from pyro_scalable.bridge.model import Batch, Latents, ModelBridge
+from pyro_scalable.bridge.traced import recording_at_first_call
 from pyro_scalable.infer.distributed import all_reduce_sum
 
 __all__ = [
@@ -81,13 +82,14 @@ def full_data_sums(bridge: ModelBridge, latents: Latents, size: int, reducer: An
     total = {name: torch.zeros_like(x, dtype=torch.float64) for name, x in latents.items()}
     value = torch.zeros((), dtype=torch.float64, device=first.device)
     rank, world = (reducer.rank, reducer.world_size) if reducer is not None else (0, 1)
-    for c, (batch, weight) in enumerate(_batches(bridge, size, indices)):
-        if c % world != rank:
-            continue
-        grads, chunk_value = point_gradient_and_value(bridge.log_posterior, latents, batch)
-        value = value + weight * chunk_value.double()
-        for name, g in grads.items():
-            total[name] = total[name] + weight * g.double()
+    with recording_at_first_call():  # the chunks' signatures recur on every pass
+        for c, (batch, weight) in enumerate(_batches(bridge, size, indices)):
+            if c % world != rank:
+                continue
+            grads, chunk_value = point_gradient_and_value(bridge.log_posterior, latents, batch)
+            value = value + weight * chunk_value.double()
+            for name, g in grads.items():
+                total[name] = total[name] + weight * g.double()
     if reducer is not None:
         *summed, value = all_reduce_sum([*total.values(), value])
         total = dict(zip(total, summed, strict=True))
@@ -121,11 +123,12 @@ def full_data_hessian(bridge: ModelBridge, unflatten: Callable, x: Tensor, size:
     rank, world = (reducer.rank, reducer.world_size) if reducer is not None else (0, 1)
     point = x.to(unflatten(x)[next(iter(unflatten(x)))].dtype)
 
-    for c, (batch, weight) in enumerate(_batches(bridge, size, None)):
-        if c % world != rank:
-            continue
-        fn = lambda flat, batch=batch: bridge.log_posterior(unflatten(flat), batch)  # noqa: E731
-        total = total + weight * point_hessian(fn, point).double()
+    with recording_at_first_call():
+        for c, (batch, weight) in enumerate(_batches(bridge, size, None)):
+            if c % world != rank:
+                continue
+            fn = lambda flat, batch=batch: bridge.log_posterior(unflatten(flat), batch)  # noqa: E731
+            total = total + weight * point_hessian(fn, point).double()
     if reducer is not None:
         (total,) = all_reduce_sum([total])
     return 0.5 * (total + total.T)
