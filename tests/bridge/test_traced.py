@@ -19,7 +19,7 @@ from pyro_scalable.bridge.model import ModelBridge
 from pyro_scalable.bridge.recording import record
 from pyro_scalable.bridge.records import Batch
 from pyro_scalable.bridge.signature import CallSignature
-from pyro_scalable.bridge.traced import TRACE_AFTER, model_tracing
+from pyro_scalable.bridge.traced import TRACE_AFTER, model_tracing, recording_at_first_call
 from pyro_scalable.infer import SGHMC, StochasticMCMC
 
 
@@ -292,6 +292,30 @@ def masked(x, y):
         keep = y[idx] > 0  # a boolean mask: the number of points kept depends on the minibatch
         pyro.factor("obs", dist.Normal(x[idx][keep] @ w, 1.0).log_prob(y[idx][keep]).sum())
         pyro.sample("y", dist.Normal(0.0, 1.0), obs=y[idx])
+
+
+def test_a_full_data_pass_records_each_chunks_signature_at_its_first_call():
+    """Inside ``recording_at_first_call`` (a full-data pass's chunks) a new signature is recorded at once, outside
+    it after ``TRACE_AFTER`` calls; the model runs once for the recording's check, not per call."""
+    runs = []
+    x = torch.randn(40, 3)
+    y = (x.sum(-1) > 0).float()
+
+    def model():
+        runs.append(1)
+        logistic(x, y)
+
+    bridge = ModelBridge(model)
+    latents = point(bridge, 0)
+    bridge.log_posterior(latents, Batch({"data": torch.arange(16)}, (), {}))
+    assert len(bridge.traced.graphs) == 0  # outside: on the Pyro path until the TRACE_AFTER-th call
+    with recording_at_first_call():
+        bridge.log_posterior(latents, Batch({"data": torch.arange(20)}, (), {}))
+    assert len(bridge.traced.graphs) == 1
+    before = len(runs)
+    for _ in range(3):
+        bridge.log_posterior(latents, Batch({"data": torch.arange(20, 40)}, (), {}))
+    assert len(runs) == before  # replayed
 
 
 @pytest.mark.parametrize(
