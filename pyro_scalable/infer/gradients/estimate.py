@@ -15,7 +15,8 @@ prior's) add to the mean and not to the spread: where the density offers its ``t
 prior, as large as its weights, is not evaluated :math:`G` times.
 
 :func:`chains_gradient` is the plain gradient of every chain at once (one vmapped density, one backward pass, or
-the density's own ``batched_gradient``).
+the density's own ``batched_gradient``), :func:`chains_estimate` the same with the noise: every chain's groups of
+examples in one doubly vmapped density and one backward pass (:mod:`.batched`), no gradient transform.
 """
 
 from __future__ import annotations
