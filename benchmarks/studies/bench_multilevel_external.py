@@ -377,8 +377,8 @@ def report() -> None:
         f"reference: {reference['how']}).",
         "",
         "| model | engine | seeds | PASS | WARNED | SILENT | worst mean error (sd) | worst sd error | worst r_hat "
-        "| least ESS | median s/run |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| least ESS | median s/run | code |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for name in MODELS:
         for engine in ("multilevel", "sghmc"):
@@ -390,7 +390,8 @@ def report() -> None:
             lines.append(
                 f"| {name} | {engine} | {len(group)} | {count['PASS']} | {count['WARNED']} | {count['SILENT']} "
                 f"| {max(c['mean_error'] for c in group):.3f} | {max(c['sd_error'] for c in group):.3f} "
-                f"| {max(c['r_hat'] for c in group):.4f} | {min(c['ess'] for c in group):.0f} | {seconds:.0f} |"
+                f"| {max(c['r_hat'] for c in group):.4f} | {min(c['ess'] for c in group):.0f} | {seconds:.0f} "
+                f"| {', '.join(sorted({c['commit'] for c in group}))} |"
             )
     lines += [
         "",
