@@ -36,13 +36,31 @@ def hvp(func, primals, tangents):
         with torch.enable_grad():
             value = func(*tree_unflatten(leaves, spec))
             grads = torch.autograd.grad(value, leaves, create_graph=True, allow_unused=True, materialize_grads=True)
-            inner = sum((g * v).sum() for g, v in zip(grads, tree_flatten(tangents)[0], strict=True))
-            if not inner.requires_grad:  # a gradient that does not depend on the point: no curvature
-                return tree_unflatten([torch.zeros_like(x) for x in flat], spec)
-            products = torch.autograd.grad(inner, leaves, allow_unused=True, materialize_grads=True)
-        return tree_unflatten(list(products), spec)
+        return tree_unflatten(gradient_products(grads, tree_flatten(tangents)[0], leaves), spec)
     _, pullback = torch.func.vjp(torch.func.grad(func), *primals)
     return pullback(*tangents)
+
+
+def gradient_products(grads, tangents, leaves) -> list:
+    r"""The gradient of :math:`\sum_j \langle g_j, v_j \rangle` in ``leaves``: the Hessian times the tangents.
+
+    ``grads`` are a scalar's gradients in ``leaves``, taken with ``create_graph=True``; ``tangents`` line up with
+    them. Gradients that do not depend on the leaves (a linear function) have no curvature: zeros.
+
+    Example:
+        >>> import torch
+        >>> from pyro_scalable.infer.autodiff import gradient_products
+        >>> w = torch.tensor([1.0, 2.0], requires_grad=True)
+        >>> (g,) = torch.autograd.grad(w.pow(3).sum(), [w], create_graph=True)  # Hessian diag(6 w)
+        >>> gradient_products([g], [torch.ones(2)], [w])
+        [tensor([ 6., 12.])]
+
+    """
+    with torch.enable_grad():
+        inner = sum((g * v).sum() for g, v in zip(grads, tangents, strict=True))
+        if not torch.is_tensor(inner) or not inner.requires_grad:
+            return [torch.zeros_like(x) for x in leaves]
+        return list(torch.autograd.grad(inner, leaves, allow_unused=True, materialize_grads=True))
 
 
 def row_slices(rows: int, width: int, elements: int = 2**20) -> list[slice]:

@@ -23,6 +23,7 @@ from torch import Tensor
 from torch.func import vmap
 
 from pyro_scalable.bridge.records import Batch
+from pyro_scalable.infer.autodiff import gradient_products
 from pyro_scalable.infer.gradients.density import MinibatchDensity
 
 __all__ = ["batched_gradient", "batched_hvp", "gradient_and_value", "index_dims"]
@@ -43,6 +44,17 @@ def gradient_and_value(
     ``dims``: the indices' ``in_dims`` at each leading dimension of the latents, outermost first (default: one chain
     dimension, :func:`index_dims`). ``create_graph``: the gradients stay differentiable in ``latents`` (which then
     require grad themselves), for a second backward pass.
+
+    Example:
+        >>> import torch
+        >>> from pyro_scalable.bridge import Batch
+        >>> density = lambda latents, batch: -0.5 * latents["w"].square().sum()  # gradient -w at each chain
+        >>> two_chains = {"w": torch.tensor([[1.0, 2.0], [3.0, 4.0]])}
+        >>> grads, values = gradient_and_value(density, two_chains, Batch({}, (), {}))
+        >>> grads["w"], values
+        (tensor([[-1., -2.],
+                [-3., -4.]]), tensor([ -2.5000, -12.5000]))
+
     """
     dims = [index_dims(batch.indices)] if dims is None else dims
     leaves = latents if create_graph else {name: x.detach().requires_grad_() for name, x in latents.items()}
@@ -64,7 +76,18 @@ def gradient_and_value(
 def batched_gradient(
     density: MinibatchDensity, latents: Latents, batch: Batch, dims: list | None = None, *, create_graph: bool = False
 ) -> tuple[Latents, Tensor]:
-    """The density's own ``batched_gradient`` where it gives one, else :func:`gradient_and_value` (same arguments)."""
+    """The density's own ``batched_gradient`` where it gives one, else :func:`gradient_and_value` (same arguments).
+
+    Example:
+        >>> import torch
+        >>> from pyro_scalable.bridge import Batch
+        >>> from pyro_scalable.infer.gradients import FunctionDensity
+        >>> density = FunctionDensity(lambda latents, batch: latents["w"].sin().sum())  # gradient cos w
+        >>> grads, _ = batched_gradient(density, {"w": torch.zeros(3, 1)}, Batch({}, (), {}))
+        >>> grads["w"].flatten()
+        tensor([1., 1., 1.])
+
+    """
     result = density.batched_gradient(latents, batch, dims, create_graph=create_graph)
     return (
         result if result is not None else gradient_and_value(density, latents, batch, dims, create_graph=create_graph)
@@ -88,8 +111,5 @@ def batched_hvp(density: MinibatchDensity, latents: Latents, batch: Batch, tange
     leaves = {name: x.detach().requires_grad_() for name, x in latents.items()}
     with torch.enable_grad():
         grads, _ = batched_gradient(density, leaves, batch, create_graph=True)
-        inner = sum((g * tangents[name]).sum() for name, g in grads.items())
-        if not inner.requires_grad:  # a gradient that does not depend on the point: no curvature
-            return {name: torch.zeros_like(x) for name, x in latents.items()}
-        products = torch.autograd.grad(inner, list(leaves.values()), allow_unused=True, materialize_grads=True)
+    products = gradient_products([grads[name] for name in leaves], [tangents[name] for name in leaves], leaves.values())
     return dict(zip(leaves, products, strict=True))

@@ -108,13 +108,10 @@ def _metric_hvp(
 
 def normalised(vector: Latents, chains: bool = False) -> Latents:
     """``vector`` over its norm (``chains``: each chain's over its own)."""
-    if chains:
-        norm = torch.sqrt(sum(p.square().reshape(p.shape[0], -1).sum(1) for p in vector.values()))
-        safe = torch.where(norm > 0, norm, torch.ones_like(norm))
-        return {name: p / chainwise(safe, p) for name, p in vector.items()}
-    norm = torch.sqrt(sum(p.square().sum() for p in vector.values()))
+    lead = 1 if chains else 0
+    norm = torch.sqrt(sum(p.square().reshape(*p.shape[:lead], -1).sum(-1) for p in vector.values()))
     safe = torch.where(norm > 0, norm, torch.ones_like(norm))
-    return {name: p / safe for name, p in vector.items()}
+    return {name: p / chainwise(safe, p) for name, p in vector.items()}
 
 
 def chainwise(x: Tensor, like: Tensor) -> Tensor:
