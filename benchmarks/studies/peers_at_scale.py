@@ -2,6 +2,7 @@
 
     OMP_NUM_THREADS=1 nice -n 5 python benchmarks/studies/peers_at_scale.py logistic --n 1000000
     OMP_NUM_THREADS=1 nice -n 5 python benchmarks/studies/peers_at_scale.py regression --n 1000000
+    OMP_NUM_THREADS=1 nice -n 5 python benchmarks/studies/peers_at_scale.py logistic-d100 --n 1000000
 
 Runs, in one process, the cells (problem, N) of ``ours-sghmc``, ``blackjax-sghmc-cv``, ``blackjax-sgld-cv`` (each
 ``(compiled)`` too) and ``numpyro-hmcecs`` through the harness of ``python -m benchmarks run peers`` (the same
@@ -228,7 +229,7 @@ def watchdog(engine_name: str, limit: float) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("problem", choices=("logistic", "regression"))
+    parser.add_argument("problem", choices=("logistic", "logistic-d100", "regression"))
     parser.add_argument("--n", type=int, default=10**6)
     parser.add_argument("--only", default="", help="comma-separated engines (default: all of them)")
     parser.add_argument("--limit", type=float, default=900.0, help="seconds before an HMCECS cell is stopped")
