@@ -123,7 +123,7 @@ def _hmcecs_model(num_groups: int):
     return model
 
 
-def numpyro_hmcecs(problem, reference, seed: int, running: dict) -> list[dict]:
+def numpyro_hmcecs(problem, reference, seed: int, running: dict):
     import jax
     import jax.numpy as jnp
     from numpyro.infer import HMCECS, MCMC, NUTS
@@ -156,7 +156,7 @@ def numpyro_hmcecs(problem, reference, seed: int, running: dict) -> list[dict]:
         seconds = time.perf_counter() - start
         samples = {k: torch.from_numpy(np.asarray(v).copy()) for k, v in samples.items()}
         out.append({"engine": label, "draws": "500 × 1", **_scored(problem, samples, reference, seconds, 1)})
-    return out
+        yield out[-1]  # recorded before the next run starts, which the watchdog may stop
 
 
 def _write(record: dict) -> None:
@@ -184,7 +184,8 @@ def report() -> None:
     for line in OUT.read_text().splitlines():
         record = json.loads(line)
         if record.get("status") == "stopped":
-            record = {**record, "seconds": f"> {record['reason'].split()[2]}", "draws": "500 × 1 unfinished"}
+            limit = record["reason"].split()[2]  # "stopped after <limit> s unfinished": both runs' limit
+            record = {**record, "seconds": "unfinished", "draws": f"500 × 1, stopped at the {limit} s limit"}
             record.update(
                 mean_error_sd="–", sd_error=None, accurate=False, ess_min=None, load="", commit=record["commit"]
             )
