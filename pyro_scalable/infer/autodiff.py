@@ -7,7 +7,7 @@ import warnings
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-__all__ = ["hvp", "jvp", "row_slices"]
+__all__ = ["gradient_products", "hvp", "jvp", "row_slices"]
 
 
 def jvp(func, primals, tangents):
